@@ -1,0 +1,386 @@
+"""Shared fixtures of the numerics suite: the implementation list, the ONE dtype -> tolerance table,
+input builders and the comparison helpers against the float64 oracle in ``spec_numpy.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(__file__))  # `import spec_numpy` from any test file
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+import spec_numpy as spec  # noqa: E402
+
+# --------------------------------------------------------------------------------------------------
+# Implementations under test. ONE list: the kernel suite joins by adding its name here (e.g.
+# "mosaic_gpu", which also runs in Pallas interpret mode on CPU). "reference" (the dense float32
+# oracle gmpo_jax.reference) is tested separately against the float64 oracle, see REFERENCE.
+# --------------------------------------------------------------------------------------------------
+IMPLEMENTATIONS: tuple[str, ...] = ("xla_chunked",)
+REFERENCE = "reference"
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request) -> str:
+    return request.param
+
+
+# --------------------------------------------------------------------------------------------------
+# The ONE dtype -> tolerance table. Every comparison against the float64 oracle uses it.
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Tol:
+    loss_rtol: float  # |loss - ref| <= loss_rtol * max(|ref|, scale); scale = reduction of |terms|
+    grad_rtol: float | None  # max|g - ref| <= grad_rtol * max|ref|   (None: use cosine + norm)
+    grad_cos: float | None  # cos(g, ref) >= grad_cos                  (low-precision gradients)
+    grad_norm_rtol: float | None  # | |g| / |ref| - 1 | <= this         (cosine is blind to scale)
+    logp_rtol: float  # |logp - ref| <= logp_rtol * (1 + max|z|)  (the log-sum-exp of |z| rounds)
+    reason: str
+
+
+TOLERANCES: dict[str, Tol] = {
+    "float32": Tol(
+        loss_rtol=1e-5,
+        grad_rtol=1e-4,
+        grad_cos=None,
+        grad_norm_rtol=None,
+        logp_rtol=2e-6,
+        reason=(
+            "SPEC.md: f32 <= 1e-5 relative loss, 1e-4 gradients on CPU. The loss error is measured "
+            "against max(|loss|, scale) because a GRPO sum of +/- terms can cancel, and the f32 error "
+            "is relative to the terms, not to their sum. logp: f32 log-sum-exp of logits |z| is exact "
+            "to a few ulps of max|z| (eps32 = 1.2e-7; 2e-6 leaves ~16 ulps)."
+        ),
+    ),
+    "bfloat16": Tol(
+        loss_rtol=1e-2,
+        grad_rtol=None,
+        grad_cos=0.999,
+        grad_norm_rtol=1e-2,
+        logp_rtol=2e-6,
+        reason=(
+            "SPEC.md: bf16 loss rel err <= 1e-2, gradient cosine >= 0.999, against the oracle run on "
+            "the bf16-ROUNDED inputs upcast to f64. Gradients come back in bf16 (8-bit mantissa, "
+            "rel. rounding 2^-9 = 2e-3 per element), so also |g|/|ref| within 1e-2 (cosine alone "
+            "would pass a gradient scaled by 2). logp: products of bf16 values are exact in f32 and "
+            "SPEC demands f32 accumulation, so the logits are as exact as for f32 inputs."
+        ),
+    ),
+    "float16": Tol(
+        loss_rtol=1e-2,
+        grad_rtol=None,
+        grad_cos=0.999,
+        grad_norm_rtol=1e-2,
+        logp_rtol=2e-6,
+        reason="As bfloat16 (SPEC's low-precision contract); f16's 11-bit mantissa is finer than bf16's.",
+    ),
+}
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+# Clip fractions are counts / count: exact up to one f32 division.
+METRIC_FRACTION_ATOL = 1e-6
+
+
+def tol_for(dtype) -> Tol:
+    return TOLERANCES[np.dtype(dtype).name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Objectives: one small description mapped to the library's config object and to the oracle kwargs.
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Obj:
+    loss_type: str
+    epsilon_low: float | None = None  # None: the library's default (SPEC: 0.4 gmpo, 0.2 otherwise)
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    level: str = "token"
+    delta: float | None = None
+    bias_kl: bool = False
+    max_completion_length: int | None = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def lib(self, **override):
+        import gmpo_jax
+
+        kw = dict(beta=self.beta, use_bias_correction_kl=self.bias_kl)
+        kw.update(override)
+        eps = {}
+        if self.epsilon_low is not None:
+            eps["epsilon_low"] = self.epsilon_low
+        if self.epsilon_high is not None:
+            eps["epsilon_high"] = self.epsilon_high
+        if self.loss_type == "gmpo":
+            return gmpo_jax.GMPO(**eps, **kw)
+        if self.loss_type == "cispo":
+            eps.pop("epsilon_low", None)
+            return gmpo_jax.CISPO(**eps, **kw)
+        if self.loss_type == "sapo":
+            return gmpo_jax.SAPO(temperature_pos=self.tau_pos, temperature_neg=self.tau_neg, **kw)
+        return gmpo_jax.GRPO(
+            loss_type=self.loss_type,
+            importance_sampling_level=self.level,
+            delta=self.delta,
+            max_completion_length=self.max_completion_length,
+            **eps,
+            **kw,
+        )
+
+    def spec_kwargs(self) -> dict:
+        return dict(
+            loss_type=self.loss_type,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            importance_sampling_level=self.level,
+            delta=self.delta,
+            use_bias_correction_kl=self.bias_kl,
+            max_completion_length=self.max_completion_length,
+            sapo_temperature_pos=self.tau_pos,
+            sapo_temperature_neg=self.tau_neg,
+        )
+
+    def __str__(self):
+        parts = [self.loss_type]
+        if self.level != "token":
+            parts.append(self.level)
+        if self.beta:
+            parts.append(f"beta{self.beta}")
+        if self.bias_kl:
+            parts.append("biaskl")
+        if self.delta is not None:
+            parts.append(f"delta{self.delta}")
+        if self.epsilon_low is not None or self.epsilon_high is not None:
+            parts.append(f"eps{self.epsilon_low},{self.epsilon_high}")
+        return "-".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs.
+# --------------------------------------------------------------------------------------------------
+# Log ratios used for off-policy cases: away from every clip bound used in the suite (ratio-space
+# bounds log(0.8) = -0.223, log(1.2) = 0.182; log-space GMPO bounds +/-0.4; delta 1.5 = log 0.405).
+R_GRID = np.array([-1.1, -0.62, -0.3, -0.12, -0.05, 0.0, 0.04, 0.1, 0.28, 0.55, 0.9])
+
+
+@dataclasses.dataclass
+class Case:
+    hidden: np.ndarray  # [B, T, H] in the input dtype
+    weight: np.ndarray  # [H, V] or [V, H] in the input dtype
+    ids: np.ndarray  # [B, T] int32, padding (-100 / V + 5) under the mask
+    mask: np.ndarray  # [B, T] bool
+    adv: np.ndarray  # [B] f32
+    bias: np.ndarray | None
+    layout: str
+    logp64: np.ndarray  # oracle log-probs of these (rounded) inputs
+    old: np.ndarray | None = None
+    ref: np.ndarray | None = None
+    ris: np.ndarray | None = None
+
+    @property
+    def dtype(self):
+        return self.hidden.dtype
+
+
+def ragged_mask(B, T, rng, *, full_first=True, empty_row=None):
+    lengths = rng.integers(1, T + 1, size=B)
+    if full_first:
+        lengths[0] = T
+    if empty_row is not None:
+        lengths[empty_row] = 0
+    return np.arange(T)[None, :] < lengths[:, None]
+
+
+def make_case(
+    seed=0,
+    *,
+    B=5,
+    T=7,
+    H=12,
+    V=37,
+    dtype=np.float32,
+    layout="hv",
+    with_bias=False,
+    logit_scale=2.0,
+    temperature=1.0,
+    mask=None,
+    off_policy=True,
+    with_ref=True,
+    ris=None,
+    adv=None,
+) -> Case:
+    """Random inputs with a ragged mask and padding ids (-100, V + 5) at masked positions."""
+    rng = np.random.default_rng(seed)
+    hidden = rng.normal(size=(B, T, H)).astype(dtype)
+    w = (rng.normal(size=(H, V)) * (logit_scale / np.sqrt(H))).astype(dtype)
+    weight = w if layout == "hv" else np.ascontiguousarray(w.T)
+    bias = (rng.normal(size=(V,)) * 0.5).astype(dtype) if with_bias else None
+    if mask is None:
+        mask = ragged_mask(B, T, rng)
+    mask = np.asarray(mask, bool)
+    ids = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    pad = np.where(rng.random((B, T)) < 0.5, -100, V + 5).astype(np.int32)
+    ids = np.where(mask, ids, pad)
+    if adv is None:
+        adv = rng.normal(size=(B,))
+        adv = np.where(np.abs(adv) < 0.1, 0.7, adv)
+    adv = np.asarray(adv, np.float32)
+    logp64 = spec.spec_logprobs(hidden, weight, ids, mask, bias=bias, temperature=temperature, weight_layout=layout)
+    case = Case(hidden, weight, ids, mask, adv, bias, layout, logp64)
+    if off_policy:
+        r = rng.choice(R_GRID, size=(B, T))
+        case.old = np.where(mask, logp64 - r, 0.0).astype(np.float32)
+    if with_ref:
+        case.ref = np.where(mask, logp64 + rng.uniform(-0.7, 0.7, size=(B, T)), 0.0).astype(np.float32)
+    if ris == "bt":
+        case.ris = rng.uniform(0.5, 1.5, size=(B, T)).astype(np.float32)
+    elif ris == "b1":
+        case.ris = rng.uniform(0.5, 1.5, size=(B, 1)).astype(np.float32)
+    elif ris == "b":
+        case.ris = rng.uniform(0.5, 1.5, size=(B,)).astype(np.float32)
+    return case
+
+
+# --------------------------------------------------------------------------------------------------
+# Calling the library (fused implementations or gmpo_jax.reference) and the oracle.
+# --------------------------------------------------------------------------------------------------
+def lib_loss_fn(case: Case, objective, *, implementation, chunk_size=None, temperature=1.0, num_items_in_batch=None,
+                old=True, ref=True, ris=True):
+    """A function (hidden, weight, bias) -> (loss, aux) with everything else closed over."""
+    import gmpo_jax
+    import gmpo_jax.reference
+
+    kw = dict(
+        objective=objective,
+        old_logps=None if (case.old is None or not old) else jnp.asarray(case.old),
+        ref_logps=None if (case.ref is None or not ref) else jnp.asarray(case.ref),
+        rollout_is_ratio=None if (case.ris is None or not ris) else jnp.asarray(case.ris),
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+        weight_layout=case.layout,
+    )
+    ids, mask, adv = jnp.asarray(case.ids), jnp.asarray(case.mask), jnp.asarray(case.adv)
+
+    def f(h, w, b):
+        if implementation == REFERENCE:
+            return gmpo_jax.reference.policy_loss(h, w, ids, mask, adv, bias=b, **kw)
+        return gmpo_jax.fused_linear_policy_loss(
+            h, w, ids, mask, adv, bias=b, chunk_size=chunk_size, implementation=implementation, **kw
+        )
+
+    return f
+
+
+def lib_value_and_grad(case: Case, objective, *, jit=True, **kw):
+    """((loss, aux), (dhidden, dweight, dbias|None)) of the library for ``case``."""
+    f = lib_loss_fn(case, objective, **kw)
+    h, w = jnp.asarray(case.hidden), jnp.asarray(case.weight)
+    b = None if case.bias is None else jnp.asarray(case.bias)
+    if b is None:
+        g = jax.value_and_grad(lambda h, w: f(h, w, None), argnums=(0, 1), has_aux=True)
+        if jit:
+            g = jax.jit(g)
+        (loss, aux), (dh, dw) = g(h, w)
+        return (loss, aux), (dh, dw, None)
+    g = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+    if jit:
+        g = jax.jit(g)
+    (loss, aux), grads = g(h, w, b)
+    return (loss, aux), grads
+
+
+def spec_for(case: Case, obj: Obj, *, temperature=1.0, num_items_in_batch=None, old=True, ref=True, ris=True,
+             logp_for_loss=None):
+    return spec.spec_policy_loss(
+        case.hidden,
+        case.weight,
+        case.ids,
+        case.mask,
+        case.adv,
+        bias=case.bias,
+        temperature=temperature,
+        weight_layout=case.layout,
+        old_logps=case.old if old else None,
+        ref_logps=case.ref if ref else None,
+        rollout_is_ratio=case.ris if ris else None,
+        num_items_in_batch=num_items_in_batch,
+        logp_for_loss=logp_for_loss,
+        **obj.spec_kwargs(),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Comparisons.
+# --------------------------------------------------------------------------------------------------
+def _f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32) if x.dtype == jnp.bfloat16 else x, dtype=np.float64)
+
+
+def assert_loss_close(got, want: float, scale: float, dtype, what="loss"):
+    tol = tol_for(dtype)
+    got = float(got)
+    bound = tol.loss_rtol * max(abs(want), scale, 1e-30)
+    assert np.isfinite(got), f"{what}: got {got}, want {want}"
+    assert abs(got - want) <= bound, f"{what}: got {got!r}, want {want!r}, |err| {abs(got - want):.3e} > {bound:.3e}"
+
+
+def assert_grad_close(got, want, dtype, what="grad"):
+    tol = tol_for(dtype)
+    assert got.dtype == np.dtype(dtype), f"{what}: cotangent dtype {got.dtype}, want the primal's {np.dtype(dtype)}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    g = _f64(np.asarray(got))
+    assert np.all(np.isfinite(g)), f"{what}: non-finite gradient"
+    ref_max = np.max(np.abs(want)) if want.size else 0.0
+    if ref_max == 0.0:
+        assert np.all(g == 0.0), f"{what}: want exactly zero, got max |g| {np.max(np.abs(g))}"
+        return
+    if tol.grad_rtol is not None:
+        err = np.max(np.abs(g - want))
+        assert err <= tol.grad_rtol * ref_max, (
+            f"{what}: max|err| {err:.3e} > {tol.grad_rtol} * max|ref| {ref_max:.3e}; "
+            f"worst at {np.unravel_index(np.argmax(np.abs(g - want)), g.shape)}"
+        )
+    else:
+        ng, nw = np.linalg.norm(g), np.linalg.norm(want)
+        cos = float(np.sum(g * want) / max(ng * nw, 1e-300))
+        assert cos >= tol.grad_cos, f"{what}: cosine {cos:.6f} < {tol.grad_cos}"
+        assert abs(ng / nw - 1) <= tol.grad_norm_rtol, f"{what}: norm ratio {ng / nw:.6f}"
+
+
+def assert_fraction_close(got, want, what):
+    assert abs(float(got) - want) <= METRIC_FRACTION_ATOL, f"{what}: got {float(got)}, want {want}"
+
+
+def check_against_spec(loss, aux, grads, ref: spec.SpecResult, case: Case, obj: Obj, *, check_grads=True):
+    """Loss, metrics and (optionally) gradients of the library against the float64 oracle."""
+    dtype = case.dtype
+    assert jnp.asarray(loss).dtype == jnp.float32, f"loss dtype {jnp.asarray(loss).dtype}"
+    assert_loss_close(loss, ref.loss, ref.scale, dtype)
+    m = ref.metrics
+    assert_fraction_close(aux.clip_fraction, m["clip_fraction"], "clip_fraction")
+    if obj.loss_type == "gmpo":
+        assert_fraction_close(aux.clip_fraction_low, m["clip_fraction_low"], "clip_fraction_low")
+        assert_fraction_close(aux.clip_fraction_high, m["clip_fraction_high"], "clip_fraction_high")
+    if obj.beta != 0.0:
+        kl_scale = abs(m["kl"]) if not obj.bias_kl else max(abs(m["kl"]), abs(m["kl_uncorrected"]))
+        assert_loss_close(aux.kl, m["kl"], kl_scale, dtype, what="aux.kl")
+    # loss == numerator / denominator, with the SPEC's normaliser as denominator.
+    assert float(aux.loss_denominator) == pytest.approx(m["loss_denominator"], rel=1e-6), "loss_denominator"
+    assert_loss_close(aux.loss_numerator, m["loss_numerator"], ref.scale * m["loss_denominator"], dtype,
+                      what="loss_numerator")
+    if check_grads:
+        dh, dw, db = grads
+        assert_grad_close(np.asarray(dh), ref.dhidden, dtype, "dhidden")
+        assert_grad_close(np.asarray(dw), ref.dweight, dtype, "dweight")
+        if case.bias is not None:
+            assert_grad_close(np.asarray(db), ref.dbias, dtype, "dbias")
