@@ -1,0 +1,152 @@
+"""Trace-time input checks: every error names the argument and what was expected."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gmpo_jax.objectives import Objective
+
+WEIGHT_LAYOUTS = ("hv", "vh")
+
+
+def _shape(x) -> tuple:
+    return tuple(np.shape(x))
+
+
+def _dtype(x):
+    return jnp.result_type(x)
+
+
+def require_float(name: str, x) -> None:
+    if not jnp.issubdtype(_dtype(x), jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype (bf16 / f16 / f32), got {name}.dtype={_dtype(x)}")
+
+
+def require_shape(name: str, x, expected: tuple, what: str) -> None:
+    if _shape(x) != tuple(expected):
+        raise ValueError(f"{name} must have shape {what} = {tuple(expected)}, got {name}.shape={_shape(x)}")
+
+
+def require_rank(name: str, x, rank: int, what: str) -> None:
+    if len(_shape(x)) != rank:
+        raise ValueError(f"{name} must be {what} (rank {rank}), got {name}.shape={_shape(x)}")
+
+
+def check_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not (isinstance(temperature, numbers.Real) or hasattr(temperature, "shape")):
+        raise TypeError(f"temperature must be a positive float or a float scalar array, got {temperature!r}")
+    if isinstance(temperature, numbers.Real) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got temperature={temperature!r}")
+    if hasattr(temperature, "shape") and _shape(temperature) != ():
+        raise ValueError(f"temperature must be a scalar, got temperature.shape={_shape(temperature)}")
+    if isinstance(temperature, (np.ndarray, np.generic)) and not float(temperature) > 0:
+        raise ValueError(f"temperature must be > 0, got temperature={float(temperature)!r}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"chunk_size must be None or an int >= 1, got chunk_size={chunk_size!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got chunk_size={chunk_size!r}")
+
+
+def check_lm_head(hidden, weight, bias, weight_layout, *, prefix: str = "") -> tuple[int, int, int, int]:
+    """Checks ``hidden [B, T, H]``, ``weight`` ([H, V] or [V, H]) and ``bias [V]``; returns (B, T, H, V)."""
+    hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got weight_layout={weight_layout!r}")
+    require_rank(hn, hidden, 3, "[B, T, H]")
+    require_float(hn, hidden)
+    require_rank(wn, weight, 2, "[H, V]" if weight_layout == "hv" else "[V, H]")
+    require_float(wn, weight)
+    B, T, H = _shape(hidden)
+    if B < 1 or T < 1 or H < 1:
+        raise ValueError(f"{hn} must be non-empty [B, T, H], got {hn}.shape={_shape(hidden)}")
+    if weight_layout == "hv":
+        if _shape(weight)[0] != H:
+            raise ValueError(
+                f"{wn} must be [H, V] with H={H} (hidden's last axis) for weight_layout='hv', got "
+                f"{wn}.shape={_shape(weight)} (a tied embedding table [V, H] needs weight_layout='vh')")
+        V = _shape(weight)[1]
+    else:
+        if _shape(weight)[1] != H:
+            raise ValueError(
+                f"{wn} must be [V, H] with H={H} (hidden's last axis) for weight_layout='vh', got "
+                f"{wn}.shape={_shape(weight)} (a Flax Linear kernel [H, V] needs weight_layout='hv')")
+        V = _shape(weight)[0]
+    if V < 1:
+        raise ValueError(f"{wn} must have a non-empty vocabulary axis, got {wn}.shape={_shape(weight)}")
+    if bias is not None:
+        require_shape(bn, bias, (V,), "[V]")
+        require_float(bn, bias)
+    return B, T, H, V
+
+
+def check_ids(ids, B: int, T: int, name: str = "completion_ids") -> None:
+    require_shape(name, ids, (B, T), "[B, T]")
+    if not jnp.issubdtype(_dtype(ids), jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype (int32), got {name}.dtype={_dtype(ids)}")
+
+
+def check_mask(mask, B: int, T: int) -> None:
+    require_shape("completion_mask", mask, (B, T), "[B, T]")
+    dt = _dtype(mask)
+    if not (dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)):
+        raise TypeError(f"completion_mask must be bool or {{0, 1}} numbers, got completion_mask.dtype={dt}")
+
+
+def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, advantages, objective, old_logps,
+                        ref_logps, ref_hidden, ref_weight, bias, ref_bias, rollout_is_ratio, num_items_in_batch,
+                        temperature, weight_layout, chunk_size) -> tuple[int, int, int, int]:
+    """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
+    if not isinstance(objective, Objective):
+        raise TypeError(f"objective must be a GMPO, GRPO, CISPO or SAPO instance, got objective={objective!r}")
+    B, T, H, V = check_lm_head(hidden, weight, bias, weight_layout)
+    check_ids(completion_ids, B, T)
+    check_mask(completion_mask, B, T)
+    require_shape("advantages", advantages, (B,), "[B]")
+    require_float("advantages", advantages)
+    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if x is not None:
+            require_shape(name, x, (B, T), "[B, T]")
+            require_float(name, x)
+    if rollout_is_ratio is not None:
+        if _shape(rollout_is_ratio) not in ((B, T), (B, 1), (B,)):
+            raise ValueError(
+                f"rollout_is_ratio must have shape [B, T], [B, 1] or [B] = {(B, T)}, {(B, 1)} or {(B,)}, "
+                f"got rollout_is_ratio.shape={_shape(rollout_is_ratio)}")
+        require_float("rollout_is_ratio", rollout_is_ratio)
+    if ref_logps is not None and ref_hidden is not None:
+        raise ValueError("give either ref_logps or ref_hidden (+ ref_weight), not both")
+    if ref_hidden is None and (ref_weight is not None or ref_bias is not None):
+        raise ValueError("ref_weight / ref_bias need ref_hidden (the reference model's hidden states)")
+    if ref_hidden is not None:
+        if ref_weight is None:
+            raise ValueError("ref_hidden needs ref_weight, the reference model's LM head")
+        rB, rT, _, rV = check_lm_head(ref_hidden, ref_weight, ref_bias, weight_layout, prefix="ref_")
+        if (rB, rT) != (B, T):
+            raise ValueError(f"ref_hidden must be [B, T, H_ref] with B, T = {(B, T)}, got "
+                             f"ref_hidden.shape={_shape(ref_hidden)}")
+        if rV != V:
+            raise ValueError(f"ref_weight must have the policy's vocabulary size V={V}, got "
+                             f"ref_weight.shape={_shape(ref_weight)}")
+    has_ref = ref_logps is not None or ref_hidden is not None
+    if objective.uses_kl and not has_ref:
+        raise ValueError(f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps, or "
+                         "ref_hidden and ref_weight")
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, bool) or not (isinstance(num_items_in_batch, numbers.Real)
+                                                        or _shape(num_items_in_batch) == ()):
+            raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
+        if isinstance(num_items_in_batch, numbers.Real) and num_items_in_batch < 0:
+            raise ValueError(f"num_items_in_batch must be >= 0, got num_items_in_batch={num_items_in_batch!r}")
+    check_temperature(temperature)
+    check_chunk_size(chunk_size)
+    return B, T, H, V

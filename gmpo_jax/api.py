@@ -1,0 +1,229 @@
+"""Public entry points: validate -> resolve configuration -> dispatch. No math lives here."""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, Num
+
+from gmpo_jax import _validation as V_
+from gmpo_jax import fused_vjp, tuning
+from gmpo_jax.backends.base import resolve_backend
+from gmpo_jax.objectives import GMPO, Objective
+
+__all__ = ["LossAux", "fused_linear_policy_loss", "fused_linear_logprobs"]
+
+ScalarLike = Union[float, Float[Array, ""]]
+
+
+class LossAux(NamedTuple):
+    """Metrics returned beside the loss; float32 scalars, no gradient (SPEC.md "Metrics").
+
+    Attributes:
+      kl: ``sum m kl / max(sum m, 1)``: mean per-token k3 KL to the reference (0 without a reference).
+      clip_fraction: fraction of unmasked tokens clipped on the side that matters for their advantage
+        (low-clipped with ``A < 0`` or high-clipped with ``A > 0``; CISPO: high only; SAPO: 0).
+      clip_fraction_low: the low-clipped part of ``clip_fraction``.
+      clip_fraction_high: the high-clipped part of ``clip_fraction``.
+      loss_numerator: the loss before normalisation; ``loss == loss_numerator / loss_denominator``.
+        Sum numerators and denominators over micro-batches to re-normalise exactly.
+      loss_denominator: the loss type's normaliser for this call (``B`` for grpo / sapo / gmpo, the token
+        count for bnpo / dapo / cispo, ``B * max_completion_length`` for dr_grpo).
+      log_ratio_min: smallest unmasked token log importance ratio ``logp - old`` (0 if all masked).
+      log_ratio_max: largest unmasked token log importance ratio (0 if all masked).
+    """
+
+    kl: jax.Array
+    clip_fraction: jax.Array
+    clip_fraction_low: jax.Array
+    clip_fraction_high: jax.Array
+    loss_numerator: jax.Array
+    loss_denominator: jax.Array
+    log_ratio_min: jax.Array
+    log_ratio_max: jax.Array
+
+
+def _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation):
+    B, H = hidden.shape[0], hidden.shape[2]
+    chunk = min(chunk_size or tuning.default_chunk_size(B, T), B)
+    backend = resolve_backend(
+        implementation, hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=chunk * T,
+        weight_layout=weight_layout, has_bias=bias is not None)
+    return fused_vjp.FusedConfig(backend=backend, chunk_size=chunk, weight_layout=weight_layout,
+                                 weight_dtype=weight.dtype, bias_dtype=None if bias is None else bias.dtype)
+
+
+def _as_mask(completion_mask) -> jax.Array:
+    m = jnp.asarray(completion_mask)
+    return m if m.dtype == jnp.bool_ else m != 0
+
+
+def fused_linear_policy_loss(
+    hidden: Float[Array, "B T H"],
+    weight: Union[Float[Array, "H V"], Float[Array, "V H"]],
+    completion_ids: Int[Array, "B T"],
+    completion_mask: Num[Array, "B T"] | Bool[Array, "B T"],
+    advantages: Float[Array, " B"],
+    *,
+    objective: Objective,
+    old_logps: Optional[Float[Array, "B T"]] = None,
+    ref_logps: Optional[Float[Array, "B T"]] = None,
+    ref_hidden: Optional[Float[Array, "B T Hr"]] = None,
+    ref_weight: Optional[Array] = None,
+    bias: Optional[Float[Array, " V"]] = None,
+    ref_bias: Optional[Float[Array, " V"]] = None,
+    rollout_is_ratio: Optional[Array] = None,
+    num_items_in_batch: Optional[ScalarLike] = None,
+    temperature: ScalarLike = 1.0,
+    weight_layout: str = "hv",
+    chunk_size: Optional[int] = None,
+    implementation: Optional[str] = None,
+) -> tuple[Float[Array, ""], LossAux]:
+    r"""Policy-gradient loss (GMPO or the GRPO family) fused with the LM head.
+
+    .. math::
+        \log\pi_{b,t} = \mathrm{log\_softmax}\!\left(\frac{h_{b,t} W + c}{\tau}\right)[y_{b,t}]
+
+    computed in float32 with a vocabulary-blocked online log-sum-exp, then the objective's loss of
+    ``SPEC.md`` (e.g. GMPO: :math:`\frac1B\sum_b -A_b \exp(\mathrm{mean}_t\,\mathrm{clip}(\log\pi -
+    \log\pi_{old}))`). The ``[B, T, V]`` logits are never materialised: memory beyond the inputs is one
+    float32 copy of the weight (gradient accumulator), the ``[B, T, H]`` hidden gradient and one
+    chunk's vocabulary block. Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the
+    gradients are computed in the forward pass and scaled by the cotangent); evaluation without
+    differentiation does no gradient work.
+
+    Args:
+      hidden: ``[B, T, H]`` bf16 / f16 / f32 final hidden states of the completion positions, already
+        shifted (position ``t`` predicts ``completion_ids[:, t]``).
+      weight: LM head, ``[H, V]`` (``weight_layout="hv"``, Flax ``Linear`` kernel) or ``[V, H]``
+        (``"vh"``, tied embedding table); never transposed or copied.
+      completion_ids: ``[B, T]`` integer sampled tokens. Masked positions may hold any value (e.g. -100
+        or ``>= V``); an unmasked id outside ``[0, V)`` makes the loss NaN (it cannot raise under jit).
+      completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
+      advantages: ``[B]`` float, one per completion (group-normalised by the caller).
+      objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
+      old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = sg(logp)``).
+      ref_logps: ``[B, T]`` float reference log-probs for the KL term.
+      ref_hidden, ref_weight, ref_bias: instead of ``ref_logps``, the reference model's hidden states
+        ``[B, T, H_ref]`` and LM head (same ``weight_layout``); its log-probs are computed with the same
+        fused path, without gradient.
+      bias: ``[V]`` LM-head bias or None.
+      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` inference-engine importance-sampling correction
+        (Liger's ``vllm_is_ratio``); multiplies the per-token policy loss (not the KL). Ignored by GMPO
+        (with a warning), as SPEC.md defines.
+      num_items_in_batch: scalar, total active tokens of the whole generation batch: the dapo / cispo
+        normaliser override. Ignored by the other loss types.
+      temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
+      weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
+      chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
+        ``tuning.TARGET_ROWS`` tokens per chunk.
+      implementation: None (best available: ``"mosaic_gpu"`` on Hopper GPUs, else ``"xla_chunked"``),
+        or an explicit name, which never falls back.
+
+    Returns:
+      ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars.
+
+    Raises:
+      TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids, a non-objective.
+      ValueError: inconsistent shapes (named), ``weight`` not ``[H, V]`` / ``[V, H]`` as declared,
+        ``temperature <= 0``, ``chunk_size < 1``, a Python-float ``beta != 0`` without a reference, both
+        ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``.
+      UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
+
+    References: GMPO, arXiv 2507.20673; Liger-Kernel ``LigerFusedLinearGRPOLoss``; TRL ``GRPOTrainer``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gmpo_jax
+      >>> k = jax.random.split(jax.random.key(0), 3)
+      >>> h = jax.random.normal(k[0], (2, 3, 8)); w = jax.random.normal(k[1], (8, 11)) / 3
+      >>> ids = jax.random.randint(k[2], (2, 3), 0, 11); mask = jnp.array([[1, 1, 0], [1, 1, 1]])
+      >>> loss, aux = gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, jnp.array([1.0, -0.5]),
+      ...                                               objective=gmpo_jax.GMPO())
+      >>> float(loss)  # on-policy: -mean_b A_b * exp(0)
+      -0.25
+    """
+    B, T, H, V = V_.check_policy_inputs(
+        hidden=hidden, weight=weight, completion_ids=completion_ids, completion_mask=completion_mask,
+        advantages=advantages, objective=objective, old_logps=old_logps, ref_logps=ref_logps,
+        ref_hidden=ref_hidden, ref_weight=ref_weight, bias=bias, ref_bias=ref_bias,
+        rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch, temperature=temperature,
+        weight_layout=weight_layout, chunk_size=chunk_size)
+    mask = _as_mask(completion_mask)
+    ids = jnp.asarray(completion_ids).astype(jnp.int32)
+    f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)
+    if rollout_is_ratio is not None and isinstance(objective, GMPO):
+        warnings.warn("rollout_is_ratio does not apply to GMPO (SPEC.md); it is ignored", stacklevel=2)
+        rollout_is_ratio = None
+    ris = f32(rollout_is_ratio)
+    if ris is not None and ris.ndim == 1:
+        ris = ris[:, None]
+    temperature = jnp.asarray(temperature, jnp.float32)
+    if ref_hidden is not None:
+        ref_logps = jax.lax.stop_gradient(fused_linear_logprobs(
+            ref_hidden, ref_weight, ids, completion_mask=mask, bias=ref_bias, temperature=temperature,
+            weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation))
+    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation)
+    loss, aux = fused_vjp.policy_loss(
+        cfg, objective, hidden, weight, bias, ids, mask, f32(advantages), f32(old_logps), f32(ref_logps), ris,
+        f32(num_items_in_batch), temperature)
+    return loss, LossAux(**aux)
+
+
+def fused_linear_logprobs(
+    hidden: Float[Array, "B T H"],
+    weight: Union[Float[Array, "H V"], Float[Array, "V H"]],
+    completion_ids: Int[Array, "B T"],
+    *,
+    completion_mask: Optional[Num[Array, "B T"] | Bool[Array, "B T"]] = None,
+    bias: Optional[Float[Array, " V"]] = None,
+    temperature: ScalarLike = 1.0,
+    weight_layout: str = "hv",
+    chunk_size: Optional[int] = None,
+    implementation: Optional[str] = None,
+) -> Float[Array, "B T"]:
+    r"""Per-token log-probs through the LM head without materialising the logits.
+
+    .. math::
+        \log\pi_{b,t} = \frac{z_{b,t,y}}{1} - \log\sum_v e^{z_{b,t,v}},\qquad z = (h W + c) / \tau
+
+    For rollout-time old-policy and reference log-probs, or any loss of your own: it is differentiable
+    (its own custom VJP; one cotangent per token; the logits are recomputed block by block in the
+    backward, and the forward's log-sum-exp is reused).
+
+    Args:
+      hidden: ``[B, T, H]`` bf16 / f16 / f32 hidden states.
+      weight: ``[H, V]`` (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``) LM head.
+      completion_ids: ``[B, T]`` integer target ids. Without a mask, an id outside ``[0, V)`` gives NaN.
+      completion_mask: optional ``[B, T]`` bool / {0, 1}; masked positions return 0, receive no gradient
+        and may hold any id.
+      bias: optional ``[V]`` LM-head bias.
+      temperature: ``> 0`` logits temperature (float or traced scalar).
+      weight_layout, chunk_size, implementation: as in :func:`fused_linear_policy_loss`.
+
+    Returns:
+      ``[B, T]`` float32 log-probs.
+
+    Raises:
+      TypeError / ValueError: as :func:`fused_linear_policy_loss`, for the arguments it takes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gmpo_jax
+      >>> h = jnp.zeros((1, 2, 4)); w = jnp.ones((4, 5))
+      >>> gmpo_jax.fused_linear_logprobs(h, w, jnp.array([[0, 4]])).round(4).tolist()  # uniform: log(1/5)
+      [[-1.6094000339508057, -1.6094000339508057]]
+    """
+    B, T, H, V = V_.check_lm_head(hidden, weight, bias, weight_layout)
+    V_.check_ids(completion_ids, B, T)
+    if completion_mask is not None:
+        V_.check_mask(completion_mask, B, T)
+        mask = _as_mask(completion_mask)
+    else:
+        mask = jnp.ones((B, T), jnp.bool_)
+    V_.check_temperature(temperature)
+    V_.check_chunk_size(chunk_size)
+    ids = jnp.asarray(completion_ids).astype(jnp.int32)
+    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation)
+    return fused_vjp.logprobs(cfg, hidden, weight, bias, ids, mask, jnp.asarray(temperature, jnp.float32))

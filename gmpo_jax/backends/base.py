@@ -1,0 +1,124 @@
+"""The backend seam: per-chunk LM-head log-probs and gradients, and implementation dispatch.
+
+Every loss in gmpo_jax shares one fused LM-head path (``gmpo_jax.fused_vjp``) that works on chunks of
+whole sequences flattened to ``R`` rows. A backend supplies the two LM-head computations on such rows;
+the objective math lives elsewhere (``gmpo_jax.objectives``), so a backend never sees a loss.
+
+Dispatch follows tokamax: ``implementation=None`` tries the registered backends in order (Pallas Mosaic
+GPU first, then the portable XLA path); a backend that cannot serve a call raises a typed
+``NotImplementedError`` subclass and the next one is tried. An explicit ``implementation=`` never falls
+back. Which implementation ran is logged on the ``gmpo_jax`` logger and shows in profiles as the
+``jax.named_scope`` ``gmpo_jax/<name>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from typing import Optional, Protocol, runtime_checkable
+
+import jax
+
+__all__ = [
+    "LMHeadBackend",
+    "UnsupportedConfigError",
+    "BackendUnavailableError",
+    "IMPLEMENTATIONS",
+    "resolve_backend",
+]
+
+logger = logging.getLogger("gmpo_jax")
+
+
+class UnsupportedConfigError(NotImplementedError):
+    """The backend runs on this platform but cannot serve this configuration (shape, dtype, budget).
+
+    The default dispatch (``implementation=None``) falls back to the next backend with one warning; an
+    explicit ``implementation=`` re-raises it.
+    """
+
+
+class BackendUnavailableError(NotImplementedError):
+    """The backend cannot run on this platform at all (e.g. Mosaic GPU kernels without a Hopper GPU).
+
+    The default dispatch falls back silently; an explicit ``implementation=`` re-raises it.
+    """
+
+
+@runtime_checkable
+class LMHeadBackend(Protocol):
+    """Per-chunk LM-head computations (rows = flattened tokens of a chunk).
+
+    ``z = (hidden @ W + bias) / temperature`` in float32, ``W`` being ``[H, V]`` for
+    ``weight_layout="hv"`` and ``[V, H]`` (used as ``W^T``) for ``"vh"``. Implementations must be
+    hashable (they are static arguments of the custom VJP) and bitwise deterministic.
+    """
+
+    name: str
+
+    def check_supported(self, *, hidden_dtype, weight_dtype, H: int, V: int, rows: int,
+                        weight_layout: str, has_bias: bool) -> None:
+        """Raise ``UnsupportedConfigError`` / ``BackendUnavailableError`` if this call cannot be served."""
+
+    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout):
+        """``(logp [R] f32, lse [R] f32)`` with ``logp = z[id] - logsumexp(z)``; NaN for ids outside [0, V)."""
+
+    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
+        """``(dhidden [R, H] hidden.dtype, dw_acc, db_acc)`` for ``dz = dlogp (onehot(id) - softmax(z)) / T``.
+
+        ``dw_acc`` (float32, ``weight.shape``) and ``db_acc`` (float32 ``[V]`` or None) are accumulated
+        into and returned: ``dw_acc + hidden^T dz`` (laid out like the weight), ``db_acc + sum_rows dz``.
+        """
+
+
+# Ordered: the default dispatch tries them in this order. Each module defines ``make_backend(**kw)``.
+IMPLEMENTATIONS: dict[str, str] = {
+    "mosaic_gpu": "gmpo_jax.backends.mosaic_gpu",
+    "xla_chunked": "gmpo_jax.backends.xla_chunked",
+}
+
+
+def _make(name: str) -> LMHeadBackend:
+    module_path = IMPLEMENTATIONS[name]
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as e:  # e.g. a jax build without Pallas Mosaic GPU
+        raise BackendUnavailableError(f"implementation={name!r} cannot be imported: {e}") from e
+    return module.make_backend()
+
+
+def resolve_backend(implementation: Optional[str], **config) -> LMHeadBackend:
+    """Pick the backend for a call (see module docstring); ``config`` goes to ``check_supported``.
+
+    Raises:
+      ValueError: unknown ``implementation`` name.
+      UnsupportedConfigError / BackendUnavailableError: an explicitly requested backend cannot serve.
+    """
+    if implementation is not None:
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be None or one of {tuple(IMPLEMENTATIONS)}, got implementation={implementation!r}"
+            )
+        backend = _make(implementation)
+        backend.check_supported(**config)
+        logger.info("gmpo_jax: implementation=%s (explicit)", implementation)
+        return backend
+    for name in IMPLEMENTATIONS:
+        try:
+            backend = _make(name)
+            backend.check_supported(**config)
+        except BackendUnavailableError as e:
+            logger.debug("gmpo_jax: %s unavailable: %s", name, e)
+            continue
+        except UnsupportedConfigError as e:
+            warnings.warn(f"gmpo_jax: implementation={name!r} cannot serve this call ({e}); falling back.",
+                          stacklevel=4)
+            continue
+        logger.info("gmpo_jax: implementation=%s", name)
+        return backend
+    raise BackendUnavailableError("no gmpo_jax implementation can serve this call")  # xla_chunked always can
+
+
+def default_platform() -> str:
+    return jax.default_backend()

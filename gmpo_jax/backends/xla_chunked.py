@@ -1,0 +1,150 @@
+"""Portable pure-JAX backend: vocabulary-blocked online log-sum-exp, logits recomputed for gradients.
+
+The vocabulary is walked in blocks of ``vocab_block`` columns with ``lax.scan``; only one ``[R,
+vocab_block]`` float32 logits block is live at a time, never ``[R, V]``. A vocabulary whose size is not a
+multiple of the block is handled without padding or copying the weight: the last block is slid back to
+end at ``V`` (``lax.dynamic_slice`` semantics) and its columns already seen by the previous block are
+masked to ``-inf`` (so they add nothing to the sum-exp and receive exactly zero gradient).
+
+Forward: running max ``m`` and sum-exp ``s`` per row, the target logit picked from the block that holds
+it; ``lse = m + log s``. Gradients: per block, ``p = exp(z - lse)`` (no second max pass),
+``dz = dlogp (onehot - p) / T``, ``dh += dz W_b^T`` and ``dW[:, block] += h^T dz`` in float32 (updated in
+place in the carry). Matmuls take the inputs' dtype with float32 accumulation; float32 inputs use
+``Precision.HIGHEST`` so GPUs do not silently drop to TF32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gmpo_jax.backends.base import UnsupportedConfigError
+from gmpo_jax import tuning
+
+__all__ = ["XlaChunkedBackend", "make_backend"]
+
+
+def _precision(*dtypes):
+    return lax.Precision.HIGHEST if any(jnp.dtype(d) == jnp.float32 for d in dtypes) else lax.Precision.DEFAULT
+
+
+def _weight_block(weight, start, size, layout):
+    axis = 1 if layout == "hv" else 0
+    return lax.dynamic_slice_in_dim(weight, start, size, axis=axis)
+
+
+def _block_logits(hidden, w_blk, b_blk, temperature, layout, precision):
+    """``(hidden @ W_blk + b_blk) / temperature`` as float32 ``[R, size]``."""
+    contract = ((1,), (0,)) if layout == "hv" else ((1,), (1,))
+    z = lax.dot_general(hidden, w_blk, (contract, ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)
+    if b_blk is not None:
+        z = z + b_blk.astype(jnp.float32)[None, :]
+    return z / temperature
+
+
+def _blocks(V, vocab_block):
+    size = min(vocab_block, V)
+    n = -(-V // size)
+    return size, n
+
+
+def _block_start(j, size, V):
+    nominal = j * size
+    return jnp.minimum(nominal, V - size), nominal
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaChunkedBackend:
+    """Portable backend; ``vocab_block=None`` takes the tuning table's value for the call's shape."""
+
+    vocab_block: int | None = None
+    name: str = "xla_chunked"
+
+    def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias):
+        if weight_layout not in ("hv", "vh"):
+            raise UnsupportedConfigError(f"weight_layout={weight_layout!r}")
+
+    def _vocab_block(self, rows, V):
+        return self.vocab_block or tuning.xla_vocab_block(rows, V)
+
+    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout):
+        R = hidden.shape[0]
+        V = weight.shape[1] if weight_layout == "hv" else weight.shape[0]
+        size, n = _blocks(V, self._vocab_block(R, V))
+        prec = _precision(hidden.dtype, weight.dtype)
+        cols0 = jnp.arange(size, dtype=jnp.int32)
+
+        def body(carry, j):
+            m, s, tgt = carry
+            start, nominal = _block_start(j, size, V)
+            w_blk = _weight_block(weight, start, size, weight_layout)
+            b_blk = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
+            z = _block_logits(hidden, w_blk, b_blk, temperature, weight_layout, prec)
+            cols = start + cols0
+            fresh = cols >= nominal
+            z = jnp.where(fresh[None, :], z, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(z, axis=1))
+            s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
+            hit = (cols[None, :] == ids[:, None]) & fresh[None, :]
+            tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
+            return (m_new, s, tgt), None
+
+        init = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R,), jnp.float32))
+        with jax.named_scope("gmpo_jax/xla_chunked/logprobs"):
+            (m, s, tgt), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+            lse = m + jnp.log(s)
+            valid = (ids >= 0) & (ids < V)
+            logp = jnp.where(valid, tgt - lse, jnp.nan)
+        return logp, lse
+
+    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
+        R, H = hidden.shape
+        V = weight.shape[1] if weight_layout == "hv" else weight.shape[0]
+        size, n = _blocks(V, self._vocab_block(R, V))
+        prec = _precision(hidden.dtype, weight.dtype)
+        cdt = jnp.result_type(hidden.dtype, weight.dtype)
+        cols0 = jnp.arange(size, dtype=jnp.int32)
+        axis = 1 if weight_layout == "hv" else 0
+        scale = (dlogp / temperature)[:, None]
+
+        def body(carry, j):
+            dh, dw, db = carry
+            start, nominal = _block_start(j, size, V)
+            w_blk = _weight_block(weight, start, size, weight_layout)
+            b_blk = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
+            z = _block_logits(hidden, w_blk, b_blk, temperature, weight_layout, prec)
+            cols = start + cols0
+            fresh = (cols >= nominal)[None, :]
+            p = jnp.where(fresh, jnp.exp(z - lse[:, None]), 0.0)
+            onehot = ((cols[None, :] == ids[:, None]) & fresh).astype(jnp.float32)
+            dz = scale * (onehot - p)  # [R, size] f32
+            dz_c = dz.astype(cdt)
+            if weight_layout == "hv":  # dh += dz W_b^T ; dW_b = h^T dz  ([H, size])
+                dh = dh + lax.dot_general(dz_c, w_blk, (((1,), (1,)), ((), ())), precision=prec,
+                                          preferred_element_type=jnp.float32)
+                dw_blk = lax.dot_general(hidden, dz_c, (((0,), (0,)), ((), ())), precision=prec,
+                                         preferred_element_type=jnp.float32)
+            else:  # W_b is [size, H]: dh += dz W_b ; dW_b = dz^T h ([size, H])
+                dh = dh + lax.dot_general(dz_c, w_blk, (((1,), (0,)), ((), ())), precision=prec,
+                                          preferred_element_type=jnp.float32)
+                dw_blk = lax.dot_general(dz_c, hidden, (((0,), (0,)), ((), ())), precision=prec,
+                                         preferred_element_type=jnp.float32)
+            dw = lax.dynamic_update_slice_in_dim(
+                dw, lax.dynamic_slice_in_dim(dw, start, size, axis=axis) + dw_blk, start, axis=axis)
+            if db is not None:
+                db = lax.dynamic_update_slice_in_dim(
+                    db, lax.dynamic_slice_in_dim(db, start, size) + jnp.sum(dz, axis=0), start, axis=0)
+            return (dh, dw, db), None
+
+        init = (jnp.zeros((R, H), jnp.float32), dw_acc, db_acc)
+        with jax.named_scope("gmpo_jax/xla_chunked/grads"):
+            (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+        return dh.astype(hidden.dtype), dw, db
+
+
+def make_backend() -> XlaChunkedBackend:
+    return XlaChunkedBackend()

@@ -1,0 +1,559 @@
+"""Policy objectives on per-token log-probs: GMPO and the GRPO family.
+
+Each objective is a frozen dataclass registered as a JAX pytree: its numeric hyper-parameters
+(epsilons, beta, delta, SAPO temperatures) are pytree *leaves*, so they may be Python floats or traced
+JAX scalars (a schedule does not recompile); its variant choices (``loss_type``,
+``importance_sampling_level``, ``use_bias_correction_kl``, ``max_completion_length``) are static.
+
+An objective knows nothing of the LM head. Given the per-token log-probs of a *chunk of whole
+sequences* it returns the chunk's loss numerator and metric sums; the normaliser (the denominator) is a
+function of the whole call's mask only. Because every reduction of SPEC.md is a sum over sequences
+divided by a global normaliser, summing chunk numerators reproduces the unchunked loss exactly, and
+``jax.grad`` of a chunk's numerator divided by the global denominator is d loss / d logp for that chunk.
+
+Boundary rule (SPEC.md "Boundaries"): a token is clipped only *strictly* past its bound; at the exact
+bound the gradient passes as if unclipped. All branch choices are made on stop-gradient values with
+``jnp.where`` and the differentiable branch is evaluated on a "safe" input where it is not selected
+(the double-``where`` pattern), so a clipped or zero-advantage branch contributes exactly zero gradient
+even when its unclipped ratio overflows (no ``0 * inf``).
+
+References: Zhao et al., "Geometric-Mean Policy Optimization", arXiv 2507.20673 (GMPO); Shao et al.,
+arXiv 2402.03300 (GRPO); Liger-Kernel ``LigerFusedLinearGRPOLoss`` and TRL ``GRPOTrainer`` (loss types,
+normalisers, metrics); Zheng et al., arXiv 2507.18071 (GSPO, sequence-level importance sampling);
+MiniMax-M1, arXiv 2506.13585 (CISPO); Gao et al., arXiv 2511.20347 (SAPO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+Scalar = Union[float, jax.Array]
+
+__all__ = ["GMPO", "GRPO", "CISPO", "SAPO", "Objective", "ChunkData", "MetricSums"]
+
+# Above this log-ratio exp() is ~5.5e34: every sigmoid(tau * (e^w - 1)) with tau >= 1e-33 is exactly 1
+# in float32 and its derivative exactly 0, so clamping there changes no representable value.
+_SAPO_LOG_RATIO_CAP = 80.0
+
+
+class ChunkData(NamedTuple):
+    """Per-sequence data of one chunk of whole sequences (``C`` sequences of ``T`` tokens).
+
+    Attributes:
+      mask: ``[C, T]`` bool; False for padding, masked tokens and sequences outside the chunk.
+      advantages: ``[C]`` float32.
+      old_logps: ``[C, T]`` float32 or None (on-policy: ``old = stop_gradient(logp)``).
+      ref_logps: ``[C, T]`` float32 or None (no KL term).
+      rollout_is_ratio: ``[C, T]`` or ``[C, 1]`` float32 or None.
+    """
+
+    mask: jax.Array
+    advantages: jax.Array
+    old_logps: Optional[jax.Array] = None
+    ref_logps: Optional[jax.Array] = None
+    rollout_is_ratio: Optional[jax.Array] = None
+
+
+class MetricSums(NamedTuple):
+    """Additive (min/max for the log-ratio range) metric accumulators over a chunk; float32 scalars."""
+
+    kl: jax.Array
+    clipped: jax.Array
+    clipped_low: jax.Array
+    clipped_high: jax.Array
+    log_ratio_min: jax.Array
+    log_ratio_max: jax.Array
+
+    @staticmethod
+    def zeros() -> "MetricSums":
+        z = jnp.zeros((), jnp.float32)
+        return MetricSums(z, z, z, z, jnp.array(jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32))
+
+    def combine(self, other: "MetricSums") -> "MetricSums":
+        return MetricSums(
+            self.kl + other.kl,
+            self.clipped + other.clipped,
+            self.clipped_low + other.clipped_low,
+            self.clipped_high + other.clipped_high,
+            jnp.minimum(self.log_ratio_min, other.log_ratio_min),
+            jnp.maximum(self.log_ratio_max, other.log_ratio_max),
+        )
+
+
+def _is_concrete_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_nonneg(name: str, value: Any) -> None:
+    if _is_concrete_number(value) and not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {name}={value!r}")
+
+
+def _check_token_level(cls_name: str, level: Any) -> None:
+    if level != "token":
+        raise ValueError(
+            f"{cls_name} is defined at token level only (sequence-level importance sampling with "
+            f"{cls_name} is a configuration error), got importance_sampling_level={level!r}"
+        )
+
+
+def _check_pos(name: str, value: Any) -> None:
+    if _is_concrete_number(value) and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {name}={value!r}")
+
+
+def _masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+    return jnp.sum(jnp.where(mask, x, 0.0), axis=axis)
+
+
+def _k3_kl(logp: jax.Array, ref: jax.Array, mask: jax.Array) -> jax.Array:
+    """Schulman's k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (0 on masked tokens)."""
+    d = jnp.where(mask, ref - logp, 0.0)
+    return jnp.exp(d) - d - 1.0
+
+
+def _log_ratio(logp: jax.Array, data: ChunkData) -> jax.Array:
+    """Per-token log importance ratio ``r = logp - old`` (0 on masked tokens; on-policy: value 0, slope 1)."""
+    old = jax.lax.stop_gradient(logp) if data.old_logps is None else data.old_logps
+    return jnp.where(data.mask, logp - old, 0.0)
+
+
+def _log_ratio_range(r: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    r = jax.lax.stop_gradient(r)
+    return (jnp.min(jnp.where(mask, r, jnp.inf)), jnp.max(jnp.where(mask, r, -jnp.inf)))
+
+
+class Objective:
+    """Interface shared by every objective (see module docstring)."""
+
+    name: ClassVar[str]
+
+    # --- to be provided by subclasses -------------------------------------------------------
+    def chunk_numerator(self, logp: jax.Array, data: ChunkData) -> tuple[jax.Array, MetricSums]:
+        """Loss numerator of a chunk (float32 scalar) and its metric sums; differentiable in ``logp``."""
+        raise NotImplementedError
+
+    def denominator(self, mask: jax.Array, num_items_in_batch: Optional[jax.Array]) -> jax.Array:
+        """Global loss normaliser (float32 scalar) from the whole call's ``[B, T]`` mask."""
+        raise NotImplementedError
+
+    # --- shared ---------------------------------------------------------------------------
+    @property
+    def uses_kl(self) -> bool:
+        """Whether a Python-float ``beta`` is non-zero (a traced beta counts as non-zero)."""
+        beta = getattr(self, "beta", 0.0)
+        return not (_is_concrete_number(beta) and beta == 0)
+
+    def _kl_term(self, logp, data: ChunkData, log_weight) -> Optional[jax.Array]:
+        """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``; None without a reference."""
+        if data.ref_logps is None:
+            return None
+        kl = _k3_kl(logp, data.ref_logps, data.mask)
+        if getattr(self, "use_bias_correction_kl", False):
+            kl = kl * jnp.exp(jnp.where(data.mask, log_weight, 0.0))
+        return kl
+
+
+def _register(cls, data_fields, meta_fields):
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    jax.tree_util.register_dataclass(cls, data_fields=data_fields, meta_fields=meta_fields)
+    return cls
+
+
+# ------------------------------------------------------------------------------------------------
+# GMPO
+# ------------------------------------------------------------------------------------------------
+class GMPO(Objective):
+    r"""Geometric-Mean Policy Optimization (token-level clipping in log space, geometric mean per sequence).
+
+    .. math::
+        r_{b,t} = \log\pi_\theta - \log\pi_{old}, \quad
+        c_{b,t} = \begin{cases} \min(r, \epsilon_{high}) & A_b > 0 \\ \max(r, -\epsilon_{low}) & A_b \le 0
+        \end{cases}, \quad
+        s_b = \frac{\sum_t m\, c}{\max(\sum_t m, 1)}
+
+        \mathcal{L} = \frac{1}{B}\sum_b e_b\,(-A_b\, e^{s_b})
+        + \beta \frac{1}{B}\sum_b \frac{\sum_t m\,\mathrm{kl}}{\max(\sum_t m, 1)}
+
+    with :math:`e_b = 1` iff sequence ``b`` has an unmasked token, and k3 KL
+    :math:`\mathrm{kl} = e^{ref - \log\pi} - (ref - \log\pi) - 1` (times :math:`e^{r}` with
+    ``use_bias_correction_kl``). A token is clipped only strictly past its bound.
+
+    Args:
+      epsilon_low: lower clip range in log space, ``>= 0`` (paper: 0.4, i.e. ratio >= e^-0.4).
+      epsilon_high: upper clip range in log space, ``>= 0`` (paper: 0.4).
+      beta: KL coefficient, ``>= 0``; a non-zero Python float needs a reference (``ref_logps`` or
+        ``ref_hidden``/``ref_weight``) at call time.
+      use_bias_correction_kl: multiply the per-token KL by the unclipped ratio ``exp(r)`` (static).
+
+    Raises:
+      ValueError: a negative epsilon or beta given as a Python number.
+
+    References: Zhao et al., "Geometric-Mean Policy Optimization", arXiv 2507.20673 (ICLR 2026); TRL
+    ``GMPOTrainer``; Liger-Kernel PR #1320.
+    """
+
+    name: ClassVar[str] = "gmpo"
+    epsilon_low: Scalar = 0.4
+    epsilon_high: Scalar = 0.4
+    beta: Scalar = 0.0
+    use_bias_correction_kl: bool = False
+    importance_sampling_level: str = "token"
+
+    def __post_init__(self):
+        _check_token_level("GMPO", self.importance_sampling_level)
+        _check_nonneg("epsilon_low", self.epsilon_low)
+        _check_nonneg("epsilon_high", self.epsilon_high)
+        _check_nonneg("beta", self.beta)
+
+    @property
+    def loss_type(self) -> str:
+        return "gmpo"
+
+    def denominator(self, mask, num_items_in_batch):
+        return jnp.asarray(mask.shape[0], jnp.float32)
+
+    def chunk_numerator(self, logp, data):
+        m = data.mask
+        a = data.advantages.astype(jnp.float32)[:, None]
+        r = _log_ratio(logp, data)
+        r_v = jax.lax.stop_gradient(r)
+        eh = jnp.asarray(self.epsilon_high, jnp.float32)
+        el = jnp.asarray(self.epsilon_low, jnp.float32)
+        high = r_v > eh
+        low = r_v < -el
+        # one-sided log-space clip; jnp.where passes the gradient to the selected branch only
+        c = jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r))
+        n_tok = jnp.sum(m, axis=1).astype(jnp.float32)
+        s = _masked_sum(c, m, axis=1) / jnp.maximum(n_tok, 1.0)
+        adv = a[:, 0]
+        live = (n_tok > 0) & (adv != 0)
+        seq_term = jnp.where(live, -adv * jnp.exp(jnp.where(live, s, 0.0)), 0.0)
+        numerator = jnp.sum(seq_term)
+        kl = self._kl_term(logp, data, r)
+        kl_sum = jnp.zeros((), jnp.float32)
+        if kl is not None:
+            kl_seq = _masked_sum(kl, m, axis=1) / jnp.maximum(n_tok, 1.0)
+            numerator = numerator + jnp.asarray(self.beta, jnp.float32) * jnp.sum(kl_seq)
+            kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
+        a_b = jnp.broadcast_to(a, m.shape)
+        cl = m & low & (a_b < 0)
+        ch = m & high & (a_b > 0)
+        sums = MetricSums(
+            kl=kl_sum,
+            clipped=jnp.sum(cl | ch).astype(jnp.float32),
+            clipped_low=jnp.sum(cl).astype(jnp.float32),
+            clipped_high=jnp.sum(ch).astype(jnp.float32),
+            log_ratio_min=_log_ratio_range(r, m)[0],
+            log_ratio_max=_log_ratio_range(r, m)[1],
+        )
+        return numerator, sums
+
+
+GMPO = _register(GMPO, ["epsilon_low", "epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The GRPO family (ratio space): grpo, bnpo, dr_grpo, dapo; plus CISPO and SAPO
+# ------------------------------------------------------------------------------------------------
+_GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+_IS_LEVELS = ("token", "sequence")
+
+
+def _sequence_log_weight(r, mask):
+    """GSPO: the sequence-mean log ratio broadcast over tokens."""
+    n_tok = jnp.sum(mask, axis=1, keepdims=True).astype(jnp.float32)
+    w = _masked_sum(r, mask, axis=1)[:, None] / jnp.maximum(n_tok, 1.0)
+    return jnp.broadcast_to(w, r.shape)
+
+
+def _reduce(loss_type, ptl, mask):
+    """Numerator of the loss type's reduction (SPEC.md "Reductions")."""
+    if loss_type in ("grpo", "sapo"):
+        n_tok = jnp.sum(mask, axis=1).astype(jnp.float32)
+        return jnp.sum(_masked_sum(ptl, mask, axis=1) / jnp.maximum(n_tok, 1.0))
+    return _masked_sum(ptl, mask)
+
+
+def _denominator(loss_type, mask, num_items_in_batch, max_completion_length):
+    b = mask.shape[0]
+    if loss_type in ("grpo", "sapo", "gmpo"):
+        return jnp.asarray(b, jnp.float32)
+    if loss_type == "bnpo":
+        return jnp.maximum(jnp.sum(mask).astype(jnp.float32), 1.0)
+    if loss_type == "dr_grpo":
+        return jnp.asarray(b * max_completion_length, jnp.float32)
+    # dapo, cispo
+    n = jnp.sum(mask).astype(jnp.float32) if num_items_in_batch is None else num_items_in_batch
+    return jnp.maximum(jnp.asarray(n, jnp.float32), 1.0)
+
+
+def _finish(self_, ptl, logp, r, log_weight, data, clipped_low, clipped_high):
+    """Shared tail: rollout IS correction, KL, reduction, metrics."""
+    m = data.mask
+    if data.rollout_is_ratio is not None:
+        ptl = ptl * data.rollout_is_ratio.astype(jnp.float32)
+    kl = self_._kl_term(logp, data, log_weight)
+    kl_sum = jnp.zeros((), jnp.float32)
+    if kl is not None:
+        ptl = ptl + jnp.asarray(self_.beta, jnp.float32) * kl
+        kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
+    numerator = _reduce(self_.loss_type, ptl, m)
+    cl = m & clipped_low
+    ch = m & clipped_high
+    lo, hi = _log_ratio_range(r, m)
+    sums = MetricSums(
+        kl=kl_sum,
+        clipped=jnp.sum(cl | ch).astype(jnp.float32),
+        clipped_low=jnp.sum(cl).astype(jnp.float32),
+        clipped_high=jnp.sum(ch).astype(jnp.float32),
+        log_ratio_min=lo,
+        log_ratio_max=hi,
+    )
+    return numerator, sums
+
+
+class GRPO(Objective):
+    r"""GRPO-family clipped-ratio objectives: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` (PPO-style clip).
+
+    .. math::
+        w = r \text{ (token) or } \frac{\sum_t m\,r}{\max(\sum_t m,1)} \text{ (sequence, GSPO)},\quad
+        \rho = e^{w},\quad \rho_2 = \mathrm{clip}(\rho, 1-\epsilon_{low}, 1+\epsilon_{high}),\quad
+        \rho \leftarrow \min(\rho, \delta)
+
+        \ell_{b,t} = -\min(\rho A_b, \rho_2 A_b)\,[\times\,\text{rollout\_is\_ratio}]
+        + \beta\,\mathrm{kl}_{b,t}
+
+    reduced as ``grpo``: :math:`\frac1B\sum_b \frac{\sum_t m\ell}{\max(\sum_t m,1)}`; ``bnpo``:
+    :math:`\frac{\sum m\ell}{\max(\sum m,1)}`; ``dr_grpo``: :math:`\frac{\sum m\ell}{B\,L_{max}}`;
+    ``dapo``: :math:`\frac{\sum m\ell}{\max(N,1)}` with ``N = num_items_in_batch`` or ``sum m``.
+
+    Args:
+      loss_type: one of ``"dapo"`` (default, as TRL), ``"grpo"``, ``"bnpo"``, ``"dr_grpo"`` (static).
+      epsilon_low: ``>= 0``; lower clip ``1 - epsilon_low`` of the ratio. Default 0.2.
+      epsilon_high: ``>= 0``; upper clip ``1 + epsilon_high``. Default 0.2 (DAPO's clip-higher: 0.28).
+      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO) (static).
+      delta: optional upper bound ``> 0`` on the unclipped ratio (two-sided clipping, TRL ``delta``).
+      use_bias_correction_kl: multiply the KL by the unclipped ratio :math:`e^{w}` (static).
+      max_completion_length: positive int, required for ``dr_grpo`` (static).
+
+    Raises:
+      ValueError: unknown ``loss_type`` / ``importance_sampling_level``, negative epsilon or beta,
+        ``delta <= 0``, ``dr_grpo`` without a positive ``max_completion_length``.
+
+    References: Shao et al. arXiv 2402.03300 (GRPO); Yu et al. arXiv 2503.14476 (DAPO); Liu et al.
+    arXiv 2503.20783 (Dr. GRPO); Zheng et al. arXiv 2507.18071 (GSPO); Liger-Kernel
+    ``LigerFusedLinearGRPOLoss``; TRL ``GRPOTrainer``.
+    """
+
+    name: ClassVar[str] = "grpo"
+    loss_type: str = "dapo"
+    epsilon_low: Scalar = 0.2
+    epsilon_high: Scalar = 0.2
+    beta: Scalar = 0.0
+    importance_sampling_level: str = "token"
+    delta: Optional[Scalar] = None
+    use_bias_correction_kl: bool = False
+    max_completion_length: Optional[int] = None
+
+    def __post_init__(self):
+        if self.loss_type not in _GRPO_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type must be one of {_GRPO_LOSS_TYPES} for GRPO (use GMPO / CISPO / SAPO for those),"
+                f" got loss_type={self.loss_type!r}"
+            )
+        if self.importance_sampling_level not in _IS_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {_IS_LEVELS}, "
+                f"got importance_sampling_level={self.importance_sampling_level!r}"
+            )
+        _check_nonneg("epsilon_low", self.epsilon_low)
+        _check_nonneg("epsilon_high", self.epsilon_high)
+        _check_nonneg("beta", self.beta)
+        if self.delta is not None:
+            _check_pos("delta", self.delta)
+        if self.loss_type == "dr_grpo":
+            mcl = self.max_completion_length
+            if not (isinstance(mcl, int) and not isinstance(mcl, bool) and mcl > 0):
+                raise ValueError(
+                    "loss_type='dr_grpo' requires max_completion_length, a positive int, "
+                    f"got max_completion_length={mcl!r}"
+                )
+
+    def denominator(self, mask, num_items_in_batch):
+        return _denominator(self.loss_type, mask, num_items_in_batch, self.max_completion_length)
+
+    def chunk_numerator(self, logp, data):
+        m = data.mask
+        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        r = _log_ratio(logp, data)
+        w = _sequence_log_weight(r, m) if self.importance_sampling_level == "sequence" else r
+        # branch decisions on values (no gradient)
+        w_v = jax.lax.stop_gradient(w)
+        coef_v = jnp.exp(w_v)
+        lo = 1.0 - jnp.asarray(self.epsilon_low, jnp.float32)
+        hi = 1.0 + jnp.asarray(self.epsilon_high, jnp.float32)
+        low = coef_v < lo
+        high = coef_v > hi
+        coef2_v = jnp.where(low, lo, jnp.where(high, hi, coef_v))
+        if self.delta is not None:
+            delta = jnp.asarray(self.delta, jnp.float32)
+            delta_clipped = coef_v > delta
+            coef1_v = jnp.where(delta_clipped, delta, coef_v)
+        else:
+            delta_clipped = jnp.zeros_like(low)
+            coef1_v = coef_v
+        t1 = coef1_v * a
+        t2 = coef2_v * a
+        nonzero = a != 0
+        use_unclipped = t1 <= t2  # ties -> unclipped branch (the gradient passes at the exact bound)
+        active = m & nonzero & use_unclipped & ~delta_clipped  # the only tokens with a gradient
+        const = jnp.where(nonzero, jnp.where(use_unclipped, t1, t2), 0.0)
+        surrogate = jnp.where(active, a * jnp.exp(jnp.where(active, w, 0.0)), const)
+        ptl = -surrogate
+        return _finish(self, ptl, logp, r, w, data, low & (a < 0), high & (a > 0))
+
+
+GRPO = _register(
+    GRPO,
+    ["epsilon_low", "epsilon_high", "beta", "delta"],
+    ["loss_type", "importance_sampling_level", "use_bias_correction_kl", "max_completion_length"],
+)
+
+
+class CISPO(Objective):
+    r"""CISPO: clipped, stop-gradient importance weight times the log-prob (token level).
+
+    .. math::
+        \ell_{b,t} = -\,\mathrm{sg}\!\left(\min(e^{r_{b,t}}, \epsilon_{high})\right) A_b \log\pi_\theta
+        \,[\times\,\text{rollout\_is\_ratio}] + \beta\,\mathrm{kl}_{b,t},\qquad
+        \mathcal L = \frac{\sum m\,\ell}{\max(N, 1)}
+
+    Note that, as in Liger-Kernel and TRL, ``epsilon_high`` bounds the ratio itself (not ``1 + eps``).
+    Only the upper bound clips, so ``clip_fraction_low`` is always 0; a token counts as clipped when
+    ``e^r > epsilon_high`` and ``A > 0``.
+
+    Args:
+      epsilon_high: ``>= 0`` upper bound of the importance weight. Default 0.2 (the shared default of
+        the GRPO family; MiniMax-M1 tunes it per task, typically well above 1).
+      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
+
+    Raises:
+      ValueError: negative ``epsilon_high`` or ``beta``.
+
+    References: MiniMax-M1, arXiv 2506.13585; Liger-Kernel ``LigerFusedLinearGRPOLoss(loss_type="cispo")``.
+    """
+
+    name: ClassVar[str] = "cispo"
+    epsilon_high: Scalar = 0.2
+    beta: Scalar = 0.0
+    use_bias_correction_kl: bool = False
+    importance_sampling_level: str = "token"
+
+    def __post_init__(self):
+        _check_token_level("CISPO", self.importance_sampling_level)
+        _check_nonneg("epsilon_high", self.epsilon_high)
+        _check_nonneg("beta", self.beta)
+
+    @property
+    def loss_type(self) -> str:
+        return "cispo"
+
+    def denominator(self, mask, num_items_in_batch):
+        return _denominator("cispo", mask, num_items_in_batch, None)
+
+    def chunk_numerator(self, logp, data):
+        m = data.mask
+        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        r = _log_ratio(logp, data)
+        coef_v = jnp.exp(jax.lax.stop_gradient(r))
+        eh = jnp.asarray(self.epsilon_high, jnp.float32)
+        high = coef_v > eh
+        weight = jnp.where(high, eh, coef_v)
+        ptl = jnp.where(a != 0, -(weight * a) * jnp.where(m, logp, 0.0), 0.0)
+        return _finish(self, ptl, logp, r, r, data, jnp.zeros_like(high), high & (a > 0))
+
+
+CISPO = _register(CISPO, ["epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
+
+
+class SAPO(Objective):
+    r"""SAPO: soft, sigmoid-gated policy optimisation (token level, no hard clip).
+
+    .. math::
+        \ell_{b,t} = -A_b\,\sigma\!\left(\tau_b (e^{r_{b,t}} - 1)\right)\frac{4}{\tau_b}
+        \,[\times\,\text{rollout\_is\_ratio}] + \beta\,\mathrm{kl}_{b,t},\qquad
+        \tau_b = \tau_{pos} \text{ if } A_b > 0 \text{ else } \tau_{neg}
+
+    reduced like ``grpo`` (per-sequence mean, then mean over ``B``). Clip metrics are 0.
+
+    Args:
+      temperature_pos: ``> 0`` gate temperature for positive advantages (Liger/TRL
+        ``sapo_temperature_pos``). Default 1.0.
+      temperature_neg: ``> 0`` gate temperature for non-positive advantages. Default 1.05.
+      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
+
+    Raises:
+      ValueError: a temperature ``<= 0`` or a negative ``beta``.
+
+    References: Gao et al., "Soft Adaptive Policy Optimization", arXiv 2511.20347; Liger-Kernel
+    ``LigerFusedLinearGRPOLoss(loss_type="sapo")``.
+    """
+
+    name: ClassVar[str] = "sapo"
+    temperature_pos: Scalar = 1.0
+    temperature_neg: Scalar = 1.05
+    beta: Scalar = 0.0
+    use_bias_correction_kl: bool = False
+    importance_sampling_level: str = "token"
+
+    def __post_init__(self):
+        _check_token_level("SAPO", self.importance_sampling_level)
+        _check_pos("temperature_pos", self.temperature_pos)
+        _check_pos("temperature_neg", self.temperature_neg)
+        _check_nonneg("beta", self.beta)
+
+    @property
+    def loss_type(self) -> str:
+        return "sapo"
+
+    def denominator(self, mask, num_items_in_batch):
+        return _denominator("sapo", mask, num_items_in_batch, None)
+
+    def chunk_numerator(self, logp, data):
+        m = data.mask
+        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        r = _log_ratio(logp, data)
+        tau = jnp.where(
+            a > 0, jnp.asarray(self.temperature_pos, jnp.float32), jnp.asarray(self.temperature_neg, jnp.float32)
+        )
+        capped = jax.lax.stop_gradient(r) > _SAPO_LOG_RATIO_CAP
+        w = jnp.where(capped, _SAPO_LOG_RATIO_CAP, r)
+        gate = jax.nn.sigmoid(tau * (jnp.exp(w) - 1.0)) * (4.0 / tau)
+        ptl = jnp.where(a != 0, -a * gate, 0.0)
+        no = jnp.zeros_like(m)
+        return _finish(self, ptl, logp, r, r, data, no, no)
+
+
+SAPO = _register(SAPO, ["temperature_pos", "temperature_neg", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
+
+
+def finalize_metrics(sums: MetricSums, mask: jax.Array) -> dict:
+    """Turn global metric sums into the reported fractions (SPEC.md "Metrics")."""
+    n = jnp.maximum(jnp.sum(mask).astype(jnp.float32), 1.0)
+    any_tok = jnp.any(mask)
+    return dict(
+        kl=sums.kl / n,
+        clip_fraction=sums.clipped / n,
+        clip_fraction_low=sums.clipped_low / n,
+        clip_fraction_high=sums.clipped_high / n,
+        log_ratio_min=jnp.where(any_tok, sums.log_ratio_min, 0.0),
+        log_ratio_max=jnp.where(any_tok, sums.log_ratio_max, 0.0),
+    )
