@@ -1,0 +1,164 @@
+"""Framework-free helpers shared by the JAX and PyTorch benchmark workers and the driver.
+
+Nothing here imports jax or torch: the driver process must not initialise a GPU runtime (it would hold
+device memory beside the measured child processes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib.metadata
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+GIB = float(2**30)
+RESULT_PREFIX = "@@RESULT "  # a worker's stdout line carrying one JSON record
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else round(nbytes / GIB, 4)
+
+
+def device_slug(kind: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200'; 'cpu' -> 'cpu'. Used as the results file name."""
+    return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
+
+
+def pkg_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def git_commit() -> str:
+    """Short commit of the checkout: --commit / $GMPO_BENCH_COMMIT, else git, else 'unknown'."""
+    env = os.environ.get("GMPO_BENCH_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def timing_stats(times_s: list[float]) -> dict[str, Any]:
+    ms = [t * 1e3 for t in times_s]
+    return {
+        "median_ms": round(statistics.median(ms), 4),
+        "min_ms": round(min(ms), 4),
+        "max_ms": round(max(ms), 4),
+        "n_runs": len(ms),
+    }
+
+
+def n_iters(first_s: float, min_iters: int, min_time_s: float, max_iters: int = 200) -> int:
+    """At least ``min_iters`` timed runs, more for fast calls so the timed total reaches ``min_time_s``."""
+    if first_s <= 0:
+        return max_iters
+    return max(min_iters, min(max_iters, int(min_time_s / first_s) + 1))
+
+
+def classify_error(exc: BaseException) -> str:
+    """'oom' for allocation failures (XLA RESOURCE_EXHAUSTED, CUDA OOM), 'unsupported' for a backend's
+    typed refusal (UnsupportedConfigError is a NotImplementedError), else 'error'."""
+    text = f"{type(exc).__name__}: {exc}"
+    low = text.lower()
+    if "resource_exhausted" in low or "out of memory" in low or "outofmemory" in low:
+        return "oom"
+    if isinstance(exc, NotImplementedError):
+        return "unsupported"
+    return "error"
+
+
+def short_error(exc: BaseException, limit: int = 400) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " | ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Worker side: one record on stdout, parsed by the driver."""
+    sys.stdout.write(RESULT_PREFIX + json.dumps(record, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def parse_records(stdout: str) -> list[dict[str, Any]]:
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            try:
+                out.append(json.loads(line[len(RESULT_PREFIX):]))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def append_jsonl(path: str, records: list[dict[str, Any]]) -> None:
+    if not records:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def base_record(cfg, implementation: str, mode: str, **extra: Any) -> dict[str, Any]:
+    """The keys every result line carries (issue 2's list first), in a stable order."""
+    rec: dict[str, Any] = {
+        "implementation": implementation,
+        "shape": cfg.shape,
+        "B": cfg.B,
+        "T": cfg.T,
+        "H": cfg.H,
+        "V": cfg.V,
+        "mode": mode,
+        "median_ms": None,
+        "min_ms": None,
+        "peak_gib": None,
+        "floor_ms": None,
+        "device": None,
+        "jax": pkg_version("jax"),
+        "date": now_utc(),
+        "commit": git_commit(),
+        "status": None,
+        "N": cfg.N,
+        "kind": cfg.kind,
+        "variant": None,
+    }
+    rec.update(extra)
+    return rec
+
+
+def fill_floor(rec: dict[str, Any], floors: dict[str, Any]) -> None:
+    """Adds floor_ms / x_floor / the rates used, from a floor worker's output (keyed by N,H,V and 'copy')."""
+    mode = rec.get("mode")
+    if rec.get("kind") == "logits":
+        copy = floors.get("copy_gbps")
+        if copy:
+            nbytes = (2 if mode == "fwd+bwd" else 1) * rec["B"] * (rec["T"] + 1) * rec["V"] * 2
+            rec["floor_ms"] = round(nbytes / (copy * 1e9) * 1e3, 4)
+            rec["floor_copy_gbps"] = copy
+    else:
+        rate = floors.get("matmul_tflops", {}).get(f"{rec['N']},{rec['H']},{rec['V']}")
+        if rate:
+            flops = (6.0 if mode == "fwd+bwd" else 2.0) * rec["N"] * rec["H"] * rec["V"]
+            rec["floor_ms"] = round(flops / (rate * 1e12) * 1e3, 4)
+            rec["floor_matmul_tflops"] = rate
+    if rec.get("floor_ms") and rec.get("median_ms"):
+        rec["x_floor"] = round(rec["median_ms"] / rec["floor_ms"], 3)

@@ -1,0 +1,420 @@
+"""JAX worker: builds inputs on the device, times one implementation in one or more modes, measures floors.
+
+Implementations
+---------------
+LM head (issues 2, 3), GMPO objective with its defaults, ``old_logps`` given (off-policy ratios):
+
+* ``xla_chunked``, ``mosaic_gpu``: ``gmpo_jax.fused_linear_policy_loss(..., implementation=name)``.
+* ``dense_jax``: ``gmpo_jax.reference.policy_loss`` under ``jax.jit`` (full ``[N, V]`` logits).
+
+Logits already computed (issue 5), logits ``[B, T + 1, V]``:
+
+* ``mosaic_gpu``, ``xla``: ``gmpo_jax.policy_loss_from_logits(..., implementation=name)``.
+* ``dense_jax``: ``gmpo_jax.reference.policy_loss_from_logits`` when it exists, else the plain jnp GMPO
+  below (``log_softmax`` of the whole logits in float32) -- the "naive JAX" of ANCHORS.md.
+
+Modes: ``fwd`` = the loss only, jitted, no gradient; ``fwd+bwd`` = ``jax.value_and_grad`` with respect to
+hidden and weight (LM head) or logits.
+
+Inputs are random and never zeros: a counter-based hash of the element index (one fused XLA loop, no
+temporaries, so input creation does not raise the measured peak), hidden ~ N(0, 1), weight ~
+N(0, logit_scale^2 / H) (logits ~ N(0, logit_scale^2)), uniform ids, advantages ~ N(0, 1), and
+``old_logps = logp + ratio_noise * N(0, 1)`` with ``logp`` computed exactly by a row-chunked pass
+(128 rows at a time), so log ratios are small as in real off-policy steps and a few percent are clipped.
+
+Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (a high-water mark of the whole
+process, inputs included; ``None`` on CPU). JAX cannot reset it, so only the first mode run in a process
+has an exact peak (``peak_exact``); the driver runs ``fwd+bwd`` first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from benchmarks import _common
+from benchmarks.shapes import Config
+
+# ----------------------------------------------------------------------------------------------------
+# Random inputs without temporaries
+
+
+def _mix32(x):
+    """lowbias32 integer hash (uint32 -> uint32)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash_bits(seed: int, stream: int, shape: tuple[int, ...]):
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        idx = idx + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
+    salt = (seed * 0x9E3779B9 + stream * 0x85EBCA6B + 0x68E31DA4) % 2**32
+    return _mix32(_mix32(idx ^ jnp.uint32(salt)) + jnp.uint32(salt))
+
+
+def hashed_normal(seed: int, stream: int, shape: tuple[int, ...], dtype, scale: float = 1.0):
+    """N(0, scale^2) samples (Box-Muller on two hashes), computed elementwise from the index."""
+    a = _hash_bits(seed, stream, shape)
+    b = _mix32(a ^ jnp.uint32(0x5BD1E995))
+    u1 = (a >> 8).astype(jnp.float32) * (1.0 / 2**24) + (0.5 / 2**24)  # (0, 1)
+    u2 = (b >> 8).astype(jnp.float32) * (1.0 / 2**24)
+    z = jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(2.0 * np.pi * u2)
+    return (scale * z).astype(dtype)
+
+
+def hashed_randint(seed: int, stream: int, shape: tuple[int, ...], high: int):
+    return (_hash_bits(seed, stream, shape) % jnp.uint32(high)).astype(jnp.int32)
+
+
+def _mask(seed: int, B: int, T: int, kind: str):
+    if kind == "full":
+        return jnp.ones((B, T), jnp.bool_)
+    if kind == "ragged":  # lengths uniform in [3T/4, T]
+        lengths = T - (_hash_bits(seed, 6, (B,)) % jnp.uint32(T // 4 + 1)).astype(jnp.int32)
+        return lax.broadcasted_iota(jnp.int32, (B, T), 1) < lengths[:, None]
+    raise ValueError(f"unknown mask kind {kind!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("weight_layout",))
+def chunked_logps(hidden, weight, ids, *, weight_layout: str = "hv"):
+    """Exact f32 log-probs, 128 rows at a time (at most a [128, V] float32 block alive)."""
+    H = hidden.shape[-1]
+    spec = "h,hv->v" if weight_layout == "hv" else "h,vh->v"
+
+    def row(args):
+        h, i = args
+        z = jnp.einsum(spec, h, weight, preferred_element_type=jnp.float32)
+        return z[i] - jax.nn.logsumexp(z)
+
+    lp = lax.map(row, (hidden.reshape(-1, H), ids.reshape(-1)), batch_size=128)
+    return lp.reshape(ids.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "rows"))
+def chunked_logps_from_logits(logits, ids, *, T: int, rows: int):
+    """Exact f32 log-probs of logits[:, :T] read ``rows`` positions at a time (no [B, T, V] copy)."""
+    B, _, V = logits.shape
+    per_b = T // rows
+
+    def step(k):
+        b, t0 = k // per_b, (k % per_b) * rows
+        z = lax.dynamic_slice(logits, (b, t0, 0), (1, rows, V))[0].astype(jnp.float32)
+        i = lax.dynamic_slice(ids, (b, t0), (1, rows))[0]
+        return jnp.take_along_axis(z, i[:, None], -1)[:, 0] - jax.nn.logsumexp(z, axis=-1)
+
+    return lax.map(step, jnp.arange(B * per_b)).reshape(B, T)
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def lm_head_inputs(cfg: Config, opts: dict[str, Any]):
+    B, T, H, V = cfg.B, cfg.T, cfg.H, cfg.V
+    seed, layout = opts["seed"], opts["weight_layout"]
+
+    @jax.jit
+    def make():
+        hidden = hashed_normal(seed, 1, (B, T, H), jnp.bfloat16)
+        w_shape = (H, V) if layout == "hv" else (V, H)
+        weight = hashed_normal(seed, 2, w_shape, jnp.bfloat16, opts["logit_scale"] / math.sqrt(H))
+        ids = hashed_randint(seed, 3, (B, T), V)
+        adv = hashed_normal(seed, 4, (B,), jnp.float32)
+        return hidden, weight, ids, _mask(seed, B, T, opts["mask"]), adv
+
+    hidden, weight, ids, mask, adv = make()
+    logp = chunked_logps(hidden, weight, ids, weight_layout=layout)
+    old = jax.jit(lambda lp: lp + opts["ratio_noise"] * hashed_normal(seed, 5, (B, T), jnp.float32))(logp)
+    del logp
+    return hidden, weight, ids, mask, adv, old
+
+
+def logits_inputs(cfg: Config, opts: dict[str, Any]):
+    B, T, V = cfg.B, cfg.T, cfg.V
+    seed = opts["seed"]
+
+    @jax.jit
+    def make():
+        logits = hashed_normal(seed, 11, (B, T + 1, V), jnp.bfloat16, opts["logits_std"])
+        ids = hashed_randint(seed, 3, (B, T), V)
+        adv = hashed_normal(seed, 4, (B,), jnp.float32)
+        return logits, ids, _mask(seed, B, T, opts["mask"]), adv
+
+    logits, ids, mask, adv = make()
+    logp = chunked_logps_from_logits(logits, ids, T=T, rows=_largest_divisor(T, 64))
+    old = jax.jit(lambda lp: lp + opts["ratio_noise"] * hashed_normal(seed, 5, (B, T), jnp.float32))(logp)
+    del logp
+    return logits, ids, mask, adv, old
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loss functions under test
+
+
+def _loss_only(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def lm_head_loss(impl: str, opts: dict[str, Any]) -> Callable:
+    import gmpo_jax
+
+    objective = gmpo_jax.GMPO()
+    layout = opts["weight_layout"]
+    if impl in ("xla_chunked", "mosaic_gpu"):
+        kw: dict[str, Any] = dict(objective=objective, implementation=impl, weight_layout=layout)
+        if opts.get("chunk_size"):
+            kw["chunk_size"] = opts["chunk_size"]
+
+        def loss(h, w, ids, mask, adv, old):
+            return _loss_only(gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, old_logps=old, **kw))
+
+    elif impl == "dense_jax":
+        from gmpo_jax import reference
+
+        def loss(h, w, ids, mask, adv, old):
+            return _loss_only(reference.policy_loss(h, w, ids, mask, adv, objective=objective, old_logps=old,
+                                                    weight_layout=layout))
+
+    else:
+        raise ValueError(f"unknown LM-head implementation {impl!r}")
+    return loss
+
+
+def naive_gmpo_from_logits(logits, ids, mask, adv, old, eps_low: float = 0.4, eps_high: float = 0.4):
+    """Plain jnp GMPO from logits [B, T+1, V]: full float32 log_softmax (what a user writes first)."""
+    B, T = ids.shape
+    logp_all = jax.nn.log_softmax(logits[:, :T].astype(jnp.float32), axis=-1)
+    logp = jnp.take_along_axis(logp_all, ids[..., None], axis=-1)[..., 0]
+    r = logp - old
+    c = jnp.where(adv[:, None] > 0, jnp.minimum(r, eps_high), jnp.maximum(r, -eps_low))
+    m = mask.astype(jnp.float32)
+    cnt = m.sum(-1)
+    s = (m * c).sum(-1) / jnp.maximum(cnt, 1.0)
+    return jnp.sum(jnp.where(cnt > 0, -adv * jnp.exp(s), 0.0)) / B
+
+
+def logits_loss(impl: str, opts: dict[str, Any]) -> tuple[Callable, str | None]:
+    import gmpo_jax
+
+    objective = gmpo_jax.GMPO()
+    if impl in ("mosaic_gpu", "xla"):
+
+        def loss(logits, ids, mask, adv, old):
+            return _loss_only(gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=objective,
+                                                               old_logps=old, implementation=impl))
+
+        return loss, None
+    if impl == "dense_jax":
+        ref = getattr(getattr(gmpo_jax, "reference", None), "policy_loss_from_logits", None)
+        if ref is not None:
+
+            def loss(logits, ids, mask, adv, old):
+                return _loss_only(ref(logits, ids, mask, adv, objective=objective, old_logps=old))
+
+            return loss, "gmpo_jax.reference.policy_loss_from_logits"
+        return naive_gmpo_from_logits, "naive jnp (benchmarks.jax_impls)"
+    raise ValueError(f"unknown logits implementation {impl!r}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def device_kind() -> str:
+    d = jax.devices()[0]
+    return d.device_kind if d.platform != "cpu" else "cpu"
+
+
+def time_fn(fn: Callable, args: tuple, opts: dict[str, Any], *, sanity: bool = True) -> dict[str, Any]:
+    """Compile + first call (kept, for sanity values), warm-up, then >= iters timed calls.
+
+    Every output is dropped before the next call so that no stale gradients inflate the peak."""
+    t0 = time.perf_counter()
+    first = jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    checks = _sanity(first) if sanity else {}
+    del first
+    for _ in range(opts["warmup"]):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    est = time.perf_counter() - t0
+    times = []
+    for _ in range(_common.n_iters(est, opts["iters"], opts["min_time_s"])):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    stats = _common.timing_stats(times)
+    stats["compile_s"] = round(compile_s, 3)
+    stats.update(checks)
+    return stats
+
+
+def _sanity(out) -> dict[str, Any]:
+    """Loss value, finiteness and gradient norms of the first call (cheap fused reductions)."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple):
+        loss, grads = out
+    else:
+        loss, grads = out, ()
+    res: dict[str, Any] = {"loss": float(loss)}
+    finite = bool(jnp.isfinite(loss))
+    norms = []
+    for g in grads:
+        finite &= bool(jnp.all(jnp.isfinite(g)))
+        norms.append(float(jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))))
+    res["finite"] = finite
+    if norms:
+        res["grad_norms"] = [round(n, 6) for n in norms]
+    return res
+
+
+def _nbytes(*arrays) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in arrays))
+
+
+def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Times one implementation on one configuration, each mode in turn; emits one record per mode."""
+    records = []
+    device = device_kind()
+    common = dict(device=_common.device_slug(device), device_name=device, seed=opts["seed"],
+                  mask=opts["mask"], objective="GMPO()", jaxlib=_common.pkg_version("jaxlib"))
+    try:
+        if cfg.kind == "lm_head":
+            args = lm_head_inputs(cfg, opts)
+            fn, source = lm_head_loss(impl, opts), None
+            argnums: tuple[int, ...] = (0, 1)
+            grads_bytes = _nbytes(args[0], args[1])
+            common.update(weight_layout=opts["weight_layout"], logit_scale=opts["logit_scale"],
+                          chunk_size=opts.get("chunk_size"),
+                          weight_f32_gib=_common.gib(cfg.H * cfg.V * 4))
+        else:
+            args = logits_inputs(cfg, opts)
+            fn, source = logits_loss(impl, opts)
+            argnums = (0,)
+            grads_bytes = _nbytes(args[0])
+            common.update(logits_std=opts["logits_std"], logits_gib=_common.gib(_nbytes(args[0])))
+        jax.block_until_ready(args)
+        common.update(inputs_gib=_common.gib(_nbytes(*args)), prep_peak_gib=_common.gib(peak_bytes()))
+        if source:
+            common["impl_source"] = source
+    except Exception as exc:  # noqa: BLE001 - reported, never raised
+        for mode in modes:
+            rec = _common.base_record(cfg, impl, mode, **common)
+            rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+            _common.emit(rec)
+            records.append(rec)
+        return records
+
+    for k, mode in enumerate(modes):
+        rec = _common.base_record(cfg, impl, mode, **common)
+        rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
+        try:
+            if mode == "fwd":
+                f = jax.jit(fn)
+            elif mode == "fwd+bwd":
+                f = jax.jit(jax.value_and_grad(fn, argnums=argnums))
+            else:
+                raise ValueError(f"unknown mode {mode!r}")
+            stats = time_fn(f, args, opts)
+            rec.update(stats)
+            peak = peak_bytes()
+            rec["peak_exact"] = k == 0
+            rec["peak_gib"] = _common.gib(peak) if k == 0 else None
+            rec["peak_gib_cumulative"] = _common.gib(peak)
+            rec["status"] = "ok" if stats.get("finite", True) else "nonfinite"
+            if cfg.kind == "lm_head":
+                rec["tflops"] = round(cfg.model_flops(mode) / (stats["median_ms"] * 1e-3) / 1e12, 2)
+            else:
+                rec["gbps"] = round(cfg.floor_bytes(mode) / (stats["median_ms"] * 1e-3) / 1e9, 1)
+            del f
+        except Exception as exc:  # noqa: BLE001
+            rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+        _common.emit(rec)
+        records.append(rec)
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------
+# Floors
+
+
+def measure_matmul(N: int, H: int, V: int, opts: dict[str, Any], max_rows: int = 16384) -> dict[str, Any]:
+    """bf16 XLA matmul rate of [N, H] x [H, V] (f32 result). Rows are capped at ``max_rows`` (the rate
+    is flat beyond; the f32 [N, V] result of N = 65536 would be 40 GB)."""
+    rows = min(N, max_rows)
+
+    @jax.jit
+    def make():
+        return (hashed_normal(7, 1, (rows, H), jnp.bfloat16),
+                hashed_normal(7, 2, (H, V), jnp.bfloat16, 1.0 / math.sqrt(H)))
+
+    a, b = jax.block_until_ready(make())
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    stats = time_fn(f, (a, b), dict(opts, min_time_s=max(opts["min_time_s"], 0.2)), sanity=False)
+    del a, b
+    tflops = 2.0 * rows * H * V / (stats["median_ms"] * 1e-3) / 1e12
+    return dict(stats, rows=rows, tflops=round(tflops, 2))
+
+
+def measure_copy(opts: dict[str, Any], nbytes: int | None = None) -> dict[str, Any]:
+    """Device copy bandwidth (bytes read + bytes written per second) of a large bf16 array (2 GiB on an
+    accelerator, 64 MiB on the CPU); the faster of ``jnp.copy`` and a negation (same bytes, not elided)."""
+    if nbytes is None:
+        nbytes = 2**26 if jax.devices()[0].platform == "cpu" else 2**31
+    n = nbytes // 2
+    x = jax.block_until_ready(jax.jit(lambda: hashed_normal(7, 3, (n,), jnp.bfloat16))())
+    best = None
+    for name, f in (("copy", jax.jit(jnp.copy)), ("negate", jax.jit(jnp.negative))):
+        stats = time_fn(f, (x,), dict(opts, min_time_s=max(opts["min_time_s"], 0.2)), sanity=False)
+        gbps = 2.0 * nbytes / (stats["median_ms"] * 1e-3) / 1e9
+        if best is None or gbps > best["gbps"]:
+            best = dict(median_ms=stats["median_ms"], min_ms=stats["min_ms"], n_runs=stats["n_runs"],
+                        gbps=round(gbps, 1), op=name, copy_gib=_common.gib(nbytes))
+    del x
+    return best
+
+
+def run_floors(matmuls: list[tuple[int, int, int]], copy: bool, opts: dict[str, Any]) -> dict[str, Any]:
+    """Measures every requested floor; emits one record each; returns {'matmul_tflops': {...}, 'copy_gbps'}."""
+    device = device_kind()
+    floors: dict[str, Any] = {"matmul_tflops": {}, "copy_gbps": None}
+    base = dict(device=_common.device_slug(device), device_name=device, jax=_common.pkg_version("jax"),
+                date=_common.now_utc(), commit=_common.git_commit(), kind="floor", variant=None)
+    for N, H, V in matmuls:
+        rec = dict(implementation="xla_matmul_bf16", shape=f"matmul {N}x{H}x{V}", B=1, T=N, H=H, V=V,
+                   N=N, mode="fwd", **base)
+        try:
+            m = measure_matmul(N, H, V, opts)
+            rec.update(m, status="ok")
+            floors["matmul_tflops"][f"{N},{H},{V}"] = m["tflops"]
+        except Exception as exc:  # noqa: BLE001
+            rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+        _common.emit(rec)
+    if copy:
+        rec = dict(implementation="xla_copy", shape="copy", B=0, T=0, H=0, V=0, N=0, mode="fwd", **base)
+        try:
+            c = measure_copy(opts)
+            rec.update(c, status="ok")
+            floors["copy_gbps"] = c["gbps"]
+        except Exception as exc:  # noqa: BLE001
+            rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+        _common.emit(rec)
+    return floors

@@ -1,0 +1,433 @@
+"""Benchmark driver: one configuration, or a whole suite, each job in its own process.
+
+Examples::
+
+    # one configuration (both modes), floor measured in the same run, appended to results/<device>.jsonl
+    python -m benchmarks.run --shape qwen2.5-0.5b --N 16384 --impl xla_chunked
+    python -m benchmarks.run --shape llama3-8b --impl mosaic_gpu,dense_jax --mode fwd+bwd
+    python -m benchmarks.run --shape logits-llama3 --B 16 --T 1024 --impl mosaic_gpu,liger_triton
+    # suites (see SUITE_GROUPS); --only picks groups; --budget-s bounds the whole run
+    python -m benchmarks.run --suite gpu --only kernels,peers --budget-s 500
+    python -m benchmarks.run --suite cpu --results /tmp/cpu.jsonl
+    python -m benchmarks.run --suite gpu --dry-run          # list the jobs and their timeouts
+
+A job is one implementation on one configuration, in all its modes (``fwd+bwd`` first: JAX cannot reset
+its peak-memory counter, so only the first mode's peak is exact). Every job runs in a fresh process with
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` and a timeout (its process group is killed at the timeout); an
+allocation failure is a result (``status: "oom"``), a crash or timeout is recorded too. The floors
+(bf16 XLA matmul rate of each [N, H] x [H, V], device copy rate) are measured by a first job of the same
+run and written into every record (``floor_ms``, ``x_floor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks import _common
+from benchmarks.shapes import SHAPES, Config, select
+
+JAX_IMPLS = {"lm_head": ("xla_chunked", "mosaic_gpu", "dense_jax"), "logits": ("mosaic_gpu", "xla", "dense_jax")}
+TORCH_IMPLS = {"lm_head": ("cce_gmpo", "liger_grpo"), "logits": ("liger_triton",)}
+MODES = ("fwd+bwd", "fwd")
+
+DEFAULT_OPTS: dict[str, Any] = dict(
+    seed=0, logit_scale=1.0, logits_std=1.0, ratio_noise=0.2, mask="full", weight_layout="hv",
+    chunk_size=None, iters=10, warmup=2, min_time_s=0.3, liger_chunk_size=1, cce_no_filter=True,
+    liger_inplace=True,
+)
+
+# ----------------------------------------------------------------------------------------------------
+# Suites
+
+Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
+GPU_LM_CONFIGS = [(Q, 8, 2048), (Q, 16, 4096), (L, 4, 2048), (Q, 2, 32768), (Q, 1, 512)]
+GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
+SUITE_GROUPS = {
+    "kernels": "mosaic_gpu on the LM-head shapes (issue 3)",
+    "core": "xla_chunked and dense_jax on the LM-head shapes (issue 2)",
+    "peers": "cce_gmpo and liger_grpo on the LM-head shapes (PyTorch; skipped when not importable)",
+    "logits": "policy loss from logits: mosaic_gpu, xla, dense_jax, liger_triton (issue 5)",
+}
+
+
+def _job(kind: str, cfg: Config, impl: str, modes: list[str], timeout_s: float) -> dict[str, Any]:
+    return dict(kind=kind, shape=cfg.shape, B=cfg.B, T=cfg.T, impl=impl, modes=list(modes),
+                timeout_s=timeout_s)
+
+
+def _gpu_timeout(cfg: Config, impl: str) -> float:
+    big = cfg.N >= 65536 or cfg.H >= 4096
+    if impl == "liger_grpo":
+        return 150.0 if big else 90.0
+    return 120.0 if big else 75.0
+
+
+def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
+    """Jobs in priority order (the most informative first: a budget cut drops the tail)."""
+    jobs: list[dict[str, Any]] = []
+    if suite == "gpu":
+        for shape, B, T in GPU_LM_CONFIGS:
+            cfg = select(shape, B=B, T=T)
+            plan = [("kernels", "jax", "mosaic_gpu", MODES), ("core", "jax", "xla_chunked", MODES),
+                    ("core", "jax", "dense_jax", MODES), ("peers", "torch", "cce_gmpo", MODES),
+                    ("peers", "torch", "liger_grpo", ("fwd+bwd",))]
+            for group, kind, impl, modes in plan:
+                if group in only:
+                    jobs.append(_job(kind, cfg, impl, modes, _gpu_timeout(cfg, impl)))
+        if "logits" in only:
+            for shape, B, T in GPU_LOGITS_CONFIGS:
+                cfg = select(shape, B=B, T=T)
+                for kind, impl in (("jax", "mosaic_gpu"), ("jax", "xla"), ("jax", "dense_jax"),
+                                   ("torch", "liger_triton")):
+                    jobs.append(_job(kind, cfg, impl, MODES, 75.0))
+    elif suite == "cpu":
+        for shape, B, T in [("cpu-tiny", 2, 64), ("cpu-small", 2, 128)]:
+            cfg = select(shape, B=B, T=T)
+            for group, impl in (("kernels", "mosaic_gpu"), ("core", "xla_chunked"), ("core", "dense_jax")):
+                if group in only:
+                    jobs.append(_job("jax", cfg, impl, MODES, 120.0))
+        if "logits" in only:
+            cfg = select("logits-cpu")
+            for impl in ("mosaic_gpu", "xla", "dense_jax"):
+                jobs.append(_job("jax", cfg, impl, MODES, 120.0))
+    else:
+        raise ValueError(f"unknown suite {suite!r} (gpu | cpu)")
+    return jobs
+
+
+def floor_job(jobs: list[dict[str, Any]], timeout_s: float = 150.0) -> dict[str, Any] | None:
+    matmuls, copy = [], False
+    for j in jobs:
+        cfg = select(j["shape"], B=j["B"], T=j["T"])
+        if cfg.kind == "lm_head":
+            key = (cfg.N, cfg.H, cfg.V)
+            if key not in matmuls:
+                matmuls.append(key)
+        else:
+            copy = True
+    if not matmuls and not copy:
+        return None
+    return dict(kind="floor", matmuls=matmuls, copy=copy, timeout_s=timeout_s)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Execution
+
+
+def execute(job: dict[str, Any], opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Runs one job in this process (a worker); records are also emitted on stdout."""
+    if job["kind"] == "floor":
+        from benchmarks import jax_impls
+
+        floors = jax_impls.run_floors([tuple(m) for m in job["matmuls"]], job["copy"], opts)
+        _common.emit({"kind": "floors", **floors})
+        return [{"kind": "floors", **floors}]
+    cfg = select(job["shape"], B=job["B"], T=job["T"])
+    if job["kind"] == "jax":
+        from benchmarks import jax_impls
+
+        return jax_impls.run_impl(cfg, job["impl"], job["modes"], opts)
+    if job["kind"] == "torch":
+        from benchmarks import torch_peers
+
+        return torch_peers.run_impl(cfg, job["impl"], job["modes"], opts)
+    raise ValueError(f"unknown job kind {job['kind']!r}")
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _common.REPO_ROOT not in paths:
+        paths.append(_common.REPO_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def run_child(job: dict[str, Any], opts: dict[str, Any], timeout_s: float, log) -> tuple[list, str, float]:
+    """Runs a job in a fresh process group; returns (records, 'ok'|'timeout'|'crash (rc=..)', seconds)."""
+    cmd = [sys.executable, "-m", "benchmarks.run", "--child", json.dumps(job), "--opts", json.dumps(opts)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=_common.REPO_ROOT, env=_child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    status = "ok"
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        status = "timeout"
+    seconds = time.perf_counter() - t0
+    if status == "ok" and proc.returncode != 0:
+        status = f"crash (rc={proc.returncode})"
+    if log is not None:
+        log.write(f"\n=== {_job_label(job)} :: {status} in {seconds:.1f}s\n")
+        noise = [ln for ln in out.splitlines() if not ln.startswith(_common.RESULT_PREFIX)]
+        if noise:
+            log.write("--- stdout\n" + "\n".join(noise[-200:]) + "\n")
+        if err.strip():
+            log.write("--- stderr (last 150 lines)\n" + "\n".join(err.splitlines()[-150:]) + "\n")
+        log.flush()
+    return _common.parse_records(out), status, seconds
+
+
+def _job_label(job: dict[str, Any]) -> str:
+    if job["kind"] == "floor":
+        return f"floor matmuls={job['matmuls']} copy={job['copy']}"
+    return f"{job['impl']} {job['shape']} {job['B']}x{job['T']} {','.join(job['modes'])}"
+
+
+def _missing(job: dict[str, Any], got: list[dict[str, Any]], status: str, device: str | None) -> list[dict]:
+    """Placeholder records for the modes a dead/timed-out/skipped job never reported."""
+    done = {r.get("mode") for r in got if r.get("variant") is None}
+    cfg = select(job["shape"], B=job["B"], T=job["T"])
+    out = []
+    for mode in job["modes"]:
+        if mode not in done:
+            rec = _common.base_record(cfg, job["impl"], mode, status=status.split(" ")[0], device=device)
+            rec["error"] = status
+            out.append(rec)
+    return out
+
+
+class Driver:
+    def __init__(self, opts, results: str | None, log_path: str | None, budget_s: float | None,
+                 timeout_s: float | None, isolate: bool = True):
+        self.opts, self.results, self.budget_s, self.timeout_s = opts, results, budget_s, timeout_s
+        self.isolate = isolate
+        self.log = open(log_path, "a", encoding="utf-8") if log_path else None
+        self.t0 = time.perf_counter()
+        self.floors: dict[str, Any] = {}
+        self.floor_records: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = []
+        self.device: str | None = None
+
+    def _path_for(self, rec: dict[str, Any]) -> str | None:
+        if self.results:
+            return self.results
+        dev = rec.get("device") or self.device
+        if not dev:
+            return None
+        return os.path.join(_common.REPO_ROOT, "benchmarks", "results", f"{dev}.jsonl")
+
+    def _write(self, recs: list[dict[str, Any]]) -> None:
+        for r in recs:
+            if r.get("status") in ("unavailable", "unsupported", "skipped"):
+                continue  # shown in the table only
+            path = self._path_for(r)
+            if path:
+                _common.append_jsonl(path, [r])
+
+    def run(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        fj = floor_job(jobs)
+        for job in ([fj] if fj else []) + jobs:
+            elapsed = time.perf_counter() - self.t0
+            timeout = self.timeout_s or job.get("timeout_s", 120.0)
+            if self.budget_s is not None:
+                left = self.budget_s - elapsed
+                if left < 15:
+                    if job["kind"] != "floor":
+                        self.records += _missing(job, [], "skipped (budget)", self.device)
+                    print(f"[bench] skip {_job_label(job)}: budget spent", flush=True)
+                    continue
+                timeout = min(timeout, left)
+            print(f"[bench] {elapsed:6.1f}s  {_job_label(job)}  (timeout {timeout:.0f}s)", flush=True)
+            if self.isolate:
+                recs, status, secs = run_child(job, self.opts, timeout, self.log)
+            else:
+                t = time.perf_counter()
+                recs, status = execute(job, self.opts), "ok"
+                secs = time.perf_counter() - t
+            if job["kind"] == "floor":
+                for r in recs:
+                    if r.get("kind") == "floors":
+                        self.floors = r
+                    else:
+                        self.device = self.device or r.get("device")
+                        self.floor_records.append(r)
+                self._write([r for r in recs if r.get("kind") != "floors"])
+                print(f"[bench]   floors: {self._floor_summary()} ({secs:.1f}s)", flush=True)
+                continue
+            for r in recs:
+                self.device = self.device or r.get("device")
+                _common.fill_floor(r, self.floors)
+            if status != "ok":
+                recs = recs + _missing(job, recs, status, self.device)
+            for r in recs:
+                if r.get("status") in ("timeout", "crash"):
+                    _common.fill_floor(r, self.floors)
+            self._write(recs)
+            self.records += recs
+            for r in recs:
+                print("[bench]   " + _row(r), flush=True)
+        if self.log:
+            self.log.close()
+        return self.records
+
+    def _floor_summary(self) -> str:
+        parts = [f"{k}: {v} TFLOP/s" for k, v in self.floors.get("matmul_tflops", {}).items()]
+        if self.floors.get("copy_gbps"):
+            parts.append(f"copy {self.floors['copy_gbps']} GB/s")
+        return "; ".join(parts) or "none"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Table
+
+
+def _fmt(v, spec: str = ".3g") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def _name(r: dict[str, Any]) -> str:
+    return r["implementation"] + (f" [{r['variant']}]" if r.get("variant") else "")
+
+
+def _row(r: dict[str, Any]) -> str:
+    rate = f"{r['tflops']} TF/s" if r.get("tflops") else (f"{r['gbps']} GB/s" if r.get("gbps") else "-")
+    peak = _fmt(r.get("peak_gib") if r.get("peak_gib") is not None else r.get("peak_gib_cumulative"), ".3f")
+    if r.get("peak_gib") is None and r.get("peak_gib_cumulative") is not None:
+        peak = f"<={peak}"
+    return (f"{_name(r):34s} {r['shape']:>14s} {str(r['B']) + 'x' + str(r['T']):>8s} {r['mode']:>7s} "
+            f"{r['status'][:11]:>11s} {_fmt(r.get('median_ms'), '.4g'):>9s} {_fmt(r.get('min_ms'), '.4g'):>9s} "
+            f"{_fmt(r.get('x_floor'), '.2f'):>7s} {peak:>9s} {rate:>14s}")
+
+
+def table(records: list[dict[str, Any]], floors: dict[str, Any] | None = None) -> str:
+    head = (f"{'implementation':34s} {'shape':>14s} {'BxT':>8s} {'mode':>7s} {'status':>11s} {'median ms':>9s} "
+            f"{'min ms':>9s} {'x floor':>7s} {'peak GiB':>9s} {'rate':>14s}")
+    lines = [head, "-" * len(head)] + [_row(r) for r in records]
+    if floors:
+        mm = ", ".join(f"[{k}] {v} TF/s" for k, v in floors.get("matmul_tflops", {}).items())
+        lines.append(f"floors: bf16 XLA matmul N,H,V: {mm or '-'}; copy: {floors.get('copy_gbps') or '-'} GB/s")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _split(values: list[str] | None) -> list[str]:
+    out: list[str] = []
+    for v in values or []:
+        out += [x.strip() for x in v.split(",") if x.strip()]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), help="named shape (benchmarks/shapes.py)")
+    p.add_argument("--N", type=int, help="tokens (picks the listed B x T with that N)")
+    p.add_argument("--B", type=int)
+    p.add_argument("--T", type=int)
+    p.add_argument("--impl", action="append", help="implementation(s), comma-separated or repeated")
+    p.add_argument("--mode", action="append", help="fwd and/or fwd+bwd (default both, fwd+bwd first)")
+    p.add_argument("--suite", choices=("gpu", "cpu"), help="run a suite instead of one configuration")
+    p.add_argument("--only", action="append", help=f"suite groups: {', '.join(SUITE_GROUPS)} (default all)")
+    p.add_argument("--results", help="JSONL to append to (default benchmarks/results/<device>.jsonl)")
+    p.add_argument("--log", help="append every job's stderr here")
+    p.add_argument("--table", help="also write the final table to this file")
+    p.add_argument("--budget-s", type=float, help="stop starting jobs after this many seconds")
+    p.add_argument("--timeout-s", type=float, help="per-job timeout (default: per job, 75-150 s)")
+    p.add_argument("--in-process", action="store_true", help="no subprocesses (debugging; peaks then mix)")
+    p.add_argument("--dry-run", action="store_true", help="list the jobs and exit")
+    p.add_argument("--commit", help="commit to record (default: $GMPO_BENCH_COMMIT, git, or 'unknown')")
+    for k, v in DEFAULT_OPTS.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=v,
+                           help=f"(default {v})")
+        elif k in ("mask", "weight_layout"):
+            p.add_argument(flag, default=v, choices=("full", "ragged") if k == "mask" else ("hv", "vh"))
+        else:
+            p.add_argument(flag, type=float if isinstance(v, float) else int, default=v, help=f"(default {v})")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--opts", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.commit:
+        os.environ["GMPO_BENCH_COMMIT"] = args.commit
+    if args.child:  # worker process
+        opts = json.loads(args.opts)
+        execute(json.loads(args.child), opts)
+        return 0
+
+    opts = {k: getattr(args, k) for k in DEFAULT_OPTS}
+    if args.suite:
+        only = _split(args.only) or list(SUITE_GROUPS)
+        bad = [g for g in only if g not in SUITE_GROUPS]
+        if bad:
+            raise SystemExit(f"unknown --only group(s) {bad}; known: {list(SUITE_GROUPS)}")
+        jobs = suite_jobs(args.suite, only)
+        jobs = [j for j in jobs if j["kind"] != "torch" or _torch_peers_importable(j["impl"])] + \
+            [dict(j, skip=True) for j in jobs if j["kind"] == "torch" and not _torch_peers_importable(j["impl"])]
+    else:
+        if not args.shape or not args.impl:
+            raise SystemExit("give --shape and --impl (or --suite)")
+        cfg = select(args.shape, N=args.N, B=args.B, T=args.T)
+        modes = _split(args.mode) or list(MODES)
+        for m in modes:
+            if m not in MODES:
+                raise SystemExit(f"unknown mode {m!r}; known: {MODES}")
+        modes = [m for m in MODES if m in modes]  # fwd+bwd first (exact peak)
+        jobs = []
+        for impl in _split(args.impl):
+            if impl in JAX_IMPLS[cfg.kind]:
+                kind = "jax"
+            elif impl in TORCH_IMPLS[cfg.kind]:
+                kind = "torch"
+            else:
+                raise SystemExit(f"unknown {cfg.kind} implementation {impl!r}; known: "
+                                 f"{JAX_IMPLS[cfg.kind] + TORCH_IMPLS[cfg.kind]}")
+            jobs.append(_job(kind, cfg, impl, modes, args.timeout_s or 600.0))
+
+    skipped = [j for j in jobs if j.get("skip")]
+    jobs = [j for j in jobs if not j.get("skip")]
+    if args.dry_run:
+        fj = floor_job(jobs)
+        for j in ([fj] if fj else []) + jobs:
+            print(f"{_job_label(j):70s} timeout {j.get('timeout_s')}")
+        for j in skipped:
+            print(f"{_job_label(j):70s} SKIPPED (peer not importable)")
+        return 0
+
+    driver = Driver(opts, args.results, args.log, args.budget_s, args.timeout_s, isolate=not args.in_process)
+    records = driver.run(jobs)
+    for j in skipped:
+        records += _missing(j, [], "unavailable (not importable)", driver.device)
+    text = table(records, driver.floors)
+    print("\n" + text, flush=True)
+    if args.table:
+        with open(args.table, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _torch_peers_importable(impl: str) -> bool:
+    import importlib.util
+
+    from benchmarks.torch_peers import PEERS
+
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", PEERS[impl]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

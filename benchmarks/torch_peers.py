@@ -1,0 +1,289 @@
+"""PyTorch peers, measured beside ours when torch with CUDA and the peer package are importable.
+
+* ``cce_gmpo``: GMPO (SPEC.md) written on Apple Cut-Cross-Entropy's per-token losses:
+  ``-logp = cut_cross_entropy.linear_cross_entropy(e [N, H], c [V, H], ids, reduction="none")``, then the
+  GMPO loss in torch, gradients by autograd. Default variant: CCE's default gradient filter
+  (``filter_eps="high"``: vocabulary blocks whose softmax is below bf16 eps/32 are skipped in the backward);
+  variant ``filter_eps=None``: no filtering (exact gradients, the same work as ours).
+* ``liger_grpo``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (chunked, ``chunk_size=1`` sequence per chunk
+  by default, ``loss_type="grpo"``, ``beta=0``; Liger 0.8.5 has no GMPO and the loss arithmetic is
+  negligible next to the LM head). Weight layout [V, H]. Its forward already computes the gradients, so
+  only ``fwd+bwd`` is meaningful.
+* ``liger_triton`` (logits path): Liger's ``triton_grpo_loss(logits [B, T+1, V], ...)``, ``loss_type="grpo"``,
+  ``reduce=True``. Default ``inplace=False`` (dlogits in a fresh buffer, like ours); variant ``inplace``
+  writes dlogits over the logits (then the logits hold gradients after the first call: same bytes moved).
+
+Same data recipe as the JAX worker (bf16 hidden ~ N(0,1), weight ~ N(0, s^2/H), uniform ids, advantages
+~ N(0,1), old_logps = exact logp + noise), drawn with torch's generator (values differ from JAX's).
+Timing: CUDA events around each call, median of >= 10 after warm-up. Peak: ``torch.cuda.
+max_memory_allocated()`` after ``reset_peak_memory_stats()`` per mode (inputs included), so every mode's
+peak is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+from benchmarks import _common
+from benchmarks.shapes import Config
+
+PEERS = {"cce_gmpo": "cut_cross_entropy", "liger_grpo": "liger_kernel", "liger_triton": "liger_kernel"}
+PEER_DIST = {"cut_cross_entropy": "cut-cross-entropy", "liger_kernel": "liger-kernel"}
+
+
+def _versions(module: str) -> dict[str, Any]:
+    return {"torch": _common.pkg_version("torch"), "triton": _common.pkg_version("triton"),
+            "peer_version": _common.pkg_version(PEER_DIST[module])}
+
+
+def gmpo_from_logp(logp, mask, adv, old, eps_low: float = 0.4, eps_high: float = 0.4):
+    """GMPO of SPEC.md in torch: log-space clip by advantage sign, masked mean, geometric mean."""
+    import torch
+
+    B = logp.shape[0]
+    r = logp - old
+    c = torch.where(adv[:, None] > 0, torch.clamp(r, max=eps_high), torch.clamp(r, min=-eps_low))
+    m = mask.to(torch.float32)
+    cnt = m.sum(-1)
+    s = (m * c).sum(-1) / cnt.clamp(min=1.0)
+    return torch.where(cnt > 0, -adv * torch.exp(s), torch.zeros_like(s)).sum() / B
+
+
+def _mask(torch, B: int, T: int, kind: str, gen, device):
+    if kind == "full":
+        return torch.ones(B, T, dtype=torch.int64, device=device)
+    lengths = T - torch.randint(0, T // 4 + 1, (B,), generator=gen, device=device)
+    return (torch.arange(T, device=device)[None, :] < lengths[:, None]).to(torch.int64)
+
+
+def _lm_head_inputs(torch, cfg: Config, opts: dict[str, Any], device):
+    B, T, H, V = cfg.B, cfg.T, cfg.H, cfg.V
+    gen = torch.Generator(device=device).manual_seed(opts["seed"])
+    hidden = torch.randn(B, T, H, dtype=torch.bfloat16, device=device, generator=gen)
+    weight = torch.randn(V, H, dtype=torch.bfloat16, device=device, generator=gen)
+    weight.mul_(opts["logit_scale"] / math.sqrt(H))
+    ids = torch.randint(0, V, (B, T), device=device, generator=gen)
+    adv = torch.randn(B, dtype=torch.float32, device=device, generator=gen)
+    mask = _mask(torch, B, T, opts["mask"], gen, device)
+    with torch.no_grad():  # exact f32 logp, 128 rows at a time
+        h2, i2 = hidden.reshape(-1, H), ids.reshape(-1)
+        logp = torch.empty(B * T, dtype=torch.float32, device=device)
+        for s in range(0, B * T, 128):
+            z = (h2[s:s + 128] @ weight.T).float()
+            logp[s:s + 128] = z.gather(1, i2[s:s + 128, None])[:, 0] - torch.logsumexp(z, -1)
+            del z
+        old = logp.reshape(B, T) + opts["ratio_noise"] * torch.randn(B, T, device=device, generator=gen)
+    return hidden, weight, ids, mask, adv, old
+
+
+def _logits_inputs(torch, cfg: Config, opts: dict[str, Any], device):
+    B, T, V = cfg.B, cfg.T, cfg.V
+    gen = torch.Generator(device=device).manual_seed(opts["seed"])
+    logits = torch.randn(B, T + 1, V, dtype=torch.bfloat16, device=device, generator=gen)
+    logits.mul_(opts["logits_std"])
+    ids = torch.randint(0, V, (B, T), device=device, generator=gen)
+    adv = torch.randn(B, dtype=torch.float32, device=device, generator=gen)
+    mask = _mask(torch, B, T, opts["mask"], gen, device).to(torch.int32).contiguous()
+    with torch.no_grad():
+        old = torch.empty(B, T, dtype=torch.float32, device=device)
+        for b in range(B):
+            for s in range(0, T, 64):
+                z = logits[b, s:min(s + 64, T)].float()
+                old[b, s:s + z.shape[0]] = (z.gather(1, ids[b, s:s + z.shape[0], None])[:, 0]
+                                            - torch.logsumexp(z, -1))
+        old += opts["ratio_noise"] * torch.randn(B, T, device=device, generator=gen)
+    return logits, ids, mask, adv, old
+
+
+def _steps(torch, impl: str, cfg: Config, args, opts) -> list[tuple[str, str | None, Callable]]:
+    """(mode, variant, step) triples; each step returns (loss, grads...) or loss."""
+    out: list[tuple[str, str | None, Callable]] = []
+    if impl == "cce_gmpo":
+        from cut_cross_entropy import linear_cross_entropy
+
+        hidden, weight, ids, mask, adv, old = args
+        B, T, H = hidden.shape
+        h_leaf = hidden.requires_grad_(True)
+        w_leaf = weight.requires_grad_(True)
+
+        def make(filter_eps, grad: bool):
+            def step():
+                nll = linear_cross_entropy(h_leaf.reshape(B * T, H), w_leaf, ids.reshape(-1),
+                                           reduction="none", filter_eps=filter_eps)
+                loss = gmpo_from_logp(-nll.float().reshape(B, T), mask, adv, old)
+                if grad:
+                    return (loss, *torch.autograd.grad(loss, (h_leaf, w_leaf)))
+                return loss
+
+            if grad:
+                return step
+
+            def no_grad_step():
+                with torch.no_grad():
+                    return step()
+
+            return no_grad_step
+
+        for mode in opts["modes"]:
+            out.append((mode, None, make("high", mode == "fwd+bwd")))
+            if mode == "fwd+bwd" and opts.get("cce_no_filter", True):
+                out.append((mode, "filter_eps=None", make(None, True)))
+    elif impl == "liger_grpo":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        hidden, weight, ids, mask, adv, old = args
+        h_leaf = hidden.requires_grad_(True)
+        w_leaf = weight.requires_grad_(True)
+        mod = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, chunk_size=opts.get("liger_chunk_size", 1),
+                                       loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, temperature=1.0,
+                                       compiled=True)
+
+        def fwd_bwd():
+            loss, _metrics = mod(h_leaf, w_leaf, ids, mask, adv, old_per_token_logps=old)
+            return (loss, *torch.autograd.grad(loss, (h_leaf, w_leaf)))
+
+        def fwd():
+            with torch.no_grad():
+                return mod(h_leaf, w_leaf, ids, mask, adv, old_per_token_logps=old)[0]
+
+        for mode in opts["modes"]:
+            out.append((mode, None if mode == "fwd+bwd" else "forward computes gradients too",
+                        fwd_bwd if mode == "fwd+bwd" else fwd))
+    elif impl == "liger_triton":
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        logits, ids, mask, adv, old = args
+        leaf = logits.requires_grad_(True)
+
+        def make(grad: bool, inplace: bool):
+            def call():
+                loss, _metrics = triton_grpo_loss(leaf, old, None, ids, adv, mask, temperature=1.0, beta=0.0,
+                                                  eps_low=0.2, eps_high=0.2, inplace=inplace, loss_type="grpo",
+                                                  reduce=True)
+                return loss
+
+            if grad:
+                def step():
+                    loss = call()
+                    return (loss, *torch.autograd.grad(loss, (leaf,)))
+                return step
+
+            def no_grad_step():
+                with torch.no_grad():
+                    return call()
+
+            return no_grad_step
+
+        for mode in opts["modes"]:
+            out.append((mode, None, make(mode == "fwd+bwd", False)))
+        if "fwd+bwd" in opts["modes"] and opts.get("liger_inplace", True):
+            out.append(("fwd+bwd", "inplace", make(True, True)))  # last: it overwrites the logits
+    else:
+        raise ValueError(f"unknown peer {impl!r}")
+    return out
+
+
+def _time(torch, step: Callable, opts: dict[str, Any]) -> dict[str, Any]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = step()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    vals = first if isinstance(first, tuple) else (first,)
+    loss = vals[0].detach().float()
+    checks: dict[str, Any] = {"loss": float(loss), "finite": bool(torch.isfinite(loss))}
+    norms = []
+    for g in vals[1:]:
+        checks["finite"] &= bool(torch.isfinite(g).all())
+        norms.append(round(float(g.float().norm()), 6))
+    if norms:
+        checks["grad_norms"] = norms
+    del first, vals, loss
+    for _ in range(opts["warmup"]):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed() -> float:
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+    est = timed()
+    times = [timed() for _ in range(_common.n_iters(est, opts["iters"], opts["min_time_s"]))]
+    stats = _common.timing_stats(times)
+    stats.update(checks, compile_s=round(compile_s, 3), timer="cuda_event")
+    return stats
+
+
+def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    opts = dict(opts, modes=modes)
+    module = PEERS.get(impl)
+
+    def fail(status: str, error: str, mode_variants):
+        for mode, variant in mode_variants:
+            rec = _common.base_record(cfg, impl, mode, status=status, error=error, variant=variant)
+            _common.emit(rec)
+            records.append(rec)
+
+    try:
+        import torch
+
+        if module is None:
+            raise ValueError(f"unknown peer {impl!r}")
+        __import__(module)
+        if not torch.cuda.is_available():
+            fail("unavailable", "torch.cuda.is_available() is False", [(m, None) for m in modes])
+            return records
+    except Exception as exc:  # noqa: BLE001
+        fail("unavailable", _common.short_error(exc), [(m, None) for m in modes])
+        return records
+
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name()
+    common = dict(device=_common.device_slug(name), device_name=name, seed=opts["seed"], mask=opts["mask"],
+                  **_versions(module))
+    try:
+        if cfg.kind == "lm_head":
+            args = _lm_head_inputs(torch, cfg, opts, device)
+            grads_bytes = args[0].nbytes + args[1].nbytes
+            common.update(weight_layout="vh", logit_scale=opts["logit_scale"],
+                          weight_f32_gib=_common.gib(cfg.H * cfg.V * 4),
+                          objective="GMPO()" if impl == "cce_gmpo" else "GRPO(loss_type='grpo')")
+        else:
+            args = _logits_inputs(torch, cfg, opts, device)
+            grads_bytes = args[0].nbytes
+            common.update(logits_std=opts["logits_std"], logits_gib=_common.gib(args[0].nbytes),
+                          objective="GRPO(loss_type='grpo')")
+        torch.cuda.synchronize()
+        common["inputs_gib"] = _common.gib(sum(a.nbytes for a in args))
+        steps = _steps(torch, impl, cfg, args, opts)
+    except Exception as exc:  # noqa: BLE001
+        fail(_common.classify_error(exc), _common.short_error(exc), [(m, None) for m in modes])
+        return records
+
+    for mode, variant, step in steps:
+        rec = _common.base_record(cfg, impl, mode, variant=variant, **common)
+        rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            stats = _time(torch, step, opts)
+            rec.update(stats)
+            rec["peak_gib"] = _common.gib(torch.cuda.max_memory_allocated())
+            rec["peak_exact"] = True
+            rec["status"] = "ok" if stats.get("finite", True) else "nonfinite"
+            if cfg.kind == "lm_head":
+                rec["tflops"] = round(cfg.model_flops(mode) / (stats["median_ms"] * 1e-3) / 1e12, 2)
+            else:
+                rec["gbps"] = round(cfg.floor_bytes(mode) / (stats["median_ms"] * 1e-3) / 1e9, 1)
+        except Exception as exc:  # noqa: BLE001
+            rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+            torch.cuda.empty_cache()
+        _common.emit(rec)
+        records.append(rec)
+    return records
