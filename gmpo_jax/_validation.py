@@ -138,7 +138,7 @@ def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, adva
             raise ValueError(f"ref_weight must have the policy's vocabulary size V={V}, got "
                              f"ref_weight.shape={_shape(ref_weight)}")
     has_ref = ref_logps is not None or ref_hidden is not None
-    if objective.uses_kl and not has_ref:
+    if objective.requires_reference and not has_ref:
         raise ValueError(f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps, or "
                          "ref_hidden and ref_weight")
     if num_items_in_batch is not None:

@@ -143,10 +143,13 @@ class Objective:
 
     # --- shared ---------------------------------------------------------------------------
     @property
-    def uses_kl(self) -> bool:
-        """Whether a Python-float ``beta`` is non-zero (a traced beta counts as non-zero)."""
+    def requires_reference(self) -> bool:
+        """True iff ``beta`` is a non-zero Python number: then a reference must be given at call time.
+
+        Whether the KL term exists is decided by whether a reference is given, never by a traced value.
+        """
         beta = getattr(self, "beta", 0.0)
-        return not (_is_concrete_number(beta) and beta == 0)
+        return _is_concrete_number(beta) and beta != 0
 
     def _kl_term(self, logp, data: ChunkData, log_weight) -> Optional[jax.Array]:
         """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``; None without a reference."""
