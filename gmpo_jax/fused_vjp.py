@@ -89,12 +89,13 @@ def _chunk(cfg: FusedConfig, i, locate, hidden, ids, mask, adv, old, ref, ris):
     return start, fresh, h, ids_c, data
 
 
-def _run_policy(cfg: FusedConfig, objective: Objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
-                num_items, temperature, *, with_grads: bool):
+def _scan_policy(cfg: FusedConfig, objective: Objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
+                 denom, temperature, *, with_grads: bool):
+    """``(numerator, MetricSums, (dh, dw f32, db f32))`` of these rows over a given denominator (the
+    call's own, or the global one of a data-parallel call: ``gmpo_jax.sharding``)."""
     B, T, H = hidden.shape
     backend: LMHeadBackend = cfg.backend
     n, locate = _chunk_plan(B, cfg.chunk_size)
-    denom = objective.denominator(mask, num_items).astype(jnp.float32)
 
     def body(carry, i):
         num, sums, dh, dw, db = carry
@@ -126,6 +127,14 @@ def _run_policy(cfg: FusedConfig, objective: Objective, hidden, weight, bias, id
     with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss"):
         (num, sums, dh, dw, db), _ = lax.scan(body, (zero, MetricSums.zeros(), dh0, dw0, db0),
                                               jnp.arange(n, dtype=jnp.int32))
+    return num, sums, (dh, dw, db)
+
+
+def _run_policy(cfg: FusedConfig, objective: Objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
+                num_items, temperature, *, with_grads: bool):
+    denom = objective.denominator(mask, num_items).astype(jnp.float32)
+    num, sums, (dh, dw, db) = _scan_policy(cfg, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
+                                           denom, temperature, with_grads=with_grads)
     loss = num / denom
     aux = dict(loss_numerator=num, loss_denominator=denom, **finalize_metrics(sums, mask))
     return loss, aux, (dh, dw, db)
@@ -196,7 +205,8 @@ def _logprobs_fwd(cfg, hidden, weight, bias, ids, mask, temperature):
     return logp, (hidden, weight, bias, ids, mask, lse, temperature)
 
 
-def _logprobs_bwd(cfg, res, g):
+def _logprobs_grads(cfg, res, g):
+    """``(dh, dw f32, db f32 | None)`` for the cotangent ``g`` of the log-probs."""
     hidden, weight, bias, ids, mask, lse, temperature = res
     B, T, H = hidden.shape
     backend: LMHeadBackend = cfg.backend
@@ -220,6 +230,11 @@ def _logprobs_bwd(cfg, res, g):
             None if bias is None else jnp.zeros(bias.shape, jnp.float32))
     with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs_grad"):
         (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+    return dh, dw, db
+
+
+def _logprobs_bwd(cfg, res, g):
+    dh, dw, db = _logprobs_grads(cfg, res, g)
     d_bias = None if db is None else db.astype(cfg.bias_dtype)
     return (dh, dw.astype(cfg.weight_dtype), d_bias, None, None, None)
 
