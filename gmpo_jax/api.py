@@ -212,8 +212,9 @@ def fused_linear_logprobs(
     Example:
       >>> import jax, jax.numpy as jnp, gmpo_jax
       >>> h = jnp.zeros((1, 2, 4)); w = jnp.ones((4, 5))
-      >>> gmpo_jax.fused_linear_logprobs(h, w, jnp.array([[0, 4]])).round(4).tolist()  # uniform: log(1/5)
-      [[-1.6094000339508057, -1.6094000339508057]]
+      >>> logp = gmpo_jax.fused_linear_logprobs(h, w, jnp.array([[0, 4]]))  # uniform logits: log(1/5)
+      >>> [round(float(x), 4) for x in logp[0]]
+      [-1.6094, -1.6094]
     """
     B, T, H, V = V_.check_lm_head(hidden, weight, bias, weight_layout)
     V_.check_ids(completion_ids, B, T)

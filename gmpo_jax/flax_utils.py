@@ -13,7 +13,7 @@ def lm_head_weight(module: Any) -> tuple[Any, str]:
     Args:
       module: an ``nnx.Linear`` (kernel ``[H, V]`` -> layout ``"hv"``) or an ``nnx.Embed`` used as a tied
         LM head (embedding table ``[V, H]`` -> layout ``"vh"``). A ``Linear``'s bias, if any, is
-        ``module.bias.value`` (pass it as ``bias=``).
+        ``module.bias[...]`` (pass it as ``bias=``).
 
     Returns:
       ``(weight, weight_layout)``: the module's own parameter array (no copy, no transpose; inside
@@ -32,7 +32,7 @@ def lm_head_weight(module: Any) -> tuple[Any, str]:
     from flax import nnx
 
     if isinstance(module, nnx.Linear):
-        return module.kernel.value, "hv"
+        return module.kernel[...], "hv"
     if isinstance(module, nnx.Embed):
-        return module.embedding.value, "vh"
+        return module.embedding[...], "vh"
     raise TypeError(f"module must be an nnx.Linear or nnx.Embed LM head, got {type(module).__name__}")
