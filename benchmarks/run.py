@@ -298,18 +298,19 @@ def _name(r: dict[str, Any]) -> str:
 
 
 def _row(r: dict[str, Any]) -> str:
-    rate = f"{r['tflops']} TF/s" if r.get("tflops") else (f"{r['gbps']} GB/s" if r.get("gbps") else "-")
+    rate = f"{r['tflops']}TF/s" if r.get("tflops") else (f"{r['gbps']}GB/s" if r.get("gbps") else "-")
     peak = _fmt(r.get("peak_gib") if r.get("peak_gib") is not None else r.get("peak_gib_cumulative"), ".3f")
     if r.get("peak_gib") is None and r.get("peak_gib_cumulative") is not None:
         peak = f"<={peak}"
-    return (f"{_name(r):34s} {r['shape']:>14s} {str(r['B']) + 'x' + str(r['T']):>8s} {r['mode']:>7s} "
-            f"{r['status'][:11]:>11s} {_fmt(r.get('median_ms'), '.4g'):>9s} {_fmt(r.get('min_ms'), '.4g'):>9s} "
-            f"{_fmt(r.get('x_floor'), '.2f'):>7s} {peak:>9s} {rate:>14s}")
+    cfg = f"{r['shape']} {r['B']}x{r['T']}"
+    return (f"{_name(r)[:30]:30s} {cfg[:24]:24s} {r['mode']:>7s} {str(r['status'])[:8]:>8s} "
+            f"{_fmt(r.get('median_ms'), '.4g'):>9s} {_fmt(r.get('min_ms'), '.4g'):>9s} "
+            f"{_fmt(r.get('x_floor'), '.2f'):>6s} {peak:>8s} {rate:>11s}")
 
 
 def table(records: list[dict[str, Any]], floors: dict[str, Any] | None = None) -> str:
-    head = (f"{'implementation':34s} {'shape':>14s} {'BxT':>8s} {'mode':>7s} {'status':>11s} {'median ms':>9s} "
-            f"{'min ms':>9s} {'x floor':>7s} {'peak GiB':>9s} {'rate':>14s}")
+    head = (f"{'implementation':30s} {'shape BxT':24s} {'mode':>7s} {'status':>8s} {'median ms':>9s} "
+            f"{'min ms':>9s} {'xfloor':>6s} {'peak GiB':>8s} {'rate':>11s}")
     lines = [head, "-" * len(head)] + [_row(r) for r in records]
     if floors:
         mm = ", ".join(f"[{k}] {v} TF/s" for k, v in floors.get("matmul_tflops", {}).items())

@@ -1,0 +1,425 @@
+"""Turns benchmarks/results/*.jsonl into benchmarks/RESULTS.md tables and benchmarks/results/<device>.png.
+
+    python -m benchmarks.report                      # all devices found in benchmarks/results/
+    python -m benchmarks.report --results a.jsonl --out /tmp/R.md --plot-dir /tmp
+
+For every (implementation, variant, shape, B, T, mode) the latest record wins. RESULTS.md keeps whatever is
+written outside the ``<!-- BEGIN GENERATED -->`` / ``<!-- END GENERATED -->`` markers (notes, test runs),
+and replaces what is between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from collections import OrderedDict
+from typing import Any
+
+from benchmarks import _common
+
+BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+LM_COLUMNS = [("mosaic_gpu", None), ("xla_chunked", None), ("dense_jax", None), ("cce_gmpo", None),
+              ("cce_gmpo", "filter_eps=None"), ("liger_grpo", None)]
+LOGITS_COLUMNS = [("mosaic_gpu", None), ("xla", None), ("dense_jax", None), ("liger_triton", None),
+                  ("liger_triton", "inplace")]
+OURS_LM = ("mosaic_gpu", "xla_chunked")
+OURS_LOGITS = ("mosaic_gpu", "xla")
+MIB = 2.0**20 / _common.GIB  # one MiB in GiB
+
+
+def load(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Records per device slug (file order kept)."""
+    by_dev: dict[str, list[dict[str, Any]]] = OrderedDict()
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                dev = r.get("device") or os.path.splitext(os.path.basename(p))[0]
+                by_dev.setdefault(dev, []).append(r)
+    return by_dev
+
+
+def latest(records: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    out: dict[tuple, dict[str, Any]] = {}
+    for r in records:
+        if r.get("kind") == "floor":
+            continue
+        key = (r["implementation"], r.get("variant"), r["shape"], r["B"], r["T"], r["mode"])
+        prev = out.get(key)
+        if prev is None or str(r.get("date", "")) >= str(prev.get("date", "")):
+            out[key] = r
+    return out
+
+
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3g}" if v < 100 else f"{v:.0f}"
+
+
+def _cell(r: dict[str, Any] | None, with_peak: bool = True) -> str:
+    if r is None:
+        return ""
+    st = r.get("status")
+    if st == "oom":
+        return "out of memory"
+    if st != "ok":
+        return str(st)
+    s = f"{_ms(r.get('median_ms'))} ms"
+    if r.get("x_floor"):
+        s += f" ({r['x_floor']:.2f}x)"
+    peak = r.get("peak_gib")
+    if with_peak and peak is not None:
+        s += f", {peak:.2f} GiB"
+    return s
+
+
+def _configs(lat: dict[tuple, dict[str, Any]], kind: str) -> list[tuple[str, int, int]]:
+    seen = sorted({(r["shape"], r["B"], r["T"]) for r in lat.values() if r.get("kind") == kind},
+                  key=lambda x: (x[0], x[1] * x[2], -x[1]))
+    return seen
+
+
+def lm_budget_gib(r: dict[str, Any], extra_gib: float) -> float | None:
+    """inputs + returned gradients + one float32 copy of the weight + extra (issues 2 and 3)."""
+    if r.get("inputs_gib") is None or r.get("weight_f32_gib") is None:
+        return None
+    return r["inputs_gib"] + (r.get("grads_gib") or 0.0) + r["weight_f32_gib"] + extra_gib
+
+
+def logits_budget_gib(r: dict[str, Any]) -> float | None:
+    """logits + dlogits + 64 MiB (issue 5)."""
+    if r.get("logits_gib") is None:
+        return None
+    return 2 * r["logits_gib"] + 64 * MIB
+
+
+def _ratio(a: dict | None, b: dict | None) -> float | None:
+    if not a or not b or a.get("status") != "ok" or b.get("status") != "ok":
+        return None
+    if not a.get("median_ms") or not b.get("median_ms"):
+        return None
+    return a["median_ms"] / b["median_ms"]
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
+    out: list[str] = []
+    lm = _configs(lat, "lm_head")
+    for shape in sorted({c[0] for c in lm}):
+        rows = [c for c in lm if c[0] == shape]
+        any_r = next(r for r in lat.values() if r["shape"] == shape)
+        out.append(f"### {shape} (H = {any_r['H']}, V = {any_r['V']}), forward + backward\n")
+        cols = [c for c in LM_COLUMNS if any((c[0], c[1], *row, "fwd+bwd") in lat for row in rows)]
+        hdr = ["B x T (N)", "floor"] + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in cols] + ["memory target"]
+        out.append("| " + " | ".join(hdr) + " |")
+        out.append("|" + "---|" * len(hdr))
+        for _, B, T in rows:
+            recs = [lat.get((c[0], c[1], shape, B, T, "fwd+bwd")) for c in cols]
+            ref = next((r for r in recs if r and r.get("floor_ms")), None)
+            floor = f"{_ms(ref['floor_ms'])} ms" if ref else "-"
+            budget = next((lm_budget_gib(r, 0.5) for r in recs if r and lm_budget_gib(r, 0.5)), None)
+            out.append("| " + " | ".join([f"{B} x {T} ({B * T})", floor] + [_cell(r) for r in recs]
+                                         + [f"{budget:.2f} GiB" if budget else "-"]) + " |")
+        out.append("\nCells: median time (x the floor), peak device memory of the process (inputs included). "
+                   "Floor = 6·N·H·V / the bf16 XLA matmul rate of [N, H] x [H, V] measured in the same run. "
+                   "Memory target = inputs + returned gradients + one f32 copy of the weight + 512 MiB.\n")
+        # forward only
+        fcols = [c for c in LM_COLUMNS if any((c[0], c[1], *row, "fwd") in lat for row in rows)]
+        if fcols:
+            out.append(f"Forward only (loss, no gradient), {shape}:\n")
+            hdr = ["B x T", "floor (2NHV)"] + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in fcols] \
+                + [f"{o} fwd / fwd+bwd" for o in OURS_LM]
+            out.append("| " + " | ".join(hdr) + " |")
+            out.append("|" + "---|" * len(hdr))
+            for _, B, T in rows:
+                recs = [lat.get((c[0], c[1], shape, B, T, "fwd")) for c in fcols]
+                ref = next((r for r in recs if r and r.get("floor_ms")), None)
+                fr = [_x(_ratio(lat.get((o, None, shape, B, T, "fwd")), lat.get((o, None, shape, B, T, "fwd+bwd"))))
+                      for o in OURS_LM]
+                out.append("| " + " | ".join([f"{B} x {T}", f"{_ms(ref['floor_ms'])} ms" if ref else "-"]
+                                             + [_cell(r, with_peak=False) for r in recs] + fr) + " |")
+            out.append("")
+        # ratios
+        out.append(f"Ours against the others, forward + backward time ratios (lower is better), {shape}:\n")
+        hdr = ["B x T", "impl", "x floor", "x dense_jax", "x cce_gmpo", "x cce_gmpo [filter_eps=None]",
+               "x liger_grpo"]
+        out.append("| " + " | ".join(hdr) + " |")
+        out.append("|" + "---|" * len(hdr))
+        for _, B, T in rows:
+            for o in OURS_LM:
+                mine = lat.get((o, None, shape, B, T, "fwd+bwd"))
+                if not mine:
+                    continue
+                vals = [_x(mine.get("x_floor")) if mine.get("status") == "ok" else mine.get("status", "-")]
+                for peer in (("dense_jax", None), ("cce_gmpo", None), ("cce_gmpo", "filter_eps=None"),
+                             ("liger_grpo", None)):
+                    vals.append(_x(_ratio(mine, lat.get((peer[0], peer[1], shape, B, T, "fwd+bwd")))))
+                out.append("| " + " | ".join([f"{B} x {T}", o] + vals) + " |")
+        out.append("")
+
+    lg = _configs(lat, "logits")
+    for shape in sorted({c[0] for c in lg}):
+        rows = [c for c in lg if c[0] == shape]
+        any_r = next(r for r in lat.values() if r["shape"] == shape)
+        for mode in ("fwd+bwd", "fwd"):
+            cols = [c for c in LOGITS_COLUMNS if any((c[0], c[1], *row, mode) in lat for row in rows)]
+            if not cols:
+                continue
+            title = "forward + backward" if mode == "fwd+bwd" else "forward only"
+            out.append(f"### {shape} (logits [B, T+1, V], V = {any_r['V']}), {title}\n")
+            hdr = ["B x T", "logits", "floor"] + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in cols] \
+                + (["memory target"] if mode == "fwd+bwd" else [])
+            out.append("| " + " | ".join(hdr) + " |")
+            out.append("|" + "---|" * len(hdr))
+            for _, B, T in rows:
+                recs = [lat.get((c[0], c[1], shape, B, T, mode)) for c in cols]
+                ref = next((r for r in recs if r and r.get("floor_ms")), None)
+                lgib = next((r.get("logits_gib") for r in recs if r and r.get("logits_gib")), None)
+                row = [f"{B} x {T}", f"{lgib:.2f} GiB" if lgib else "-", f"{_ms(ref['floor_ms'])} ms" if ref else "-"]
+                row += [_cell(r, with_peak=(mode == "fwd+bwd")) for r in recs]
+                if mode == "fwd+bwd":
+                    budget = next((logits_budget_gib(r) for r in recs if r and logits_budget_gib(r)), None)
+                    row.append(f"{budget:.2f} GiB" if budget else "-")
+                out.append("| " + " | ".join(row) + " |")
+            out.append("")
+        out.append("Floor = bytes of the logits (read once) + bytes of dlogits (written once, fwd+bwd only) over "
+                   "the device copy rate measured in the same run. Memory target = logits + dlogits + 64 MiB.\n")
+    return out
+
+
+def _check(label: str, value: str, ok: bool | None) -> str:
+    mark = "n/a" if ok is None else ("met" if ok else "MISSED")
+    return f"| {label} | {value} | {mark} |"
+
+
+def targets(lat: dict[tuple, dict[str, Any]]) -> list[str]:
+    """The issues' numeric targets, checked against the latest records."""
+    Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
+    get = lambda impl, shape, B, T, mode="fwd+bwd", var=None: lat.get((impl, var, shape, B, T, mode))  # noqa: E731
+    rows: list[str] = ["| target | measured | |", "|---|---|---|"]
+
+    def ratio_check(label, mine, other, limit):
+        r = _ratio(mine, other)
+        if limit is None:  # information only
+            rows.append(f"| {label} | {'-' if r is None else f'{r:.2f}x'} | info |")
+            return
+        rows.append(_check(label, "-" if r is None else f"{r:.2f}x (limit {limit:.3g}x)",
+                           None if r is None else r <= limit))
+
+    def floor_check(label, mine, limit):
+        xf = mine.get("x_floor") if mine and mine.get("status") == "ok" else None
+        rows.append(_check(label, "-" if xf is None else f"{xf:.2f}x floor (limit {limit}x)",
+                           None if xf is None else xf <= limit))
+
+    def peak_check(label, mine, budget):
+        p = mine.get("peak_gib") if mine and mine.get("status") == "ok" else None
+        rows.append(_check(label, "-" if p is None or budget is None else f"{p:.2f} GiB (limit {budget:.2f})",
+                           None if p is None or budget is None else p <= budget))
+
+    # issue 2 (portable path)
+    for B, T in ((16, 4096), (2, 32768)):
+        r = get("xla_chunked", Q, B, T)
+        rows.append(_check(f"#2 xla_chunked runs N=65536 ({B}x{T})", r.get("status", "-") if r else "-",
+                           None if r is None else r.get("status") == "ok"))
+        peak_check(f"#2 xla_chunked peak {B}x{T} <= in + grads + f32 W + 1 GiB", r,
+                   lm_budget_gib(r, 1.0) if r else None)
+    ratio_check("#2 xla_chunked 8x2048 <= 1.5x dense_jax", get("xla_chunked", Q, 8, 2048), get("dense_jax", Q, 8, 2048), 1.5)
+    # issue 3 (kernels)
+    m16 = get("mosaic_gpu", Q, 8, 2048)
+    ratio_check("#3 mosaic_gpu 8x2048 <= 0.8x cce_gmpo", m16, get("cce_gmpo", Q, 8, 2048), 0.8)
+    ratio_check("#3 mosaic_gpu 8x2048 <= 0.7x dense_jax", m16, get("dense_jax", Q, 8, 2048), 0.7)
+    floor_check("#3 mosaic_gpu 8x2048 <= 1.3x floor", m16, 1.3)
+    for B, T in ((16, 4096), (2, 32768)):
+        ratio_check(f"#3 mosaic_gpu {B}x{T} <= 0.8x cce_gmpo", get("mosaic_gpu", Q, B, T), get("cce_gmpo", Q, B, T), 0.8)
+    floor_check("#3 mosaic_gpu llama3-8b 4x2048 <= 1.3x floor", get("mosaic_gpu", L, 4, 2048), 1.3)
+    for shape, B, T in ((Q, 1, 512), (Q, 8, 2048), (Q, 16, 4096), (Q, 2, 32768), (L, 4, 2048)):
+        r = get("mosaic_gpu", shape, B, T)
+        peak_check(f"#3 mosaic_gpu peak {shape} {B}x{T} <= in + grads + f32 W + 512 MiB", r,
+                   lm_budget_gib(r, 0.5) if r else None)
+    for shape, B, T in ((Q, 1, 512), (Q, 8, 2048), (Q, 16, 4096), (Q, 2, 32768), (L, 4, 2048)):
+        ratio_check(f"#3 mosaic_gpu fwd <= 0.4x fwd+bwd, {shape} {B}x{T}", get("mosaic_gpu", shape, B, T, "fwd"),
+                    get("mosaic_gpu", shape, B, T), 0.4)
+    # issue 5 (logits)
+    for B, T in ((2, 1024), (16, 1024)):
+        r = get("mosaic_gpu", G, B, T)
+        floor_check(f"#5 mosaic_gpu logits {B}x{T} fwd+bwd <= 1.3x floor", r, 1.3)
+        floor_check(f"#5 mosaic_gpu logits {B}x{T} fwd <= 1.3x floor", get("mosaic_gpu", G, B, T, "fwd"), 1.3)
+        peak_check(f"#5 mosaic_gpu logits {B}x{T} peak <= logits + dlogits + 64 MiB", r,
+                   logits_budget_gib(r) if r else None)
+        ratio_check(f"#5 mosaic_gpu logits {B}x{T} time / liger_triton" + (" (>= 2.8x faster)" if B == 2 else ""),
+                    r, get("liger_triton", G, B, T), 1 / 2.8 if B == 2 else None)
+    return rows
+
+
+def environment(records: list[dict[str, Any]]) -> list[str]:
+    def values(key):
+        return sorted({str(r[key]) for r in records if r.get(key) not in (None, "")})
+
+    floors = [r for r in records if r.get("kind") == "floor" and r.get("status") == "ok"]
+    mm = sorted({f"[{r['N']}, {r['H']}] x [{r['H']}, {r['V']}]: {r['tflops']} TFLOP/s" for r in floors
+                 if r["implementation"] == "xla_matmul_bf16"})
+    cp = sorted({f"{r['gbps']} GB/s ({r.get('op')}, {r.get('copy_gib')} GiB)" for r in floors
+                 if r["implementation"] == "xla_copy"})
+    dates = values("date")
+    lines = [
+        f"- device: {', '.join(values('device_name')) or '-'}",
+        f"- dates: {dates[0] if dates else '-'} .. {dates[-1] if dates else '-'}; commits: {', '.join(values('commit'))}",
+        f"- jax {', '.join(values('jax'))} (jaxlib {', '.join(values('jaxlib'))}); torch {', '.join(values('torch')) or '-'}; "
+        f"triton {', '.join(values('triton')) or '-'}; peers: "
+        + ", ".join(f"{impl} {v}" for impl, v in sorted({(r['implementation'], r['peer_version'])
+                                                           for r in records if r.get('peer_version')})),
+        f"- bf16 XLA matmul rate (f32 result) measured in the runs: {'; '.join(mm) or '-'}",
+        f"- device copy rate (read + write): {'; '.join(cp) or '-'}",
+    ]
+    return lines
+
+
+def plot(device: str, lat: dict[tuple, dict[str, Any]], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    lm = [r for r in lat.values() if r.get("kind") == "lm_head" and r["mode"] == "fwd+bwd"]
+    lg = [r for r in lat.values() if r.get("kind") == "logits" and r["mode"] == "fwd+bwd"]
+    # the LM-head panel shows the most-populated lm_head shape (the Qwen head on the GPU)
+    shapes = sorted({r["shape"] for r in lm}, key=lambda s: -len({(r["B"], r["T"]) for r in lm if r["shape"] == s}))
+    panels = ([("lm_head", shapes[0], LM_COLUMNS)] if shapes else []) + \
+        ([("logits", lg[0]["shape"], LOGITS_COLUMNS)] if lg else [])
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.6 * len(panels)), squeeze=False)
+    for row, (kind, shape, columns) in enumerate(panels):
+        recs = [r for r in (lm if kind == "lm_head" else lg) if r["shape"] == shape]
+        ax_t, ax_m = axes[row]
+        for impl, var in columns:
+            pts = sorted((r["N"], r["B"], r) for r in recs if r["implementation"] == impl and r.get("variant") == var
+                         and r.get("status") == "ok")
+            if not pts:
+                continue
+            label = impl + (f" [{var}]" if var else "")
+            # one point per N: the configuration with the most sequences (e.g. 16x4096 over 2x32768)
+            by_n: dict[int, dict] = {}
+            for n, b, r in pts:
+                if n not in by_n or b > by_n[n]["B"]:
+                    by_n[n] = r
+            xs = sorted(by_n)
+            style = "-o" if impl in OURS_LM + OURS_LOGITS else "--s"
+            ax_t.plot(xs, [by_n[n]["median_ms"] for n in xs], style, label=label)
+            pk = [(n, by_n[n].get("peak_gib")) for n in xs if by_n[n].get("peak_gib") is not None]
+            if pk:
+                ax_m.plot([p[0] for p in pk], [p[1] for p in pk], style, label=label)
+            ooms = sorted({r["N"] for r in recs if r["implementation"] == impl and r.get("variant") == var
+                           and r.get("status") == "oom"})
+            for n in ooms:
+                ax_t.annotate(f"{label}: OOM", (n, ax_t.get_ylim()[1] if ax_t.lines else 1), fontsize=7,
+                              rotation=90, va="top")
+        floor_pts = sorted({(r["N"], r["floor_ms"]) for r in recs if r.get("floor_ms")})
+        if floor_pts:
+            ax_t.plot([p[0] for p in floor_pts], [p[1] for p in floor_pts], "k:", lw=2, label="floor")
+        budget = sorted({(r["N"], lm_budget_gib(r, 0.5) if kind == "lm_head" else logits_budget_gib(r))
+                         for r in recs if (lm_budget_gib(r, 0.5) if kind == "lm_head" else logits_budget_gib(r))})
+        if budget:
+            ax_m.plot([b[0] for b in budget], [b[1] for b in budget], "k:", lw=2, label="memory target")
+        what = "LM head + GMPO" if kind == "lm_head" else "loss from logits"
+        for ax, ylabel in ((ax_t, "fwd+bwd time, ms (median)"), (ax_m, "peak device memory, GiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("N = B x T tokens")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{device}: {shape}, {what}")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) -> str:
+    out = [BEGIN, "", "_Generated by `python -m benchmarks.report` from `benchmarks/results/*.jsonl`; "
+           "edit outside the markers._", ""]
+    for dev, records in by_dev.items():
+        lat = latest(records)
+        if not lat:
+            continue
+        out.append(f"## {dev}\n")
+        out += environment(records)
+        out.append("")
+        png = os.path.join(plot_dir, f"{dev}.png")
+        if plot(dev, lat, png):
+            out.append(f"![{dev}]({os.path.relpath(png, md_dir)})\n")
+        out.append("### Targets (issues 2, 3, 5)\n")
+        out += targets(lat)
+        out.append("")
+        out += shape_tables(lat)
+        bad = [r for r in lat.values() if r.get("status") not in ("ok", "oom")]
+        if bad:
+            out.append("Runs that did not produce a time:\n")
+            for r in sorted(bad, key=lambda r: (r["shape"], r["N"], r["implementation"])):
+                out.append(f"- {r['implementation']}{' [' + r['variant'] + ']' if r.get('variant') else ''} "
+                           f"{r['shape']} {r['B']}x{r['T']} {r['mode']}: {r.get('status')} "
+                           f"{(r.get('error') or '')[:200]}")
+            out.append("")
+    out.append(END)
+    return "\n".join(out)
+
+
+TEMPLATE_HEAD = """# Benchmarks
+
+How these numbers are made: `benchmarks/run.py` (one process per implementation and configuration,
+`XLA_PYTHON_CLIENT_PREALLOCATE=false`, bf16 random inputs, warm-up, median and min of >= 10 timed calls,
+peak device memory of the process with the inputs), the floors measured in the same run, the PyTorch
+peers run beside ours from carried wheels. Raw records: `benchmarks/results/<device>.jsonl` (one JSON
+object per line). Re-run on the GPU with `bash benchmarks/gpu_suite.sh`, then `python -m benchmarks.report`.
+
+"""
+
+
+def write_markdown(path: str, generated: str) -> None:
+    old = open(path, encoding="utf-8").read() if os.path.exists(path) else None
+    if old and BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + generated + tail
+    else:
+        text = TEMPLATE_HEAD + generated + "\n\n## Notes\n\n(Hand-written analysis goes here: where a target is " \
+            "missed, by how much and why, from measurement; GPU test runs with command and pass count.)\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n")[0])
+    p.add_argument("--results", action="append", help="JSONL file(s) (default benchmarks/results/*.jsonl)")
+    p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    p.add_argument("--plot-dir", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    paths = args.results or sorted(glob.glob(os.path.join(HERE, "results", "*.jsonl")))
+    by_dev = load(paths)
+    os.makedirs(args.plot_dir, exist_ok=True)
+    generated = render(by_dev, args.plot_dir, os.path.dirname(os.path.abspath(args.out)))
+    write_markdown(args.out, generated)
+    print(f"wrote {args.out} ({len(by_dev)} device(s): {', '.join(by_dev) or 'none'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
