@@ -1,0 +1,25 @@
+"""GMPO training demo: a Flax NNX policy trained end to end with the fused GMPO loss (``gmpo-jax train``).
+
+Data flow, one file per stage: `config` (options, presets, validation) -> `tasks` (prompts, rewards) ->
+`model` (transformer returning hidden states) -> `rollout` (KV-cache sampling, advantages, log-probs) ->
+`loop` (fused-loss updates, metrics, checkpoints via `checkpoint`) -> `plots`; `cli` is the command line.
+
+Programmatic use::
+
+    from gmpo_jax.train import TrainConfig, train
+    result = train(TrainConfig(steps=20, progress=False, plots=False, output_dir="/tmp/run"))
+    result.summary["reward_last10"]
+"""
+
+from gmpo_jax.train.config import ConfigError, TrainConfig, preset_config
+from gmpo_jax.train.tasks import Task
+
+__all__ = ["ConfigError", "Task", "TrainConfig", "TrainResult", "preset_config", "train"]
+
+
+def __getattr__(name):  # lazy: importing the package (e.g. for the CLI's --help) does not import JAX
+    if name in ("train", "TrainResult"):
+        from gmpo_jax.train import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module 'gmpo_jax.train' has no attribute {name!r}")

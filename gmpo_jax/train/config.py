@@ -1,0 +1,300 @@
+"""Configuration of the training demo: one frozen dataclass, two presets, validation before any compile.
+
+`TrainConfig` holds every knob of `gmpo-jax train`. `TrainConfig.validate` checks it with plain Python
+(no JAX tracing, no compilation) and raises `ConfigError` whose one-line message names the command-line
+option at fault, so a bad command line stops immediately with e.g.
+``gmpo-jax train: error: --group-size must be >= 2 (group-normalised advantages need two samples), got 1``.
+
+`make_objective` turns ``loss_type`` and its hyper-parameters into a `gmpo_jax` objective
+(`GMPO`, `GRPO`, `CISPO`, `SAPO`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+__all__ = [
+    "ConfigError",
+    "LOSS_TYPES",
+    "PRESETS",
+    "TrainConfig",
+    "make_objective",
+    "preset_config",
+]
+
+#: every ``--loss-type`` value; ``gmpo`` first (the default)
+LOSS_TYPES = ("gmpo", "grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo")
+BUILTIN_TASKS = ("reverse", "add")
+SCALE_REWARDS = ("group", "none")
+LR_SCHEDULES = ("cosine", "constant")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line and names the command-line option."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything `gmpo-jax train` needs; the field ``foo_bar`` is the option ``--foo-bar``.
+
+    Defaults are the CPU preset, tuned so that ``gmpo-jax train`` with no arguments finishes in about
+    two minutes on a 2-core CPU with a clearly rising reward. ``preset_config("gpu")`` is the H200 preset.
+
+    Attributes (grouped):
+      Run: ``name`` (``None`` -> ``"<loss_type>-<task>-s<seed>"``), ``output_dir`` (``None`` ->
+        ``runs/<name>``), ``seed``, ``steps`` (optimizer steps, one rollout batch each),
+        ``save_every`` (checkpoint period in steps; 0 = only at the end), ``resume``, ``plots``,
+        ``progress`` (tqdm bar), ``preset`` (informational).
+      Task: ``task`` (``"reverse"``, ``"add"`` or ``"module:function"``), ``digits`` (operand length,
+        the task difficulty), ``partial_credit`` (reward per correct answer position),
+        ``prompt_task`` (built-in task whose prompts a ``module:function`` reward function scores).
+      Policy: ``d_model``, ``n_layers``, ``n_heads``, ``d_ff``, ``tie_embeddings`` (LM head = the input
+        ``nnx.Embed``, weight layout ``"vh"``; otherwise an untied ``nnx.Linear``, layout ``"hv"``),
+        ``vocab_size`` (``None`` -> tokenizer size; larger pads the head with never-targeted ids),
+        ``dtype`` (activation / LM-head compute dtype; parameters stay float32).
+      Rollout: ``batch_size`` (completions per step = prompts x ``group_size``), ``group_size`` (G),
+        ``max_completion_length`` (``None`` -> the task's answer length + 1 for EOS),
+        ``temperature``, ``top_p``.
+      Objective: ``loss_type``, ``epsilon_low`` / ``epsilon_high`` (``None`` -> the objective's
+        default: 0.4 for GMPO, 0.2 for the others), ``beta`` (KL to the frozen initial policy),
+        ``scale_rewards`` (``"group"``: divide by the group std; ``"none"``: Dr. GRPO, centre only),
+        ``num_iterations`` (optimizer passes over each rollout batch; > 1 makes the updates
+        off-policy and the importance ratios non-trivial).
+      Optimizer: ``learning_rate``, ``lr_schedule`` (``"cosine"`` decays to 10% after warmup, or
+        ``"constant"``), ``warmup_steps``, ``weight_decay``, ``max_grad_norm``, ``adam_b2``.
+    """
+
+    # run
+    name: Optional[str] = None
+    output_dir: Optional[str] = None
+    seed: int = 0
+    steps: int = 120
+    save_every: int = 0
+    resume: bool = False
+    plots: bool = True
+    progress: bool = True
+    preset: str = "cpu"
+    # task
+    task: str = "reverse"
+    digits: int = 3
+    partial_credit: float = 0.1
+    prompt_task: str = "reverse"
+    # policy
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 256
+    tie_embeddings: bool = False
+    vocab_size: Optional[int] = None
+    dtype: str = "float32"
+    # rollout
+    batch_size: int = 128
+    group_size: int = 8
+    max_completion_length: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # objective
+    loss_type: str = "gmpo"
+    epsilon_low: Optional[float] = None
+    epsilon_high: Optional[float] = None
+    beta: float = 0.0
+    scale_rewards: str = "group"
+    num_iterations: int = 2
+    # optimizer
+    learning_rate: float = 3e-3
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    adam_b2: float = 0.99
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def run_name(self) -> str:
+        """``name`` or the default ``"<loss_type>-<task>-s<seed>"`` (``:`` in a hook becomes ``-``)."""
+        if self.name:
+            return self.name
+        task = self.task.replace(":", "-").replace(".", "-")
+        return f"{self.loss_type}-{task}-s{self.seed}"
+
+    @property
+    def run_dir(self) -> str:
+        """``output_dir`` or ``runs/<run_name>``."""
+        return self.output_dir or f"runs/{self.run_name}"
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts per step, ``batch_size // group_size``."""
+        return self.batch_size // self.group_size
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with ``changes`` applied (not validated; call `validate`)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        """The configuration as a JSON object (one line)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def validate(self) -> "TrainConfig":
+        """Check every field with plain Python; no JAX work happens here.
+
+        Returns:
+          ``self``, for chaining.
+
+        Raises:
+          ConfigError: the first invalid field, as a one-line message naming its ``--option``.
+        """
+
+        def bad(field: str, why: str) -> ConfigError:
+            value = getattr(self, field)
+            return ConfigError(f"--{field.replace('_', '-')} {why}, got {value!r}")
+
+        def need_int(field: str, lo: int) -> None:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+                raise bad(field, f"must be an integer >= {lo}")
+
+        def need_float(field: str, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
+            value = getattr(self, field)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
+            if not ok:
+                rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+                raise bad(field, f"must be a number in {rng}")
+
+        def need_choice(field: str, choices: tuple[str, ...]) -> None:
+            if getattr(self, field) not in choices:
+                raise bad(field, f"must be one of {', '.join(choices)}")
+
+        need_int("seed", 0)
+        need_int("steps", 1)
+        need_int("save_every", 0)
+        need_choice("loss_type", LOSS_TYPES)
+        if not (self.task in BUILTIN_TASKS or _looks_like_hook(self.task)):
+            raise bad("task", f"must be one of {', '.join(BUILTIN_TASKS)} or 'module:function'")
+        need_choice("prompt_task", BUILTIN_TASKS)
+        need_int("digits", 1)
+        need_float("partial_credit", 0.0)
+        need_int("d_model", 1)
+        need_int("n_layers", 1)
+        need_int("n_heads", 1)
+        need_int("d_ff", 1)
+        if self.d_model % self.n_heads:
+            raise bad("n_heads", f"must divide --d-model={self.d_model}")
+        if self.vocab_size is not None:
+            need_int("vocab_size", 1)
+        need_choice("dtype", DTYPES)
+        need_int("group_size", 2)  # group-normalised advantages need two samples per prompt
+        need_int("batch_size", 2)
+        if self.batch_size % self.group_size:
+            raise bad("batch_size", f"must be divisible by --group-size={self.group_size}")
+        if self.max_completion_length is not None:
+            need_int("max_completion_length", 1)
+        need_float("temperature", 0.0, lo_open=True)
+        need_float("top_p", 0.0, 1.0, lo_open=True)
+        for field in ("epsilon_low", "epsilon_high"):
+            if getattr(self, field) is not None:
+                need_float(field, 0.0)
+        need_float("beta", 0.0)
+        need_choice("scale_rewards", SCALE_REWARDS)
+        need_int("num_iterations", 1)
+        need_float("learning_rate", 0.0, lo_open=True)
+        need_choice("lr_schedule", LR_SCHEDULES)
+        need_int("warmup_steps", 0)
+        need_float("weight_decay", 0.0)
+        need_float("max_grad_norm", 0.0, lo_open=True)
+        need_float("adam_b2", 0.0, 1.0)
+        if self.loss_type == "sapo" and (self.epsilon_low is not None or self.epsilon_high is not None):
+            raise bad("epsilon_high" if self.epsilon_high is not None else "epsilon_low",
+                      "does not apply to --loss-type sapo (it has no clip range)")
+        if self.loss_type == "cispo" and self.epsilon_low is not None:
+            raise bad("epsilon_low", "does not apply to --loss-type cispo (it clips the ratio from above only)")
+        return self
+
+
+def _looks_like_hook(task: str) -> bool:
+    module, sep, attr = task.partition(":")
+    return bool(sep and module and attr)
+
+
+#: preset name -> field overrides applied on top of the `TrainConfig` defaults
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {},
+    # H200: a ~20M-parameter policy, 1024 completions per step, bf16 activations (Pallas LM-head path).
+    "gpu": dict(
+        preset="gpu",
+        d_model=512,
+        n_layers=6,
+        n_heads=8,
+        d_ff=2048,
+        digits=5,
+        vocab_size=128,
+        dtype="bfloat16",
+        batch_size=1024,
+        group_size=16,
+        learning_rate=1e-3,
+        steps=200,
+        warmup_steps=20,
+    ),
+}
+
+
+def preset_config(preset: str = "cpu", **overrides: Any) -> TrainConfig:
+    """The `TrainConfig` of a preset with ``overrides`` applied (not yet validated).
+
+    Args:
+      preset: ``"cpu"`` (the defaults) or ``"gpu"``.
+      **overrides: field values that win over the preset.
+
+    Raises:
+      ConfigError: unknown preset or unknown field name.
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConfigError(f"unknown configuration field {unknown[0]!r}")
+    return TrainConfig(**{**PRESETS[preset], "preset": preset, **overrides})
+
+
+def make_objective(config: TrainConfig, max_completion_length: int):
+    """The `gmpo_jax` objective selected by ``config.loss_type``.
+
+    Args:
+      config: a validated configuration.
+      max_completion_length: ``T`` of the rollouts (the ``dr_grpo`` normaliser).
+
+    Returns:
+      ``GMPO``, ``GRPO(loss_type=...)``, ``CISPO`` or ``SAPO``; epsilons left at ``None`` keep the
+      objective's own default (0.4 for GMPO, 0.2 otherwise).
+
+    Raises:
+      ConfigError: the objective rejects a hyper-parameter (message names the option).
+    """
+    import gmpo_jax
+
+    eps = {}
+    if config.epsilon_low is not None:
+        eps["epsilon_low"] = float(config.epsilon_low)
+    if config.epsilon_high is not None:
+        eps["epsilon_high"] = float(config.epsilon_high)
+    beta = float(config.beta)
+    lt = config.loss_type
+    try:
+        if lt == "gmpo":
+            return gmpo_jax.GMPO(beta=beta, **eps)
+        if lt in ("grpo", "dapo", "bnpo", "dr_grpo"):
+            extra = {"max_completion_length": int(max_completion_length)} if lt == "dr_grpo" else {}
+            return gmpo_jax.GRPO(loss_type=lt, beta=beta, **eps, **extra)
+        if lt == "cispo":
+            return gmpo_jax.CISPO(beta=beta, **eps)
+        if lt == "sapo":
+            return gmpo_jax.SAPO(beta=beta)
+    except ValueError as e:  # the objective's own check, e.g. "epsilon_low must be >= 0, got ..."
+        first = str(e).splitlines()[0]
+        raise ConfigError(f"--loss-type {lt}: {first}") from e
+    raise ConfigError(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {lt!r}")

@@ -1,0 +1,359 @@
+"""The on-policy RL loop: rollout -> reward -> advantages -> fused-loss updates -> metrics, checkpoints, plots.
+
+One step of `train`:
+
+1. ``num_prompts`` prompts from ``np.random.default_rng([seed, step])``, each repeated ``G`` times;
+2. `rollout.sample_completions` (jit, KV cache) with the key ``fold_in(PRNGKey(seed), step)``;
+3. host rewards of the decoded completions (`tasks.Task.rewards`) and `rollout.group_advantages`;
+4. ``old_logps`` of the behaviour policy when ``num_iterations > 1`` and ``ref_logps`` of the frozen
+   initial policy when ``beta > 0``, both via ``gmpo_jax.fused_linear_logprobs``;
+5. ``num_iterations`` calls of `train_step`: ``nnx.value_and_grad`` of `policy_loss`, which feeds the
+   policy's final hidden states and its LM-head weight to ``gmpo_jax.fused_linear_policy_loss``; then
+   ``optimizer.update`` (AdamW, global-norm clipping, warmup + cosine schedule);
+6. one JSON line of metrics, the progress bar, periodic orbax checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import gmpo_jax
+from gmpo_jax.train import rollout as rollout_lib
+from gmpo_jax.train.config import ConfigError, TrainConfig, make_objective
+from gmpo_jax.train.model import Transformer
+from gmpo_jax.train.tasks import TOKENIZER, Task, make_task
+
+__all__ = ["Plan", "TrainResult", "plan", "build_model", "make_optimizer", "policy_loss", "train_step", "train"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything resolved from a `TrainConfig` before any JAX compilation.
+
+    Attributes:
+      config: the validated configuration.
+      task: the resolved `Task`.
+      max_completion_length: ``T``.
+      vocab_size: ``V`` of the policy (>= the tokenizer's).
+      objective: the ``gmpo_jax`` objective (static, hashable).
+    """
+
+    config: TrainConfig
+    task: Task
+    max_completion_length: int
+    vocab_size: int
+    objective: Any
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence, ``P + T``."""
+        return self.task.prompt_length + self.max_completion_length
+
+
+def plan(config: TrainConfig) -> Plan:
+    """Validate ``config`` and resolve task, lengths and objective; pure Python, nothing compiles.
+
+    Raises:
+      ConfigError: one-line message naming the offending ``--option``.
+    """
+    config.validate()
+    try:
+        task = make_task(config.task, digits=config.digits, partial_credit=config.partial_credit,
+                         prompt_task=config.prompt_task)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = config.max_completion_length or task.answer_length + 1
+    vocab = config.vocab_size or TOKENIZER.vocab_size
+    if vocab < TOKENIZER.vocab_size:
+        raise ConfigError(f"--vocab-size must be >= the tokenizer's {TOKENIZER.vocab_size}, got {vocab}")
+    return Plan(config, task, t, vocab, make_objective(config, t))
+
+
+def build_model(p: Plan, seed: Optional[int] = None) -> Transformer:
+    """The policy of plan ``p``, initialised from ``seed`` (default ``p.config.seed``)."""
+    c = p.config
+    seed = c.seed if seed is None else seed
+    return Transformer(p.vocab_size, p.max_len, c.d_model, c.n_layers, c.n_heads, c.d_ff,
+                       tie_embeddings=c.tie_embeddings, dtype=jnp.dtype(c.dtype), rngs=nnx.Rngs(seed))
+
+
+def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
+    """Linear warmup over ``warmup_steps`` updates, then cosine decay to 10% (or constant)."""
+    total = config.steps * config.num_iterations
+    warmup = min(config.warmup_steps, max(total - 1, 0))
+    if config.lr_schedule == "constant":
+        return optax.warmup_constant_schedule(0.0, config.learning_rate, max(warmup, 1))
+    return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, max(warmup, 1), max(total, warmup + 1),
+                                              end_value=0.1 * config.learning_rate)
+
+
+def make_optimizer(config: TrainConfig, model: Transformer) -> nnx.Optimizer:
+    """``nnx.Optimizer`` over the policy's ``nnx.Param``: global-norm clipping then AdamW with the schedule."""
+    tx = optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm),
+        optax.adamw(learning_rate_schedule(config), b2=config.adam_b2, weight_decay=config.weight_decay),
+    )
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def policy_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective, *, temperature: float = 1.0):
+    """The training loss: ``gmpo_jax.fused_linear_policy_loss`` on the policy's completion hidden states.
+
+    Args:
+      model: the policy.
+      batch: a `rollout.RolloutBatch` (``N`` completions of ``T`` tokens).
+      objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)``.
+      temperature: the sampling temperature (log-probs of the distribution that was sampled).
+
+    Returns:
+      ``(loss f32[], aux: gmpo_jax.LossAux)``; differentiable with respect to the policy's parameters.
+    """
+    hidden = rollout_lib.completion_hidden(model, batch.prompt_ids, batch.completion_ids)
+    weight, layout = rollout_lib.lm_head(model, hidden.dtype)
+    return gmpo_jax.fused_linear_policy_loss(
+        hidden, weight, batch.completion_ids, batch.completion_mask, batch.advantages,
+        objective=objective, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
+        temperature=temperature, weight_layout=layout)
+
+
+@nnx.jit(static_argnames=("objective", "temperature"))
+def train_step(model: Transformer, optimizer: nnx.Optimizer, batch: rollout_lib.RolloutBatch, objective,
+               temperature: float = 1.0) -> dict:
+    """One optimizer update on ``batch`` (compiled; updates ``model`` and ``optimizer`` in place).
+
+    Returns:
+      dict of float32 scalars: ``loss``, the ``LossAux`` fields (``kl``, ``clip_fraction``,
+      ``clip_fraction_low``, ``clip_fraction_high``, ``log_ratio_min``, ``log_ratio_max``, ...) and
+      ``grad_norm`` (before clipping).
+    """
+
+    def loss_fn(m):
+        return policy_loss(m, batch, objective, temperature=temperature)
+
+    (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return {"loss": loss, **aux._asdict(), "grad_norm": optax.global_norm(grads)}
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` returns.
+
+    Attributes:
+      config: the configuration run. run_dir: its output folder.
+      history: one metrics dict per step (also in ``run_dir/metrics.jsonl``).
+      summary: steps, wall time, steps/s and tokens/s after compilation, mean reward of the first and
+        last 10 steps.
+      model: the trained policy. optimizer: its optimizer.
+    """
+
+    config: TrainConfig
+    run_dir: str
+    history: list
+    summary: dict
+    model: Any = None
+    optimizer: Any = None
+
+
+_STEP_KEYS_MEAN = ("loss", "kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "grad_norm")
+
+
+def _rollout(p: Plan, model, ref_model, step: int):
+    """Steps 1-4 of the module docstring; returns the batch and host-side stats."""
+    c = p.config
+    rng = np.random.default_rng([c.seed, step])
+    prompts = p.task.make_prompts(rng, c.num_prompts)
+    prompts = [q for q in prompts for _ in range(c.group_size)]
+    prompt_ids = jnp.asarray(TOKENIZER.encode_batch(prompts))
+    key = jax.random.fold_in(jax.random.PRNGKey(c.seed), step)
+    ids, mask = rollout_lib.sample_completions(
+        model, prompt_ids, key, jnp.float32(c.temperature), max_new_tokens=p.max_completion_length,
+        top_p=float(c.top_p), eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
+    ids_np = np.asarray(ids)
+    completions = [TOKENIZER.decode(row) for row in ids_np]
+    rewards = p.task.rewards(prompts, completions)
+    adv = rollout_lib.group_advantages(rewards, c.group_size, scale=c.scale_rewards)
+    old = ref = None
+    if c.num_iterations > 1:
+        old = rollout_lib.policy_logprobs(model, prompt_ids, ids, mask, temperature=float(c.temperature))
+    if c.beta > 0:
+        ref = rollout_lib.policy_logprobs(ref_model, prompt_ids, ids, mask, temperature=float(c.temperature))
+    batch = rollout_lib.RolloutBatch(prompt_ids, ids, mask, jnp.asarray(adv), old, ref)
+    mask_np = np.asarray(mask)
+    stats = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "exact_match": p.task.exact_match(prompts, completions),
+        "completion_length": float(mask_np.sum(axis=1).mean()),
+        "eos_fraction": float(np.mean(np.any(ids_np == TOKENIZER.eos_id, axis=1))),
+        "sample": f"{prompts[0]}{completions[0]}",
+    }
+    return batch, stats
+
+
+def _update(p: Plan, model, optimizer, batch) -> dict:
+    """Step 5: ``num_iterations`` compiled updates; metrics averaged (ratio range: min / max)."""
+    outs = [train_step(model, optimizer, batch, p.objective, temperature=float(p.config.temperature))
+            for _ in range(p.config.num_iterations)]
+    outs = jax.device_get(outs)
+    m = {k: float(np.mean([o[k] for o in outs])) for k in _STEP_KEYS_MEAN}
+    m["log_ratio_min"] = float(min(o["log_ratio_min"] for o in outs))
+    m["log_ratio_max"] = float(max(o["log_ratio_max"] for o in outs))
+    return m
+
+
+def _read_history(path: str, upto: int) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if r["step"] <= upto]
+
+
+def _summarise(history: list, new_rows: list, wall: float) -> dict:
+    """Reward of the first / last 10 steps of ``history``; throughput of ``new_rows`` minus the first
+    (compiling) step of this invocation."""
+    k = min(10, len(history))
+    timed = new_rows[1:]
+    t = sum(h["step_time_s"] for h in timed)
+    tok = sum(h["tokens"] for h in timed)
+
+    def mean(key, rows):
+        return float(np.mean([h[key] for h in rows])) if rows else float("nan")
+
+    return {
+        "steps": len(history),
+        "new_steps": len(new_rows),
+        "wall_time_s": wall,
+        "first_step_s": new_rows[0]["step_time_s"] if new_rows else float("nan"),
+        "steps_per_s": len(timed) / t if t > 0 else float("nan"),
+        "tokens_per_s": tok / t if t > 0 else float("nan"),
+        "reward_first10": mean("reward_mean", history[:k]),
+        "reward_last10": mean("reward_mean", history[len(history) - k:]),
+        "exact_first10": mean("exact_match", history[:k]),
+        "exact_last10": mean("exact_match", history[len(history) - k:]),
+    }
+
+
+def train(config: TrainConfig, *, log=None) -> TrainResult:
+    """Run the RL loop of the module docstring for ``config.steps`` steps.
+
+    Writes ``config.json``, ``metrics.jsonl`` (one line per step), ``checkpoints/`` (orbax) and, with
+    ``config.plots``, ``training.png`` under ``config.run_dir``. Without ``config.resume`` an existing
+    run folder's metrics and checkpoints are replaced; with it, the newest checkpoint is loaded and the
+    run continues from its step (an absent checkpoint starts afresh).
+
+    Args:
+      config: the run configuration (validated here).
+      log: ``print``-like callable for the end-of-run summary; None = ``tqdm.write`` to stderr when
+        ``config.progress`` else silent.
+
+    Returns:
+      A `TrainResult`.
+
+    Raises:
+      ConfigError: invalid configuration (before anything compiles).
+    """
+    from tqdm.auto import tqdm
+
+    from gmpo_jax.train.checkpoint import Checkpointer
+
+    p = plan(config)
+    c = p.config
+    if log is None:
+        log = (lambda s: tqdm.write(s, file=sys.stderr)) if c.progress else (lambda s: None)
+    run_dir = c.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not c.resume:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        if os.path.exists(metrics_path):
+            os.remove(metrics_path)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        f.write(c.to_json() + "\n")
+
+    model = build_model(p)
+    ref_model = build_model(p) if c.beta > 0 else None  # frozen copy of the initial policy
+    optimizer = make_optimizer(c, model)
+    ckpt = Checkpointer(ckpt_dir)
+    start = 0
+    if c.resume and ckpt.latest_step() is not None:
+        start = int(ckpt.restore(model, optimizer)["step"])
+        log(f"resumed {run_dir} at step {start}")
+    history = _read_history(metrics_path, start)
+    sample = ""
+    with open(metrics_path, "w") as f:
+        f.writelines(json.dumps(h) + "\n" for h in history)
+
+    schedule = learning_rate_schedule(c)
+    tokens_per_step = c.batch_size * p.max_len
+    bar = tqdm(total=c.steps, initial=start, desc=c.run_name, unit="step", disable=not c.progress,
+               dynamic_ncols=True, file=sys.stderr)
+    t_start = time.perf_counter()
+    new_rows = []
+    with open(metrics_path, "a") as mf:
+        for step in range(start, c.steps):
+            t0 = time.perf_counter()
+            batch, stats = _rollout(p, model, ref_model, step)
+            t1 = time.perf_counter()
+            upd = _update(p, model, optimizer, batch)
+            t2 = time.perf_counter()
+            row = {
+                "step": step + 1,
+                **{k: v for k, v in stats.items() if k != "sample"},
+                **upd,
+                "lr": float(schedule((step + 1) * c.num_iterations - 1)),
+                "tokens": tokens_per_step,
+                "rollout_time_s": t1 - t0,
+                "update_time_s": t2 - t1,
+                "step_time_s": t2 - t0,
+                "tokens_per_s": tokens_per_step / (t2 - t0),
+            }
+            if not all(math.isfinite(v) for k, v in row.items() if isinstance(v, float) and k != "exact_match"):
+                log(f"warning: non-finite metric at step {step + 1}: {row}")
+            mf.write(json.dumps(row) + "\n")
+            mf.flush()
+            new_rows.append(row)
+            sample = stats["sample"]
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3f}",
+                            clip=f"{row['clip_fraction']:.3f}", kl=f"{row['kl']:.4f}", refresh=False)
+            bar.update(1)
+            if c.save_every and (step + 1) % c.save_every == 0 and step + 1 < c.steps:
+                ckpt.save(step + 1, model, optimizer, {"config": json.loads(c.to_json())})
+    bar.close()
+    wall = time.perf_counter() - t_start
+    if start < c.steps:
+        ckpt.save(c.steps, model, optimizer, {"config": json.loads(c.to_json())})
+    ckpt.close()
+    history = history + new_rows
+    summary = _summarise(history, new_rows, wall)
+    if c.plots and history:
+        from gmpo_jax.train.plots import plot_history
+
+        summary["plot"] = plot_history(history, os.path.join(run_dir, "training.png"), title=c.run_name)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if new_rows:
+        log(f"{c.run_name}: {len(new_rows)} steps in {wall:.1f} s (first step, incl. compilation: "
+            f"{summary['first_step_s']:.1f} s); after compilation {summary['steps_per_s']:.2f} steps/s, "
+            f"{summary['tokens_per_s']:,.0f} tokens/s")
+    log(f"reward (mean of 10 steps): first {summary['reward_first10']:.3f} -> last {summary['reward_last10']:.3f}; "
+        f"exact answers {summary['exact_first10']:.1%} -> {summary['exact_last10']:.1%}"
+        + (f"; last sample: {sample!r}" if sample else ""))
+    log(f"outputs: {run_dir}/ (metrics.jsonl, checkpoints/{c.steps}"
+        f"{', training.png' if 'plot' in summary else ''})")
+    return TrainResult(c, run_dir, history, summary, model, optimizer)
