@@ -268,8 +268,14 @@ def time_fn(fn: Callable, args: tuple, opts: dict[str, Any], *, sanity: bool = T
     return stats
 
 
+@jax.jit
+def _finite_and_norm(g):
+    """One fused reduction (no float32 copy of g is materialised, which would raise the peak)."""
+    return jnp.all(jnp.isfinite(g)), jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
+
+
 def _sanity(out) -> dict[str, Any]:
-    """Loss value, finiteness and gradient norms of the first call (cheap fused reductions)."""
+    """Loss value, finiteness and gradient norms of the first call."""
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple):
         loss, grads = out
     else:
@@ -278,8 +284,9 @@ def _sanity(out) -> dict[str, Any]:
     finite = bool(jnp.isfinite(loss))
     norms = []
     for g in grads:
-        finite &= bool(jnp.all(jnp.isfinite(g)))
-        norms.append(float(jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))))
+        ok, norm = _finite_and_norm(g)
+        finite &= bool(ok)
+        norms.append(float(norm))
     res["finite"] = finite
     if norms:
         res["grad_norms"] = [round(n, 6) for n in norms]
@@ -287,54 +294,102 @@ def _sanity(out) -> dict[str, Any]:
 
 
 def _nbytes(*arrays) -> int:
-    return int(sum(a.size * a.dtype.itemsize for a in arrays))
+    return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays))
+
+
+def input_specs(cfg: Config, opts: dict[str, Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Abstract arguments, so that every mode is compiled before any input exists on the device."""
+    B, T, S = cfg.B, cfg.T, jax.ShapeDtypeStruct
+    tail = (S((B, T), jnp.int32), S((B, T), jnp.bool_), S((B,), jnp.float32), S((B, T), jnp.float32))
+    if cfg.kind == "lm_head":
+        w = (cfg.H, cfg.V) if opts["weight_layout"] == "hv" else (cfg.V, cfg.H)
+        return (S((B, T, cfg.H), jnp.bfloat16), S(w, jnp.bfloat16)) + tail
+    return (S((B, T + 1, cfg.V), jnp.bfloat16),) + tail
+
+
+def _compile(fn: Callable, mode: str, argnums: tuple[int, ...], specs) -> tuple[Any, dict[str, Any]]:
+    if mode == "fwd":
+        f = jax.jit(fn)
+    elif mode == "fwd+bwd":
+        f = jax.jit(jax.value_and_grad(fn, argnums=argnums))
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    t0 = time.perf_counter()
+    compiled = f.lower(*specs).compile()
+    info: dict[str, Any] = {"compile_s": round(time.perf_counter() - t0, 3)}
+    try:
+        ma = compiled.memory_analysis()
+        info["compiled_temp_gib"] = _common.gib(ma.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - optional information
+        pass
+    return compiled, info
 
 
 def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Times one implementation on one configuration, each mode in turn; emits one record per mode."""
-    records = []
+    """Times one implementation on one configuration in each mode; emits one record per mode.
+
+    Order: compile every mode (no input on the device yet, so compile-time allocations such as GEMM
+    autotuning do not stack on the inputs), create the inputs, then time the modes in the given order."""
+    records: list[dict[str, Any]] = []
     device = device_kind()
-    common = dict(device=_common.device_slug(device), device_name=device, seed=opts["seed"],
-                  mask=opts["mask"], objective="GMPO()", jaxlib=_common.pkg_version("jaxlib"))
+    common: dict[str, Any] = dict(device=_common.device_slug(device), device_name=device, seed=opts["seed"],
+                                  mask=opts["mask"], objective="GMPO()", jaxlib=_common.pkg_version("jaxlib"))
+    specs = input_specs(cfg, opts)
+    if cfg.kind == "lm_head":
+        argnums: tuple[int, ...] = (0, 1)
+        grads_bytes = _nbytes(specs[0], specs[1])
+        common.update(weight_layout=opts["weight_layout"], logit_scale=opts["logit_scale"],
+                      chunk_size=opts.get("chunk_size"), weight_f32_gib=_common.gib(cfg.H * cfg.V * 4))
+    else:
+        argnums = (0,)
+        grads_bytes = _nbytes(specs[0])
+        common.update(logits_std=opts["logits_std"], logits_gib=_common.gib(_nbytes(specs[0])))
+    common["inputs_gib"] = _common.gib(_nbytes(*specs))
+
+    def fail(mode: str, exc: BaseException, **extra) -> None:
+        rec = _common.base_record(cfg, impl, mode, **common, **extra)
+        rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+        _common.emit(rec)
+        records.append(rec)
+
+    compiled: dict[str, tuple[Any, dict[str, Any]]] = {}
     try:
         if cfg.kind == "lm_head":
-            args = lm_head_inputs(cfg, opts)
-            fn, source = lm_head_loss(impl, opts), None
-            argnums: tuple[int, ...] = (0, 1)
-            grads_bytes = _nbytes(args[0], args[1])
-            common.update(weight_layout=opts["weight_layout"], logit_scale=opts["logit_scale"],
-                          chunk_size=opts.get("chunk_size"),
-                          weight_f32_gib=_common.gib(cfg.H * cfg.V * 4))
+            fn = lm_head_loss(impl, opts)
         else:
-            args = logits_inputs(cfg, opts)
             fn, source = logits_loss(impl, opts)
-            argnums = (0,)
-            grads_bytes = _nbytes(args[0])
-            common.update(logits_std=opts["logits_std"], logits_gib=_common.gib(_nbytes(args[0])))
-        jax.block_until_ready(args)
-        common.update(inputs_gib=_common.gib(_nbytes(*args)), prep_peak_gib=_common.gib(peak_bytes()))
-        if source:
-            common["impl_source"] = source
+            if source:
+                common["impl_source"] = source
     except Exception as exc:  # noqa: BLE001 - reported, never raised
         for mode in modes:
-            rec = _common.base_record(cfg, impl, mode, **common)
-            rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
-            _common.emit(rec)
-            records.append(rec)
+            fail(mode, exc)
+        return records
+    failed: dict[str, BaseException] = {}
+    for mode in modes:
+        try:
+            compiled[mode] = _compile(fn, mode, argnums, specs)
+        except Exception as exc:  # noqa: BLE001
+            failed[mode] = exc
+    try:
+        args = lm_head_inputs(cfg, opts) if cfg.kind == "lm_head" else logits_inputs(cfg, opts)
+        jax.block_until_ready(args)
+        common["prep_peak_gib"] = _common.gib(peak_bytes())
+    except Exception as exc:  # noqa: BLE001
+        for mode in modes:
+            fail(mode, exc)
         return records
 
     for k, mode in enumerate(modes):
+        if mode in failed:
+            fail(mode, failed[mode])
+            continue
+        f, info = compiled.pop(mode)
         rec = _common.base_record(cfg, impl, mode, **common)
         rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
         try:
-            if mode == "fwd":
-                f = jax.jit(fn)
-            elif mode == "fwd+bwd":
-                f = jax.jit(jax.value_and_grad(fn, argnums=argnums))
-            else:
-                raise ValueError(f"unknown mode {mode!r}")
             stats = time_fn(f, args, opts)
-            rec.update(stats)
+            stats.pop("compile_s", None)  # first-call time of an already compiled program
+            rec.update(stats, **info)
             peak = peak_bytes()
             rec["peak_exact"] = k == 0
             rec["peak_gib"] = _common.gib(peak) if k == 0 else None
@@ -344,9 +399,9 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
                 rec["tflops"] = round(cfg.model_flops(mode) / (stats["median_ms"] * 1e-3) / 1e12, 2)
             else:
                 rec["gbps"] = round(cfg.floor_bytes(mode) / (stats["median_ms"] * 1e-3) / 1e9, 1)
-            del f
         except Exception as exc:  # noqa: BLE001
             rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+        del f
         _common.emit(rec)
         records.append(rec)
     return records

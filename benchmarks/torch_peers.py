@@ -113,18 +113,15 @@ def _steps(torch, impl: str, cfg: Config, args, opts) -> list[tuple[str, str | N
                 nll = linear_cross_entropy(h_leaf.reshape(B * T, H), w_leaf, ids.reshape(-1),
                                            reduction="none", filter_eps=filter_eps)
                 loss = gmpo_from_logp(-nll.float().reshape(B, T), mask, adv, old)
-                if grad:
-                    return (loss, *torch.autograd.grad(loss, (h_leaf, w_leaf)))
-                return loss
+                return (loss, *torch.autograd.grad(loss, (h_leaf, w_leaf)))
 
-            if grad:
-                return step
-
-            def no_grad_step():
+            def no_grad_step():  # detached inputs: CCE then skips its backward-only work (logit averages)
                 with torch.no_grad():
-                    return step()
+                    nll = linear_cross_entropy(hidden.detach().reshape(B * T, H), weight.detach(),
+                                               ids.reshape(-1), reduction="none", filter_eps=filter_eps)
+                    return gmpo_from_logp(-nll.float().reshape(B, T), mask, adv, old)
 
-            return no_grad_step
+            return step if grad else no_grad_step
 
         for mode in opts["modes"]:
             out.append((mode, None, make("high", mode == "fwd+bwd")))
@@ -197,10 +194,13 @@ def _time(torch, step: Callable, opts: dict[str, Any]) -> dict[str, Any]:
     norms = []
     for g in vals[1:]:
         checks["finite"] &= bool(torch.isfinite(g).all())
-        norms.append(round(float(g.float().norm()), 6))
+        norms.append(round(float(torch.linalg.vector_norm(g, dtype=torch.float32)), 6))
     if norms:
         checks["grad_norms"] = norms
     del first, vals, loss
+    # the peak counts the warm-up and timed calls (the same work as the first), not the checks above
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(opts["warmup"]):
         step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -270,8 +270,6 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
         rec = _common.base_record(cfg, impl, mode, variant=variant, **common)
         rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
         try:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
             stats = _time(torch, step, opts)
             rec.update(stats)
             rec["peak_gib"] = _common.gib(torch.cuda.max_memory_allocated())
