@@ -8,6 +8,7 @@ GPUs, portable XLA elsewhere) and stores the hidden-state and weight gradients a
 from gmpo_jax.api import LossAux, fused_linear_logprobs, fused_linear_policy_loss
 from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.flax_utils import lm_head_weight
+from gmpo_jax.logits_loss import policy_loss_from_logits
 from gmpo_jax.objectives import CISPO, GMPO, GRPO, SAPO
 from gmpo_jax import reference
 
@@ -21,6 +22,7 @@ __all__ = [
     "LossAux",
     "fused_linear_policy_loss",
     "fused_linear_logprobs",
+    "policy_loss_from_logits",
     "lm_head_weight",
     "reference",
     "UnsupportedConfigError",

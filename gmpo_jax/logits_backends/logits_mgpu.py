@@ -1,0 +1,269 @@
+"""Pallas Mosaic GPU kernels over logits that already exist: online log-sum-exp, and dlogits.
+
+Memory-bound by design: each kernel streams ``[block_rows, block_v]`` tiles of the logits (viewed
+as ``[R, V]``, a free reshape of ``[B, T(+1), V]``) from device memory into shared memory with
+bulk tensor copies (TMA) through a ``stages``-deep ring (``plgpu.emit_pipeline``), does float32
+math in registers (WGMMA register layout: a row lives in one quad of threads, so row reductions
+are two shuffles) and never writes anything of size ``[R, V]`` except ``dlogits`` itself.
+
+* :func:`lse_partials` (forward, reads the logits once): per row and per vocabulary *split*, the
+  running maximum ``m`` of ``z2 = z * log2(e) / T``, the sum ``l`` of ``exp2(z2 - m)`` and the
+  target's ``z2``. The grid is ``(splits, row blocks)`` so that a small batch still fills the GPU;
+  :func:`combine_partials` merges the splits (``splits * R`` floats, negligible).
+* :func:`dlogits` (backward, reads the logits once and writes their gradient once):
+  ``dz = c_r * (onehot(id_r) - exp2(z2 - lse2_r))`` with ``c_r = dloss/dlogp_r / T`` (0 on rows
+  that carry no gradient, selected, never multiplied, so garbage logits there cannot leak NaN).
+
+No padding, no copies: a row range or vocabulary range that does not fill the last block is handled
+by sliding that block back to end at ``R`` (resp. ``V``). The forward masks the columns a slid-back
+tile has already seen (``-inf``: nothing added to the sum, never picked as the target); the
+backward simply writes the overlapping rows / columns twice with bitwise identical values. Every
+copy is therefore in bounds, and the result does not depend on block sizes.
+
+Constraints (checked by the backend, which otherwise raises ``UnsupportedConfigError``):
+``R >= block_rows``, ``V >= block_v`` and a row pitch of a multiple of 16 bytes (TMA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+
+from gmpo_jax.kernels._compat import iota, layout_cast, load_vector, plgpu
+
+__all__ = ["KernelConfig", "lse_partials", "combine_partials", "dlogits", "pick_splits"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+BLOCK_ROWS = 64  # one warpgroup, WGMMA register layout (m = 64)
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Block sizes of the logits kernels (hashable; a static argument).
+
+  block_v: vocabulary columns per tile; a multiple of 128 bytes of the dtype (64 for 16-bit, 32 for
+    float32) and at most 256 (one TMA box).
+  stages: depth of the shared-memory ring (bytes in flight per CTA: stages * 64 * block_v * itemsize,
+    doubled in the backward for the output tiles).
+  tiles_per_cta: backward only: vocabulary tiles each CTA walks (the grid is split over the
+    vocabulary so that many CTAs are in flight; the forward picks its own split, see pick_splits).
+  """
+
+  block_v: int = 128
+  stages: int = 4
+  tiles_per_cta: int = 32
+
+  def __post_init__(self):
+    if self.block_v % 32 or not 32 <= self.block_v <= 256:
+      raise ValueError(f"{self.block_v=} must be a multiple of 32 in [32, 256]")
+    if self.stages < 1:
+      raise ValueError(f"{self.stages=} must be >= 1")
+    if self.tiles_per_cta < 1:
+      raise ValueError(f"{self.tiles_per_cta=} must be >= 1")
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+def _transforms(dtype):
+  itemsize = jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
+
+
+def check_block(block_v: int, dtype) -> None:
+  if block_v % (128 // jnp.dtype(dtype).itemsize):
+    raise ValueError(f"block_v={block_v} must be a multiple of 128 bytes of {jnp.dtype(dtype)}")
+
+
+def pick_splits(num_row_blocks: int, num_tiles: int, num_sms: int = 132, ctas_per_sm: int = 2) -> int:
+  """Vocabulary splits of the forward: enough CTAs for ~4 waves, at least 8 tiles per split."""
+  want = max(1, _cdiv(4 * num_sms * ctas_per_sm, num_row_blocks))
+  splits = max(1, min(want, num_tiles // 8))
+  tps = _cdiv(num_tiles, splits)
+  return _cdiv(num_tiles, tps)
+
+
+def _row_block_start(rows: int):
+  rb = lax.axis_index("rows")
+  return jnp.minimum(rb * BLOCK_ROWS, rows - BLOCK_ROWS)
+
+
+def _tile_start(j, block_v: int, vocab: int):
+  """Column of vocabulary tile ``j``: nominally ``j * block_v``, slid back to end at ``V``."""
+  return jnp.minimum(j * block_v, vocab - block_v)
+
+
+def lse_partials(x, ids, k_rows, *, cfg: KernelConfig, num_splits: int, interpret=None):
+  """Per-split online log-sum-exp statistics (base 2) of the rows of ``x``.
+
+  Args:
+    x: ``[R, V]`` bf16 / f16 / f32 logits.
+    ids: ``[R]`` int32 target ids (a value outside ``[0, V)`` picks nothing).
+    k_rows: ``[R]`` float32, ``log2(e) / temperature`` per row.
+
+  Returns:
+    ``(m2, l, t2)``, each ``[num_splits, R]`` float32: running max of ``z2 = x * k``, sum of
+    ``exp2(z2 - m2)`` and the target's ``z2`` (0 where the split does not hold it).
+  """
+  R, V = x.shape
+  bm, bv, stages = BLOCK_ROWS, cfg.block_v, cfg.stages
+  check_block(bv, x.dtype)
+  num_tiles = _cdiv(V, bv)
+  tps = _cdiv(num_tiles, num_splits)
+  assert _cdiv(num_tiles, tps) == num_splits, (num_tiles, num_splits)
+  assert R >= bm and V >= bv, (R, V)
+  shape = (bm, bv)
+
+  def kernel(x_ref, ids_ref, k_ref, m_out, l_out, t_out, stat_smem):
+    split = lax.axis_index("split")
+    row0 = _row_block_start(R)
+    tile0 = split * tps
+    n_tiles = jnp.minimum(tps, num_tiles - tile0)
+    ids_v = load_vector(ids_ref.at[pl.ds(row0, bm)], _ROW, interpret)
+    k_v = load_vector(k_ref.at[pl.ds(row0, bm)], _ROW, interpret)
+    kk = lax.broadcast_in_dim(k_v, shape, [0])
+    neg_inf = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), _ROW, interpret)
+    zero = layout_cast(jnp.full((bm,), 0.0, jnp.float32), _ROW, interpret)
+
+    def body(idx, x_smem, carry):
+      m2, l, t2 = carry
+      j = tile0 + idx[0]
+      nominal = j * bv
+      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + _tile_start(j, bv, V)
+      z2 = x_smem[...].astype(jnp.float32) * kk
+      z2 = jnp.where(col >= nominal, z2, -jnp.inf)  # columns a slid-back tile already saw
+      m_new = jnp.maximum(m2, z2.max(axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf row so far: no NaN
+      p = jnp.exp2(z2 - lax.broadcast_in_dim(m_safe, shape, [0]))
+      l = l * jnp.exp2(m2 - m_safe) + p.sum(axis=1)
+      # a target below `nominal` was picked by an earlier tile (ids_v < nominal never matches)
+      want = jnp.where(ids_v >= nominal, ids_v, -1)
+      t2 = t2 + jnp.where(col == lax.broadcast_in_dim(want, shape, [0]), z2, 0.0).sum(axis=1)
+      return m_new, l, t2
+
+    def index_map(t):
+      return (row0, _tile_start(tile0 + t, bv, V))
+
+    m2, l, t2 = plgpu.emit_pipeline(
+        body,
+        grid=(n_tiles,),
+        in_specs=[plgpu.BlockSpec((pl.Element(bm), pl.Element(bv)), index_map,
+                                  transforms=_transforms(x.dtype))],
+        max_concurrent_steps=stages,
+        init_carry=(neg_inf, zero, zero),
+    )(x_ref)
+    stat_smem[0] = m2
+    stat_smem[1] = l
+    stat_smem[2] = t2
+    plgpu.commit_smem()
+    dst = (split, pl.ds(row0, bm))
+    plgpu.copy_smem_to_gmem(stat_smem.at[0], m_out.at[dst])
+    plgpu.copy_smem_to_gmem(stat_smem.at[1], l_out.at[dst])
+    plgpu.copy_smem_to_gmem(stat_smem.at[2], t_out.at[dst])
+    plgpu.wait_smem_to_gmem(0)
+
+  stat = jax.ShapeDtypeStruct((num_splits, R), jnp.float32)
+  call = plgpu.kernel(
+      kernel,
+      out_type=(stat, stat, stat),
+      scratch_types=[plgpu.SMEM((3, bm), jnp.float32)],
+      grid=(num_splits, _cdiv(R, bm)),
+      grid_names=("split", "rows"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  return call(x, ids, k_rows)
+
+
+def combine_partials(m2, l, t2):
+  """Merges per-split statistics into ``(target z / T, log-sum-exp of z / T, lse2)``.
+
+  ``lse2`` is the base-2 log-sum-exp of ``z2 = z * log2(e) / T``, the unit the backward uses.
+  """
+  m_all = m2.max(axis=0)
+  m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+  l_all = (l * jnp.exp2(m2 - m_safe[None])).sum(axis=0)
+  lse2 = m_safe + jnp.log2(l_all)
+  return t2.sum(axis=0) * LN2, lse2 * LN2, lse2
+
+
+def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=None):
+  """``dz[r, v] = c_r * (onehot(ids_r)[v] - exp2(x[r, v] * k_r - lse2_r))`` in ``x.dtype``, ``[R, V]``.
+
+  Rows with ``c_r == 0`` are exactly 0 whatever ``x`` holds there.
+  """
+  R, V = x.shape
+  bm, bv, stages = BLOCK_ROWS, cfg.block_v, cfg.stages
+  check_block(bv, x.dtype)
+  assert R >= bm and V >= bv, (R, V)
+  num_tiles = _cdiv(V, bv)
+  tps = min(cfg.tiles_per_cta, num_tiles)
+  num_splits = _cdiv(num_tiles, tps)
+  shape = (bm, bv)
+  dtype = x.dtype
+
+  def kernel(x_ref, ids_ref, k_ref, lse_ref, c_ref, o_ref, x_smem, o_smem, loaded):
+    split = lax.axis_index("split")
+    row0 = _row_block_start(R)
+    tile0 = split * tps
+    n_tiles = jnp.minimum(tps, num_tiles - tile0)
+    bc = lambda v: lax.broadcast_in_dim(v, shape, [0])
+    ids_b = bc(load_vector(ids_ref.at[pl.ds(row0, bm)], _ROW, interpret))
+    k_b = bc(load_vector(k_ref.at[pl.ds(row0, bm)], _ROW, interpret))
+    lse_b = bc(load_vector(lse_ref.at[pl.ds(row0, bm)], _ROW, interpret))
+    c_b = bc(load_vector(c_ref.at[pl.ds(row0, bm)], _ROW, interpret))
+
+    def tile(t):
+      return (pl.ds(row0, bm), pl.ds(_tile_start(tile0 + t, bv, V), bv))
+
+    def fetch(t, slot):
+      plgpu.copy_gmem_to_smem(x_ref.at[tile(t)], x_smem.at[slot], loaded.at[slot])
+
+    for s in range(stages):  # prologue: fill the ring
+
+      @pl.when(s < n_tiles)
+      def _():
+        fetch(s, s)
+
+    @pl.loop(0, n_tiles)
+    def _step(t):
+      slot = lax.rem(t, stages)
+      plgpu.barrier_wait(loaded.at[slot])
+      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + _tile_start(tile0 + t, bv, V)
+      p = jnp.exp2(x_smem[slot].astype(jnp.float32) * k_b - lse_b)
+      g = jnp.where(col == ids_b, 1.0 - p, -p)
+      dz = jnp.where(c_b != 0.0, c_b * g, 0.0).astype(dtype)
+      # the store that last read o_smem[slot] (tile t - stages) must be done; includes a barrier
+      plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+      o_smem[slot] = dz
+      plgpu.commit_smem()  # fence + warpgroup barrier: every thread has also finished reading x_smem[slot]
+      plgpu.copy_smem_to_gmem(o_smem.at[slot], o_ref.at[tile(t)])
+
+      @pl.when(t + stages < n_tiles)
+      def _():
+        fetch(t + stages, slot)
+
+    plgpu.wait_smem_to_gmem(0)
+
+  call = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((R, V), dtype),
+      scratch_types=[
+          plgpu.SMEM((stages, bm, bv), dtype, transforms=_transforms(dtype)),
+          plgpu.SMEM((stages, bm, bv), dtype, transforms=_transforms(dtype)),
+          plgpu.Barrier(num_barriers=stages),
+      ],
+      grid=(num_splits, _cdiv(R, bm)),
+      grid_names=("split", "rows"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  return call(x, ids, k_rows, lse2_rows, c_rows)

@@ -1,0 +1,93 @@
+"""Portable XLA path of the policy loss from logits: one fused read forward, one fused read+write backward.
+
+Forward: a single *variadic* reduction over the vocabulary carries the pair (running max ``m``, sum of
+``exp(z - m)``) per row, combined with one ``exp`` per element (the smaller maximum is rescaled to the
+larger one), so XLA emits one reduction kernel that reads the logits once; the lazy slice
+``logits[:, :T]`` and the float32 upcast fuse into it (no ``[B, T, V]`` float32 copy, no copy of the
+logits). The target logit is a ``[B, T]`` gather. ``lse="two_pass"`` (max, then sum of exp: two
+reads) is kept for comparison on new platforms.
+
+Backward: one elementwise fusion over the full ``[B, T(+1), V]`` writes
+``dz = c (onehot - exp(z / tau - lse))`` in the logits' dtype, with ``c = dloss/dlogp / tau`` padded
+by zeros for the extra last position (selected, never multiplied: rows without gradient are exactly 0
+whatever the logits hold there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gmpo_jax.backends.base import UnsupportedConfigError
+
+__all__ = ["XlaLogitsBackend", "make_backend"]
+
+
+def _lse_combine(a, b):
+    (m1, s1), (m2, s2) = a, b
+    first = m1 >= m2
+    hi = jnp.where(first, m1, m2)
+    lo = jnp.where(first, m2, m1)
+    s_hi = jnp.where(first, s1, s2)
+    s_lo = jnp.where(first, s2, s1)
+    e = jnp.where(hi == -jnp.inf, 0.0, jnp.exp(lo - hi))  # both -inf: nothing to rescale
+    return hi, s_hi + s_lo * e
+
+
+def _online_lse(z):
+    """``logsumexp(z, axis=-1)`` for float32 ``z`` in one reduction (one read of ``z``)."""
+    m, s = lax.reduce((z, jnp.ones_like(z)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _lse_combine,
+                      (z.ndim - 1,))
+    return jnp.where(m == -jnp.inf, m, m + jnp.log(s))
+
+
+def _two_pass_lse(z):
+    m = jnp.max(z, axis=-1)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    return m_safe + jnp.log(jnp.sum(jnp.exp(z - m_safe[..., None]), axis=-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaLogitsBackend:
+    """Portable backend (any platform). ``lse``: ``"online"`` (default, one read) or ``"two_pass"``."""
+
+    lse: str = "online"
+    name: str = "xla"
+
+    def check_supported(self, *, dtype, B, T, Tl, V):
+        if self.lse not in ("online", "two_pass"):
+            raise UnsupportedConfigError(f"lse={self.lse!r}")
+
+    def logprobs(self, logits, ids, *, T, temperature):
+        """``(logp [B, T] f32, lse [B, T] f32)`` of ``z = logits[:, :T] / temperature``.
+
+        ``ids`` must be in ``[0, V)`` wherever the caller cares (others yield garbage, not errors).
+        """
+        V = logits.shape[-1]
+        with jax.named_scope("gmpo_jax/xla/logits_lse"):
+            x = logits[:, :T] if logits.shape[1] != T else logits
+            z = x.astype(jnp.float32) / temperature
+            lse = _online_lse(z) if self.lse == "online" else _two_pass_lse(z)
+            tgt = jnp.take_along_axis(x, jnp.clip(ids, 0, V - 1)[..., None], axis=-1)[..., 0]
+            logp = tgt.astype(jnp.float32) / temperature - lse
+        return logp, lse
+
+    def dlogits(self, logits, ids, lse, dlogp, *, T, temperature):
+        """``dlogp / tau * (onehot(ids) - softmax(z))`` as ``logits.dtype``, shaped like ``logits``."""
+        B, Tl, V = logits.shape
+        with jax.named_scope("gmpo_jax/xla/dlogits"):
+            pad = ((0, 0), (0, Tl - T))
+            c = jnp.pad(dlogp / temperature, pad)[..., None]
+            lse_p = jnp.pad(lse, pad)[..., None]
+            ids_p = jnp.pad(ids, pad)[..., None]
+            p = jnp.exp(logits.astype(jnp.float32) / temperature - lse_p)
+            hit = lax.broadcasted_iota(jnp.int32, (1, 1, V), 2) == ids_p
+            g = jnp.where(hit, 1.0 - p, -p)
+            return jnp.where(c != 0.0, c * g, 0.0).astype(logits.dtype)
+
+
+def make_backend(**kw) -> XlaLogitsBackend:
+    return XlaLogitsBackend(**kw)
