@@ -124,6 +124,8 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
         any_r = next(r for r in lat.values() if r["shape"] == shape)
         out.append(f"### {shape} (H = {any_r['H']}, V = {any_r['V']}), forward + backward\n")
         cols = [c for c in LM_COLUMNS if any((c[0], c[1], *row, "fwd+bwd") in lat for row in rows)]
+        if not cols:
+            continue
         hdr = ["B x T (N)", "floor"] + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in cols] + ["memory target"]
         out.append("| " + " | ".join(hdr) + " |")
         out.append("|" + "---|" * len(hdr))
@@ -201,6 +203,25 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
     return out
 
 
+def other_variants(lat: dict[tuple, dict[str, Any]]) -> list[str]:
+    """Records outside the main tables: sweeps (chunk_size, tuning constants) and other variants."""
+    known = set(LM_COLUMNS) | set(LOGITS_COLUMNS)
+    rest = [r for r in lat.values() if (r["implementation"], r.get("variant")) not in known]
+    if not rest:
+        return []
+    out = ["### Sweeps and other variants\n", "| implementation | variant | shape | B x T | mode | median ms | "
+           "x floor | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rest, key=lambda r: (r["shape"], r["N"], r["B"], r["implementation"], r["mode"],
+                                         str(r.get("variant")))):
+        ok = r.get("status") == "ok"
+        out.append(f"| {r['implementation']} | {r.get('variant') or ''} | {r['shape']} | {r['B']} x {r['T']} | "
+                   f"{r['mode']} | {_ms(r.get('median_ms')) if ok else r.get('status')} | "
+                   f"{_x(r.get('x_floor')) if ok else '-'} | "
+                   f"{'-' if r.get('peak_gib') is None else format(r['peak_gib'], '.2f')} |")
+    out.append("")
+    return out
+
+
 def _check(label: str, value: str, ok: bool | None) -> str:
     mark = "n/a" if ok is None else ("met" if ok else "MISSED")
     return f"| {label} | {value} | {mark} |"
@@ -270,10 +291,13 @@ def environment(records: list[dict[str, Any]]) -> list[str]:
         return sorted({str(r[key]) for r in records if r.get(key) not in (None, "")})
 
     floors = [r for r in records if r.get("kind") == "floor" and r.get("status") == "ok"]
-    mm = sorted({f"[{r['N']}, {r['H']}] x [{r['H']}, {r['V']}]: {r['tflops']} TFLOP/s" for r in floors
-                 if r["implementation"] == "xla_matmul_bf16"})
-    cp = sorted({f"{r['gbps']} GB/s ({r.get('op')}, {r.get('copy_gib')} GiB)" for r in floors
-                 if r["implementation"] == "xla_copy"})
+    last: dict[tuple, dict[str, Any]] = {}  # the latest measurement of each floor
+    for r in floors:
+        last[(r["implementation"], r["N"], r["H"], r["V"])] = r
+    mm = [f"[{r.get('rows', r['N'])}, {r['H']}] x [{r['H']}, {r['V']}]: {r['tflops']} TFLOP/s"
+          for k, r in sorted(last.items()) if k[0] == "xla_matmul_bf16"]
+    mm = list(dict.fromkeys(mm))
+    cp = [f"{r['gbps']} GB/s ({r.get('op')}, {r.get('copy_gib')} GiB)" for k, r in last.items() if k[0] == "xla_copy"]
     dates = values("date")
     lines = [
         f"- device: {', '.join(values('device_name')) or '-'}",
@@ -366,10 +390,13 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
         png = os.path.join(plot_dir, f"{dev}.png")
         if plot(dev, lat, png):
             out.append(f"![{dev}]({os.path.relpath(png, md_dir)})\n")
-        out.append("### Targets (issues 2, 3, 5)\n")
-        out += targets(lat)
-        out.append("")
+        checks = targets(lat)
+        if any(row.split(" | ")[1] != "-" for row in checks[2:]):
+            out.append("### Targets (issues 2, 3, 5)\n")
+            out += checks
+            out.append("")
         out += shape_tables(lat)
+        out += other_variants(lat)
         bad = [r for r in lat.values() if r.get("status") not in ("ok", "oom")]
         if bad:
             out.append("Runs that did not produce a time:\n")
