@@ -1,0 +1,208 @@
+"""Shared pieces of the LM-head kernels: the block-size config and the logits-tile pipeline.
+
+Both kernels (log-prob forward, gradient of the logits) run the same loop: a CTA owns
+``2 * block_m`` rows (one warpgroup per ``block_m`` rows) and a contiguous range of vocabulary
+tiles; for every vocabulary tile it computes the ``[block_m, block_n]`` logits tile with wgmma,
+streaming ``[2 * block_m, block_k]`` hidden tiles and ``[block_k, block_n]`` weight tiles through
+a ``num_stages``-deep ring of shared-memory slots filled by a third (memory) warpgroup with bulk
+tensor copies. What happens to the finished f32 tile (online log-sum-exp, or the gradient of
+the logits) is the kernel's epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+
+from gmpo_jax.kernels._compat import (load_vector, needs_value_matmul, plgpu, value_matmul,
+                                      wgmma)
+
+# Hopper: 227 KiB of shared memory per block (232448 bytes).
+SMEM_BYTES = 232448
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Block sizes of the LM-head kernels.
+
+  block_m: rows per compute warpgroup (the CTA owns ``2 * block_m`` rows); 64 or 128.
+  block_n: vocabulary columns per logits tile; multiple of 64, at most 256.
+  block_k: hidden columns per pipeline step; 64 (128-byte swizzle of 16-bit operands).
+  num_stages: depth of the shared-memory ring.
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  num_stages: int = 4
+
+  def __post_init__(self):
+    if self.block_m not in (64, 128):
+      raise ValueError(f"{self.block_m=} must be 64 or 128")
+    if self.block_n % 64 or not 64 <= self.block_n <= 256:
+      raise ValueError(f"{self.block_n=} must be a multiple of 64 in [64, 256]")
+    if self.block_k != 64:
+      raise ValueError(f"{self.block_k=} must be 64")
+    if self.num_stages < 2:
+      raise ValueError(f"{self.num_stages=} must be at least 2")
+
+  @property
+  def rows_per_cta(self) -> int:
+    return 2 * self.block_m
+
+  def smem_bytes(self, itemsize: int, extra: int = 0) -> int:
+    ring = self.num_stages * (self.rows_per_cta + self.block_n) * self.block_k * itemsize
+    return ring + extra + 1024  # barriers, alignment
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def operand_transforms(itemsize: int):
+  swizzle = plgpu.find_swizzle(64 * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def pick_num_splits(num_row_ctas: int, num_vocab_tiles: int, num_sms: int) -> int:
+  """Vocabulary splits per row block so that the grid fills the GPU in whole waves.
+
+  Deterministic and cheap: the fewest splits (at most 32) whose CTA count wastes the least of
+  the last wave, counting only splits that leave at least 4 vocabulary tiles per split.
+  """
+  best, best_eff = 1, 0.0
+  for s in range(1, 33):
+    if s > 1 and num_vocab_tiles / s < 4:
+      break
+    ctas = num_row_ctas * s
+    eff = ctas / (cdiv(ctas, num_sms) * num_sms)
+    if eff > best_eff + 1e-9:
+      best, best_eff = s, eff
+    if eff > 0.95:
+      break
+  tiles_per_split = cdiv(num_vocab_tiles, best)
+  return cdiv(num_vocab_tiles, tiles_per_split)
+
+
+def logits_tile_loop(
+    *,
+    hidden_ref,          # GMEM [Rp, H]
+    weight_ref,          # GMEM [H, V] ("hv") or [V, H] ("vh")
+    weight_layout: str,
+    a_smem,              # SMEM [stages, 2*bm, bk]
+    b_smem,              # SMEM [stages, bk, bn] or [stages, bn, bk]
+    loaded,              # Barrier(num_arrivals=2, num_barriers=stages)
+    consumed,            # Barrier(num_arrivals=2, num_barriers=stages)
+    row0,                # first row of this CTA
+    tile0,               # first vocabulary tile of this CTA
+    num_tiles,           # vocabulary tiles of this CTA (traced int32)
+    k_iters: int,
+    cfg: BlockConfig,
+    init_carry,          # () -> carry (compute warpgroups)
+    epilogue,            # (tile_index, z f32[bm, bn] WGMMA layout, carry) -> carry
+    finish,              # (carry) -> None
+    interpret=None,
+):
+  """Runs the warp-specialised logits-tile pipeline inside a 3-warpgroup kernel."""
+  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == 2)
+  def _memory_warpgroup():
+    plgpu.set_max_registers(40, action="decrease")
+    total = num_tiles * k_iters
+
+    @pl.loop(0, total)
+    def _step(step):
+      slot = lax.rem(step, stages)
+      n = tile0 + lax.div(step, k_iters)
+      k = lax.rem(step, k_iters)
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(consumed.at[slot])
+
+      plgpu.copy_gmem_to_smem(
+          hidden_ref.at[pl.ds(row0, 2 * bm), pl.ds(k * bk, bk)], a_smem.at[slot], loaded.at[slot])
+      if weight_layout == "hv":
+        w_src = weight_ref.at[pl.ds(k * bk, bk), pl.ds(n * bn, bn)]
+      else:
+        w_src = weight_ref.at[pl.ds(n * bn, bn), pl.ds(k * bk, bk)]
+      plgpu.copy_gmem_to_smem(w_src, b_smem.at[slot], loaded.at[slot])
+
+    # Observe the last phases of the `consumed` barriers too (every phase of a barrier is
+    # waited on by every thread that waits on it: the interpreter checks this; on the device
+    # it is a no-op that keeps the memory warpgroup alive until the slots are released).
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _drain(step):
+      plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+  @pl.when(wg < 2)
+  def _compute_warpgroup():
+    plgpu.set_max_registers(232, action="increase")
+    a_rows = pl.ds(wg * bm, bm)
+
+    def tile_body(t, carry):
+      transpose_b = weight_layout == "vh"
+
+      def matmul(acc_ref):
+        def k_body(k, _):
+          slot = lax.rem(t * k_iters + k, stages)
+          plgpu.barrier_wait(loaded.at[slot])
+          wgmma(acc_ref, a_smem.at[slot].at[a_rows], b_smem.at[slot],
+                transpose_b=transpose_b, interpret=interpret)
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[slot])
+          return ()
+
+        lax.fori_loop(0, k_iters, k_body, ())
+        return acc_ref[...]
+
+      def value_mm():
+        def k_body(k, acc):
+          slot = lax.rem(t * k_iters + k, stages)
+          plgpu.barrier_wait(loaded.at[slot])
+          acc = acc + value_matmul(a_smem.at[slot].at[a_rows], b_smem.at[slot],
+                                   transpose_b=transpose_b)
+          plgpu.barrier_arrive(consumed.at[slot])
+          return acc
+
+        return lax.fori_loop(0, k_iters, k_body, jnp.zeros((bm, bn), jnp.float32))
+
+      if needs_value_matmul(transpose_b, interpret):
+        z = value_mm()
+      else:
+        z = pl.run_scoped(matmul, plgpu.ACC((bm, bn), jnp.float32))
+      return epilogue(tile0 + t, z, carry)
+
+    carry = lax.fori_loop(0, num_tiles, tile_body, init_carry())
+    finish(carry)
+
+
+def row_vector(ref, start, size, interpret):
+  """Loads ``ref[start:start+size]`` (GMEM) as a per-row vector of the WGMMA layout."""
+  return load_vector(ref.at[pl.ds(start, size)], plgpu.Layout.WGMMA.reduce(1), interpret)
+
+
+def col_vector(ref, start, size, interpret):
+  """Loads ``ref[start:start+size]`` (GMEM) as a per-column vector of the WGMMA layout."""
+  return load_vector(ref.at[pl.ds(start, size)], plgpu.Layout.WGMMA.reduce(0), interpret)
+
+
+def bcast_rows(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def bcast_cols(v, shape):
+  return lax.broadcast_in_dim(v, shape, [1])
+
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)

@@ -1,0 +1,126 @@
+"""Gradient of the fused LM-head log-prob on Hopper (Pallas Mosaic GPU).
+
+.. math::
+   \\partial z_{r,v} = \\frac{g_r}{T}\\,\\big(\\mathbb{1}[v = \\mathrm{id}_r] - e^{z_{r,v} - \\mathrm{lse}_r}\\big),
+   \\qquad \\partial h = \\partial z\\, W^\\top, \\qquad \\partial W \\mathrel{+}= h^\\top \\partial z .
+
+:func:`dlogits_window` recomputes the logits tiles of a vocabulary window with the same
+wgmma pipeline as the forward kernel (``_common.logits_tile_loop``), forms ``dz`` in float32 in
+registers and writes it once, in the inputs' 16-bit dtype, as a ``[rows, window]`` tile of
+device memory (bulk tensor stores). The two products ``dz W^T`` and ``h^T dz`` are then plain
+GEMMs (see ``gmpo_jax.backends.mosaic_gpu``): the hidden size (896 to 4096) is too large for a
+``[block, H]`` float32 accumulator to live in registers, and splitting ``H`` across CTAs would
+recompute the logits ``H / 128`` times. The window is sized so that the ``dz`` buffer stays
+within a fixed workspace budget. Each ``dW`` column block is written once per window (no
+atomics), so results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+
+from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels._compat import iota, plgpu
+
+
+def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, weight_layout: str,
+                   vocab_size: int, window_start: int, window_tiles: int, cfg: C.BlockConfig,
+                   num_splits: int, interpret=None):
+  """``dz`` for the vocabulary columns ``[window_start, window_start + window_tiles * block_n)``.
+
+  Args:
+    hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
+    weight: ``[H, V]`` (``"hv"``) or ``[V, H]`` (``"vh"``).
+    bias: ``[num_tiles * block_n]`` f32 zero-padded, or None.
+    ids: ``[Rp]`` int32.
+    row_scale: ``[Rp]`` f32 ``log2(e) / T``.
+    row_lse2: ``[Rp]`` f32 ``lse * log2(e)``.
+    row_coef: ``[Rp]`` f32 ``dlogp / T`` (0 on padding rows).
+    window_start: first column, a multiple of ``block_n``.
+
+  Returns:
+    ``dz``: ``[Rp, window_tiles * block_n]`` in ``hidden.dtype``; columns past ``V`` are 0.
+  """
+  rows, hdim = hidden.shape
+  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+  assert window_start % bn == 0
+  first_tile = window_start // bn
+  tiles_per_split = C.cdiv(window_tiles, num_splits)
+  assert C.cdiv(window_tiles, tiles_per_split) == num_splits
+  k_iters = hdim // bk
+  dtype = hidden.dtype
+  transforms = C.operand_transforms(jnp.dtype(dtype).itemsize)
+  has_bias = bias is not None
+  b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
+
+  def kernel(*refs):
+    if has_bias:
+      h_ref, w_ref, b_ref, ids_ref, scale_ref, lse_ref, coef_ref, dz_out, scratch = refs
+    else:
+      h_ref, w_ref, ids_ref, scale_ref, lse_ref, coef_ref, dz_out, scratch = refs
+      b_ref = None
+    a_smem, b_smem, out_smem, loaded, consumed = scratch
+    split = lax.axis_index("split")
+    row0 = lax.axis_index("rows") * (2 * bm)
+    local0 = split * tiles_per_split
+    n_tiles = jnp.minimum(tiles_per_split, window_tiles - local0)
+    wg = lax.axis_index("wg")
+    my_rows = row0 + wg * bm
+
+    def init_carry():
+      return (C.row_vector(ids_ref, my_rows, bm, interpret),
+              C.row_vector(scale_ref, my_rows, bm, interpret),
+              C.row_vector(lse_ref, my_rows, bm, interpret),
+              C.row_vector(coef_ref, my_rows, bm, interpret))
+
+    def epilogue(tile, z, carry):
+      ids_v, scale_v, lse2_v, coef_v = carry
+      shape = (bm, bn)
+      if has_bias:
+        z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
+      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
+      z2 = z * C.bcast_rows(scale_v, shape) - C.bcast_rows(lse2_v, shape)
+      p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
+      onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
+      dz = C.bcast_rows(coef_v, shape) * (onehot - p)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
+      out_smem[wg] = dz.astype(dtype)
+      plgpu.commit_smem()
+      local_col = (tile - first_tile) * bn
+      plgpu.copy_smem_to_gmem(out_smem.at[wg], dz_out.at[pl.ds(my_rows, bm), pl.ds(local_col, bn)])
+      return carry
+
+    def finish(carry):
+      del carry
+      plgpu.wait_smem_to_gmem(0)
+
+    C.logits_tile_loop(
+        hidden_ref=h_ref, weight_ref=w_ref, weight_layout=weight_layout,
+        a_smem=a_smem, b_smem=b_smem, loaded=loaded, consumed=consumed,
+        row0=row0, tile0=first_tile + local0, num_tiles=n_tiles, k_iters=k_iters, cfg=cfg,
+        init_carry=init_carry, epilogue=epilogue, finish=finish, interpret=interpret)
+
+  out_transforms = C.operand_transforms(jnp.dtype(dtype).itemsize)
+  scratch = [
+      plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
+      plgpu.SMEM(b_shape, dtype, transforms=transforms),
+      plgpu.SMEM((2, bm, bn), dtype, transforms=out_transforms),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  ]
+  call = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((rows, window_tiles * bn), dtype),
+      scratch_types=[scratch],
+      grid=(num_splits, rows // (2 * bm)),
+      grid_names=("split", "rows"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  args = (hidden, weight) + ((bias,) if has_bias else ()) + (ids, row_scale, row_lse2, row_coef)
+  return call(*args)

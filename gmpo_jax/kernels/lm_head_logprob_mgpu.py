@@ -1,0 +1,146 @@
+"""Fused LM-head log-prob on Hopper (Pallas Mosaic GPU): wgmma logits tiles, online log-sum-exp.
+
+For rows ``r`` of ``hidden`` and the LM-head weight ``W``,
+
+.. math::
+   z_{r,v} = (h_r \\cdot W_{:,v} + b_v) / T, \\qquad
+   \\mathrm{lse}_r = \\log \\sum_v e^{z_{r,v}}, \\qquad
+   \\log p_r = z_{r,\\mathrm{id}_r} - \\mathrm{lse}_r .
+
+The kernel never writes logits to device memory. The grid is ``(splits, row blocks)``: each CTA
+owns ``2 * block_m`` rows and a contiguous range of vocabulary tiles (a *split*); for every
+tile it computes ``z`` with wgmma (float32 accumulation), keeps a running maximum and sum of
+exponentials per row (base 2, so the exponentials are single ``ex2`` instructions), and picks
+the target logit when the tile holds it. Each split writes three float32 numbers per row
+(max, sum, target); :func:`combine_splits` merges the splits in XLA (``splits * rows`` floats,
+negligible). Vocabulary columns past ``V`` (the tail of the last tile, zero-filled by the bulk
+copy) are masked to ``-inf``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+
+from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
+
+ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vocab_size: int,
+                 cfg: C.BlockConfig, num_splits: int, interpret=None):
+  """Per-split online log-sum-exp statistics of the logits.
+
+  Args:
+    hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
+    weight: ``[H, V]`` (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``), same dtype.
+    bias: ``[num_tiles * block_n]`` f32 (zero-padded past ``V``) or None.
+    ids: ``[Rp]`` int32 target ids (any value; ids outside ``[0, V)`` pick nothing).
+    row_scale: ``[Rp]`` f32, ``log2(e) / temperature`` per row.
+
+  Returns:
+    ``(m2, l, t2)``, each ``[num_splits, Rp]`` f32: per split the running max of ``z * log2 e``,
+    the sum of ``exp2(z * log2 e - m2)`` and the target's ``z * log2 e`` (0 when the split does
+    not hold the target).
+  """
+  rows, hdim = hidden.shape
+  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+  num_tiles = C.cdiv(vocab_size, bn)
+  tiles_per_split = C.cdiv(num_tiles, num_splits)
+  assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits)
+  assert rows % (2 * bm) == 0 and hdim % bk == 0
+  k_iters = hdim // bk
+  dtype = hidden.dtype
+  transforms = C.operand_transforms(jnp.dtype(dtype).itemsize)
+  has_bias = bias is not None
+  b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
+
+  def kernel(*refs):
+    if has_bias:
+      h_ref, w_ref, b_ref, ids_ref, scale_ref, m_out, l_out, t_out, scratch = refs
+    else:
+      h_ref, w_ref, ids_ref, scale_ref, m_out, l_out, t_out, scratch = refs
+      b_ref = None
+    a_smem, b_smem, stat_smem, loaded, consumed = scratch
+    split = lax.axis_index("split")
+    row0 = lax.axis_index("rows") * (2 * bm)
+    tile0 = split * tiles_per_split
+    n_tiles = jnp.minimum(tiles_per_split, num_tiles - tile0)
+    wg = lax.axis_index("wg")
+    my_rows = row0 + wg * bm
+
+    def init_carry():
+      ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)
+      scale_v = C.row_vector(scale_ref, my_rows, bm, interpret)
+      m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), ROW, interpret)
+      l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
+      t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
+      return ids_v, scale_v, m2, l, t2
+
+    def epilogue(tile, z, carry):
+      ids_v, scale_v, m2, l, t2 = carry
+      shape = (bm, bn)
+      if has_bias:
+        z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
+      z2 = z * C.bcast_rows(scale_v, shape)
+      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
+      z2 = jnp.where(col < vocab_size, z2, -jnp.inf)
+      m_new = jnp.maximum(m2, z2.max(axis=1))
+      p = jnp.exp2(z2 - C.bcast_rows(m_new, shape))
+      l = l * jnp.exp2(m2 - m_new) + p.sum(axis=1)
+      t2 = t2 + jnp.where(col == C.bcast_rows(ids_v, shape), z2, 0.0).sum(axis=1)
+      return ids_v, scale_v, m_new, l, t2
+
+    def finish(carry):
+      _, _, m2, l, t2 = carry
+      stat_smem[wg, 0] = m2
+      stat_smem[wg, 1] = l
+      stat_smem[wg, 2] = t2
+      plgpu.commit_smem()
+      dst = (split, pl.ds(my_rows, bm))
+      plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], m_out.at[dst])
+      plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], l_out.at[dst])
+      plgpu.copy_smem_to_gmem(stat_smem.at[wg, 2], t_out.at[dst])
+      plgpu.wait_smem_to_gmem(0)
+
+    C.logits_tile_loop(
+        hidden_ref=h_ref, weight_ref=w_ref, weight_layout=weight_layout,
+        a_smem=a_smem, b_smem=b_smem, loaded=loaded, consumed=consumed,
+        row0=row0, tile0=tile0, num_tiles=n_tiles, k_iters=k_iters, cfg=cfg,
+        init_carry=init_carry, epilogue=epilogue, finish=finish, interpret=interpret)
+
+  stat = jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)
+  scratch = [
+      plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
+      plgpu.SMEM(b_shape, dtype, transforms=transforms),
+      plgpu.SMEM((2, 3, bm), jnp.float32),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  ]
+  call = plgpu.kernel(
+      kernel,
+      out_type=(stat, stat, stat),
+      scratch_types=[scratch],
+      grid=(num_splits, rows // (2 * bm)),
+      grid_names=("split", "rows"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  args = (hidden, weight) + ((bias,) if has_bias else ()) + (ids, row_scale)
+  return call(*args)
+
+
+def combine_splits(m2, l, t2):
+  """Merges per-split statistics into ``(target_logit, lse)`` in natural-log units."""
+  m_all = m2.max(axis=0)
+  l_all = (l * jnp.exp2(m2 - m_all[None])).sum(axis=0)
+  lse = (m_all + jnp.log2(l_all)) * C.LN2
+  tgt = t2.sum(axis=0) * C.LN2
+  return tgt, lse
