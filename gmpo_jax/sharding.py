@@ -1,0 +1,392 @@
+"""Data- and vocabulary-parallel fused losses on a ``jax.sharding.Mesh``: ``jax.shard_map`` + collectives.
+
+The public functions take the mesh layout as arguments::
+
+    loss, aux = fused_linear_policy_loss(hidden, weight, ids, mask, adv, objective=GMPO(),
+                                         mesh=mesh, data_axis="data", vocab_axis="model")
+
+* ``data_axis``: the batch axis ``B`` of ``hidden`` / ids / mask / advantages / log-probs is split over
+  these mesh axes (data parallel; the weight is replicated over them).
+* ``vocab_axis``: the vocabulary axis ``V`` of ``weight`` (and ``bias``) is split over these mesh axes
+  (Megatron-style vocabulary parallelism; ``V`` must be a multiple of the shard count: pad it and pass
+  ``vocab_size=``).
+* Both on a 2-D mesh. Mesh axes named in neither are replicated. ``mesh=None`` takes the mesh set with
+  ``jax.set_mesh``. An axis may be a name or a tuple of names.
+
+Design decisions (and why):
+
+* **Explicit axes, not inference from input shardings.** Under ``jax.jit`` with the default ``Auto``
+  mesh axes an input's sharding is unknown while tracing (XLA's partitioner decides it later), so the
+  only transparent route is ``custom_partitioning``, whose partitioning callbacks would have to re-split
+  the custom VJP, its chunk scan and the backend's Pallas calls, and which XLA may still answer by
+  gathering the weight. The layout of an LM head is a decision the caller has already made
+  (Megatron / MaxText name it in their configs), so it is an argument; inside, ``jax.shard_map`` makes
+  every collective explicit and hand-placed (the compiled program is checked never to gather the
+  weight or the ``[N, V]`` logits). One exception is free of guessing: on a mesh with ``Explicit`` axes
+  (``jax.make_mesh``'s default) the shardings are part of the input types, and ``infer_axes`` reads
+  ``data_axis`` / ``vocab_axis`` from ``hidden``'s batch axis and ``weight``'s vocabulary axis when the
+  caller gives none. Without axes, inputs placed on ``Auto`` axes run the single-device program and
+  XLA's partitioner chooses the communication (correct, not optimised).
+* **Gradients in the forward, as in ``fused_vjp``.** The custom VJP sits *outside* the ``shard_map``:
+  its forward runs ``fused_vjp._scan_policy`` per device (local rows, local vocabulary shard) and
+  returns the loss and the gradients; its backward scales them by the cotangent. Nothing is
+  differentiated through a collective, so there is no transpose of ``psum`` to get right, and
+  ``check_vma=False`` is safe (the scan carries need no ``pcast``).
+* **Global normalisers.** The denominator (``B``, token counts, ``num_items_in_batch``) and the
+  metric fractions are computed from the *global* mask outside the ``shard_map``; every device divides
+  its ``d loss / d logp`` by that global denominator, so the local hidden gradient is already final.
+  Loss numerators and metric sums are ``psum``-ed (log-ratio range: ``pmin`` / ``pmax``) over the data
+  axis; the float32 weight / bias gradient accumulators are ``psum``-ed over the data axis once, after
+  the scan.
+* **Vocabulary parallelism is a backend wrapper.** ``VocabParallelBackend`` wraps any backend of the
+  seam (``backends/base.py``): the inner backend sees its local ``[H, V/n]`` shard and ids shifted by
+  the shard's offset and returns its local ``(logp, lse)``; the wrapper combines the shards' log-sum-
+  exps with ``pmax`` / ``psum`` (``lse = M + log sum_k exp(lse_k - M)``) and takes the target logit from
+  the one shard that owns it (``psum`` of ``logp_k + lse_k`` where owned, 0 elsewhere). The gradient
+  uses the global ``lse``, so each shard's ``dW`` / ``db`` block is local and final; the hidden
+  gradient partials are ``psum``-ed over the vocabulary axis (in float32). Per chunk that is three
+  ``[R]`` all-reduces forward and one ``[R, H]`` all-reduce backward; the weight never moves. Any
+  backend joins unchanged, provided it treats ids outside ``[0, V_local)`` as "no target here" (NaN
+  log-prob, zero one-hot): the Pallas backend can run inside the same ``shard_map``.
+* **Padded vocabularies** (``vocab_size < V``) are masked with an additive ``-inf`` bias on the padded
+  columns (``mask_padded_vocab``): every backend already supports a bias, so padded columns drop out of
+  the softmax and get exactly zero gradient on every path, sharded or not, with no backend change.
+  Unmasked ids in ``[vocab_size, V)`` give NaN, as ids outside ``[0, V)`` do.
+* **Placement.** Arguments are resharded to the plan's specs before the ``shard_map`` (``jax.reshard``
+  on ``Explicit`` axes; on ``Auto`` axes ``shard_map`` does it). Outputs come back sharded like the
+  primal: hidden gradients over ``data_axis``, weight / bias gradients over ``vocab_axis``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from gmpo_jax import fused_vjp
+from gmpo_jax.objectives import MetricSums, finalize_metrics
+
+__all__ = ["ShardingPlan", "VocabParallelBackend", "make_plan", "infer_axes", "mask_padded_vocab"]
+
+AxisName = Union[str, tuple[str, ...]]
+
+# ``jax.shard_map`` is public in jax 0.10.2 and 0.11.2 (``jax.experimental.shard_map`` is the deprecated
+# spelling); the one import used here.
+shard_map = jax.shard_map
+
+
+def _axes(axis: Optional[AxisName]) -> Optional[tuple[str, ...]]:
+    if axis is None:
+        return None
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"a mesh axis must be a name or a non-empty tuple of names, got {axis!r}")
+    return axes
+
+
+def _spec_entry(axes: Optional[tuple[str, ...]]):
+    if axes is None:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """How one fused call is laid out on a mesh (hashable: a static argument of the custom VJP)."""
+
+    mesh: Any  # jax.sharding.Mesh or AbstractMesh
+    data_axis: Optional[tuple[str, ...]]
+    vocab_axis: Optional[tuple[str, ...]]
+    data_shards: int
+    vocab_shards: int
+    weight_layout: str
+
+    @property
+    def batch(self) -> P:
+        """Spec of arrays whose leading axis is the batch ``B``."""
+        return P(_spec_entry(self.data_axis))
+
+    @property
+    def weight(self) -> P:
+        v = _spec_entry(self.vocab_axis)
+        return P(None, v) if self.weight_layout == "hv" else P(v, None)
+
+    @property
+    def vocab(self) -> P:
+        """Spec of ``[V]`` arrays (the bias)."""
+        return P(_spec_entry(self.vocab_axis))
+
+    def place(self, x, spec: P):
+        """``x`` resharded to ``spec`` where the mesh's axes are ``Explicit`` (``shard_map`` requires the
+        types to match there); on ``Auto`` axes ``shard_map`` reshards by itself."""
+        if x is None:
+            return None
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
+        if not any(t == AxisType.Explicit for t in types.values()):
+            return x
+        named = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        if any(types[a] != AxisType.Explicit for a in named):
+            return x
+        target = NamedSharding(self.mesh, spec) if isinstance(self.mesh, jax.sharding.Mesh) else spec
+        return jax.reshard(x, target)
+
+
+def make_plan(mesh, data_axis: Optional[AxisName], vocab_axis: Optional[AxisName], *, B: int, V: int,
+              weight_layout: str) -> Optional[ShardingPlan]:
+    """Validate the mesh arguments of a public call; None when neither axis is given (single-device path).
+
+    Raises:
+      ValueError: ``mesh`` without an axis, no mesh (neither ``mesh=`` nor ``jax.set_mesh``), an axis not
+        in the mesh, an axis used twice, ``B`` not a multiple of the data shards or ``V`` not a multiple
+        of the vocabulary shards.
+    """
+    d, v = _axes(data_axis), _axes(vocab_axis)
+    if d is None and v is None:
+        if mesh is not None:
+            raise ValueError("mesh= needs data_axis= and / or vocab_axis= (the mesh axes to split B and V over)")
+        return None
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or mesh.empty:
+            raise ValueError("data_axis= / vocab_axis= need mesh= (a jax.sharding.Mesh) or a mesh set with "
+                             "jax.set_mesh(...)")
+    named = (d or ()) + (v or ())
+    for a in named:
+        if a not in mesh.axis_names:
+            raise ValueError(f"mesh axis {a!r} is not in the mesh, whose axes are {tuple(mesh.axis_names)}")
+    if len(set(named)) != len(named):
+        raise ValueError(f"a mesh axis may split one array axis only, got data_axis={data_axis!r}, "
+                         f"vocab_axis={vocab_axis!r}")
+    nd = math.prod(mesh.shape[a] for a in d) if d else 1
+    nv = math.prod(mesh.shape[a] for a in v) if v else 1
+    if B % nd:
+        raise ValueError(f"hidden's batch B={B} must be a multiple of the {nd} data shards of "
+                         f"data_axis={data_axis!r}")
+    if V % nv:
+        raise ValueError(f"the vocabulary V={V} must be a multiple of the {nv} shards of vocab_axis={vocab_axis!r}: "
+                         f"pad the LM head to {-(-V // nv) * nv} and pass vocab_size={V}")
+    return ShardingPlan(mesh, d, v, nd, nv, weight_layout)
+
+
+def infer_axes(hidden, weight, weight_layout: str):
+    """``(mesh, data_axis, vocab_axis)`` read from ``Explicit``-axis input shardings, or None.
+
+    Only on meshes with ``Explicit`` axes are shardings known while tracing. ``hidden``'s batch axis
+    gives ``data_axis``, ``weight``'s vocabulary axis gives ``vocab_axis``.
+
+    Raises:
+      ValueError: ``hidden`` sharded along ``T`` / ``H`` or ``weight`` along ``H`` (not supported).
+    """
+    sh, sw = jax.typeof(hidden).sharding, jax.typeof(weight).sharding
+    found = [s for s in (sh, sw) if isinstance(s, NamedSharding) and any(e is not None for e in s.spec)]
+    if not found:
+        return None
+    mesh = found[0].mesh
+    if any(t != AxisType.Explicit for t in mesh.axis_types):
+        return None
+    hs = tuple(sh.spec) + (None,) * (3 - len(sh.spec)) if isinstance(sh, NamedSharding) else (None,) * 3
+    ws = tuple(sw.spec) + (None,) * (2 - len(sw.spec)) if isinstance(sw, NamedSharding) else (None,) * 2
+    v_entry, h_entry = (ws[1], ws[0]) if weight_layout == "hv" else (ws[0], ws[1])
+    if hs[1] is not None or hs[2] is not None or h_entry is not None:
+        raise ValueError(f"only hidden's batch axis and weight's vocabulary axis may be sharded, got "
+                         f"hidden sharded as {sh.spec} and weight as {sw.spec}")
+    return mesh, hs[0], v_entry
+
+
+def mask_padded_vocab(ids, bias, V: int, vocab_size: Optional[int]):
+    """``(ids, bias)`` with vocabulary columns ``>= vocab_size`` masked out of the softmax.
+
+    The padded columns get a ``-inf`` bias (``0`` where the caller has no bias, otherwise its own
+    values), so they add nothing to the sum-exp and receive exactly zero gradient on every backend;
+    unmasked ids in ``[vocab_size, V)`` become -1, i.e. NaN like any id outside the vocabulary. The
+    padded rows of the weight must be finite (checkpoints store zeros).
+    """
+    if vocab_size is None or vocab_size == V:
+        return ids, bias
+    live = jnp.arange(V, dtype=jnp.int32) < vocab_size
+    base = jnp.zeros((V,), jnp.float32) if bias is None else bias
+    bias = jnp.where(live, base, jnp.asarray(-jnp.inf, base.dtype))
+    ids = jnp.where(ids < vocab_size, ids, -1)
+    return ids, bias
+
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary parallelism: a wrapper around any backend of the seam
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class VocabParallelBackend:
+    """Runs ``inner`` on the local vocabulary shard; combines the shards with collectives over ``axis``.
+
+    Only valid inside a ``shard_map`` over ``axis``; ``shard_size`` is the local ``V``.
+    """
+
+    inner: Any
+    axis: tuple[str, ...]
+    shard_size: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.inner.name}/vocab_parallel"
+
+    def check_supported(self, **config) -> None:
+        self.inner.check_supported(**config)
+
+    def _local(self, ids):
+        return ids - lax.axis_index(self.axis) * self.shard_size
+
+    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout):
+        local = self._local(ids)
+        logp_k, lse_k = self.inner.logprobs(hidden, weight, bias, local, temperature, weight_layout=weight_layout)
+        owned = (local >= 0) & (local < self.shard_size)
+        with jax.named_scope("gmpo_jax/vocab_parallel/combine"):
+            m = lax.pmax(lse_k, self.axis)
+            m = jnp.where(jnp.isneginf(m), 0.0, m)  # every column masked: keep lse = -inf, not NaN
+            lse = m + jnp.log(lax.psum(jnp.exp(lse_k - m), self.axis))
+            tgt = lax.psum(jnp.where(owned, logp_k + lse_k, 0.0), self.axis)
+            n_shards = lax.psum(1, self.axis)
+            valid = (ids >= 0) & (ids < self.shard_size * n_shards)
+            logp = jnp.where(valid, tgt - lse, jnp.nan)
+        return logp, lse
+
+    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
+        dh, dw, db = self.inner.grads(hidden, weight, bias, self._local(ids), dlogp, lse, temperature,
+                                      weight_layout=weight_layout, dw_acc=dw_acc, db_acc=db_acc)
+        with jax.named_scope("gmpo_jax/vocab_parallel/dhidden"):
+            dh = lax.psum(dh.astype(jnp.float32), self.axis).astype(hidden.dtype)
+        return dh, dw, db
+
+
+def _local_config(cfg: fused_vjp.FusedConfig, plan: ShardingPlan, weight) -> fused_vjp.FusedConfig:
+    """``cfg`` (resolved for the local shapes) with its backend wrapped for vocabulary parallelism."""
+    if plan.vocab_axis is None:
+        return cfg
+    V = weight.shape[1] if plan.weight_layout == "hv" else weight.shape[0]
+    return dataclasses.replace(cfg, backend=VocabParallelBackend(cfg.backend, plan.vocab_axis, V // plan.vocab_shards))
+
+
+def _psum(x, axis):
+    return x if (x is None or axis is None) else lax.psum(x, axis)
+
+
+def _place_all(plan, args, specs):
+    return tuple(plan.place(x, s) if isinstance(x, jax.Array) and x.ndim else x for x, s in zip(args, specs))
+
+
+# ------------------------------------------------------------------------------------------------
+# The policy loss
+# ------------------------------------------------------------------------------------------------
+def _policy_specs(plan: ShardingPlan):
+    """in_specs of (objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, denom, temperature)."""
+    d = plan.batch
+    return (P(), d, plan.weight, plan.vocab, d, d, d, d, d, d, P(), P())
+
+
+def _run_policy(cfg, plan: ShardingPlan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
+                num_items, temperature, *, with_grads: bool):
+    denom = objective.denominator(mask, num_items).astype(jnp.float32)  # global: the whole mask
+    d, dax = plan.batch, plan.data_axis
+
+    def local(objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, denom, temperature):
+        num, sums, (dh, dw, db) = fused_vjp._scan_policy(cfg, objective, hidden, weight, bias, ids, mask, adv,
+                                                         old, ref, ris, denom, temperature, with_grads=with_grads)
+        if dax is not None:
+            with jax.named_scope("gmpo_jax/data_parallel/reduce"):
+                num = lax.psum(num, dax)
+                sums = MetricSums(*(lax.psum(x, dax) for x in sums[:4]),
+                                  lax.pmin(sums.log_ratio_min, dax), lax.pmax(sums.log_ratio_max, dax))
+                dw, db = _psum(dw, dax), _psum(db, dax)
+        return num, sums, (dh, dw, db)
+
+    f = shard_map(local, mesh=plan.mesh, in_specs=_policy_specs(plan),
+                  out_specs=(P(), P(), (d, plan.weight, plan.vocab)), check_vma=False)
+    num, sums, grads = f(objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, denom, temperature)
+    loss = num / denom
+    aux = dict(loss_numerator=num, loss_denominator=denom, **finalize_metrics(sums, mask))
+    return loss, aux, grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _policy_loss(cfg, plan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, num_items, temperature):
+    loss, aux, _ = _run_policy(cfg, plan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
+                               num_items, temperature, with_grads=False)
+    return loss, aux
+
+
+def _policy_loss_fwd(cfg, plan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, num_items,
+                     temperature):
+    loss, aux, grads = _run_policy(cfg, plan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
+                                   num_items, temperature, with_grads=True)
+    return (loss, aux), grads
+
+
+def _policy_loss_bwd(cfg, plan, grads, cotangents):
+    return fused_vjp._policy_loss_bwd(cfg, grads, cotangents)  # the same scaling as the single-device VJP
+
+
+_policy_loss.defvjp(_policy_loss_fwd, _policy_loss_bwd)
+
+
+def policy_loss(cfg, plan: ShardingPlan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
+                num_items, temperature):
+    """Sharded ``fused_vjp.policy_loss``: same arguments, ``cfg`` resolved for the local shapes."""
+    args = (objective, hidden, weight, bias, ids, mask, adv, old, ref, ris)
+    args = _place_all(plan, args, _policy_specs(plan)[:len(args)])
+    return _policy_loss(_local_config(cfg, plan, weight), plan, *args, num_items, temperature)
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-probs alone
+# ------------------------------------------------------------------------------------------------
+def _lp_specs(plan):
+    d = plan.batch
+    return (d, plan.weight, plan.vocab, d, d, P())
+
+
+def _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature):
+    def local(hidden, weight, bias, ids, mask, temperature):
+        return fused_vjp._run_logprobs(cfg, hidden, weight, bias, ids, mask, temperature)
+
+    f = shard_map(local, mesh=plan.mesh, in_specs=_lp_specs(plan), out_specs=(plan.batch, plan.batch),
+                  check_vma=False)
+    return f(hidden, weight, bias, ids, mask, temperature)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature):
+    return _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature)[0]
+
+
+def _logprobs_fwd(cfg, plan, hidden, weight, bias, ids, mask, temperature):
+    logp, lse = _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature)
+    return logp, (hidden, weight, bias, ids, mask, lse, temperature)
+
+
+def _logprobs_bwd(cfg, plan, res, g):
+    hidden, weight, bias, ids, mask, lse, temperature = res
+    dax = plan.data_axis
+
+    def local(hidden, weight, bias, ids, mask, temperature, lse, g):
+        dh, dw, db = fused_vjp._logprobs_grads(cfg, (hidden, weight, bias, ids, mask, lse, temperature), g)
+        return dh, _psum(dw, dax), _psum(db, dax)
+
+    specs = _lp_specs(plan) + (plan.batch, plan.batch)
+    f = shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=(plan.batch, plan.weight, plan.vocab),
+                  check_vma=False)
+    dh, dw, db = f(hidden, weight, bias, ids, mask, temperature, lse, plan.place(g, plan.batch))
+    d_bias = None if db is None else db.astype(cfg.bias_dtype)
+    return (dh, dw.astype(cfg.weight_dtype), d_bias, None, None, None)
+
+
+_logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
+
+
+def logprobs(cfg, plan: ShardingPlan, hidden, weight, bias, ids, mask, temperature):
+    """Sharded ``fused_vjp.logprobs``: ``[B, T]`` float32, sharded over the data axis."""
+    hidden, weight, bias, ids, mask = _place_all(plan, (hidden, weight, bias, ids, mask), _lp_specs(plan))
+    return _logprobs(_local_config(cfg, plan, weight), plan, hidden, weight, bias, ids, mask, temperature)
