@@ -57,6 +57,16 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be >= 1, got chunk_size={chunk_size!r}")
 
 
+def check_vocab_size(vocab_size, V: int) -> None:
+    """``vocab_size``: None or an int in ``[1, V]`` (the real vocabulary of an LM head padded to ``V``)."""
+    if vocab_size is None:
+        return
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        raise TypeError(f"vocab_size must be None or an int, got vocab_size={vocab_size!r}")
+    if not 1 <= vocab_size <= V:
+        raise ValueError(f"vocab_size must be in [1, V={V}] (the LM head's vocabulary axis), got vocab_size={vocab_size}")
+
+
 def check_lm_head(hidden, weight, bias, weight_layout, *, prefix: str = "") -> tuple[int, int, int, int]:
     """Checks ``hidden [B, T, H]``, ``weight`` ([H, V] or [V, H]) and ``bias [V]``; returns (B, T, H, V)."""
     hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"

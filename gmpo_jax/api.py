@@ -10,13 +10,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
-from gmpo_jax import fused_vjp, tuning
+from gmpo_jax import fused_vjp, sharding, tuning
 from gmpo_jax.backends.base import resolve_backend
 from gmpo_jax.objectives import GMPO, Objective
 
 __all__ = ["LossAux", "fused_linear_policy_loss", "fused_linear_logprobs"]
 
 ScalarLike = Union[float, Float[Array, ""]]
+AxisName = Union[str, tuple[str, ...]]
 
 
 class LossAux(NamedTuple):
@@ -46,14 +47,30 @@ class LossAux(NamedTuple):
     log_ratio_max: jax.Array
 
 
-def _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation):
+def _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan=None):
     B, H = hidden.shape[0], hidden.shape[2]
+    if plan is not None:  # the backend serves one device's rows and vocabulary shard
+        B, V = B // plan.data_shards, V // plan.vocab_shards
     chunk = min(chunk_size or tuning.default_chunk_size(B, T), B)
     backend = resolve_backend(
         implementation, hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=chunk * T,
         weight_layout=weight_layout, has_bias=bias is not None)
     return fused_vjp.FusedConfig(backend=backend, chunk_size=chunk, weight_layout=weight_layout,
                                  weight_dtype=weight.dtype, bias_dtype=None if bias is None else bias.dtype)
+
+
+def _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout):
+    if mesh is None and data_axis is None and vocab_axis is None:
+        inferred = sharding.infer_axes(hidden, weight, weight_layout)  # Explicit mesh axes only
+        if inferred is not None:
+            mesh, data_axis, vocab_axis = inferred
+    return sharding.make_plan(mesh, data_axis, vocab_axis, B=B, V=V, weight_layout=weight_layout)
+
+
+def _plan_kwargs(plan) -> dict:
+    if plan is None:
+        return {}
+    return dict(mesh=plan.mesh, data_axis=plan.data_axis, vocab_axis=plan.vocab_axis)
 
 
 def _as_mask(completion_mask) -> jax.Array:
@@ -81,6 +98,10 @@ def fused_linear_policy_loss(
     weight_layout: str = "hv",
     chunk_size: Optional[int] = None,
     implementation: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    data_axis: Optional[AxisName] = None,
+    vocab_axis: Optional[AxisName] = None,
 ) -> tuple[Float[Array, ""], LossAux]:
     r"""Policy-gradient loss (GMPO or the GRPO family) fused with the LM head.
 
@@ -122,6 +143,16 @@ def fused_linear_policy_loss(
         ``tuning.TARGET_ROWS`` tokens per chunk.
       implementation: None (best available: ``"mosaic_gpu"`` on Hopper GPUs, else ``"xla_chunked"``),
         or an explicit name, which never falls back.
+      vocab_size: the real vocabulary when the LM head is padded to ``V`` (e.g. to a multiple of the
+        vocabulary shards): columns ``>= vocab_size`` are left out of the softmax and get zero gradient;
+        an unmasked id in ``[vocab_size, V)`` gives NaN. None: all ``V`` columns are real.
+      mesh: the ``jax.sharding.Mesh`` of ``data_axis`` / ``vocab_axis`` (None: the ``jax.set_mesh`` one).
+      data_axis: mesh axis name (or tuple of names) the batch ``B`` is split over: data parallel, ``B`` a
+        multiple of its size. Normalisers and metrics stay global: the result equals the unsharded one.
+      vocab_axis: mesh axis name(s) the weight's (and bias') vocabulary ``V`` is split over: vocabulary
+        parallel, ``V`` a multiple of its size; the weight is never gathered. With neither axis, inputs
+        sharded over ``Explicit`` mesh axes have their axes read from ``hidden`` and ``weight``. See
+        ``gmpo_jax.sharding``; gradients come back sharded like the primals.
 
     Returns:
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars.
@@ -130,7 +161,8 @@ def fused_linear_policy_loss(
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids, a non-objective.
       ValueError: inconsistent shapes (named), ``weight`` not ``[H, V]`` / ``[V, H]`` as declared,
         ``temperature <= 0``, ``chunk_size < 1``, a Python-float ``beta != 0`` without a reference, both
-        ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``.
+        ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
+        outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
       UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
 
     References: GMPO, arXiv 2507.20673; Liger-Kernel ``LigerFusedLinearGRPOLoss``; TRL ``GRPOTrainer``.
@@ -151,6 +183,8 @@ def fused_linear_policy_loss(
         ref_hidden=ref_hidden, ref_weight=ref_weight, bias=bias, ref_bias=ref_bias,
         rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch, temperature=temperature,
         weight_layout=weight_layout, chunk_size=chunk_size)
+    V_.check_vocab_size(vocab_size, V)
+    plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     mask = _as_mask(completion_mask)
     ids = jnp.asarray(completion_ids).astype(jnp.int32)
     f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)
@@ -164,11 +198,13 @@ def fused_linear_policy_loss(
     if ref_hidden is not None:
         ref_logps = jax.lax.stop_gradient(fused_linear_logprobs(
             ref_hidden, ref_weight, ids, completion_mask=mask, bias=ref_bias, temperature=temperature,
-            weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation))
-    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation)
-    loss, aux = fused_vjp.policy_loss(
-        cfg, objective, hidden, weight, bias, ids, mask, f32(advantages), f32(old_logps), f32(ref_logps), ris,
-        f32(num_items_in_batch), temperature)
+            weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation,
+            vocab_size=vocab_size, **_plan_kwargs(plan)))
+    ids, bias = sharding.mask_padded_vocab(ids, bias, V, vocab_size)
+    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
+    args = (objective, hidden, weight, bias, ids, mask, f32(advantages), f32(old_logps), f32(ref_logps), ris,
+            f32(num_items_in_batch), temperature)
+    loss, aux = fused_vjp.policy_loss(cfg, *args) if plan is None else sharding.policy_loss(cfg, plan, *args)
     return loss, LossAux(**aux)
 
 
@@ -183,6 +219,10 @@ def fused_linear_logprobs(
     weight_layout: str = "hv",
     chunk_size: Optional[int] = None,
     implementation: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    data_axis: Optional[AxisName] = None,
+    vocab_axis: Optional[AxisName] = None,
 ) -> Float[Array, "B T"]:
     r"""Per-token log-probs through the LM head without materialising the logits.
 
@@ -201,7 +241,8 @@ def fused_linear_logprobs(
         and may hold any id.
       bias: optional ``[V]`` LM-head bias.
       temperature: ``> 0`` logits temperature (float or traced scalar).
-      weight_layout, chunk_size, implementation: as in :func:`fused_linear_policy_loss`.
+      weight_layout, chunk_size, implementation, vocab_size, mesh, data_axis, vocab_axis: as in
+        :func:`fused_linear_policy_loss`.
 
     Returns:
       ``[B, T]`` float32 log-probs.
@@ -225,6 +266,10 @@ def fused_linear_logprobs(
         mask = jnp.ones((B, T), jnp.bool_)
     V_.check_temperature(temperature)
     V_.check_chunk_size(chunk_size)
+    V_.check_vocab_size(vocab_size, V)
+    plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     ids = jnp.asarray(completion_ids).astype(jnp.int32)
-    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation)
-    return fused_vjp.logprobs(cfg, hidden, weight, bias, ids, mask, jnp.asarray(temperature, jnp.float32))
+    ids, bias = sharding.mask_padded_vocab(ids, bias, V, vocab_size)
+    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
+    args = (hidden, weight, bias, ids, mask, jnp.asarray(temperature, jnp.float32))
+    return fused_vjp.logprobs(cfg, *args) if plan is None else sharding.logprobs(cfg, plan, *args)
