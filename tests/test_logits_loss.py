@@ -1,0 +1,394 @@
+"""``policy_loss_from_logits`` against an independent float64 NumPy computation.
+
+The oracle here is written from SPEC.md: float64 log-softmax of the (rounded) logits, the loss, metrics
+and ``d loss / d logp`` of ``spec_numpy.spec_loss_from_logp``, and ``dlogits = dlogp * (onehot - softmax)
+/ tau`` by hand (zeros at the dropped last position). Tolerances: the one table of ``conftest``.
+
+Three groups:
+* the portable ``"xla"`` path: every objective, ``[B, T + 1, V]`` and ``[B, T, V]``, masks (ragged, an
+  empty row, padding ids), temperature, f32 / bf16 / f16, extreme and ``-inf`` logits, edge cases,
+  determinism, memory (no float32 or sliced copy of the logits), argument errors;
+* the Mosaic GPU kernels in the Pallas GPU interpreter on CPU, at tiny shapes whose rows and vocabulary
+  do not fill the last block (the interpreter takes seconds per kernel call: a few curated cases);
+* ``gpu``-marked tests at the real shape (Llama-3 vocabulary), skipped without a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gmpo_jax
+import spec_numpy as spec
+from conftest import R_GRID, Obj, assert_fraction_close, assert_grad_close, assert_loss_close, ragged_mask
+from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax.logits_backends import logits_mgpu as K
+from gmpo_jax.logits_backends.mosaic_gpu import MosaicGpuLogitsBackend
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+# Interpret-mode kernels: small blocks so that tiny shapes still have several tiles, splits and row blocks.
+INTERPRET = MosaicGpuLogitsBackend(
+    interpret=True,
+    fwd=K.KernelConfig(block_v=64, stages=2),
+    bwd=K.KernelConfig(block_v=64, stages=2, tiles_per_cta=2),
+    num_splits=2,
+)
+
+
+def _on_hopper() -> bool:
+    d = jax.devices()[0]
+    return d.platform == "gpu" and float(getattr(d, "compute_capability", "0") or 0) >= 9.0
+
+
+gpu = pytest.mark.gpu
+needs_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper (sm_90+) GPU")
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs and the float64 oracle
+# --------------------------------------------------------------------------------------------------
+def _f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def oracle_logsoftmax(logits, T, temperature):
+    z = _f64(logits)[:, :T] / temperature
+    zmax = np.max(z, axis=-1, keepdims=True)
+    zmax = np.where(np.isfinite(zmax), zmax, 0.0)
+    return z - (zmax + np.log(np.sum(np.exp(z - zmax), axis=-1, keepdims=True)))
+
+
+def oracle_logp(logits, ids, mask, T, temperature):
+    logsm = oracle_logsoftmax(logits, T, temperature)
+    V = logsm.shape[-1]
+    valid = (ids >= 0) & (ids < V)
+    lp = np.take_along_axis(logsm, np.where(valid, ids, 0)[..., None], axis=-1)[..., 0]
+    return np.where(mask, np.where(valid, lp, np.nan), 0.0)
+
+
+def oracle(case, obj: Obj, *, temperature=1.0, num_items=None):
+    """(SpecLoss, dlogits [B, Tl, V] float64) of SPEC.md for ``case``."""
+    B, T = case["ids"].shape
+    logsm = oracle_logsoftmax(case["logits"], T, temperature)
+    V = logsm.shape[-1]
+    m = case["mask"]
+    logp = oracle_logp(case["logits"], case["ids"], m, T, temperature)
+    sl = spec.spec_loss_from_logp(np.nan_to_num(logp), m, case["adv"], old_logps=case["old"], ref_logps=case["ref"],
+                                  rollout_is_ratio=case["ris"], num_items_in_batch=num_items, **obj.spec_kwargs())
+    onehot = np.arange(V) == np.where(m, case["ids"], -1)[..., None]
+    p = np.exp(logsm)
+    dz = np.where(m[..., None], sl.dlogp[..., None] * (onehot - p), 0.0) / temperature
+    full = np.zeros(case["logits"].shape)
+    full[:, :T] = dz
+    return sl, full
+
+
+def make_inputs(seed=0, *, B=4, T=9, V=37, dtype="float32", extra=True, scale=2.0, temperature=1.0,
+                off_policy=True, with_ref=True, ris=None, empty_row=None, adv=None):
+    rng = np.random.default_rng(seed)
+    logits = (rng.normal(size=(B, T + int(extra), V)) * scale).astype(DTYPES[dtype])
+    mask = ragged_mask(B, T, rng, empty_row=empty_row)
+    ids = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    ids = np.where(mask, ids, np.where(rng.random((B, T)) < 0.5, -100, V + 5)).astype(np.int32)
+    if adv is None:
+        adv = rng.normal(size=(B,))
+        adv = np.where(np.abs(adv) < 0.1, 0.7, adv)
+    case = dict(logits=logits, ids=ids, mask=mask, adv=np.asarray(adv, np.float32), old=None, ref=None, ris=None)
+    logp = oracle_logp(logits, ids, mask, T, temperature)
+    if off_policy:  # log ratios away from every clip bound of the suite
+        case["old"] = np.where(mask, logp - rng.choice(R_GRID, size=(B, T)), 0.0).astype(np.float32)
+    if with_ref:
+        case["ref"] = np.where(mask, logp + rng.uniform(-0.7, 0.7, size=(B, T)), 0.0).astype(np.float32)
+    if ris is not None:
+        shape = {"bt": (B, T), "b1": (B, 1), "b": (B,)}[ris]
+        case["ris"] = rng.uniform(0.5, 1.5, size=shape).astype(np.float32)
+    return case
+
+
+# --------------------------------------------------------------------------------------------------
+# Calling the library: one jitted program per (objective, implementation), arrays traced
+# --------------------------------------------------------------------------------------------------
+def _call(objective, implementation, logits, ids, mask, adv, old, ref, ris, num_items, temperature):
+    return gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=objective, old_logps=old,
+                                            ref_logps=ref, rollout_is_ratio=ris, num_items_in_batch=num_items,
+                                            temperature=temperature, implementation=implementation)
+
+
+def _vg(objective, implementation, logits, *rest):
+    return jax.value_and_grad(lambda z: _call(objective, implementation, z, *rest), has_aux=True)(logits)
+
+
+_VG = jax.jit(_vg, static_argnums=(0, 1), compiler_options=FAST_COMPILE)
+_LOSS = jax.jit(_call, static_argnums=(0, 1), compiler_options=FAST_COMPILE)
+
+
+def _args(case, temperature, num_items):
+    j = lambda x: None if x is None else jnp.asarray(x)
+    return (j(case["logits"]), j(case["ids"]), j(case["mask"]), j(case["adv"]), j(case["old"]), j(case["ref"]),
+            j(case["ris"]), None if num_items is None else jnp.float32(num_items), jnp.float32(temperature))
+
+
+def value_and_grad(case, obj: Obj, implementation="xla", *, temperature=1.0, num_items=None):
+    return _VG(obj.lib(), implementation, *_args(case, temperature, num_items))
+
+
+def check(case, obj: Obj, implementation="xla", *, temperature=1.0, num_items=None):
+    """Loss, metrics and dlogits of the library against the float64 oracle; returns the library's output."""
+    want, dwant = oracle(case, obj, temperature=temperature, num_items=num_items)
+    assert want.margin > 1e-4, "test setup: a ratio sits within 1e-4 of a bound"
+    (loss, aux), g = value_and_grad(case, obj, implementation, temperature=temperature, num_items=num_items)
+    dtype = case["logits"].dtype
+    assert loss.dtype == jnp.float32
+    assert_loss_close(loss, want.loss, want.scale, dtype)
+    m = want.metrics
+    for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high"):
+        if k == "clip_fraction" or obj.loss_type == "gmpo":
+            assert_fraction_close(getattr(aux, k), m[k], k)
+    if obj.beta:
+        assert_loss_close(aux.kl, m["kl"], max(abs(m["kl"]), abs(m["kl_uncorrected"])), dtype, what="aux.kl")
+    assert float(aux.loss_denominator) == pytest.approx(m["loss_denominator"], rel=1e-6)
+    assert_loss_close(aux.loss_numerator, m["loss_numerator"], want.scale * m["loss_denominator"], dtype,
+                      what="loss_numerator")
+    assert g.shape == case["logits"].shape
+    assert_grad_close(np.asarray(g), dwant, dtype, "dlogits")
+    T = case["ids"].shape[1]
+    assert np.all(np.asarray(g)[:, T:] == 0), "the dropped last position must get an exactly zero gradient"
+    return (loss, aux), g
+
+
+OBJECTIVES = [
+    Obj("gmpo"),
+    Obj("gmpo", beta=0.04, bias_kl=True),
+    Obj("gmpo", epsilon_low=0.25, epsilon_high=0.5),
+    Obj("grpo", beta=0.04),
+    Obj("grpo", level="sequence", beta=0.04, bias_kl=True),
+    Obj("bnpo", delta=1.5),
+    Obj("dr_grpo", max_completion_length=11),
+    Obj("dapo", epsilon_low=0.2, epsilon_high=0.28),
+    Obj("dapo", level="sequence", delta=1.5, beta=0.04),
+    Obj("cispo", epsilon_high=1.3, beta=0.04, bias_kl=True),
+    Obj("sapo", tau_pos=0.5, tau_neg=2.0, beta=0.04),
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# The portable path
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("obj", OBJECTIVES, ids=str)
+def test_objectives_xla(obj):
+    """Every objective; [B, T+1, V] and [B, T, V] alternate, an empty row, padding ids, temperature 0.7."""
+    i = OBJECTIVES.index(obj)
+    ris = (None, "bt", "b1", "b")[i % 4] if obj.loss_type != "gmpo" else None
+    case = make_inputs(10 + i, extra=bool(i % 2 == 0), empty_row=2, ris=ris, temperature=0.7)
+    check(case, obj, temperature=0.7, num_items=23 if obj.loss_type in ("dapo", "cispo") else None)
+
+
+@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("gmpo", beta=0.04, bias_kl=True), Obj("dapo"),
+                                 Obj("sapo")], ids=str)
+def test_on_policy_xla(obj):
+    """old = stop_gradient(logp): r = 0 exactly, d r / d logp = 1."""
+    check(make_inputs(3, off_policy=False), obj)
+
+
+VARIANTS = [  # dtype, [B, T+1, V]?, temperature, scale, objective
+    ("bfloat16", True, 1.0, 2.0, Obj("gmpo")),
+    ("bfloat16", False, 0.7, 3.0, Obj("grpo", beta=0.04)),
+    ("float16", True, 1.3, 2.0, Obj("dapo", delta=1.5)),
+    ("float32", False, 2.0, 30.0, Obj("cispo", epsilon_high=1.3)),
+    ("bfloat16", True, 0.5, 1000.0, Obj("gmpo", beta=0.04)),  # large bf16 logits (levanter's scale sweep)
+]
+
+
+@pytest.mark.parametrize("dtype, extra, temperature, scale, obj", VARIANTS,
+                         ids=[f"{d}-{'T+1' if e else 'T'}-tau{t}-x{s}-{o}" for d, e, t, s, o in VARIANTS])
+def test_dtypes_xla(dtype, extra, temperature, scale, obj):
+    """Gradients come back in the logits' dtype; bf16 / f16 judged against the oracle on the ROUNDED logits."""
+    case = make_inputs(4, dtype=dtype, extra=extra, temperature=temperature, scale=scale)
+    _, g = check(case, obj, temperature=temperature)
+    assert g.dtype == case["logits"].dtype
+
+
+def test_extreme_and_masked_vocab_logits_xla():
+    """|z| up to 1e4 / tau and -inf columns (a vocabulary mask): finite, and the float64 value up to the
+    float32 rounding of the log-sum-exp of such logits (conftest's logp rule: 2e-6 * (1 + max|z|))."""
+    tau = 0.5
+    case = make_inputs(5, scale=1.0, temperature=tau)
+    z = case["logits"]
+    z[0, :, :5] = 1e4
+    z[0, :, 5] = -1e4
+    z[1, :, ::3] = -np.inf
+    case["ids"][1] = np.where(case["mask"][1], 1, case["ids"][1])  # targets stay on finite columns
+    logp = oracle_logp(z, case["ids"], case["mask"], 9, tau)
+    case["old"] = np.where(case["mask"], logp - 0.05, 0.0).astype(np.float32)
+    case["ref"] = None
+    obj = Obj("gmpo")
+    want, dwant = oracle(case, obj, temperature=tau)
+    (loss, aux), g = value_and_grad(case, obj, temperature=tau)
+    g = np.asarray(g)
+    assert np.isfinite(float(loss)) and np.all(np.isfinite(g))
+    dlogp_err = 2e-6 * (1 + 1e4 / tau)  # f32 ulps of a log-sum-exp near 2e4
+    assert abs(float(loss) - want.loss) <= dlogp_err * np.abs(want.dlogp).sum() + 1e-5 * want.scale
+    assert np.max(np.abs(g - dwant)) <= dlogp_err * np.abs(dwant).max()
+    assert float(aux.clip_fraction) == want.metrics["clip_fraction"]
+
+
+def test_all_masked_and_zero_advantage_xla():
+    case = make_inputs(6)
+    case["mask"][:] = False
+    (loss, aux), g = value_and_grad(case, Obj("gmpo"))
+    assert float(loss) == 0.0 and float(aux.clip_fraction) == 0.0
+    assert np.all(np.asarray(g) == 0)
+    case = make_inputs(7, adv=[0.0, 1.0, 0.0, -1.0])
+    case["old"][0] = np.where(case["mask"][0], -1e4, 0.0)  # ratio overflows f32 on a zero-advantage row
+    (loss, _), g = value_and_grad(case, Obj("grpo"))
+    assert np.isfinite(float(loss))
+    g = np.asarray(g)
+    assert np.all(g[0] == 0) and np.all(g[2] == 0) and np.any(g[1] != 0)
+
+
+def test_unmasked_out_of_range_id_is_nan_xla():
+    case = make_inputs(8)
+    case["ids"][0, 0] = 37  # == V, unmasked (row 0 is full)
+    (loss, _), _ = value_and_grad(case, Obj("gmpo"))
+    assert np.isnan(float(loss))
+
+
+def test_primal_and_jit_agree_and_deterministic_xla():
+    case = make_inputs(9, dtype="bfloat16")
+    obj = Obj("dapo", beta=0.04)
+    (l1, a1), g1 = value_and_grad(case, obj)
+    (l2, a2), g2 = value_and_grad(case, obj)
+    assert np.array_equal(np.asarray(g1), np.asarray(g2)) and float(l1) == float(l2)
+    l3, a3 = _LOSS(obj.lib(), "xla", *_args(case, 1.0, None))  # plain evaluation: no gradient work
+    assert float(l3) == float(l1) and float(a3.kl) == float(a1.kl)
+    l4, _ = gmpo_jax.policy_loss_from_logits(  # eager, default dispatch (CPU: "xla"), no jit
+        jnp.asarray(case["logits"]), case["ids"], case["mask"], case["adv"], objective=obj.lib(),
+        old_logps=case["old"], ref_logps=case["ref"])
+    assert float(l4) == pytest.approx(float(l1), rel=1e-6)
+
+
+def test_memory_no_logits_copy_xla():
+    """The compiled value-and-grad allocates no [B, T, V] temporary (no f32 upcast, no sliced copy)."""
+    B, T, V = 4, 64, 4096
+    logits = jax.ShapeDtypeStruct((B, T + 1, V), jnp.bfloat16)
+    small = jax.ShapeDtypeStruct((B, T), jnp.float32)
+    f = jax.jit(lambda z, ids, m, a, old: jax.value_and_grad(lambda z: gmpo_jax.policy_loss_from_logits(
+        z, ids, m, a, objective=gmpo_jax.GMPO(), old_logps=old, implementation="xla")[0])(z))
+    mem = f.lower(logits, jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.bool_),
+                  jax.ShapeDtypeStruct((B,), jnp.float32), small).compile().memory_analysis()
+    slice_bf16 = B * T * V * 2
+    assert mem.temp_size_in_bytes < slice_bf16 // 4, mem
+
+
+def test_argument_errors():
+    case = make_inputs(0)
+    z, ids, m, a = (jnp.asarray(case[k]) for k in ("logits", "ids", "mask", "adv"))
+    obj = gmpo_jax.GMPO()
+    with pytest.raises(ValueError, match="logits must have shape"):
+        gmpo_jax.policy_loss_from_logits(z[:, :-3], ids, m, a, objective=obj)
+    with pytest.raises(ValueError, match="advantages"):
+        gmpo_jax.policy_loss_from_logits(z, ids, m, a[:2], objective=obj)
+    with pytest.raises(TypeError, match="logits"):
+        gmpo_jax.policy_loss_from_logits(z.astype(jnp.int32), ids, m, a, objective=obj)
+    with pytest.raises(ValueError, match="needs a reference"):
+        gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=gmpo_jax.GRPO(beta=0.1))
+    with pytest.raises(ValueError, match="temperature"):
+        gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, temperature=0.0)
+    with pytest.raises(ValueError, match="implementation"):
+        gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, implementation="triton")
+    if not _on_hopper():
+        with pytest.raises(BackendUnavailableError):
+            gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, implementation="mosaic_gpu")
+    with pytest.raises(UnsupportedConfigError, match="dtype"):  # f32 logits: the kernels take 16-bit
+        gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, implementation=INTERPRET)
+
+
+# --------------------------------------------------------------------------------------------------
+# The Mosaic GPU kernels, in the Pallas GPU interpreter (CPU). Shapes: B * Tl >= 64 rows with a partial
+# last row block, V a multiple of 8 (16-byte rows) but not of block_v = 64, two vocabulary splits.
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, extra, obj, temperature", [
+    ("bfloat16", True, Obj("gmpo", beta=0.04), 0.7),
+    ("float16", False, Obj("dapo", level="sequence", delta=1.5), 1.0),
+], ids=["bf16-T+1-gmpo-beta", "f16-T-dapo-seq"])
+def test_mosaic_gpu_interpret(dtype, extra, obj, temperature):
+    case = make_inputs(11, B=2, T=35, V=296, dtype=dtype, extra=extra, temperature=temperature, empty_row=1)
+    (loss, aux), g = check(case, obj, INTERPRET, temperature=temperature)
+    (l_x, a_x), g_x = value_and_grad(case, obj, "xla", temperature=temperature)
+    assert float(loss) == pytest.approx(float(l_x), rel=1e-5, abs=1e-7)
+    assert float(aux.clip_fraction) == float(a_x.clip_fraction)
+
+
+def test_mosaic_gpu_kernels_interpret_extreme():
+    """Kernel level: extreme and -inf logits, ids outside [0, V), a row block sliding back (R = 70)."""
+    rng = np.random.default_rng(12)
+    R, V, tau = 70, 168, 0.5
+    x = rng.normal(size=(R, V)).astype(np.float32)
+    x[0, :7] = 1e4
+    x[1, 3:] = -np.inf
+    x[2, :] = -np.inf
+    x[3, ::2] = -1e4
+    x = x.astype(ml_dtypes.bfloat16)
+    ids = rng.integers(0, V, R).astype(np.int32)
+    ids[1], ids[5], ids[6] = 0, -100, V + 3
+    k = jnp.full((R,), K.LOG2E / tau, jnp.float32)
+    cfg = K.KernelConfig(block_v=64, stages=2, tiles_per_cta=2)
+    params = INTERPRET._interpret_params()
+    tgt, lse, lse2 = K.combine_partials(*K.lse_partials(jnp.asarray(x), jnp.asarray(ids), k, cfg=cfg, num_splits=2,
+                                                        interpret=params))
+    z = _f64(x) / tau
+    with np.errstate(invalid="ignore", divide="ignore"):
+        zmax = z.max(1)
+        want_lse = np.where(np.isfinite(zmax), zmax + np.log(np.exp(z - zmax[:, None]).sum(1)), -np.inf)
+    ok = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[ok], want_lse[ok], rtol=2e-6, atol=1e-5)
+    assert np.asarray(lse)[2] == -np.inf  # an all -inf row: no NaN
+    valid = (ids >= 0) & (ids < V)
+    want_t = np.where(valid, z[np.arange(R), np.clip(ids, 0, V - 1)], 0.0)
+    np.testing.assert_allclose(np.asarray(tgt)[ok], want_t[ok], rtol=1e-6)
+    c = rng.normal(size=R).astype(np.float32)
+    c[2] = 0.0  # a row with -inf lse must not leak NaN when it carries no gradient
+    d = K.dlogits(jnp.asarray(x), jnp.asarray(ids), k, lse2, jnp.asarray(c), cfg=cfg, interpret=params)
+    d = _f64(d)
+    assert np.all(d[2] == 0) and np.all(np.isfinite(d))
+    p = np.exp(z[ok] - want_lse[ok, None])
+    onehot = np.arange(V) == ids[ok, None]
+    want_d = c[ok, None] * (onehot - p)
+    np.testing.assert_allclose(d[ok], want_d, rtol=1e-2, atol=1e-2 * np.abs(want_d).max())
+
+
+# --------------------------------------------------------------------------------------------------
+# On the device (Hopper): the real vocabulary, both kernels, against float64 and the xla path
+# --------------------------------------------------------------------------------------------------
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("extra, obj", [(True, Obj("gmpo")), (False, Obj("dapo", beta=0.04)),
+                                        (True, Obj("grpo", level="sequence"))], ids=str)
+def test_mosaic_gpu_real_vocab(extra, obj):
+    case = make_inputs(13, B=2, T=96, V=128256, dtype="bfloat16", extra=extra, temperature=0.9, scale=3.0)
+    (loss, aux), g = check(case, obj, "mosaic_gpu", temperature=0.9)
+    (l_x, _), g_x = value_and_grad(case, obj, "xla", temperature=0.9)
+    assert float(loss) == pytest.approx(float(l_x), rel=1e-4)
+    (loss2, _), g2 = value_and_grad(case, obj, "mosaic_gpu", temperature=0.9)
+    assert float(loss2) == float(loss) and np.array_equal(np.asarray(g2), np.asarray(g)), "not deterministic"
+
+
+@gpu
+@needs_hopper
+def test_mosaic_gpu_default_dispatch_and_full_shape():
+    """implementation=None picks mosaic_gpu on Hopper; B = 2, T = 1024: same loss and dlogits as xla."""
+    case = make_inputs(14, B=2, T=1024, V=128256, dtype="bfloat16", with_ref=False, scale=1.0)
+    args = _args(case, 1.0, None)
+    (l_m, _), g_m = _VG(gmpo_jax.GMPO(), None, *args)
+    (l_x, _), g_x = _VG(gmpo_jax.GMPO(), "xla", *args)
+    assert float(l_m) == pytest.approx(float(l_x), rel=1e-5)
+    gm, gx = np.asarray(g_m, np.float32), np.asarray(g_x, np.float32)
+    cos = float(np.sum(gm * gx) / np.sqrt(np.sum(gm * gm) * np.sum(gx * gx)))
+    assert cos > 0.9999 and np.all(gm[:, -1] == 0)
