@@ -143,35 +143,36 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
         fcols = [c for c in LM_COLUMNS if any((c[0], c[1], *row, "fwd") in lat for row in rows)]
         if fcols:
             out.append(f"Forward only (loss, no gradient), {shape}:\n")
+            ours = [o for o in OURS_LM if any((o, None, *row, "fwd") in lat for row in rows)]
             hdr = ["B x T", "floor (2NHV)"] + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in fcols] \
-                + [f"{o} fwd / fwd+bwd" for o in OURS_LM]
+                + [f"{o} fwd / fwd+bwd" for o in ours]
             out.append("| " + " | ".join(hdr) + " |")
             out.append("|" + "---|" * len(hdr))
             for _, B, T in rows:
                 recs = [lat.get((c[0], c[1], shape, B, T, "fwd")) for c in fcols]
                 ref = next((r for r in recs if r and r.get("floor_ms")), None)
                 fr = [_x(_ratio(lat.get((o, None, shape, B, T, "fwd")), lat.get((o, None, shape, B, T, "fwd+bwd"))))
-                      for o in OURS_LM]
+                      for o in ours]
                 out.append("| " + " | ".join([f"{B} x {T}", f"{_ms(ref['floor_ms'])} ms" if ref else "-"]
                                              + [_cell(r, with_peak=False) for r in recs] + fr) + " |")
             out.append("")
         # ratios
-        out.append(f"Ours against the others, forward + backward time ratios (lower is better), {shape}:\n")
-        hdr = ["B x T", "impl", "x floor", "x dense_jax", "x cce_gmpo", "x cce_gmpo [filter_eps=None]",
-               "x liger_grpo"]
-        out.append("| " + " | ".join(hdr) + " |")
-        out.append("|" + "---|" * len(hdr))
-        for _, B, T in rows:
-            for o in OURS_LM:
-                mine = lat.get((o, None, shape, B, T, "fwd+bwd"))
-                if not mine:
-                    continue
-                vals = [_x(mine.get("x_floor")) if mine.get("status") == "ok" else mine.get("status", "-")]
-                for peer in (("dense_jax", None), ("cce_gmpo", None), ("cce_gmpo", "filter_eps=None"),
-                             ("liger_grpo", None)):
-                    vals.append(_x(_ratio(mine, lat.get((peer[0], peer[1], shape, B, T, "fwd+bwd")))))
-                out.append("| " + " | ".join([f"{B} x {T}", o] + vals) + " |")
-        out.append("")
+        peers = [c for c in cols if c[0] not in OURS_LM]
+        ours = [c[0] for c in cols if c[0] in OURS_LM]
+        if ours and peers:
+            out.append(f"Ours against the others, forward + backward time ratios (lower is better), {shape}:\n")
+            hdr = ["B x T", "impl", "x floor"] + [f"x {p[0]}" + (f" [{p[1]}]" if p[1] else "") for p in peers]
+            out.append("| " + " | ".join(hdr) + " |")
+            out.append("|" + "---|" * len(hdr))
+            for _, B, T in rows:
+                for o in ours:
+                    mine = lat.get((o, None, shape, B, T, "fwd+bwd"))
+                    if not mine:
+                        continue
+                    vals = [_x(mine.get("x_floor")) if mine.get("status") == "ok" else mine.get("status", "-")]
+                    vals += [_x(_ratio(mine, lat.get((p[0], p[1], shape, B, T, "fwd+bwd")))) for p in peers]
+                    out.append("| " + " | ".join([f"{B} x {T}", o] + vals) + " |")
+            out.append("")
 
     lg = _configs(lat, "logits")
     for shape in sorted({c[0] for c in lg}):
