@@ -92,6 +92,10 @@ class MosaicGpuBackend:
     if V >= 2**31 - 2**20 or rows >= 2**31 - 2**20:
       raise UnsupportedConfigError(f"{V=} / {rows=} overflow int32 indexing")
     item = hd.itemsize
+    if V % 8:
+      # Bulk tensor copies of the weight need its vocabulary dimension a multiple of the 8-row
+      # tiling ("vh") and 16-byte aligned row strides ("hv"); GPT-2's 50257 falls back.
+      raise UnsupportedConfigError(f"mosaic_gpu needs V a multiple of 8, got {V=}")
     for kind in ("logprob", "grad"):
       cfg = block_config(rows=rows, H=H, V=V, kind=kind, interpret=self.interpret)
       extra = 2 * 3 * cfg.block_m * 4 if kind == "logprob" else 2 * cfg.block_m * cfg.block_n * item

@@ -35,7 +35,8 @@ def load_vector(ref, layout, interpret):
   """``plgpu.load(ref, (), layout=layout)``; the interpreter has no ``load`` yet (0.10.2)."""
   if interpret:
     return ref[...]
-  return plgpu.load(ref, (), layout=layout)
+  # GMEM: only the unoptimised (per-element) transfer supports the WGMMA row/column layouts.
+  return plgpu.load(ref, (), layout=layout, optimized=False)
 
 
 def layout_cast(x, layout, interpret):
