@@ -101,6 +101,21 @@ def _tile_start(j, block_v: int, vocab: int):
   return jnp.minimum(j * block_v, vocab - block_v)
 
 
+def _bcast(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _load_row_vectors(pairs, row0, barrier, interpret):
+  """Per-row vectors ``ref[row0:row0 + 64]`` in the WGMMA row layout, staged through SMEM by TMA.
+
+  ``pairs``: ``(gmem_ref [R], smem_ref [64])``; ``barrier``: one barrier expecting ``len(pairs)`` copies.
+  """
+  for gmem, smem in pairs:
+    plgpu.copy_gmem_to_smem(gmem.at[pl.ds(row0, BLOCK_ROWS)], smem, barrier.at[0])
+  plgpu.barrier_wait(barrier.at[0])
+  return tuple(load_vector(smem, _ROW, interpret) for _, smem in pairs)
+
+
 def lse_partials(x, ids, k_rows, *, cfg: KernelConfig, num_splits: int, interpret=None):
   """Per-split online log-sum-exp statistics (base 2) of the rows of ``x``.
 
@@ -122,14 +137,12 @@ def lse_partials(x, ids, k_rows, *, cfg: KernelConfig, num_splits: int, interpre
   assert R >= bm and V >= bv, (R, V)
   shape = (bm, bv)
 
-  def kernel(x_ref, ids_ref, k_ref, m_out, l_out, t_out, stat_smem):
+  def kernel(x_ref, ids_ref, k_ref, m_out, l_out, t_out, stat_smem, ids_smem, k_smem, vec_barrier):
     split = lax.axis_index("split")
     row0 = _row_block_start(R)
     tile0 = split * tps
     n_tiles = jnp.minimum(tps, num_tiles - tile0)
-    ids_v = load_vector(ids_ref.at[pl.ds(row0, bm)], _ROW, interpret)
-    k_v = load_vector(k_ref.at[pl.ds(row0, bm)], _ROW, interpret)
-    kk = lax.broadcast_in_dim(k_v, shape, [0])
+    ids_v, k_v = _load_row_vectors(((ids_ref, ids_smem), (k_ref, k_smem)), row0, vec_barrier, interpret)
     neg_inf = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), _ROW, interpret)
     zero = layout_cast(jnp.full((bm,), 0.0, jnp.float32), _ROW, interpret)
 
@@ -138,15 +151,15 @@ def lse_partials(x, ids, k_rows, *, cfg: KernelConfig, num_splits: int, interpre
       j = tile0 + idx[0]
       nominal = j * bv
       col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + _tile_start(j, bv, V)
-      z2 = x_smem[...].astype(jnp.float32) * kk
+      z2 = x_smem[...].astype(jnp.float32) * _bcast(k_v, shape)
       z2 = jnp.where(col >= nominal, z2, -jnp.inf)  # columns a slid-back tile already saw
       m_new = jnp.maximum(m2, z2.max(axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf row so far: no NaN
-      p = jnp.exp2(z2 - lax.broadcast_in_dim(m_safe, shape, [0]))
+      p = jnp.exp2(z2 - _bcast(m_safe, shape))
       l = l * jnp.exp2(m2 - m_safe) + p.sum(axis=1)
       # a target below `nominal` was picked by an earlier tile (ids_v < nominal never matches)
       want = jnp.where(ids_v >= nominal, ids_v, -1)
-      t2 = t2 + jnp.where(col == lax.broadcast_in_dim(want, shape, [0]), z2, 0.0).sum(axis=1)
+      t2 = t2 + jnp.where(col == _bcast(want, shape), z2, 0.0).sum(axis=1)
       return m_new, l, t2
 
     def index_map(t):
@@ -170,17 +183,23 @@ def lse_partials(x, ids, k_rows, *, cfg: KernelConfig, num_splits: int, interpre
     plgpu.copy_smem_to_gmem(stat_smem.at[2], t_out.at[dst])
     plgpu.wait_smem_to_gmem(0)
 
-  stat = jax.ShapeDtypeStruct((num_splits, R), jnp.float32)
+  # Row pitch of the statistics padded to whole row blocks: a TMA stride must be a multiple of 16 bytes.
+  stat = jax.ShapeDtypeStruct((num_splits, _cdiv(R, bm) * bm), jnp.float32)
   call = plgpu.kernel(
       kernel,
       out_type=(stat, stat, stat),
-      scratch_types=[plgpu.SMEM((3, bm), jnp.float32)],
+      scratch_types=[
+          plgpu.SMEM((3, bm), jnp.float32),
+          plgpu.SMEM((bm,), jnp.int32),
+          plgpu.SMEM((bm,), jnp.float32),
+          plgpu.Barrier(num_arrivals=2, num_barriers=1),
+      ],
       grid=(num_splits, _cdiv(R, bm)),
       grid_names=("split", "rows"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )
-  return call(x, ids, k_rows)
+  return tuple(o[:, :R] for o in call(x, ids, k_rows))
 
 
 def combine_partials(m2, l, t2):
@@ -210,16 +229,14 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
   shape = (bm, bv)
   dtype = x.dtype
 
-  def kernel(x_ref, ids_ref, k_ref, lse_ref, c_ref, o_ref, x_smem, o_smem, loaded):
+  def kernel(x_ref, ids_ref, k_ref, lse_ref, c_ref, o_ref, x_smem, o_smem, loaded, ids_smem, f_smem, vec_barrier):
     split = lax.axis_index("split")
     row0 = _row_block_start(R)
     tile0 = split * tps
     n_tiles = jnp.minimum(tps, num_tiles - tile0)
-    bc = lambda v: lax.broadcast_in_dim(v, shape, [0])
-    ids_b = bc(load_vector(ids_ref.at[pl.ds(row0, bm)], _ROW, interpret))
-    k_b = bc(load_vector(k_ref.at[pl.ds(row0, bm)], _ROW, interpret))
-    lse_b = bc(load_vector(lse_ref.at[pl.ds(row0, bm)], _ROW, interpret))
-    c_b = bc(load_vector(c_ref.at[pl.ds(row0, bm)], _ROW, interpret))
+    ids_v, k_v, lse_v, c_v = _load_row_vectors(
+        ((ids_ref, ids_smem), (k_ref, f_smem.at[0]), (lse_ref, f_smem.at[1]), (c_ref, f_smem.at[2])),
+        row0, vec_barrier, interpret)
 
     def tile(t):
       return (pl.ds(row0, bm), pl.ds(_tile_start(tile0 + t, bv, V), bv))
@@ -238,12 +255,13 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
       slot = lax.rem(t, stages)
       plgpu.barrier_wait(loaded.at[slot])
       col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + _tile_start(tile0 + t, bv, V)
-      p = jnp.exp2(x_smem[slot].astype(jnp.float32) * k_b - lse_b)
-      g = jnp.where(col == ids_b, 1.0 - p, -p)
-      dz = jnp.where(c_b != 0.0, c_b * g, 0.0).astype(dtype)
+      p = jnp.exp2(x_smem.at[slot][...].astype(jnp.float32) * _bcast(k_v, shape) - _bcast(lse_v, shape))
+      g = jnp.where(col == _bcast(ids_v, shape), 1.0 - p, -p)
+      c = _bcast(c_v, shape)
+      dz = jnp.where(c != 0.0, c * g, 0.0).astype(dtype)
       # the store that last read o_smem[slot] (tile t - stages) must be done; includes a barrier
       plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
-      o_smem[slot] = dz
+      o_smem.at[slot][...] = dz
       plgpu.commit_smem()  # fence + warpgroup barrier: every thread has also finished reading x_smem[slot]
       plgpu.copy_smem_to_gmem(o_smem.at[slot], o_ref.at[tile(t)])
 
@@ -260,6 +278,9 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
           plgpu.SMEM((stages, bm, bv), dtype, transforms=_transforms(dtype)),
           plgpu.SMEM((stages, bm, bv), dtype, transforms=_transforms(dtype)),
           plgpu.Barrier(num_barriers=stages),
+          plgpu.SMEM((bm,), jnp.int32),
+          plgpu.SMEM((3, bm), jnp.float32),
+          plgpu.Barrier(num_arrivals=4, num_barriers=1),
       ],
       grid=(num_splits, _cdiv(R, bm)),
       grid_names=("split", "rows"),
