@@ -162,3 +162,5 @@ def fill_floor(rec: dict[str, Any], floors: dict[str, Any]) -> None:
             rec["floor_matmul_tflops"] = rate
     if rec.get("floor_ms") and rec.get("median_ms"):
         rec["x_floor"] = round(rec["median_ms"] / rec["floor_ms"], 3)
+        if rec.get("pipelined_ms"):
+            rec["x_floor_pipelined"] = round(rec["pipelined_ms"] / rec["floor_ms"], 3)

@@ -316,13 +316,14 @@ def _row(r: dict[str, Any], name_width: int = 30) -> str:
     cfg = f"{r['shape']} {r['B']}x{r['T']}"
     return (f"{_name(r)[:name_width]:{name_width}s} {cfg[:24]:24s} {r['mode']:>7s} {str(r['status'])[:11]:>11s} "
             f"{_fmt(r.get('median_ms'), '.4g'):>9s} {_fmt(r.get('min_ms'), '.4g'):>9s} "
+            f"{_fmt(r.get('pipelined_ms'), '.4g'):>8s} "
             f"{_fmt(r.get('x_floor'), '.2f'):>6s} {peak:>8s} {rate:>11s}")
 
 
 def table(records: list[dict[str, Any]], floors: dict[str, Any] | None = None) -> str:
     w = min(60, max([30] + [len(_name(r)) for r in records]))
     head = (f"{'implementation':{w}s} {'shape BxT':24s} {'mode':>7s} {'status':>11s} {'median ms':>9s} "
-            f"{'min ms':>9s} {'xfloor':>6s} {'peak GiB':>8s} {'rate':>11s}")
+            f"{'min ms':>9s} {'pipe ms':>8s} {'xfloor':>6s} {'peak GiB':>8s} {'rate':>11s}")
     lines = [head, "-" * len(head)] + [_row(r, w) for r in records]
     if floors:
         mm = ", ".join(f"[{k}] {v} TF/s" for k, v in floors.get("matmul_tflops", {}).items())
