@@ -43,6 +43,9 @@ DEFAULT_OPTS: dict[str, Any] = dict(
     liger_inplace=True,
 )
 
+# options that change what is computed: a non-default value is recorded in the variant
+LABELLED_OPTS = ("logit_scale", "logits_std", "ratio_noise", "mask", "weight_layout", "liger_chunk_size")
+
 # ----------------------------------------------------------------------------------------------------
 # Suites
 
@@ -425,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{JAX_IMPLS[cfg.kind] + TORCH_IMPLS[cfg.kind]}")
             jobs.append(_job(kind, cfg, impl, modes, args.timeout_s or 600.0, over or None))
 
+    label = ",".join(f"{k}={opts[k]}" for k in LABELLED_OPTS if opts[k] != DEFAULT_OPTS[k])
+    if label:  # data or peer settings away from the defaults: a variant, never mixed with default records
+        for j in jobs:
+            j["variant"] = ",".join(x for x in (j.get("variant"), label) if x)
     skipped = [j for j in jobs if j.get("skip")]
     jobs = [j for j in jobs if not j.get("skip")]
     if args.dry_run:

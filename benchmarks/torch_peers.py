@@ -226,7 +226,8 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
 
     def fail(status: str, error: str, mode_variants):
         for mode, variant in mode_variants:
-            rec = _common.base_record(cfg, impl, mode, status=status, error=error, variant=variant)
+            rec = _common.base_record(cfg, impl, mode, status=status, error=error,
+                                      variant=variant or opts.get("variant"))
             _common.emit(rec)
             records.append(rec)
 
@@ -267,6 +268,7 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
         return records
 
     for mode, variant, step in steps:
+        variant = ",".join(x for x in (variant, opts.get("variant")) if x) or None
         rec = _common.base_record(cfg, impl, mode, variant=variant, **common)
         rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
         try:
