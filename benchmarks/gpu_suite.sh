@@ -44,5 +44,5 @@ EOF
 python3 -m benchmarks.run --suite gpu --budget-s 480 --results "$OUT/run.jsonl" --log "$OUT/suite.log" \
   --table "$OUT/table.txt" "$@"
 rc=$?
-echo "[gpu_suite] exit $rc; records: $(wc -l < "$OUT/run.jsonl" 2>/dev/null || echo 0) in $OUT/run.jsonl"
+echo "[gpu_suite] exit $rc; records: $( (wc -l < "$OUT/run.jsonl") 2>/dev/null || echo 0) in $OUT/run.jsonl"
 exit $rc
