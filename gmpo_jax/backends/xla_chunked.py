@@ -88,7 +88,9 @@ class XlaChunkedBackend:
             fresh = cols >= nominal
             z = jnp.where(fresh[None, :], z, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(z, axis=1))
-            s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
+            # every column so far -inf (a vocabulary shard of padding only): keep s = 0, lse = -inf, not NaN
+            m_ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+            s = s * jnp.exp(m - m_ref) + jnp.sum(jnp.exp(z - m_ref[:, None]), axis=1)
             hit = (cols[None, :] == ids[:, None]) & fresh[None, :]
             tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
             return (m_new, s, tgt), None
