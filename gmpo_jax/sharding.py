@@ -46,8 +46,9 @@ Design decisions (and why):
   uses the global ``lse``, so each shard's ``dW`` / ``db`` block is local and final; the hidden
   gradient partials are ``psum``-ed over the vocabulary axis (in float32). Per chunk that is three
   ``[R]`` all-reduces forward and one ``[R, H]`` all-reduce backward; the weight never moves. Any
-  backend joins unchanged, provided it treats ids outside ``[0, V_local)`` as "no target here" (NaN
-  log-prob, zero one-hot): the Pallas backend can run inside the same ``shard_map``.
+  backend joins unchanged, provided it treats the id -1 as "no target here" (NaN log-prob, zero
+  one-hot; the ids another shard owns are passed as -1): the Pallas backend can run inside the same
+  ``shard_map``.
 * **Padded vocabularies** (``vocab_size < V``) are masked with an additive ``-inf`` bias on the padded
   columns (``mask_padded_vocab``): every backend already supports a bias, so padded columns drop out of
   the softmax and get exactly zero gradient on every path, sharded or not, with no backend change.
@@ -133,8 +134,7 @@ class ShardingPlan:
         named = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
         if any(types[a] != AxisType.Explicit for a in named):
             return x
-        target = NamedSharding(self.mesh, spec) if isinstance(self.mesh, jax.sharding.Mesh) else spec
-        return jax.reshard(x, target)
+        return jax.reshard(x, NamedSharding(self.mesh, spec))
 
 
 def make_plan(mesh, data_axis: Optional[AxisName], vocab_axis: Optional[AxisName], *, B: int, V: int,
@@ -238,12 +238,14 @@ class VocabParallelBackend:
         self.inner.check_supported(**config)
 
     def _local(self, ids):
-        return ids - lax.axis_index(self.axis) * self.shard_size
+        """``(local ids, owned)``: ids shifted to this shard; -1 (no target here) where another shard owns them."""
+        local = ids - lax.axis_index(self.axis) * self.shard_size
+        owned = (local >= 0) & (local < self.shard_size)
+        return jnp.where(owned, local, -1), owned
 
     def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout):
-        local = self._local(ids)
+        local, owned = self._local(ids)
         logp_k, lse_k = self.inner.logprobs(hidden, weight, bias, local, temperature, weight_layout=weight_layout)
-        owned = (local >= 0) & (local < self.shard_size)
         with jax.named_scope("gmpo_jax/vocab_parallel/combine"):
             m = lax.pmax(lse_k, self.axis)
             m = jnp.where(jnp.isneginf(m), 0.0, m)  # every column masked: keep lse = -inf, not NaN
@@ -255,7 +257,7 @@ class VocabParallelBackend:
         return logp, lse
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
-        dh, dw, db = self.inner.grads(hidden, weight, bias, self._local(ids), dlogp, lse, temperature,
+        dh, dw, db = self.inner.grads(hidden, weight, bias, self._local(ids)[0], dlogp, lse, temperature,
                                       weight_layout=weight_layout, dw_acc=dw_acc, db_acc=db_acc)
         with jax.named_scope("gmpo_jax/vocab_parallel/dhidden"):
             dh = lax.psum(dh.astype(jnp.float32), self.axis).astype(hidden.dtype)

@@ -1,0 +1,318 @@
+"""Sharded fused losses on 8 simulated CPU devices: each mesh equals the single-device call.
+
+Run by ``tests/test_sharding.py`` in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+(the flag must be set before jax initialises its CPU backend, and the main test process already has).
+Directly: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests/sharding_cases.py``.
+
+Every case: ``B = 8`` sequences with a ragged mask (one fully masked row), padding ids under the mask,
+``V = 40`` = the real vocabulary 35 padded to a multiple of the shard counts (8 and 4) and masked with
+``vocab_size=35`` (so on the 1x8 mesh the last vocabulary shard holds only padding). The single-device
+call is itself checked against the float64 oracle of SPEC.md on the *unpadded* LM head.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import gmpo_jax
+from conftest import Obj, check_against_spec, make_case, spec_for
+
+if jax.device_count() < 8:  # collected without the flag: nothing to run here
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (see tests/test_sharding.py)",
+                allow_module_level=True)
+
+B, T, H, V_REAL, V = 8, 6, 16, 35, 40
+CHUNK = 3  # does not divide the local batch of the 1x8 mesh: exercises the overlapping last chunk
+
+# Sharded vs single-device, both float32: only summation order differs (psum of per-device partial
+# sums, log-sum-exp combined over shards, dW summed over data shards). 1e-5 of the largest gradient
+# entry is ~80 float32 ulps (eps = 1.2e-7), well inside SPEC's 1e-4; loss and metrics within 2e-6 of
+# max(|value|, 1).
+GRAD_RTOL = 1e-5
+LOSS_RTOL = 2e-6
+
+# LLVM -O0: compile time dominates on CPU; no IEEE semantics change (XLA:CPU has no fast-math).
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+OBJECTIVES = {
+    "gmpo": (Obj("gmpo", beta=0.04), "hv", False),
+    "dapo": (Obj("dapo"), "vh", True),  # token-count normaliser: must be the global count
+    "gspo": (Obj("grpo", level="sequence"), "hv", False),  # per-sequence ratio and mean
+}
+MESHES = {  # name: (shape, data_axis, vocab_axis)
+    "8x1": ((8, 1), "data", None),
+    "1x8": ((1, 8), None, "model"),
+    "2x4": ((2, 4), "data", "model"),
+}
+
+
+def _mesh(shape, types=AxisType.Auto):
+    return jax.make_mesh(shape, ("data", "model"), axis_types=(types, types))
+
+
+def _pad_vocab(x, axis):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, V - V_REAL)
+    return np.pad(x, pad)
+
+
+_CASES = {}
+
+
+def case_for(name):
+    """(case on the real vocabulary, padded weight, padded bias | None)."""
+    if name not in _CASES:
+        obj, layout, with_bias = OBJECTIVES[name]
+        c = make_case(sorted(OBJECTIVES).index(name), B=B, T=T, H=H, V=V_REAL, layout=layout, with_bias=with_bias,
+                      mask=_ragged_mask(), with_ref=obj.beta != 0)
+        w = _pad_vocab(c.weight, 1 if layout == "hv" else 0)
+        b = None if c.bias is None else _pad_vocab(c.bias, 0)
+        _CASES[name] = (c, w, b)
+    return _CASES[name]
+
+
+def _ragged_mask():
+    lengths = np.array([T, 3, 0, 5, 1, T, 2, 4])  # row 2 fully masked
+    return np.arange(T)[None, :] < lengths[:, None]
+
+
+def _loss_fn(name, **kw):
+    obj, layout, _ = OBJECTIVES[name]
+    c, _, _ = case_for(name)
+    j = lambda x: None if x is None else jnp.asarray(x)
+
+    def f(h, w, b):
+        return gmpo_jax.fused_linear_policy_loss(
+            h, w, j(c.ids), j(c.mask), j(c.adv), objective=obj.lib(), old_logps=j(c.old), ref_logps=j(c.ref),
+            bias=b, weight_layout=layout, chunk_size=CHUNK, vocab_size=V_REAL, **kw)
+
+    return f
+
+
+def _value_and_grad(f, h, w, b, compiler_options=FAST):
+    argnums = (0, 1) if b is None else (0, 1, 2)
+    g = jax.jit(jax.value_and_grad(lambda h, w, b: f(h, w, b), argnums=argnums, has_aux=True),
+                compiler_options=compiler_options)
+    (loss, aux), grads = g(h, w, b)
+    return loss, aux, tuple(grads) + (None,) * (3 - len(grads))
+
+
+_SINGLE = {}
+
+
+def single_device(name):
+    """The unsharded call on the padded head with ``vocab_size`` (checked against the oracle once)."""
+    if name not in _SINGLE:
+        c, w, b = case_for(name)
+        _SINGLE[name] = _value_and_grad(_loss_fn(name), jnp.asarray(c.hidden), jnp.asarray(w), None if b is None
+                                        else jnp.asarray(b))
+    return _SINGLE[name]
+
+
+def _close(got, want, rtol, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(np.max(np.abs(want)) if want.size else 0.0, 1.0 if want.ndim == 0 else 0.0)
+    err = np.max(np.abs(got - want)) if want.size else 0.0
+    assert err <= rtol * max(scale, 1e-30), f"{what}: max|err| {err:.3e} > {rtol} * {scale:.3e}"
+
+
+def _assert_same(got, want, what=""):
+    loss, aux, grads = got
+    loss0, aux0, grads0 = want
+    _close(loss, loss0, LOSS_RTOL, f"{what} loss")
+    for field in aux0._fields:
+        _close(getattr(aux, field), getattr(aux0, field), LOSS_RTOL, f"{what} aux.{field}")
+    for name, g, g0 in zip(("dhidden", "dweight", "dbias"), grads, grads0):
+        if g0 is not None:
+            assert g.dtype == g0.dtype and g.shape == g0.shape, f"{what} {name}: {g.dtype}{g.shape}"
+            _close(g, g0, GRAD_RTOL, f"{what} {name}")
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_single_device_padded_vocab_matches_oracle(name):
+    """``vocab_size`` on the unsharded path: the padded head equals the oracle on the real head, and
+    the padded columns get exactly zero gradient."""
+    obj, layout, _ = OBJECTIVES[name]
+    c, _, _ = case_for(name)
+    loss, aux, (dh, dw, db) = single_device(name)
+    v_axis = 1 if layout == "hv" else 0
+    assert np.all(np.take(np.asarray(dw), np.arange(V_REAL, V), axis=v_axis) == 0.0)
+    if db is not None:
+        assert np.all(np.asarray(db)[V_REAL:] == 0.0)
+    real = lambda x: None if x is None else np.take(np.asarray(x), np.arange(V_REAL), axis=v_axis)
+    check_against_spec(loss, aux, (dh, real(dw), None if db is None else np.asarray(db)[:V_REAL]),
+                       spec_for(c, obj), c, obj)
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_sharded_equals_single_device(name, mesh_name):
+    shape, data_axis, vocab_axis = MESHES[mesh_name]
+    mesh = _mesh(shape)
+    _, layout, _ = OBJECTIVES[name]
+    c, w, b = case_for(name)
+    w_spec = P(None, vocab_axis) if layout == "hv" else P(vocab_axis, None)
+    hs = jax.device_put(c.hidden, NamedSharding(mesh, P(data_axis)))
+    ws = jax.device_put(w, NamedSharding(mesh, w_spec))
+    bs = None if b is None else jax.device_put(b, NamedSharding(mesh, P(vocab_axis)))
+    got = _value_and_grad(_loss_fn(name, mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), hs, ws, bs)
+    _assert_same(got, single_device(name), f"{name}@{mesh_name}")
+    dh, dw, db = got[2]
+    # gradients come back sharded like the primals
+    assert dh.sharding.is_equivalent_to(hs.sharding, dh.ndim), (dh.sharding, hs.sharding)
+    assert dw.sharding.is_equivalent_to(ws.sharding, dw.ndim), (dw.sharding, ws.sharding)
+    if bs is not None:
+        assert db.sharding.is_equivalent_to(bs.sharding, 1), (db.sharding, bs.sharding)
+
+
+def test_num_items_in_batch_and_reference_model_on_2x4():
+    """CISPO with the ``num_items_in_batch`` override, and the KL reference computed from
+    ``ref_hidden`` / ``ref_weight`` through the same sharded path."""
+    obj = Obj("cispo", epsilon_high=1.1, beta=0.1)
+    c = make_case(7, B=B, T=T, H=H, V=V, mask=_ragged_mask(), with_ref=False)
+    rng = np.random.default_rng(7)
+    ref_h = (c.hidden + 0.1 * rng.normal(size=c.hidden.shape)).astype(np.float32)
+    mesh = _mesh((2, 4))
+    j = jnp.asarray
+
+    def f(h, w, b, **kw):
+        return gmpo_jax.fused_linear_policy_loss(
+            h, w, j(c.ids), j(c.mask), j(c.adv), objective=obj.lib(), old_logps=j(c.old), ref_hidden=j(ref_h),
+            ref_weight=j(c.weight), num_items_in_batch=100.0, chunk_size=CHUNK, **kw)
+
+    want = _value_and_grad(f, j(c.hidden), j(c.weight), None)
+    got = _value_and_grad(lambda h, w, b: f(h, w, b, mesh=mesh, data_axis="data", vocab_axis="model"),
+                          j(c.hidden), j(c.weight), None)
+    _assert_same(got, want, "cispo@2x4")
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_logprobs_sharded(mesh_name):
+    shape, data_axis, vocab_axis = MESHES[mesh_name]
+    mesh = _mesh(shape)
+    c, w, _ = case_for("gmpo")
+    g = jnp.asarray(np.random.default_rng(1).normal(size=(B, T)), jnp.float32)
+
+    def vjp(**kw):
+        def f(h, w):
+            return gmpo_jax.fused_linear_logprobs(h, w, jnp.asarray(c.ids), completion_mask=jnp.asarray(c.mask),
+                                                  chunk_size=CHUNK, vocab_size=V_REAL, **kw)
+        logp, pullback = jax.vjp(f, jnp.asarray(c.hidden), jnp.asarray(w))
+        return (logp,) + pullback(g)
+
+    want = jax.jit(vjp, compiler_options=FAST)()
+    got = jax.jit(lambda: vjp(mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), compiler_options=FAST)()
+    np.testing.assert_allclose(np.asarray(want[0])[c.mask], c.logp64[c.mask], rtol=0, atol=2e-5)
+    for what, x, x0 in zip(("logp", "dhidden", "dweight"), got, want):
+        _close(x, x0, GRAD_RTOL, f"{what}@{mesh_name}")
+    assert np.all(np.asarray(got[2])[:, V_REAL:] == 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The compiled program of the vocabulary-parallel case never gathers the weight or the [N, V] logits
+# --------------------------------------------------------------------------------------------------
+_SHAPE = re.compile(r"\b(?:bf16|f16|f32|f64|s32|pred)\[([0-9,]*)\]")
+
+
+def gathered_full_vocab(hlo: str, full_sizes) -> list[str]:
+    """The all-gather lines of ``hlo`` with an operand or result of a full-vocabulary shape: an axis of
+    length ``V`` or ``len(full_sizes)`` element counts (``H * V``, ``N * V``)."""
+    bad = []
+    for line in hlo.splitlines():
+        if "all-gather" not in line:
+            continue
+        for dims in _SHAPE.findall(line):
+            d = [int(x) for x in dims.split(",") if x]
+            if V in d or (d and int(np.prod(d)) in full_sizes):
+                bad.append(line.strip())
+                break
+    return bad
+
+
+def test_hlo_checker_detects_a_weight_gather():
+    """Negative control: replicating a vocabulary-sharded weight does show up as an all-gather."""
+    mesh = _mesh((1, 8))
+    w = jax.device_put(np.zeros((H, V), np.float32), NamedSharding(mesh, P(None, "model")))
+    hlo = jax.jit(lambda w: w * 2, out_shardings=NamedSharding(mesh, P())).lower(w).compile().as_text()
+    assert gathered_full_vocab(hlo, {H * V, B * T * V})
+
+
+@pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
+def test_vocab_parallel_never_gathers_weight_or_logits(mesh_name):
+    shape, data_axis, vocab_axis = MESHES[mesh_name]
+    mesh = _mesh(shape)
+    c, w, _ = case_for("gmpo")
+    hs = jax.device_put(c.hidden, NamedSharding(mesh, P(data_axis)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, vocab_axis)))
+    f = _loss_fn("gmpo", mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis)
+    g = jax.jit(jax.value_and_grad(lambda h, w: f(h, w, None), argnums=(0, 1), has_aux=True))
+    hlo = g.lower(hs, ws).compile().as_text()
+    assert "all-reduce" in hlo  # the collectives are there ...
+    bad = gathered_full_vocab(hlo, {H * V, B * T * V})
+    assert not bad, "\n".join(bad[:5])  # ... and none of them moves a full-vocabulary array
+
+
+# --------------------------------------------------------------------------------------------------
+# Where the layout comes from
+# --------------------------------------------------------------------------------------------------
+def test_explicit_axes_are_read_from_input_types_and_context_mesh():
+    """On ``Explicit`` mesh axes the shardings are part of the types: no axis arguments are needed.
+    ``mesh=None`` with axes takes the mesh of ``jax.set_mesh``."""
+    mesh = _mesh((2, 4), AxisType.Explicit)
+    c, w, _ = case_for("gmpo")
+    hs = jax.device_put(c.hidden, NamedSharding(mesh, P("data")))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+    got = _value_and_grad(_loss_fn("gmpo"), hs, ws, None)
+    _assert_same(got, single_device("gmpo"), "inferred@2x4")
+    assert got[2][1].sharding.spec == P(None, "model")
+    with jax.set_mesh(mesh):
+        got = _value_and_grad(_loss_fn("gmpo", data_axis="data", vocab_axis="model"), hs, ws, None)
+    _assert_same(got, single_device("gmpo"), "set_mesh@2x4")
+
+
+def test_auto_sharded_inputs_without_axes_stay_correct():
+    """Without axis arguments XLA's partitioner handles inputs on ``Auto`` axes: same numbers."""
+    mesh = _mesh((2, 4))
+    c, w, _ = case_for("gmpo")
+    hs = jax.device_put(c.hidden, NamedSharding(mesh, P("data")))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+    _assert_same(_value_and_grad(_loss_fn("gmpo"), hs, ws, None), single_device("gmpo"), "auto")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(data_axis="batch"), "not in the mesh"),
+    (dict(data_axis="data", vocab_axis="data"), "one array axis only"),
+    (dict(), "needs data_axis"),
+    (dict(vocab_axis=("data", "model")), "multiple of the 8 shards"),
+])
+def test_invalid_layouts_raise(kw, match):
+    mesh = _mesh((2, 4))
+    c, _, _ = case_for("gmpo")
+    with pytest.raises(ValueError, match=match):
+        gmpo_jax.fused_linear_policy_loss(
+            jnp.asarray(c.hidden), jnp.zeros((H, 36)), jnp.asarray(c.ids), jnp.asarray(c.mask), jnp.asarray(c.adv),
+            objective=gmpo_jax.GMPO(), mesh=mesh, **kw)
+
+
+def test_batch_not_divisible_and_no_mesh_raise():
+    mesh = _mesh((8, 1))
+    h = jnp.zeros((6, T, H))
+    args = (jnp.zeros((H, V)), jnp.zeros((6, T), jnp.int32), jnp.ones((6, T)), jnp.zeros((6,)))
+    with pytest.raises(ValueError, match="multiple of the 8 data shards"):
+        gmpo_jax.fused_linear_policy_loss(h, *args, objective=gmpo_jax.GMPO(), mesh=mesh, data_axis="data")
+    with pytest.raises(ValueError, match="need mesh="):
+        gmpo_jax.fused_linear_logprobs(h, args[0], args[1], data_axis="data")
+
+
+def test_explicit_sharding_along_hidden_raises():
+    mesh = _mesh((2, 4), AxisType.Explicit)
+    c, w, _ = case_for("gmpo")
+    hs = jax.device_put(c.hidden, NamedSharding(mesh, P(None, None, "model")))
+    with pytest.raises(ValueError, match="batch axis and weight's vocabulary axis"):
+        gmpo_jax.fused_linear_logprobs(hs, jnp.asarray(w), jnp.asarray(c.ids))
