@@ -49,15 +49,32 @@ def load(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
     return by_dev
 
 
+RESULT_STATUSES = ("ok", "oom", "nonfinite")
+
+
 def latest(records: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """Per key, the latest record that is a result (ok / oom / nonfinite), else the latest failure."""
     out: dict[tuple, dict[str, Any]] = {}
     for r in records:
         if r.get("kind") == "floor":
             continue
         key = (r["implementation"], r.get("variant"), r["shape"], r["B"], r["T"], r["mode"])
         prev = out.get(key)
-        if prev is None or str(r.get("date", "")) >= str(prev.get("date", "")):
+        rank = (r.get("status") in RESULT_STATUSES, str(r.get("date", "")))
+        if prev is None or rank >= (prev.get("status") in RESULT_STATUSES, str(prev.get("date", ""))):
             out[key] = r
+    return out
+
+
+def newer_failures(records: list[dict[str, Any]], lat: dict[tuple, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Failures (error, timeout, crash) newer than the result shown for their key."""
+    out = []
+    for r in records:
+        if r.get("kind") == "floor" or r.get("status") in RESULT_STATUSES:
+            continue
+        shown = lat.get((r["implementation"], r.get("variant"), r["shape"], r["B"], r["T"], r["mode"]))
+        if shown is not r and shown is not None and str(r.get("date", "")) > str(shown.get("date", "")):
+            out.append(r)
     return out
 
 
@@ -412,7 +429,7 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
             out.append("")
         out += shape_tables(lat)
         out += other_variants(lat)
-        bad = [r for r in lat.values() if r.get("status") not in ("ok", "oom")]
+        bad = [r for r in lat.values() if r.get("status") not in ("ok", "oom")] + newer_failures(records, lat)
         if bad:
             out.append("Runs that did not produce a time:\n")
             for r in sorted(bad, key=lambda r: (r["shape"], r["N"], r["implementation"])):

@@ -257,9 +257,12 @@ class Driver:
                     print(f"[bench] skip {_job_label(job)}: budget spent", flush=True)
                     continue
                 timeout = min(timeout, left)
+            clipped = timeout < (self.timeout_s or job.get("timeout_s", 120.0))
             print(f"[bench] {elapsed:6.1f}s  {_job_label(job)}  (timeout {timeout:.0f}s)", flush=True)
             if self.isolate:
                 recs, status, secs = run_child(job, self.opts, timeout, self.log)
+                if status == "timeout" and clipped:
+                    status = "skipped (budget ran out during the job)"  # not a property of the job
             else:
                 t = time.perf_counter()
                 recs, status = execute(job, self.opts), "ok"

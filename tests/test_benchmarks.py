@@ -10,10 +10,12 @@ import sys
 
 import pytest
 
-from benchmarks import report
-from benchmarks.shapes import SHAPES, select
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it from the checkout
+    sys.path.insert(0, ROOT)
+
+from benchmarks import report  # noqa: E402
+from benchmarks.shapes import SHAPES, select  # noqa: E402
 REQUIRED = {"implementation", "shape", "B", "T", "H", "V", "mode", "median_ms", "min_ms", "peak_gib",
             "floor_ms", "device", "jax", "date", "commit"}
 
