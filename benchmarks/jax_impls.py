@@ -252,11 +252,13 @@ def time_fn(fn: Callable, args: tuple, opts: dict[str, Any], *, sanity: bool = T
     compile_s = time.perf_counter() - t0
     checks = _sanity(first) if sanity else {}
     del first
-    for _ in range(opts["warmup"]):
+    est = compile_s
+    for _ in range(max(1, opts["warmup"])):  # warm-up; the last one estimates the call time
+        t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    est = time.perf_counter() - t0
+        est = time.perf_counter() - t0
+        if est > 0.5:  # slow calls: one warm-up is plenty
+            break
     times = []
     for _ in range(_common.n_iters(est, opts["iters"], opts["min_time_s"])):
         t0 = time.perf_counter()

@@ -201,8 +201,6 @@ def _time(torch, step: Callable, opts: dict[str, Any]) -> dict[str, Any]:
     # the peak counts the warm-up and timed calls (the same work as the first), not the checks above
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(opts["warmup"]):
-        step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timed() -> float:
@@ -212,7 +210,11 @@ def _time(torch, step: Callable, opts: dict[str, Any]) -> dict[str, Any]:
         end.synchronize()
         return start.elapsed_time(end) * 1e-3
 
-    est = timed()
+    est = compile_s
+    for _ in range(max(1, opts["warmup"])):  # warm-up; the last one estimates the call time
+        est = timed()
+        if est > 0.5:  # slow calls: one warm-up is plenty
+            break
     times = [timed() for _ in range(_common.n_iters(est, opts["iters"], opts["min_time_s"]))]
     stats = _common.timing_stats(times)
     stats.update(checks, compile_s=round(compile_s, 3), timer="cuda_event")
