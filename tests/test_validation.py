@@ -1,0 +1,250 @@
+"""Bad inputs raise the documented error, and the message names the offending argument.
+
+Checks run at trace time, so none of these tests compiles anything.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gmpo_jax
+import gmpo_jax.reference
+
+B, T, H, V = 2, 3, 4, 5
+
+
+def good_args():
+    rng = np.random.default_rng(0)
+    return dict(
+        hidden=jnp.asarray(rng.normal(size=(B, T, H)), jnp.float32),
+        weight=jnp.asarray(rng.normal(size=(H, V)), jnp.float32),
+        completion_ids=jnp.asarray(rng.integers(0, V, size=(B, T)), jnp.int32),
+        completion_mask=jnp.ones((B, T), bool),
+        advantages=jnp.asarray([1.0, -1.0], jnp.float32),
+    )
+
+
+def call(fn=None, *, objective=None, **override):
+    """Call the loss with valid arguments, some replaced by ``override``."""
+    fn = fn or gmpo_jax.fused_linear_policy_loss
+    a = good_args()
+    pos = [override.pop(k, a[k]) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    return fn(*pos, objective=objective or gmpo_jax.GMPO(), **override)
+
+
+def test_valid_call_passes():
+    loss, _ = call()
+    assert np.isfinite(float(loss))
+
+
+# --------------------------------------------------------------------------------------------------
+# Shapes and ranks among all inputs
+# --------------------------------------------------------------------------------------------------
+f32 = lambda *s: jnp.zeros(s, jnp.float32)
+
+SHAPE_ERRORS = [
+    ("hidden", dict(hidden=f32(B, T * H))),
+    ("hidden", dict(hidden=f32(1, B, T, H))),
+    ("weight", dict(weight=f32(H, V, 1))),
+    ("weight", dict(weight=f32(V, H))),  # a [V, H] table declared "hv"
+    ("weight", dict(weight=f32(H, V), weight_layout="vh")),  # a [H, V] kernel declared "vh"
+    ("weight", dict(weight=f32(H + 1, V))),
+    ("weight_layout", dict(weight_layout="HV")),
+    ("bias", dict(bias=f32(V + 1))),
+    ("bias", dict(bias=f32(1, V))),
+    ("completion_ids", dict(completion_ids=jnp.zeros((B, T + 1), jnp.int32))),
+    ("completion_ids", dict(completion_ids=jnp.zeros((B * T,), jnp.int32))),
+    ("completion_mask", dict(completion_mask=jnp.ones((B, T - 1), bool))),
+    ("completion_mask", dict(completion_mask=jnp.ones((T, B), bool))),
+    ("advantages", dict(advantages=f32(B, 1))),
+    ("advantages", dict(advantages=f32(B + 1))),
+    ("old_logps", dict(old_logps=f32(B, T + 1))),
+    ("old_logps", dict(old_logps=f32(B))),
+    ("ref_logps", dict(ref_logps=f32(T, B), objective=gmpo_jax.GMPO(beta=0.1))),
+    ("rollout_is_ratio", dict(rollout_is_ratio=f32(B, 2), objective=gmpo_jax.GRPO())),
+    ("rollout_is_ratio", dict(rollout_is_ratio=f32(T), objective=gmpo_jax.GRPO())),
+    ("rollout_is_ratio", dict(rollout_is_ratio=f32(B, T, 1), objective=gmpo_jax.GRPO())),
+    ("ref_hidden", dict(ref_hidden=f32(B + 1, T, H), ref_weight=f32(H, V), objective=gmpo_jax.GMPO(beta=0.1))),
+    ("ref_weight", dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V + 1), objective=gmpo_jax.GMPO(beta=0.1))),
+    ("ref_bias", dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V), ref_bias=f32(V - 1),
+                      objective=gmpo_jax.GMPO(beta=0.1))),
+    ("num_items_in_batch", dict(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())),
+    ("temperature", dict(temperature=jnp.ones((2,)))),
+]
+
+
+@pytest.mark.parametrize("name, override", SHAPE_ERRORS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(SHAPE_ERRORS)])
+def test_shape_errors_name_the_argument(name, override):
+    with pytest.raises(ValueError, match=name):
+        call(**override)
+
+
+@pytest.mark.parametrize(
+    "name, override",
+    [("completion_ids", dict(completion_ids=jnp.zeros((B, T), jnp.float32))),
+     ("completion_ids", dict(completion_ids=jnp.zeros((B, T), bool))),
+     ("hidden", dict(hidden=jnp.zeros((B, T, H), jnp.int32))),
+     ("weight", dict(weight=jnp.zeros((H, V), jnp.int32))),
+     ("advantages", dict(advantages=jnp.zeros((B,), jnp.int32))),
+     ("old_logps", dict(old_logps=jnp.zeros((B, T), jnp.int32))),
+     ("chunk_size", dict(chunk_size=1.5)),
+     ("objective", dict(objective="gmpo"))],
+)
+def test_dtype_errors_are_type_errors(name, override):
+    with pytest.raises(TypeError, match=name):
+        if "objective" in override:  # bypass call()'s default objective
+            a = good_args()
+            gmpo_jax.fused_linear_policy_loss(*a.values(), objective=override["objective"])
+        else:
+            call(**override)
+
+
+# --------------------------------------------------------------------------------------------------
+# Values of call arguments
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, -1.0, np.float32(0.0)])
+def test_temperature_must_be_positive(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        call(temperature=temperature)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -2])
+def test_chunk_size_at_least_one(chunk_size):
+    with pytest.raises(ValueError, match="chunk_size"):
+        call(chunk_size=chunk_size)
+
+
+def test_negative_num_items_in_batch():
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        call(num_items_in_batch=-3, objective=gmpo_jax.GRPO())
+
+
+def test_unknown_implementation():
+    with pytest.raises(ValueError, match="implementation"):
+        call(implementation="triton")
+
+
+@pytest.mark.parametrize("objective", [gmpo_jax.GMPO(beta=0.1), gmpo_jax.GRPO(beta=0.04), gmpo_jax.CISPO(beta=0.1),
+                                       gmpo_jax.SAPO(beta=0.1)], ids=lambda o: type(o).__name__)
+def test_beta_without_reference(objective):
+    with pytest.raises(ValueError, match="beta"):
+        call(objective=objective)
+
+
+def test_traced_beta_without_reference_means_no_kl_term():
+    """Only a Python-number beta != 0 can be checked; with a traced beta the KL term exists iff a reference is
+    given (documented in Objective.requires_reference), so no reference = the beta-free loss."""
+    got = jax.jit(lambda beta: call(objective=gmpo_jax.GMPO(beta=beta))[0])(jnp.float32(0.1))
+    want, _ = call(objective=gmpo_jax.GMPO(beta=0.0))
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_beta_zero_with_reference_is_fine():
+    loss, _ = call(objective=gmpo_jax.GMPO(beta=0.0), ref_logps=f32(B, T) - 1.0)
+    assert np.isfinite(float(loss))
+
+
+def test_both_ref_logps_and_ref_hidden():
+    with pytest.raises(ValueError, match="ref_logps.*ref_hidden|ref_hidden.*ref_logps"):
+        call(objective=gmpo_jax.GMPO(beta=0.1), ref_logps=f32(B, T), ref_hidden=f32(B, T, H), ref_weight=f32(H, V))
+
+
+def test_ref_weight_without_ref_hidden():
+    with pytest.raises(ValueError, match="ref_hidden"):
+        call(objective=gmpo_jax.GMPO(beta=0.1), ref_weight=f32(H, V))
+
+
+def test_ref_hidden_without_ref_weight():
+    with pytest.raises(ValueError, match="ref_weight"):
+        call(objective=gmpo_jax.GMPO(beta=0.1), ref_hidden=f32(B, T, H))
+
+
+def test_errors_raise_under_jit():
+    with pytest.raises(ValueError, match="advantages"):
+        jax.jit(lambda adv: call(advantages=adv)[0])(f32(B + 1))
+
+
+def test_reference_validates_like_the_fused_path():
+    with pytest.raises(ValueError, match="weight"):
+        call(gmpo_jax.reference.policy_loss, weight=f32(V, H))
+    with pytest.raises(ValueError, match="beta"):
+        call(gmpo_jax.reference.policy_loss, objective=gmpo_jax.GRPO(beta=0.1))
+    with pytest.raises(TypeError, match="completion_ids"):
+        call(gmpo_jax.reference.policy_loss, completion_ids=f32(B, T))
+
+
+# --------------------------------------------------------------------------------------------------
+# Objective hyper-parameters (checked at construction)
+# --------------------------------------------------------------------------------------------------
+OBJECTIVE_ERRORS = [
+    ("epsilon_low", lambda: gmpo_jax.GMPO(epsilon_low=-0.1)),
+    ("epsilon_high", lambda: gmpo_jax.GMPO(epsilon_high=-0.1)),
+    ("epsilon_low", lambda: gmpo_jax.GRPO(epsilon_low=-0.01)),
+    ("epsilon_high", lambda: gmpo_jax.GRPO(epsilon_high=-1.0)),
+    ("epsilon_high", lambda: gmpo_jax.CISPO(epsilon_high=-0.2)),
+    ("beta", lambda: gmpo_jax.GMPO(beta=-0.1)),
+    ("beta", lambda: gmpo_jax.GRPO(beta=-0.1)),
+    ("delta", lambda: gmpo_jax.GRPO(delta=0.0)),
+    ("delta", lambda: gmpo_jax.GRPO(delta=-1.5)),
+    ("temperature_pos", lambda: gmpo_jax.SAPO(temperature_pos=0.0)),
+    ("temperature_neg", lambda: gmpo_jax.SAPO(temperature_neg=-1.0)),
+    ("loss_type", lambda: gmpo_jax.GRPO(loss_type="ppo")),
+    ("loss_type", lambda: gmpo_jax.GRPO(loss_type="gmpo")),
+    ("importance_sampling_level", lambda: gmpo_jax.GRPO(importance_sampling_level="seq")),
+    ("max_completion_length", lambda: gmpo_jax.GRPO(loss_type="dr_grpo")),
+    ("max_completion_length", lambda: gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=0)),
+    ("max_completion_length", lambda: gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=2.5)),
+    # sequence-level importance sampling is a configuration error for GMPO, CISPO and SAPO
+    ("importance_sampling_level", lambda: gmpo_jax.GMPO(importance_sampling_level="sequence")),
+    ("importance_sampling_level", lambda: gmpo_jax.CISPO(importance_sampling_level="sequence")),
+    ("importance_sampling_level", lambda: gmpo_jax.SAPO(importance_sampling_level="sequence")),
+]
+
+
+@pytest.mark.parametrize("name, make", OBJECTIVE_ERRORS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(OBJECTIVE_ERRORS)])
+def test_objective_hyperparameters(name, make):
+    with pytest.raises(ValueError, match=name):
+        make()
+
+
+def test_objective_defaults_follow_spec():
+    """SPEC: GMPO eps_low = eps_high = 0.4 (the paper's (e^-0.4, e^0.4)); the other types 0.2."""
+    g = gmpo_jax.GMPO()
+    assert (g.epsilon_low, g.epsilon_high, g.beta) == (0.4, 0.4, 0.0)
+    r = gmpo_jax.GRPO()
+    assert (r.epsilon_low, r.epsilon_high, r.beta, r.delta) == (0.2, 0.2, 0.0, None)
+    assert r.importance_sampling_level == "token"
+    assert gmpo_jax.CISPO().epsilon_high == 0.2
+    s = gmpo_jax.SAPO()
+    assert (s.temperature_pos, s.temperature_neg) == (1.0, 1.05)
+
+
+# --------------------------------------------------------------------------------------------------
+# fused_linear_logprobs
+# --------------------------------------------------------------------------------------------------
+LOGPROBS_ERRORS = [
+    (ValueError, "hidden", dict(hidden=f32(B, T))),
+    (ValueError, "weight", dict(weight=f32(V, H))),
+    (ValueError, "weight_layout", dict(weight_layout="t")),
+    (ValueError, "bias", dict(bias=f32(V + 2))),
+    (ValueError, "completion_ids", dict(completion_ids=jnp.zeros((B, T + 1), jnp.int32))),
+    (TypeError, "completion_ids", dict(completion_ids=f32(B, T))),
+    (ValueError, "completion_mask", dict(completion_mask=jnp.ones((B + 1, T), bool))),
+    (ValueError, "temperature", dict(temperature=0.0)),
+    (ValueError, "chunk_size", dict(chunk_size=0)),
+    (ValueError, "implementation", dict(implementation="cuda")),
+]
+
+
+@pytest.mark.parametrize("exc, name, override", LOGPROBS_ERRORS,
+                         ids=[f"{n}-{i}" for i, (_, n, _) in enumerate(LOGPROBS_ERRORS)])
+def test_logprobs_validation(exc, name, override):
+    a = good_args()
+    a.pop("advantages")
+    a.update(override)
+    h, w, ids = a.pop("hidden"), a.pop("weight"), a.pop("completion_ids")
+    with pytest.raises(exc, match=name):
+        gmpo_jax.fused_linear_logprobs(h, w, ids, **a)
