@@ -1,0 +1,245 @@
+"""The Pallas Mosaic GPU backend at the seam (``logprobs`` / ``grads``).
+
+On CPU the kernels run in Mosaic GPU interpret mode at small odd shapes: ragged rows (padded to the
+row block), a vocabulary that is not a multiple of the tile (masked tail), both weight layouts,
+bias, temperature, bf16 and f16, large logits. Each case is compared with the portable
+``xla_chunked`` backend (tight: same inputs, same float32 accumulation) and with a float64 NumPy
+oracle computed from the same 16-bit-rounded inputs. The ``gpu`` tests rerun real shapes on a
+Hopper GPU and check bitwise rerun equality.
+
+Tolerances (one table, the reasons beside them):
+  logp / lse vs float64: 2e-5 * (1 + max|z|): float32 accumulation of a 64..192-term dot product
+    and a float32 log-sum-exp; a few ulps of the largest logit.
+  dhidden vs float64: 1e-2 relative (norm): dz is rounded to the 16-bit dtype before the
+    ``dz W^T`` product (as in the xla_chunked path) and dhidden is returned in that dtype.
+  dW vs float64: 1e-2 relative (norm): the same 16-bit rounding of dz, float32 accumulation.
+  vs xla_chunked: 1e-5 (lse) / 2e-3 (gradients): same rounding points, only summation order and
+    the base-2 exponentials of the kernel differ.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax.backends.mosaic_gpu import MosaicGpuBackend, supported_on
+from gmpo_jax.backends.xla_chunked import XlaChunkedBackend
+from gmpo_jax.kernels import _common as C
+
+LOGP_TOL = 2e-5
+GRAD_REL_F64 = 1e-2
+LSE_VS_XLA = 1e-5
+GRAD_REL_XLA = 2e-3
+
+
+def _inputs(R, H, V, layout, dtype, bias, scale, seed):
+  rng = np.random.default_rng(seed)
+  h = jnp.asarray(rng.standard_normal((R, H)), dtype)
+  w = jnp.asarray(rng.standard_normal((H, V)) * scale / np.sqrt(H), dtype)
+  if layout == "vh":
+    w = w.T
+  b = jnp.asarray(rng.standard_normal(V) * 0.5, jnp.float32) if bias else None
+  ids = jnp.asarray(rng.integers(0, V, R), jnp.int32)
+  dlogp = jnp.asarray(rng.standard_normal(R), jnp.float32)
+  return h, w, b, ids, dlogp
+
+
+def _oracle(h, w, b, ids, dlogp, T, layout):
+  """float64 NumPy: logits, lse, logp, dhidden, dW, db from the (16-bit-rounded) inputs."""
+  h64 = np.asarray(h, np.float64)
+  w64 = np.asarray(w, np.float64)
+  W = w64 if layout == "hv" else w64.T                   # [H, V]
+  z = h64 @ W
+  if b is not None:
+    z = z + np.asarray(b, np.float64)
+  z = z / T
+  m = z.max(axis=1, keepdims=True)
+  lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+  V = W.shape[1]
+  ids_np = np.asarray(ids)
+  valid = (ids_np >= 0) & (ids_np < V)
+  tgt = np.where(valid, z[np.arange(len(ids_np)), np.clip(ids_np, 0, V - 1)], np.nan)
+  logp = tgt - lse
+  onehot = np.zeros_like(z)
+  onehot[np.arange(len(ids_np))[valid], ids_np[valid]] = 1.0
+  dz = np.asarray(dlogp, np.float64)[:, None] * (onehot - np.exp(z - lse[:, None])) / T
+  dh = dz @ W.T
+  dW = h64.T @ dz
+  return dict(z=z, lse=lse, logp=logp, dh=dh, dw=dW if layout == "hv" else dW.T, db=dz.sum(0))
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64).ravel()
+  b = np.asarray(b, np.float64).ravel()
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False):
+  h, w, b, ids, dlogp = _inputs(R, H, V, layout, dtype, bias, scale, seed)
+  if bad_ids:
+    ids = ids.at[1].set(-1).at[2].set(V)
+  Tf = jnp.float32(T)
+  ref = _oracle(h, w, b, ids, dlogp, T, layout)
+  xk = XlaChunkedBackend(vocab_block=64)
+
+  logp, lse = be.logprobs(h, w, b, ids, Tf, weight_layout=layout)
+  assert logp.shape == (R,) and logp.dtype == jnp.float32 and lse.dtype == jnp.float32
+  tol = LOGP_TOL * (1.0 + np.abs(ref["z"]).max())
+  np.testing.assert_allclose(np.asarray(lse), ref["lse"], rtol=0, atol=tol)
+  np.testing.assert_array_equal(np.isnan(np.asarray(logp)), np.isnan(ref["logp"]))
+  ok = ~np.isnan(ref["logp"])
+  np.testing.assert_allclose(np.asarray(logp)[ok], ref["logp"][ok], rtol=0, atol=tol)
+  logp_x, lse_x = xk.logprobs(h, w, b, ids, Tf, weight_layout=layout)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_x), rtol=0,
+                             atol=LSE_VS_XLA * (1.0 + np.abs(ref["z"]).max()))
+
+  if bad_ids:  # the loss masks invalid tokens: their cotangent is zero
+    dlogp = jnp.where(jnp.isnan(logp), 0.0, dlogp)
+    ref = _oracle(h, w, b, jnp.clip(ids, 0, V - 1), dlogp, T, layout)
+    ref_dz_rows = np.asarray(dlogp) != 0
+    assert ref_dz_rows.sum() == R - 2
+  dw0 = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(w.shape), jnp.float32)
+  db0 = jnp.zeros((V,), jnp.float32) if bias else None
+  dh, dw, db = be.grads(h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=dw0, db_acc=db0)
+  assert dh.dtype == h.dtype and dh.shape == h.shape
+  assert dw.dtype == jnp.float32 and dw.shape == w.shape
+  assert _rel(dh, ref["dh"]) < GRAD_REL_F64
+  assert _rel(np.asarray(dw) - np.asarray(dw0), ref["dw"]) < GRAD_REL_F64
+  if bias:
+    assert _rel(db, ref["db"]) < GRAD_REL_F64
+  else:
+    assert db is None
+  dh_x, dw_x, db_x = xk.grads(h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=dw0,
+                              db_acc=db0)
+  assert _rel(dh, dh_x) < GRAD_REL_XLA
+  assert _rel(np.asarray(dw) - np.asarray(dw0), np.asarray(dw_x) - np.asarray(dw0)) < GRAD_REL_XLA
+  return logp, lse, dh, dw
+
+
+INTERPRET = MosaicGpuBackend(interpret=True)
+
+
+# Curated cases (interpret mode is slow: one or two row blocks, two vocabulary tiles, the last
+# one partial). block_config(interpret=True) = 64 rows per warpgroup, 128 vocabulary columns.
+@pytest.mark.parametrize(
+    "R,H,V,layout,dtype,bias,T,scale",
+    [
+        pytest.param(100, 128, 192, "hv", jnp.bfloat16, True, 0.7, 1.0, id="hv-bf16-bias-T0.7-tail64"),
+        pytest.param(70, 192, 200, "vh", jnp.float16, False, 1.3, 1.0, id="vh-f16-T1.3-tail72"),
+        pytest.param(64, 64, 256, "hv", jnp.bfloat16, False, 1.0, 30.0, id="hv-bf16-logits30"),
+    ],
+)
+def test_interpret_matches_oracle_and_xla(R, H, V, layout, dtype, bias, T, scale):
+  _run_case(INTERPRET, R, H, V, layout, dtype, bias, T, scale, seed=R + V,
+            bad_ids=(layout == "vh"))
+
+
+def test_interpret_rerun_is_bitwise_equal():
+  h, w, b, ids, _ = _inputs(64, 64, 192, "hv", jnp.bfloat16, True, 1.0, seed=3)
+  f = jax.jit(lambda *a: INTERPRET.logprobs(*a, weight_layout="hv"))
+  a = f(h, w, b, ids, jnp.float32(1.0))
+  c = f(h, w, b, ids, jnp.float32(1.0))
+  for x, y in zip(a, c):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(hidden_dtype=jnp.float32, weight_dtype=jnp.float32), "16-bit"),
+        (dict(hidden_dtype=jnp.bfloat16, weight_dtype=jnp.float16), "16-bit"),
+        (dict(H=100), "multiple of 64"),
+        (dict(V=50257, weight_layout="vh"), "multiple of 8"),
+        (dict(V=50264, weight_layout="hv"), "multiple of 64"),
+        (dict(weight_layout="vv"), "weight_layout"),
+    ],
+)
+def test_check_supported_raises_typed_error(kw, match):
+  cfg = dict(hidden_dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16, H=896, V=151936, rows=4096,
+             weight_layout="hv", has_bias=False)
+  cfg.update(kw)
+  with pytest.raises(UnsupportedConfigError, match=match):
+    INTERPRET.check_supported(**cfg)
+
+
+def test_check_supported_accepts_real_heads():
+  for H, V in ((896, 151936), (1536, 151936), (2048, 128256), (3584, 152064), (4096, 128256),
+               (4096, 32000)):
+    for layout in ("hv", "vh"):
+      MosaicGpuBackend(interpret=True).check_supported(
+          hidden_dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16, H=H, V=V, rows=8192,
+          weight_layout=layout, has_bias=True)
+
+
+@pytest.mark.skipif(any(supported_on(d) for d in jax.devices()), reason="a Hopper GPU is present")
+def test_unavailable_without_hopper():
+  with pytest.raises(BackendUnavailableError):
+    MosaicGpuBackend().check_supported(
+        hidden_dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16, H=896, V=151936, rows=64,
+        weight_layout="hv", has_bias=False)
+
+
+def test_block_config_and_splits():
+  with pytest.raises(ValueError):
+    C.BlockConfig(block_m=96)
+  with pytest.raises(ValueError):
+    C.BlockConfig(block_n=100)
+  for rows_ctas, tiles in ((32, 1187), (1, 2), (64, 594), (4, 1002), (1, 1)):
+    s = C.pick_num_splits(rows_ctas, tiles, 132)
+    per = C.cdiv(tiles, s)
+    assert 1 <= s <= tiles and C.cdiv(tiles, per) == s  # every split non-empty
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: real shapes on a Hopper GPU
+# --------------------------------------------------------------------------------------------------
+def _hopper():
+  try:
+    return any(supported_on(d) for d in jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@pytest.mark.parametrize(
+    "R,H,V,layout,bias,T,scale",
+    [
+        pytest.param(1000, 896, 151936, "hv", False, 1.0, 1.0, id="qwen0.5b-hv"),
+        pytest.param(1000, 896, 151936, "vh", True, 0.7, 1.0, id="qwen0.5b-vh-bias"),
+        pytest.param(515, 1536, 50304, "hv", True, 1.3, 30.0, id="hv-tail64-logits30"),
+        pytest.param(300, 4096, 32008, "vh", False, 1.0, 1.0, id="llama-vh-tail8"),
+    ],
+)
+def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
+  be = MosaicGpuBackend()
+  h, w, b, ids, dlogp = _inputs(R, H, V, layout, jnp.bfloat16, bias, scale, seed=R)
+  Tf = jnp.float32(T)
+  xk = XlaChunkedBackend()
+  lp = jax.jit(lambda *a: be.logprobs(*a, weight_layout=layout))
+  lp_x = jax.jit(lambda *a: xk.logprobs(*a, weight_layout=layout))
+  logp, lse = lp(h, w, b, ids, Tf)
+  logp_x, lse_x = lp_x(h, w, b, ids, Tf)
+  zmax = float(jnp.max(jnp.abs(lse_x)))
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_x), rtol=0, atol=1e-4 * (1 + zmax))
+  np.testing.assert_allclose(np.asarray(logp), np.asarray(logp_x), rtol=0, atol=1e-4 * (1 + zmax))
+  dw0 = jnp.zeros(w.shape, jnp.float32)
+  db0 = jnp.zeros((V,), jnp.float32) if bias else None
+  g = jax.jit(lambda *a: be.grads(*a, weight_layout=layout, dw_acc=dw0, db_acc=db0))
+  g_x = jax.jit(lambda *a: xk.grads(*a, weight_layout=layout, dw_acc=dw0, db_acc=db0))
+  dh, dw, db = g(h, w, b, ids, dlogp, lse_x, Tf)
+  dh_x, dw_x, db_x = g_x(h, w, b, ids, dlogp, lse_x, Tf)
+  assert _rel(dh, dh_x) < 1e-2 and _rel(dw, dw_x) < 1e-2
+  if bias:
+    assert _rel(db, db_x) < 1e-2
+  # bitwise rerun equality (no atomics)
+  logp2, lse2 = lp(h, w, b, ids, Tf)
+  dh2, dw2, db2 = g(h, w, b, ids, dlogp, lse_x, Tf)
+  np.testing.assert_array_equal(np.asarray(logp), np.asarray(logp2))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
+  np.testing.assert_array_equal(np.asarray(dh), np.asarray(dh2))
+  np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw2))
