@@ -150,15 +150,16 @@ def lse_partials(x, ids, k_rows, *, cfg: KernelConfig, num_splits: int, interpre
       m2, l, t2 = carry
       j = tile0 + idx[0]
       nominal = j * bv
-      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + _tile_start(j, bv, V)
+      start = _tile_start(j, bv, V)
+      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)  # column within the tile
       z2 = x_smem[...].astype(jnp.float32) * _bcast(k_v, shape)
-      z2 = jnp.where(col >= nominal, z2, -jnp.inf)  # columns a slid-back tile already saw
+      z2 = jnp.where(col >= nominal - start, z2, -jnp.inf)  # columns a slid-back tile already saw
       m_new = jnp.maximum(m2, z2.max(axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf row so far: no NaN
       p = jnp.exp2(z2 - _bcast(m_safe, shape))
       l = l * jnp.exp2(m2 - m_safe) + p.sum(axis=1)
-      # a target below `nominal` was picked by an earlier tile (ids_v < nominal never matches)
-      want = jnp.where(ids_v >= nominal, ids_v, -1)
+      # the target's column within the tile; one below `nominal` was picked by an earlier tile
+      want = jnp.where(ids_v >= nominal, ids_v - start, -1)
       t2 = t2 + jnp.where(col == _bcast(want, shape), z2, 0.0).sum(axis=1)
       return m_new, l, t2
 
@@ -254,9 +255,9 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
     def _step(t):
       slot = lax.rem(t, stages)
       plgpu.barrier_wait(loaded.at[slot])
-      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + _tile_start(tile0 + t, bv, V)
+      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)  # column within the tile
       p = jnp.exp2(x_smem.at[slot][...].astype(jnp.float32) * _bcast(k_v, shape) - _bcast(lse_v, shape))
-      g = jnp.where(col == _bcast(ids_v, shape), 1.0 - p, -p)
+      g = jnp.where(col == _bcast(ids_v - _tile_start(tile0 + t, bv, V), shape), 1.0 - p, -p)
       c = _bcast(c_v, shape)
       dz = jnp.where(c != 0.0, c * g, 0.0).astype(dtype)
       # the store that last read o_smem[slot] (tile t - stages) must be done; includes a barrier
