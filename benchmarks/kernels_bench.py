@@ -185,11 +185,39 @@ def time_shape(tag, R, H, V, layout="hv", variants=(), grad_variants=()):
     traceback.print_exc()
 
 
+def time_e2e(tag, B, T, H, V, impls, layout="hv"):
+  """fused_linear_policy_loss (GMPO defaults) forward+backward and forward-only, per implementation."""
+  import gmpo_jax
+  k = jax.random.split(jax.random.key(11), 5)
+  h = jax.random.normal(k[0], (B, T, H), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(k[1], (H, V), jnp.float32) / np.sqrt(H)).astype(jnp.bfloat16)
+  ids = jax.random.randint(k[2], (B, T), 0, V, jnp.int32)
+  mask = jnp.ones((B, T), bool)
+  adv = jax.random.normal(k[3], (B,), jnp.float32)
+  old = -jnp.abs(jax.random.normal(k[4], (B, T), jnp.float32)) - 10.0
+  floor_flops = 6.0 * B * T * H * V
+  for impl in impls:
+    def loss(h, w, impl=impl):
+      l, aux = gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, objective=gmpo_jax.GMPO(),
+                                                 old_logps=old, implementation=impl)
+      return l
+    for mode, fn in (("fwd+bwd", jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))),
+                     ("fwd", jax.jit(loss))):
+      try:
+        ms, _ = bench(fn, h, w)
+        record(kind="time", tag=tag, what=f"e2e {impl} {mode}", B=B, T=T, H=H, V=V, ms=ms,
+               tflops=(floor_flops if mode == "fwd+bwd" else floor_flops / 3) / ms / 1e9)
+      except Exception as e:
+        record(kind="time", tag=tag, what=f"e2e {impl} {mode}", error=f"{type(e).__name__}: {str(e)[:1500]}")
+        traceback.print_exc()
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kernels_bench"))
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--skip-checks", action="store_true")
+  ap.add_argument("--final", action="store_true", help="config timings + workspace variant + e2e")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   d = jax.devices()[0]
@@ -203,10 +231,28 @@ def main():
     check(64, 2048, 32000, "hv", False, 1.0, scale=1000.0)
     check(300, 4096, 32000, "vh", False, 1.0)
   log(f"checks done in {time.time() - t_start:.1f}s")
-  time_shape("qwen R=8192", 8192, 896, 151936, "hv",
-             variants=[(128, 128, 4), (64, 256, 4), (128, 128, 3), (64, 128, 6)],
-             grad_variants=[(128, 128, 3), (64, 128, 6)])
-  if not args.quick:
+  if args.final:
+    time_shape("qwen R=8192", 8192, 896, 151936, "hv")
+    try:
+      h, w, b, ids, dlogp = make_inputs(8192, 896, 151936, "hv", False, seed=7)
+      lse = jax.jit(lambda h, w, ids: XlaChunkedBackend().logprobs(h, w, None, ids, jnp.float32(1), weight_layout="hv")[1])(h, w, ids)
+      for wsb in (128 * 2**20, 512 * 2**20):
+        be = MosaicGpuBackend(workspace_bytes=wsb)
+        g = jax.jit(lambda h, w, ids, dlogp, lse, be=be: be.grads(h, w, None, ids, dlogp, lse, jnp.float32(1), weight_layout="hv", dw_acc=jnp.zeros(w.shape, jnp.float32), db_acc=None))
+        ms, _ = bench(g, h, w, ids, dlogp, lse)
+        record(kind="time", tag="qwen R=8192", what=f"mosaic_gpu.grads workspace={wsb >> 20}MiB", ms=ms,
+               tflops=3 * 2.0 * 8192 * 896 * 151936 / ms / 1e9)
+      del h, w
+    except Exception as e:
+      record(kind="time", tag="ws", error=f"{type(e).__name__}: {str(e)[:1500]}")
+    time_e2e("qwen 8x2048", 8, 2048, 896, 151936, ("mosaic_gpu", "xla_chunked"))
+    time_e2e("llama 4x2048", 4, 2048, 4096, 128256, ("mosaic_gpu", "xla_chunked"))
+    time_e2e("qwen 16x4096", 16, 4096, 896, 151936, ("mosaic_gpu",))
+  else:
+    time_shape("qwen R=8192", 8192, 896, 151936, "hv",
+               variants=[(128, 128, 4), (64, 256, 4), (128, 128, 3), (64, 128, 6)],
+               grad_variants=[(128, 128, 3), (64, 128, 6)])
+  if not args.quick and not args.final:
     time_shape("qwen R=8192 vh", 8192, 896, 151936, "vh")
     time_shape("llama R=8192", 8192, 4096, 128256, "hv", variants=[(128, 128, 4), (64, 256, 4)])
   with open(os.path.join(args.out, "kernels.jsonl"), "w") as f:
