@@ -13,6 +13,20 @@ The public functions take the mesh layout as arguments::
 * Both on a 2-D mesh. Mesh axes named in neither are replicated. ``mesh=None`` takes the mesh set with
   ``jax.set_mesh``. An axis may be a name or a tuple of names.
 
+Example (one device here; the same call on a ``(2, 4)`` mesh splits the batch in 2 and the vocabulary in 4):
+
+  >>> import jax, jax.numpy as jnp, gmpo_jax
+  >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+  >>> h, w, ids = jnp.zeros((2, 3, 4)), jnp.ones((4, 8)), jnp.zeros((2, 3), jnp.int32)
+  >>> loss, aux = gmpo_jax.fused_linear_policy_loss(
+  ...     h, w, ids, jnp.ones((2, 3)), jnp.array([1.0, -0.5]), objective=gmpo_jax.GMPO(),
+  ...     mesh=mesh, data_axis="data", vocab_axis="model", vocab_size=6)  # 8 = 6 real + 2 padding
+  >>> float(loss), float(aux.loss_denominator)  # on-policy: -mean_b A_b
+  (-0.25, 2.0)
+  >>> logp = gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6, mesh=mesh, vocab_axis="model")
+  >>> round(float(jnp.exp(logp[0, 0])), 4)  # uniform over the 6 real tokens
+  0.1667
+
 Design decisions (and why):
 
 * **Explicit axes, not inference from input shardings.** Under ``jax.jit`` with the default ``Auto``

@@ -36,6 +36,15 @@ def test_sharded_cases_on_8_cpu_devices():
     assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]
 
 
+def test_docstring_example():
+    import doctest
+
+    import gmpo_jax.sharding
+
+    result = doctest.testmod(gmpo_jax.sharding, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
 # --------------------------------------------------------------------------------------------------
 # vocab_size on one device
 # --------------------------------------------------------------------------------------------------
