@@ -10,7 +10,7 @@ t0=$(date +%s)
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"; } > "$OUT/env.txt" 2>&1
 timeout "${SWEEP_S:-120}" python3 benchmarks/logits_sweep.py ${SWEEP_ARGS:-} > "$OUT/sweep.jsonl" 2> "$OUT/sweep.err"
 echo "sweep rc=$? at $(( $(date +%s) - t0 ))s" >> "$OUT/env.txt"
-timeout "${PYTEST_S:-70}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_logits_loss.py -x > "$OUT/pytest.log" 2>&1
+JAX_PLATFORMS=cuda timeout "${PYTEST_S:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_logits_loss.py -x > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? at $(( $(date +%s) - t0 ))s" >> "$OUT/env.txt"
 left=$(( ${TOTAL_S:-225} - ($(date +%s) - t0) ))
 if [ "$left" -gt 30 ]; then

@@ -114,10 +114,11 @@ def main():
     for B in batches:
         T = a.T
         logits, ids, mask, adv, old = inputs(B, T)
-        R = B * (T + 1)
         nbytes = logits.size * 2
-        x = logits.reshape(R, V)
-        ids_r = jnp.pad(ids, ((0, 0), (0, 1))).reshape(R)
+        view = MosaicGpuLogitsBackend(interpret=bool(ip))
+        x, ids_r, R0, ksplit = view._rows(logits, ids, T)  # the kernels' [R * k, V / k] view
+        R, W = x.shape
+        emit(what="view", B=B, rows=R, cols=W, k=ksplit)
         k = jnp.full((R,), K.LOG2E, jnp.float32)
         # ---- floors
         try:
@@ -133,30 +134,32 @@ def main():
             z = x[:256].astype(jnp.float32)
             lse_ref = jax.nn.logsumexp(z, -1)
             m2, l, t2 = K.lse_partials(x, ids_r, k, cfg=K.KernelConfig(), num_splits=K.pick_splits(
-                -(-R // 64), -(-V // 128), sms), interpret=ip)
+                -(-R // 64), -(-W // 128), sms), interpret=ip)
             tgt, lse, lse2 = K.combine_partials(m2, l, t2)
             lse2_ref = lse2
             err = float(jnp.max(jnp.abs(lse[:256] - lse_ref)))
-            terr = float(jnp.max(jnp.abs(tgt[:256] - jnp.take_along_axis(z, ids_r[:256, None], -1)[:, 0])))
+            hit = (ids_r[:256] >= 0) & (ids_r[:256] < W)
+            want_t = jnp.where(hit, jnp.take_along_axis(z, jnp.clip(ids_r[:256], 0, W - 1)[:, None], -1)[:, 0], 0.0)
+            terr = float(jnp.max(jnp.abs(tgt[:256] - want_t)))
             c = jnp.full((R,), 1e-3, jnp.float32)
             d = K.dlogits(x, ids_r, k, lse2, c, cfg=K.KernelConfig(block_v=128, stages=3), interpret=ip)
-            dref = (1e-3 * (jax.nn.one_hot(ids_r[:256], V) - jax.nn.softmax(z, -1)))
+            dref = (1e-3 * (jax.nn.one_hot(ids_r[:256], W) - jax.nn.softmax(z, -1)))
             derr = float(jnp.max(jnp.abs(d[:256].astype(jnp.float32) - dref)))
             emit(what="kernel_smoke", B=B, lse_err=err, tgt_err=terr, dlogits_err=derr,
                  dlogits_ref_max=float(jnp.max(jnp.abs(dref))))
         except Exception as e:  # noqa: BLE001
             emit(what="kernel_smoke", B=B, error=traceback.format_exc()[-3000:])
         # ---- forward kernel sweep
-        fwd_cfgs = [(128, 4, None), (256, 4, None), (128, 6, None), (256, 2, None), (128, 2, None), (64, 8, None)]
-        if B == 2:
-            fwd_cfgs += [(128, 4, 16), (128, 4, 64), (256, 3, 16)]
+        fwd_cfgs = [(128, 4, None, True), (128, 4, None, False), (128, 6, None, False), (128, 6, None, True),
+                    (256, 4, None, False), (64, 8, None, False), (128, 3, None, True), (128, 4, 4, True),
+                    (128, 4, 32, True), (128, 4, 32, False)]
         if a.quick or B != batches[0]:
-            fwd_cfgs = fwd_cfgs[:3]
+            fwd_cfgs = fwd_cfgs[:4]
         res_f = []
-        for bv, st, sp in fwd_cfgs:
+        for bv, st, sp, pick in fwd_cfgs:
             try:
-                cfg = K.KernelConfig(block_v=bv, stages=st)
-                tiles = -(-V // bv)
+                cfg = K.KernelConfig(block_v=bv, stages=st, pick_target=pick)
+                tiles = -(-W // bv)
                 if sp is None:
                     S = K.pick_splits(-(-R // 64), tiles, sms)
                 else:
@@ -165,14 +168,16 @@ def main():
                 f = jax.jit(lambda x, i, k, cfg=cfg, S=S: K.combine_partials(*K.lse_partials(x, i, k, cfg=cfg,
                                                                                             num_splits=S, interpret=ip)))
                 r = bench(f, x, ids_r, k)
-                emit(what="fwd_kernel", B=B, block_v=bv, stages=st, splits=S, **r,
+                emit(what="fwd_kernel", B=B, block_v=bv, stages=st, splits=S, pick_target=pick, **r,
                      tbps=round(nbytes / r["pipe_ms"] / 1e9, 3))
-                res_f.append((r["pipe_ms"], bv, st))
+                if sp is None:
+                    res_f.append((r["pipe_ms"], bv, st, pick))
             except Exception as e:  # noqa: BLE001
-                emit(what="fwd_kernel", B=B, block_v=bv, stages=st, error=traceback.format_exc()[-2000:])
+                emit(what="fwd_kernel", B=B, block_v=bv, stages=st, pick_target=pick,
+                     error=traceback.format_exc()[-2000:])
         # ---- backward kernel sweep
-        bwd_cfgs = [(128, 3, 32), (128, 2, 32), (256, 2, 32), (64, 4, 32), (128, 4, 32), (128, 3, 8),
-                    (128, 3, 128), (64, 6, 64)]
+        bwd_cfgs = [(128, 3, 32), (128, 2, 32), (64, 4, 32), (256, 2, 32), (128, 4, 32), (64, 6, 32),
+                    (128, 3, 8), (128, 3, 128), (128, 2, 64)]
         if a.quick or B != batches[0]:
             bwd_cfgs = bwd_cfgs[:3]
         res_b = []
@@ -208,14 +213,15 @@ def main():
             emit(what="xla_bwd_pass", B=B, error=repr(e)[:800])
         # ---- end to end
         if res_f and res_b:
-            _, bvf, stf = min(res_f)
+            _, bvf, stf, pk = min(res_f)
             _, bvb, stb, tpc = min(res_b)
-            best[B] = dict(fwd=(bvf, stf), bwd=(bvb, stb, tpc))
-        impls = {"xla": "xla", "mosaic_gpu_default": MosaicGpuLogitsBackend(interpret=True) if ip else "mosaic_gpu"}
+            best[B] = dict(fwd=(bvf, stf, pk), bwd=(bvb, stb, tpc))
+        impls = {"xla": "xla", "mosaic_gpu_default": MosaicGpuLogitsBackend(interpret=True) if ip else "mosaic_gpu",
+                 "mosaic_gpu_lean": MosaicGpuLogitsBackend(fwd=K.KernelConfig(pick_target=False), interpret=bool(ip))}
         if B in best:
             bf, bb = best[B]["fwd"], best[B]["bwd"]
             impls["mosaic_gpu_best"] = MosaicGpuLogitsBackend(
-                fwd=K.KernelConfig(block_v=bf[0], stages=bf[1]),
+                fwd=K.KernelConfig(block_v=bf[0], stages=bf[1], pick_target=bf[2]),
                 bwd=K.KernelConfig(block_v=bb[0], stages=bb[1], tiles_per_cta=bb[2]), interpret=bool(ip))
         for name, impl in impls.items():
             for mode in ("fwd+bwd", "fwd"):
@@ -239,7 +245,7 @@ def main():
                      loss=float(out[0] if mode == "fwd+bwd" else out), **r, **memory(f, logits, ids, mask, adv, old))
             except Exception as e:  # noqa: BLE001
                 emit(what="e2e", B=B, impl="dense_jax", mode=mode, error=repr(e)[:800])
-        del logits, x
+        del logits, x, view
     emit(what="best", best={str(k): v for k, v in best.items()})
 
 

@@ -15,7 +15,7 @@ Three groups:
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +33,15 @@ from gmpo_jax.logits_backends.mosaic_gpu import MosaicGpuLogitsBackend
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
-# Interpret-mode kernels: small blocks so that tiny shapes still have several tiles, splits and row blocks.
+# Interpret-mode kernels: the device's block width (128 columns) and shallow rings, so that tiny shapes
+# still have several tiles, two vocabulary splits, partial last blocks and several row blocks.
 INTERPRET = MosaicGpuLogitsBackend(
     interpret=True,
-    fwd=K.KernelConfig(block_v=64, stages=2),
-    bwd=K.KernelConfig(block_v=64, stages=2, tiles_per_cta=2),
+    fwd=K.KernelConfig(block_v=128, stages=2),
+    bwd=K.KernelConfig(block_v=128, stages=2, tiles_per_cta=2),
     num_splits=2,
 )
+INTERPRET_LEAN = dataclasses.replace(INTERPRET, fwd=K.KernelConfig(block_v=128, stages=2, pick_target=False))
 
 
 def _on_hopper() -> bool:
@@ -311,25 +313,28 @@ def test_argument_errors():
 
 
 # --------------------------------------------------------------------------------------------------
-# The Mosaic GPU kernels, in the Pallas GPU interpreter (CPU). Shapes: B * Tl >= 64 rows with a partial
-# last row block, V a multiple of 8 (16-byte rows) but not of block_v = 64, two vocabulary splits.
+# The Mosaic GPU kernels, in the Pallas GPU interpreter (CPU), at shapes the device accepts (rows of the
+# kernels' view a multiple of 8, V a multiple of 64) whose rows and vocabulary do not fill the last block.
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype, extra, obj, temperature", [
-    ("bfloat16", True, Obj("gmpo", beta=0.04), 0.7),
-    ("float16", False, Obj("dapo", level="sequence", delta=1.5), 1.0),
-], ids=["bf16-T+1-gmpo-beta", "f16-T-dapo-seq"])
-def test_mosaic_gpu_interpret(dtype, extra, obj, temperature):
-    case = make_inputs(11, B=2, T=35, V=296, dtype=dtype, extra=extra, temperature=temperature, empty_row=1)
-    (loss, aux), g = check(case, obj, INTERPRET, temperature=temperature)
+@pytest.mark.parametrize("dtype, B, T, V, extra, obj, temperature, backend", [
+    # 2 x 36 = 72 rows (two row blocks, the second slid back), V = 320 = 2.5 tiles of 128
+    ("bfloat16", 2, 35, 320, True, Obj("gmpo", beta=0.04), 0.7, INTERPRET),
+    # 3 x 22 = 66 rows: viewed as 264 rows of 192 columns (k = 4); target gathered outside the kernel
+    ("float16", 3, 22, 768, False, Obj("dapo", level="sequence", delta=1.5), 1.0, INTERPRET_LEAN),
+], ids=["bf16-T+1-gmpo-beta", "f16-T-rowsplit4-lean-dapo-seq"])
+def test_mosaic_gpu_interpret(dtype, B, T, V, extra, obj, temperature, backend):
+    case = make_inputs(11, B=B, T=T, V=V, dtype=dtype, extra=extra, temperature=temperature, empty_row=1)
+    (loss, aux), g = check(case, obj, backend, temperature=temperature)
     (l_x, a_x), g_x = value_and_grad(case, obj, "xla", temperature=temperature)
     assert float(loss) == pytest.approx(float(l_x), rel=1e-5, abs=1e-7)
     assert float(aux.clip_fraction) == float(a_x.clip_fraction)
 
 
-def test_mosaic_gpu_kernels_interpret_extreme():
-    """Kernel level: extreme and -inf logits, ids outside [0, V), a row block sliding back (R = 70)."""
+@pytest.mark.parametrize("pick_target", [True, False], ids=["pick", "lean"])
+def test_mosaic_gpu_kernels_interpret_extreme(pick_target):
+    """Kernel level: extreme and -inf logits, ids outside [0, V), a row block sliding back (R = 72)."""
     rng = np.random.default_rng(12)
-    R, V, tau = 70, 168, 0.5
+    R, V, tau = 72, 192, 0.5
     x = rng.normal(size=(R, V)).astype(np.float32)
     x[0, :7] = 1e4
     x[1, 3:] = -np.inf
@@ -339,7 +344,7 @@ def test_mosaic_gpu_kernels_interpret_extreme():
     ids = rng.integers(0, V, R).astype(np.int32)
     ids[1], ids[5], ids[6] = 0, -100, V + 3
     k = jnp.full((R,), K.LOG2E / tau, jnp.float32)
-    cfg = K.KernelConfig(block_v=64, stages=2, tiles_per_cta=2)
+    cfg = K.KernelConfig(block_v=128, stages=2, tiles_per_cta=1, pick_target=pick_target)
     params = INTERPRET._interpret_params()
     tgt, lse, lse2 = K.combine_partials(*K.lse_partials(jnp.asarray(x), jnp.asarray(ids), k, cfg=cfg, num_splits=2,
                                                         interpret=params))
@@ -350,9 +355,11 @@ def test_mosaic_gpu_kernels_interpret_extreme():
     ok = np.isfinite(want_lse)
     np.testing.assert_allclose(np.asarray(lse)[ok], want_lse[ok], rtol=2e-6, atol=1e-5)
     assert np.asarray(lse)[2] == -np.inf  # an all -inf row: no NaN
-    valid = (ids >= 0) & (ids < V)
-    want_t = np.where(valid, z[np.arange(R), np.clip(ids, 0, V - 1)], 0.0)
-    np.testing.assert_allclose(np.asarray(tgt)[ok], want_t[ok], rtol=1e-6)
+    if pick_target:
+        valid = (ids >= 0) & (ids < V)
+        want_t = np.where(valid, z[np.arange(R), np.clip(ids, 0, V - 1)], 0.0)
+        np.testing.assert_allclose(np.asarray(tgt)[ok], want_t[ok], rtol=1e-6)
+        return
     c = rng.normal(size=R).astype(np.float32)
     c[2] = 0.0  # a row with -inf lse must not leak NaN when it carries no gradient
     d = K.dlogits(jnp.asarray(x), jnp.asarray(ids), k, lse2, jnp.asarray(c), cfg=cfg, interpret=params)
@@ -362,6 +369,27 @@ def test_mosaic_gpu_kernels_interpret_extreme():
     onehot = np.arange(V) == ids[ok, None]
     want_d = c[ok, None] * (onehot - p)
     np.testing.assert_allclose(d[ok], want_d, rtol=1e-2, atol=1e-2 * np.abs(want_d).max())
+
+
+@pytest.mark.parametrize("B, T, extra, V, lean", [
+    (2, 1024, True, 128256, False),   # 2050 rows -> viewed as 8200 x 32064 (k = 4)
+    (16, 1024, True, 128256, True),   # 16400 rows (k = 1)
+    (3, 22, False, 768, False),       # 66 rows -> 264 x 192
+], ids=["llama3-2x1025", "llama3-16x1025-lean", "tiny-3x22"])
+def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean):
+    """Both kernels lower to Mosaic GPU for CUDA (jax.export on CPU; no GPU needed): shapes, layouts and
+    the tiled bulk copies' divisibility rules are checked at this stage (what failed on the device at
+    2050 rows before the row split)."""
+    backend = MosaicGpuLogitsBackend(fwd=K.KernelConfig(pick_target=not lean))
+    dataclasses.replace(backend, interpret=True).check_supported(dtype=jnp.bfloat16, B=B, T=T, Tl=T + int(extra), V=V)
+    z = jax.ShapeDtypeStruct((B, T + int(extra), V), jnp.bfloat16)
+    i = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    f = jax.ShapeDtypeStruct((B, T), jnp.float32)
+    r = jax.ShapeDtypeStruct((B, T + int(extra)), jnp.float32)
+    fwd = jax.jit(lambda z, i: backend.logprobs(z, i, T=T, temperature=jnp.float32(0.9)))
+    bwd = jax.jit(lambda z, i, r, d: backend.dlogits(z, i, r, d, T=T, temperature=jnp.float32(0.9)))
+    jax.export.export(fwd, platforms=["cuda"])(z, i)
+    jax.export.export(bwd, platforms=["cuda"])(z, i, r, f)
 
 
 # --------------------------------------------------------------------------------------------------

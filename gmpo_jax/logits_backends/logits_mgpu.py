@@ -54,11 +54,15 @@ class KernelConfig:
     doubled in the backward for the output tiles).
   tiles_per_cta: backward only: vocabulary tiles each CTA walks (the grid is split over the
     vocabulary so that many CTAs are in flight; the forward picks its own split, see pick_splits).
+  pick_target: forward only: pick the target logit in the kernel (a compare, select and add per
+    element); False leaves it to a ``[B, T]`` gather outside and keeps the running max in raw logit
+    units so that the exponent is one fused multiply-add per element.
   """
 
   block_v: int = 128
   stages: int = 4
   tiles_per_cta: int = 32
+  pick_target: bool = True
 
   def __post_init__(self):
     if self.block_v % 32 or not 32 <= self.block_v <= 256:
@@ -163,17 +167,31 @@ def lse_partials(x, ids, k_rows, *, cfg: KernelConfig, num_splits: int, interpre
       t2 = t2 + jnp.where(col == _bcast(want, shape), z2, 0.0).sum(axis=1)
       return m_new, l, t2
 
+    def body_lean(idx, x_smem, carry):
+      m, l, t2 = carry  # m: running max of the raw logits (k > 0: the max commutes with the scale)
+      j = tile0 + idx[0]
+      start = _tile_start(j, bv, V)
+      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)
+      xr = jnp.where(col >= j * bv - start, x_smem[...].astype(jnp.float32), -jnp.inf)
+      m_new = jnp.maximum(m, xr.max(axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp2(xr * _bcast(k_v, shape) - _bcast(m_safe * k_v, shape))
+      l = l * jnp.exp2((m - m_safe) * k_v) + p.sum(axis=1)
+      return m_new, l, t2
+
     def index_map(t):
       return (row0, _tile_start(tile0 + t, bv, V))
 
     m2, l, t2 = plgpu.emit_pipeline(
-        body,
+        body if cfg.pick_target else body_lean,
         grid=(n_tiles,),
         in_specs=[plgpu.BlockSpec((pl.Element(bm), pl.Element(bv)), index_map,
                                   transforms=_transforms(x.dtype))],
         max_concurrent_steps=stages,
         init_carry=(neg_inf, zero, zero),
     )(x_ref)
+    if not cfg.pick_target:
+      m2 = m2 * k_v  # to the base-2 units of z2 (-inf stays -inf: k > 0)
     stat_smem[0] = m2
     stat_smem[1] = l
     stat_smem[2] = t2

@@ -1,8 +1,9 @@
 """Pallas Mosaic GPU backend of the policy loss from logits (Hopper or newer), adapting ``logits_mgpu``.
 
-The logits ``[B, Tl, V]`` (``Tl = T`` or ``T + 1``) are handed to the kernels as ``[B * Tl, V]`` (a free
-reshape). The forward kernel also reads the ``Tl - T`` extra positions (``1 / Tl`` of the bytes) rather
-than splitting row blocks at sequence ends; their statistics are dropped. The backward kernel writes all
+The logits ``[B, Tl, V]`` (``Tl = T`` or ``T + 1``) are handed to the kernels as ``[B * Tl * k, V / k]``
+(a free reshape; ``k > 1`` only when ``B * Tl`` is not a multiple of 8, see ``_split``). The forward
+kernel also reads the ``Tl - T`` extra positions (``1 / Tl`` of the bytes) rather than splitting row
+blocks at sequence ends; their statistics are dropped. The backward kernel writes all
 ``B * Tl`` rows, zeros on the extra positions, so ``dlogits`` needs no padding or concatenation.
 """
 
@@ -63,53 +64,78 @@ class MosaicGpuLogitsBackend:
 
         return interpret_params()
 
+    def _split(self, dtype, R: int, V: int):
+        """Rows of the kernels' view ``[R * k, V / k]`` of the logits (a free reshape), or None.
+
+        The bulk copies tile shared memory in 8-row x 128-byte tiles, and a tensor copy needs every
+        tiled dimension of the array to be a multiple of its tile: ``R * k % 8 == 0`` and
+        ``(V / k) % (128 / itemsize) == 0``. Splitting each row into ``k`` equal pieces (``k`` in 1, 2,
+        4, 8) meets the first when ``R`` is not a multiple of 8 (e.g. ``B * (T + 1) = 2050`` rows of
+        Llama-3 logits: ``k = 4``, pieces of 32064 columns); the pieces' statistics are merged like
+        the vocabulary splits'. Odd ``R`` needs ``V % 512 == 0`` (bf16); otherwise None.
+        """
+        g = 128 // jnp.dtype(dtype).itemsize
+        wide = max(self.fwd.block_v, self.bwd.block_v)
+        for k in (1, 2, 4, 8):
+            if (R * k) % 8 == 0 and V % (k * g) == 0 and V // k >= wide and R * k >= K.BLOCK_ROWS:
+                return k
+        return None
+
     def check_supported(self, *, dtype, B, T, Tl, V):
         if not self.interpret and not _hopper_or_newer():
             raise BackendUnavailableError("the Mosaic GPU logits kernels need a Hopper (sm_90) or newer GPU")
         dtype = jnp.dtype(dtype)
         if dtype not in _DTYPES:
             raise UnsupportedConfigError(f"logits dtype {dtype} (the Mosaic GPU kernels take bf16 / f16)")
-        if B * Tl < K.BLOCK_ROWS:
-            raise UnsupportedConfigError(f"B * T = {B * Tl} rows < {K.BLOCK_ROWS} (one row block)")
         for cfg in (self.fwd, self.bwd):
-            if V < cfg.block_v:
-                raise UnsupportedConfigError(f"V={V} < block_v={cfg.block_v}")
             if cfg.block_v % (128 // dtype.itemsize):
                 raise UnsupportedConfigError(f"block_v={cfg.block_v} is not a multiple of 128 bytes of {dtype}")
-        if (V * dtype.itemsize) % 16:
+        if self._split(dtype, B * Tl, V) is None:
             raise UnsupportedConfigError(
-                f"V={V}: a logits row of {V * dtype.itemsize} bytes is not a multiple of 16 bytes (TMA)")
+                f"B * T(+1) = {B * Tl} rows of V = {V} {dtype} logits: no row split k in (1, 2, 4, 8) gives a "
+                f"multiple of 8 rows of a multiple of {128 // dtype.itemsize} columns (>= block_v), as the "
+                "tiled bulk copies need")
 
-    def _splits(self, R, V):
+    def _splits(self, R, W):
         if self.num_splits is not None:
-            tiles = -(-V // self.fwd.block_v)
+            tiles = -(-W // self.fwd.block_v)
             tps = -(-tiles // min(self.num_splits, tiles))
             return -(-tiles // tps)
-        return K.pick_splits(-(-R // K.BLOCK_ROWS), -(-V // self.fwd.block_v), _num_sms())
+        return K.pick_splits(-(-R // K.BLOCK_ROWS), -(-W // self.fwd.block_v), _num_sms())
+
+    def _rows(self, logits, ids, T):
+        """The ``[R * k, V / k]`` view and per-piece target columns (``id - j * V / k``: one piece holds it)."""
+        B, Tl, V = logits.shape
+        R = B * Tl
+        k = self._split(logits.dtype, R, V)
+        W = V // k
+        ids_r = jnp.pad(ids, ((0, 0), (0, Tl - T))).reshape(R, 1) - W * jnp.arange(k, dtype=jnp.int32)[None]
+        return logits.reshape(R * k, W), ids_r.reshape(R * k), R, k
 
     def logprobs(self, logits, ids, *, T, temperature):
         B, Tl, V = logits.shape
-        R = B * Tl
-        x = logits.reshape(R, V)
-        ids_r = jnp.pad(ids, ((0, 0), (0, Tl - T))).reshape(R)
-        k = jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,))
+        x, ids_r, R, k = self._rows(logits, ids, T)
+        kk = jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R * k,))
         with jax.named_scope("gmpo_jax/mosaic_gpu/logits_lse"):
-            m2, l, t2 = K.lse_partials(x, ids_r, k, cfg=self.fwd, num_splits=self._splits(R, V),
-                                       interpret=self._interpret_params())
-            tgt, lse, lse2 = K.combine_partials(m2, l, t2)
+            parts = K.lse_partials(x, ids_r, kk, cfg=self.fwd, num_splits=self._splits(R * k, x.shape[1]),
+                                   interpret=self._interpret_params())
+            # [S, R * k] -> [S * k, R]: the row pieces are more splits of the same row
+            parts = [jnp.moveaxis(p.reshape(-1, R, k), 2, 1).reshape(-1, R) for p in parts]
+            tgt, lse, lse2 = K.combine_partials(*parts)
         tgt, lse = tgt.reshape(B, Tl)[:, :T], lse.reshape(B, Tl)[:, :T]
+        if not self.fwd.pick_target:  # a [B, T] gather from the full array (no slice of the logits)
+            tgt = logits[jnp.arange(B)[:, None], jnp.arange(T)[None, :], jnp.clip(ids, 0, V - 1)]
+            tgt = tgt.astype(jnp.float32) / temperature
         return tgt - lse, lse2.reshape(B, Tl)
 
     def dlogits(self, logits, ids, lse2, dlogp, *, T, temperature):
         B, Tl, V = logits.shape
-        R = B * Tl
-        pad = ((0, 0), (0, Tl - T))
-        k = jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,))
-        c = jnp.pad(dlogp / temperature, pad).reshape(R)
-        ids_r = jnp.pad(ids, pad).reshape(R)
+        x, ids_r, R, k = self._rows(logits, ids, T)
+        rep = lambda v: jnp.repeat(v.reshape(R), k)
+        kk = jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R * k,))
+        c = rep(jnp.pad(dlogp / temperature, ((0, 0), (0, Tl - T))))
         with jax.named_scope("gmpo_jax/mosaic_gpu/dlogits"):
-            dz = K.dlogits(logits.reshape(R, V), ids_r, k, lse2.reshape(R), c, cfg=self.bwd,
-                           interpret=self._interpret_params())
+            dz = K.dlogits(x, ids_r, kk, rep(lse2), c, cfg=self.bwd, interpret=self._interpret_params())
         return dz.reshape(B, Tl, V)
 
 
