@@ -50,6 +50,8 @@ MESHES = {  # name: (shape, data_axis, vocab_axis)
     "1x8": ((1, 8), None, "model"),
     "2x4": ((2, 4), "data", "model"),
 }
+# an axis may be a tuple of mesh axes (here the vocabulary over all 8 devices of a 2-D mesh)
+MESHES_AND_TUPLE = {**MESHES, "2x4-vocab-over-both": ((2, 4), None, ("data", "model"))}
 
 
 def _mesh(shape, types=AxisType.Auto):
@@ -208,9 +210,9 @@ def test_bf16_vocab_parallel_rounds_like_single_device():
         _close(np.asarray(g, np.float32), np.asarray(g0, np.float32), 2.0**-7, f"bf16 {what}")
 
 
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("mesh_name", sorted(MESHES_AND_TUPLE))
 def test_logprobs_sharded(mesh_name):
-    shape, data_axis, vocab_axis = MESHES[mesh_name]
+    shape, data_axis, vocab_axis = MESHES_AND_TUPLE[mesh_name]
     mesh = _mesh(shape)
     c, w, _ = case_for("gmpo")
     g = jnp.asarray(np.random.default_rng(1).normal(size=(B, T)), jnp.float32)
