@@ -49,9 +49,12 @@ class MosaicGpuLogitsBackend:
 
     ``fwd`` / ``bwd``: block configurations of the two kernels; ``num_splits``: vocabulary splits of
     the forward (None: enough CTAs for about four waves, see ``logits_mgpu.pick_splits``).
+    Defaults from the H200 sweep of benchmarks/LOGITS_NOTES.md (2026-11-30): 128-column tiles; the
+    forward without the in-kernel target pick (0.146 vs 0.165 ms at 2 x 1025 x 128256 bf16), 4 stages;
+    the backward 3 stages, 32 tiles per CTA (block sizes within ~3 % of each other there).
     """
 
-    fwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=4)
+    fwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=4, pick_target=False)
     bwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=3, tiles_per_cta=32)
     num_splits: int | None = None
     interpret: bool = False
