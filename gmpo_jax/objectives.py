@@ -152,12 +152,19 @@ class Objective:
         return _is_concrete_number(beta) and beta != 0
 
     def _kl_term(self, logp, data: ChunkData, log_weight) -> Optional[jax.Array]:
-        """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``; None without a reference."""
-        if data.ref_logps is None:
+        """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``.
+
+        None without a reference or with a Python-number ``beta == 0`` (SPEC: the KL term exists only if
+        beta != 0). A traced beta that is 0 selects the KL away before it is formed, so an overflowing
+        ``exp(ref - logp)`` cannot turn into ``0 * inf``.
+        """
+        beta = getattr(self, "beta", 0.0)
+        if data.ref_logps is None or (_is_concrete_number(beta) and beta == 0):
             return None
-        kl = _k3_kl(logp, data.ref_logps, data.mask)
+        live = data.mask if _is_concrete_number(beta) else data.mask & (jnp.asarray(beta) != 0)
+        kl = _k3_kl(logp, data.ref_logps, live)
         if getattr(self, "use_bias_correction_kl", False):
-            kl = kl * jnp.exp(jnp.where(data.mask, log_weight, 0.0))
+            kl = kl * jnp.exp(jnp.where(live, log_weight, 0.0))
         return kl
 
 
@@ -414,8 +421,12 @@ class GRPO(Objective):
         t1 = coef1_v * a
         t2 = coef2_v * a
         nonzero = a != 0
-        use_unclipped = t1 <= t2  # ties -> unclipped branch (the gradient passes at the exact bound)
-        active = m & nonzero & use_unclipped & ~delta_clipped  # the only tokens with a gradient
+        use_unclipped = t1 <= t2  # ties -> first branch (the gradient passes at the exact bound)
+        # A token has a gradient (slope A e^w) when the selected branch is the ratio itself: the first
+        # branch unless delta clipped it, or the second one when the ratio lies inside its clip range
+        # (possible only with delta < 1 + epsilon_high, where min picks coef2 = coef).
+        passes = jnp.where(use_unclipped, ~delta_clipped, ~low & ~high)
+        active = m & nonzero & passes
         const = jnp.where(nonzero, jnp.where(use_unclipped, t1, t2), 0.0)
         surrogate = jnp.where(active, a * jnp.exp(jnp.where(active, w, 0.0)), const)
         ptl = -surrogate

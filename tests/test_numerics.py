@@ -374,10 +374,6 @@ def test_vocab_tail_block(implementation):
     np.testing.assert_allclose(got, case.logp64, rtol=0, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gmpo_jax bug: with a Python-float beta == 0 and ref_logps given, the KL is still computed and added as "
-    "0 * kl; where exp(ref - logp) overflows float32 that is 0 * inf = NaN (loss and gradients). SPEC: the KL "
-    "term exists only if beta != 0."))
 @pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo"), Obj("sapo")], ids=str)
 def test_beta_zero_ignores_the_reference(obj, implementation):
     """SPEC: "KL (only if beta != 0)". A reference passed with beta = 0 (a Python float) changes nothing, even
@@ -469,10 +465,6 @@ def test_ratio_at_bound(obj, implementation):
     _check_boundary(case, obj, implementation, logp32, expect & case.mask)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gmpo_jax bug: GRPO objectives zero the gradient of every token with coef > delta, even when min() selects "
-    "the unclipped coef2 branch (delta < coef <= 1 + eps_high with A < 0). SPEC: -min(min(coef, delta) A, "
-    "clip(coef) A) = -coef A there, gradient -A coef."))
 def test_delta_below_upper_clip_bound(implementation):
     """SPEC: coef2 = clip(coef, 1 - eps_low, 1 + eps_high) is formed first, then coef = min(coef, delta),
     ptl = -min(coef A, coef2 A). With delta = 1.1 < 1 + eps_high = 1.2 and a ratio in (1.1, 1.2] under A < 0:
