@@ -420,3 +420,12 @@ def test_mosaic_gpu_default_dispatch_and_full_shape():
     gm, gx = np.asarray(g_m, np.float32), np.asarray(g_x, np.float32)
     cos = float(np.sum(gm * gx) / np.sqrt(np.sum(gm * gm) * np.sum(gx * gx)))
     assert cos > 0.9999 and np.all(gm[:, -1] == 0)
+
+
+def test_docstring_example():
+    import doctest
+
+    import gmpo_jax.logits_loss
+
+    result = doctest.testmod(gmpo_jax.logits_loss, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,27 +1,32 @@
 """Pallas Mosaic GPU kernels over logits that already exist: online log-sum-exp, and dlogits.
 
-Memory-bound by design: each kernel streams ``[block_rows, block_v]`` tiles of the logits (viewed
-as ``[R, V]``, a free reshape of ``[B, T(+1), V]``) from device memory into shared memory with
-bulk tensor copies (TMA) through a ``stages``-deep ring (``plgpu.emit_pipeline``), does float32
-math in registers (WGMMA register layout: a row lives in one quad of threads, so row reductions
-are two shuffles) and never writes anything of size ``[R, V]`` except ``dlogits`` itself.
+Memory-bound by design: each kernel streams ``[64, block_v]`` tiles of the logits (viewed as ``[R, W]``,
+a free reshape of ``[B, T(+1), V]``, see ``mosaic_gpu._split``) from device memory into shared memory
+with bulk tensor copies (TMA, 128-byte swizzled tiles) through a ``stages``-deep ring, does float32
+math in registers (WGMMA register layout: a row lives in one quad of threads, so row reductions are
+two shuffles) and never writes anything of size ``[R, W]`` except ``dlogits`` itself. Per-row vectors
+(ids, scales, log-sum-exp) are staged through shared memory by TMA as in JAX's attention kernels.
 
-* :func:`lse_partials` (forward, reads the logits once): per row and per vocabulary *split*, the
-  running maximum ``m`` of ``z2 = z * log2(e) / T``, the sum ``l`` of ``exp2(z2 - m)`` and the
-  target's ``z2``. The grid is ``(splits, row blocks)`` so that a small batch still fills the GPU;
-  :func:`combine_partials` merges the splits (``splits * R`` floats, negligible).
-* :func:`dlogits` (backward, reads the logits once and writes their gradient once):
-  ``dz = c_r * (onehot(id_r) - exp2(z2 - lse2_r))`` with ``c_r = dloss/dlogp_r / T`` (0 on rows
-  that carry no gradient, selected, never multiplied, so garbage logits there cannot leak NaN).
+* :func:`lse_partials` (forward, reads the logits once; ``plgpu.emit_pipeline``): per row and per
+  vocabulary *split*, the running maximum ``m`` of ``z2 = z * log2(e) / T``, the sum ``l`` of
+  ``exp2(z2 - m)`` and (``pick_target``) the target's ``z2``. The grid is ``(splits, row blocks)`` so
+  that a small batch still fills the GPU; :func:`combine_partials` merges the splits (``splits * R``
+  floats, negligible). Without ``pick_target`` the running max is kept in raw logit units, so the
+  exponent is one fused multiply-add per element (measured 12 % faster at 2 x 1025 rows, H200).
+* :func:`dlogits` (backward, reads the logits once and writes their gradient once; a hand-written
+  ring, as the pipeline helper's predicated stores do not run in the interpreter):
+  ``dz = c_r * (onehot(id_r) - exp2(z2 - lse2_r))`` with ``c_r = dloss/dlogp_r / T`` (0 on rows that
+  carry no gradient, selected, never multiplied, so garbage logits there cannot leak NaN).
 
 No padding, no copies: a row range or vocabulary range that does not fill the last block is handled
-by sliding that block back to end at ``R`` (resp. ``V``). The forward masks the columns a slid-back
+by sliding that block back to end at ``R`` (resp. ``W``). The forward masks the columns a slid-back
 tile has already seen (``-inf``: nothing added to the sum, never picked as the target); the
-backward simply writes the overlapping rows / columns twice with bitwise identical values. Every
-copy is therefore in bounds, and the result does not depend on block sizes.
+backward writes the overlapping rows / columns twice with bitwise identical values. Every copy is in
+bounds, and the result does not depend on the grid.
 
-Constraints (checked by the backend, which otherwise raises ``UnsupportedConfigError``):
-``R >= block_rows``, ``V >= block_v`` and a row pitch of a multiple of 16 bytes (TMA).
+Constraints (checked by the backend, which otherwise raises ``UnsupportedConfigError``): ``R >= 64``
+and ``R % 8 == 0``, ``W >= block_v`` and ``W`` a multiple of 128 bytes (the tiled copies' rule), so every
+slid-back block starts on a tile boundary.
 """
 
 from __future__ import annotations
