@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))  # `import spec_numpy` from any test file
 
 import jax  # noqa: E402
