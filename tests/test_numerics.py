@@ -22,11 +22,9 @@ import gmpo_jax.reference
 import spec_numpy as spec
 from conftest import (
     DTYPES,
-    FAST_COMPILE,
     REFERENCE,
     Obj,
     assert_grad_close,
-    assert_loss_close,
     check_against_spec,
     fast_jit,
     lib_logprobs,
@@ -205,8 +203,6 @@ def test_fully_masked_sequence_contributes_nothing(loss_type, implementation):
     case = make_case(7, mask=mask)
     _, (dh, dw, db), _ = run_and_check(case, obj, implementation)
     assert np.all(np.asarray(dh)[2] == 0), "a fully masked sequence must get exactly zero gradient"
-    # and removing it changes nothing but the normaliser's B (grpo/sapo/gmpo/dr_grpo divide by B)
-    assert np.all(np.isfinite(np.asarray(dh)))
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
