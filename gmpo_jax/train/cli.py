@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                    help="defaults: cpu (small, ~2 min on 2 cores) or gpu (bigger model and batch, bf16)")
     g = p.add_argument_group("run")
-    _add(g, "name", f"run name (default <loss-type>-<task>-s<seed>)", type=str)
+    _add(g, "name", "run name (default <loss-type>-<task><digits>-s<seed>[-<preset>])", type=str)
     _add(g, "output_dir", "output folder (default runs/<name>)", type=str)
     _add(g, "seed", f"seed of the initialisation, prompts and sampling (default {_D.seed})", type=int)
     _add(g, "steps", f"optimizer steps, one rollout batch each (default {_D.steps})", type=int)
@@ -127,7 +127,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console script ``gmpo-jax``: parse, validate, resolve the task and objective, then train.
 
     Returns:
-      0 on success; exits with status 2 and a one-line message on a configuration error.
+      0 on success.
+
+    Raises:
+      SystemExit: status 2 with a one-line message on stderr for a configuration error.
     """
     config = config_from_args(argv)
     from gmpo_jax.train.loop import plan, train
@@ -136,7 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan(config)  # resolves --task and the objective: errors here are still pre-compilation
     except ConfigError as e:
         print(f"gmpo-jax train: error: {e}", file=sys.stderr)
-        return 2
+        raise SystemExit(2) from None
     train(config, log=print)
     return 0
 

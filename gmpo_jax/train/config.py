@@ -44,7 +44,7 @@ class TrainConfig:
     two minutes on a 2-core CPU with a clearly rising reward. ``preset_config("gpu")`` is the H200 preset.
 
     Attributes (grouped):
-      Run: ``name`` (``None`` -> ``"<loss_type>-<task>-s<seed>"``), ``output_dir`` (``None`` ->
+      Run: ``name`` (``None`` -> ``"<loss_type>-<task><digits>-s<seed>"``), ``output_dir`` (``None`` ->
         ``runs/<name>``), ``seed``, ``steps`` (optimizer steps, one rollout batch each),
         ``save_every`` (checkpoint period in steps; 0 = only at the end), ``resume``, ``plots``,
         ``progress`` (tqdm bar), ``preset`` (informational).
@@ -71,15 +71,15 @@ class TrainConfig:
     name: Optional[str] = None
     output_dir: Optional[str] = None
     seed: int = 0
-    steps: int = 120
-    save_every: int = 0
+    steps: int = 100
+    save_every: int = 50
     resume: bool = False
     plots: bool = True
     progress: bool = True
     preset: str = "cpu"
     # task
     task: str = "reverse"
-    digits: int = 3
+    digits: int = 4
     partial_credit: float = 0.1
     prompt_task: str = "reverse"
     # policy
@@ -91,8 +91,8 @@ class TrainConfig:
     vocab_size: Optional[int] = None
     dtype: str = "float32"
     # rollout
-    batch_size: int = 128
-    group_size: int = 8
+    batch_size: int = 256
+    group_size: int = 16
     max_completion_length: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -114,11 +114,13 @@ class TrainConfig:
     # ------------------------------------------------------------------------------------------
     @property
     def run_name(self) -> str:
-        """``name`` or the default ``"<loss_type>-<task>-s<seed>"`` (``:`` in a hook becomes ``-``)."""
+        """``name`` or ``"<loss_type>-<task><digits>-s<seed>"`` (+ ``-<preset>`` unless cpu; a hook's
+        ``module:function`` becomes ``module-function``)."""
         if self.name:
             return self.name
-        task = self.task.replace(":", "-").replace(".", "-")
-        return f"{self.loss_type}-{task}-s{self.seed}"
+        task = f"{self.task}{self.digits}" if self.task in BUILTIN_TASKS else self.task.replace(":", "-")
+        suffix = "" if self.preset == "cpu" else f"-{self.preset}"
+        return f"{self.loss_type}-{task.replace('.', '-')}-s{self.seed}{suffix}"
 
     @property
     def run_dir(self) -> str:
@@ -230,8 +232,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_layers=6,
         n_heads=8,
         d_ff=2048,
-        digits=5,
-        vocab_size=128,
+        vocab_size=128,  # the Mosaic GPU kernels need V % 64 == 0 (weight layout "hv") and H % 64 == 0
         dtype="bfloat16",
         batch_size=1024,
         group_size=16,

@@ -145,7 +145,7 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, batch: rollout_lib.
 
     (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
-    return {"loss": loss, **aux._asdict(), "grad_norm": optax.global_norm(grads)}
+    return {"loss": loss, **aux._asdict(), "grad_norm": optax.tree.norm(grads)}
 
 
 @dataclasses.dataclass

@@ -46,7 +46,7 @@ def plot_history(history: Sequence[dict], path: str, *, title: Optional[str] = N
     ax.set_title("clipped token fraction")
     ax.legend(fontsize=8)
     axes[1, 0].plot(step, col("kl"))
-    axes[1, 0].set_title("KL to reference (k3)")
+    axes[1, 0].set_title("KL to the initial policy (k3; 0 when beta = 0)")
     ax = axes[1, 1]
     lo, hi = col("log_ratio_min"), col("log_ratio_max")
     ax.fill_between(step, lo, hi, alpha=0.3)
