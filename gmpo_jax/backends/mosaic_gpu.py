@@ -182,6 +182,11 @@ class MosaicGpuBackend:
           db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
           db_acc = lax.dynamic_update_slice_in_dim(
               db_acc, lax.slice_in_dim(db_acc, v0, v1) + db_blk, v0, axis=0)
+        # One window live at a time: every input of the next window's kernel and weight slice passes
+        # through a barrier that waits for this window's accumulators. Without it XLA may hoist all
+        # windows' dz kernels (they depend only on the inputs) and keep many dz buffers alive at once.
+        hp, weight, bias_p, ids_p, scale, lse2, coef, dh, dw_acc, db_acc = lax.optimization_barrier(
+            (hp, weight, bias_p, ids_p, scale, lse2, coef, dh, dw_acc, db_acc))
       dhidden = dh[:R].astype(hidden.dtype)
     return dhidden, dw_acc, db_acc
 
