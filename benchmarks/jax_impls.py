@@ -5,7 +5,9 @@ Implementations
 LM head (issues 2, 3), GMPO objective with its defaults, ``old_logps`` given (off-policy ratios):
 
 * ``xla_chunked``, ``mosaic_gpu``: ``gmpo_jax.fused_linear_policy_loss(..., implementation=name)``.
-* ``dense_jax``: ``gmpo_jax.reference.policy_loss`` under ``jax.jit`` (full ``[N, V]`` logits).
+* ``dense_jax``: ``gmpo_jax.reference.policy_loss(..., upcast=False)`` under ``jax.jit`` (full ``[N, V]``
+  logits, bf16 matmul with f32 accumulation: the naive training step). Records before commit 6bd1818's
+  successor used ``upcast=True`` (the f32 HIGHEST oracle); see RESULTS.md notes.
 
 Logits already computed (issue 5), logits ``[B, T + 1, V]``:
 
@@ -185,8 +187,10 @@ def lm_head_loss(impl: str, opts: dict[str, Any]) -> Callable:
         from gmpo_jax import reference
 
         def loss(h, w, ids, mask, adv, old):
+            # the naive bf16 training-step baseline: bf16 matmul with f32 accumulation, full logits
+            # (upcast=True would be the f32 Precision.HIGHEST oracle, ~6x slower on the H200)
             return _loss_only(reference.policy_loss(h, w, ids, mask, adv, objective=objective, old_logps=old,
-                                                    weight_layout=layout))
+                                                    weight_layout=layout, upcast=False))
 
     else:
         raise ValueError(f"unknown LM-head implementation {impl!r}")
