@@ -119,27 +119,26 @@ def test_sampler_respects_eos_and_max_length():
     assert 0 < n_eos < 64  # both cases occurred (P(EOS) = 1/4 per token)
 
 
-def test_top_p_tiny_is_greedy():
+def test_top_p_tiny_is_greedy_and_matches_the_full_forward():
     model = Transformer(6, 12, 16, 1, 2, 32, rngs=nnx.Rngs(1))
     prompts = jax.random.randint(jax.random.PRNGKey(1), (8, 3), 2, 6)
     ids, _ = rollout.sample_completions(model, prompts, jax.random.PRNGKey(2), jnp.float32(1.0),
                                         max_new_tokens=4, top_p=1e-6, eos_id=-1, pad_id=0)
-    seq = prompts
-    for t in range(4):  # greedy decoding with the full (cache-free) forward pass
-        nxt = jnp.argmax(model.logits(model(seq)[:, -1]), axis=-1)
-        np.testing.assert_array_equal(ids[:, t], nxt)
-        seq = jnp.concatenate([seq, nxt[:, None].astype(jnp.int32)], axis=1)
+    # the nucleus of mass 1e-6 is the top token: decoding is greedy, so every sampled token is the argmax
+    # of the cache-free forward pass over the prompt and the tokens before it
+    logits = nnx.jit(lambda m, x: m.logits(m(x)))(model, jnp.concatenate([prompts, ids], axis=1))
+    np.testing.assert_array_equal(ids, jnp.argmax(logits[:, 2:-1], axis=-1))
 
 
 def test_kv_cache_decode_matches_full_forward():
     model = Transformer(9, 10, 16, 2, 2, 32, tie_embeddings=True, rngs=nnx.Rngs(3))
     tokens = jax.random.randint(jax.random.PRNGKey(0), (3, 7), 0, 9)
-    full = model(tokens)
-    cache = model.init_cache(3, 10)
-    h0, cache = model.decode(tokens[:, :4], cache, 0)
+    full = nnx.jit(lambda m, x: m(x))(model, tokens)
+    decode = nnx.jit(lambda m, x, c, start: m.decode(x, c, start))
+    h0, cache = decode(model, tokens[:, :4], model.init_cache(3, 10), 0)
     steps = [h0]
     for t in range(4, 7):
-        h, cache = model.decode(tokens[:, t:t + 1], cache, t)
+        h, cache = decode(model, tokens[:, t:t + 1], cache, t)
         steps.append(h)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=2e-5)
 

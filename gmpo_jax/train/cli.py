@@ -48,11 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a small Flax NNX policy with GMPO on a verifiable-reward task",
         description="On-policy RL (GMPO by default) of a small decoder-only transformer on a built-in "
-                    "verifiable task. Defaults (the cpu preset) finish in about 2 minutes on a 2-core CPU.",
+                    "verifiable task. The defaults shown are the cpu preset's (under a minute on an idle 2-core "
+                    "CPU); --preset gpu changes model, batch and dtype, and explicit options win.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="defaults: cpu (small, ~2 min on 2 cores) or gpu (bigger model and batch, bf16)")
+                   help="defaults: cpu (small) or gpu (H=512, 6 layers, 1024 completions/step, bf16)")
     g = p.add_argument_group("run")
     _add(g, "name", "run name (default <loss-type>-<task><digits>-s<seed>[-<preset>])", type=str)
     _add(g, "output_dir", "output folder (default runs/<name>)", type=str)

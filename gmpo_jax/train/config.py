@@ -71,7 +71,7 @@ class TrainConfig:
     name: Optional[str] = None
     output_dir: Optional[str] = None
     seed: int = 0
-    steps: int = 100
+    steps: int = 150
     save_every: int = 50
     resume: bool = False
     plots: bool = True
@@ -79,7 +79,7 @@ class TrainConfig:
     preset: str = "cpu"
     # task
     task: str = "reverse"
-    digits: int = 4
+    digits: int = 6
     partial_credit: float = 0.1
     prompt_task: str = "reverse"
     # policy

@@ -299,6 +299,12 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
     with open(metrics_path, "w") as f:
         f.writelines(json.dumps(h) + "\n" for h in history)
 
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    head = "tied nnx.Embed head (vh)" if c.tie_embeddings else "nnx.Linear head (hv)"
+    log(f"{c.run_name}: {c.loss_type} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
+        f"{c.n_layers} layers, V={p.vocab_size}, {head}, {c.dtype}) | {c.batch_size} completions/step = "
+        f"{c.num_prompts} prompts x {c.group_size}, T={p.max_completion_length}, {c.num_iterations} update(s) "
+        f"per batch | {jax.devices()[0].device_kind} | {c.steps} steps -> {run_dir}/")
     schedule = learning_rate_schedule(c)
     tokens_per_step = c.batch_size * p.max_len
     bar = tqdm(total=c.steps, initial=start, desc=c.run_name, unit="step", disable=not c.progress,
