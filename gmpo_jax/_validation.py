@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

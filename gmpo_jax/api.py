@@ -78,6 +78,23 @@ def _as_mask(completion_mask) -> jax.Array:
     return m if m.dtype == jnp.bool_ else m != 0
 
 
+def _f32(x):
+    return None if x is None else jnp.asarray(x).astype(jnp.float32)
+
+
+def _rollout_is_ratio(objective, rollout_is_ratio, *, warn: bool = True):
+    """``[B, T]`` / ``[B, 1]`` float32 IS correction (``[B]`` becomes ``[B, 1]``); None for GMPO, to which it
+    does not apply (SPEC.md), with a warning when one was given."""
+    if rollout_is_ratio is None:
+        return None
+    if isinstance(objective, GMPO):
+        if warn:
+            warnings.warn("rollout_is_ratio does not apply to GMPO (SPEC.md); it is ignored", stacklevel=3)
+        return None
+    ris = _f32(rollout_is_ratio)
+    return ris[:, None] if ris.ndim == 1 else ris
+
+
 def fused_linear_policy_loss(
     hidden: Float[Array, "B T H"],
     weight: Union[Float[Array, "H V"], Float[Array, "V H"]],
@@ -187,13 +204,8 @@ def fused_linear_policy_loss(
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     mask = _as_mask(completion_mask)
     ids = jnp.asarray(completion_ids).astype(jnp.int32)
-    f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)
-    if rollout_is_ratio is not None and isinstance(objective, GMPO):
-        warnings.warn("rollout_is_ratio does not apply to GMPO (SPEC.md); it is ignored", stacklevel=2)
-        rollout_is_ratio = None
-    ris = f32(rollout_is_ratio)
-    if ris is not None and ris.ndim == 1:
-        ris = ris[:, None]
+    f32 = _f32
+    ris = _rollout_is_ratio(objective, rollout_is_ratio)
     temperature = jnp.asarray(temperature, jnp.float32)
     if ref_hidden is not None:
         ref_logps = jax.lax.stop_gradient(fused_linear_logprobs(

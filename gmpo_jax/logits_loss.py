@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-import warnings
 from typing import Any, Optional, Union
 
 import jax
@@ -38,8 +37,8 @@ from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
 from gmpo_jax import logits_backends
-from gmpo_jax.api import LossAux, _as_mask
-from gmpo_jax.objectives import GMPO, ChunkData, Objective, finalize_metrics
+from gmpo_jax.api import LossAux, _as_mask, _f32, _rollout_is_ratio
+from gmpo_jax.objectives import ChunkData, Objective, finalize_metrics
 
 __all__ = ["policy_loss_from_logits"]
 
@@ -219,13 +218,8 @@ def policy_loss_from_logits(
         num_items_in_batch=num_items_in_batch, temperature=temperature)
     mask = _as_mask(completion_mask)
     ids = jnp.asarray(completion_ids).astype(jnp.int32)
-    f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)
-    if rollout_is_ratio is not None and isinstance(objective, GMPO):
-        warnings.warn("rollout_is_ratio does not apply to GMPO (SPEC.md); it is ignored", stacklevel=2)
-        rollout_is_ratio = None
-    ris = f32(rollout_is_ratio)
-    if ris is not None and ris.ndim == 1:
-        ris = ris[:, None]
+    f32 = _f32
+    ris = _rollout_is_ratio(objective, rollout_is_ratio)
     logits = jnp.asarray(logits)
     backend = logits_backends.resolve(implementation, dtype=logits.dtype, B=B, T=T, Tl=Tl, V=V)
     cfg = _Config(backend=backend, T=T)

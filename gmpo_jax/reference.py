@@ -9,15 +9,14 @@ keeps the inputs' dtype with float32 accumulation (what a straightforward bf16 t
 
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax import _validation as V_
-from gmpo_jax.api import LossAux, _as_mask
-from gmpo_jax.objectives import GMPO, ChunkData, Objective, finalize_metrics
+from gmpo_jax.api import LossAux, _as_mask, _f32, _rollout_is_ratio
+from gmpo_jax.objectives import ChunkData, Objective, finalize_metrics
 
 __all__ = ["logits", "logprobs", "policy_loss"]
 
@@ -61,12 +60,8 @@ def policy_loss(hidden, weight, completion_ids, completion_mask, advantages, *, 
         rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch, temperature=temperature,
         weight_layout=weight_layout, chunk_size=None)
     mask = _as_mask(completion_mask)
-    f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)
-    if isinstance(objective, GMPO):
-        rollout_is_ratio = None
-    ris = f32(rollout_is_ratio)
-    if ris is not None and ris.ndim == 1:
-        ris = ris[:, None]
+    f32 = _f32
+    ris = _rollout_is_ratio(objective, rollout_is_ratio, warn=False)
     if ref_hidden is not None:
         ref_logps = jax.lax.stop_gradient(logprobs(
             ref_hidden, ref_weight, completion_ids, completion_mask=mask, bias=ref_bias,

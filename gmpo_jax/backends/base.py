@@ -16,11 +16,12 @@ from __future__ import annotations
 import importlib
 import logging
 import warnings
-from typing import Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import jax
 
 __all__ = [
+    "dispatch",
     "LMHeadBackend",
     "UnsupportedConfigError",
     "BackendUnavailableError",
@@ -79,8 +80,8 @@ IMPLEMENTATIONS: dict[str, str] = {
 }
 
 
-def _make(name: str) -> LMHeadBackend:
-    module_path = IMPLEMENTATIONS[name]
+def _make(registry: dict[str, str], name: str):
+    module_path = registry[name]
     try:
         module = importlib.import_module(module_path)
     except ImportError as e:  # e.g. a jax build without Pallas Mosaic GPU
@@ -88,36 +89,49 @@ def _make(name: str) -> LMHeadBackend:
     return module.make_backend()
 
 
-def resolve_backend(implementation: Optional[str], **config) -> LMHeadBackend:
-    """Pick the backend for a call (see module docstring); ``config`` goes to ``check_supported``.
+def dispatch(implementation, registry: dict[str, str], what: str, **config):
+    """Pick a backend from ``registry`` (ordered name -> module path); shared by every op's dispatch.
+
+    ``implementation`` is None (try the registry in order: a ``BackendUnavailableError`` falls through
+    silently, an ``UnsupportedConfigError`` with one warning), a registered name (explicit: never falls
+    back) or a backend instance (explicit, e.g. a kernel backend in interpret mode for tests). ``config``
+    goes to ``check_supported``; ``what`` names the op in logs and errors.
 
     Raises:
       ValueError: unknown ``implementation`` name.
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested backend cannot serve.
     """
+    if implementation is not None and not isinstance(implementation, str):
+        implementation.check_supported(**config)
+        logger.info("gmpo_jax: %s implementation=%r (explicit instance)", what, implementation)
+        return implementation
     if implementation is not None:
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"implementation must be None or one of {tuple(IMPLEMENTATIONS)}, got implementation={implementation!r}"
-            )
-        backend = _make(implementation)
+        if implementation not in registry:
+            raise ValueError(f"implementation must be None, one of {tuple(registry)} or a backend instance, "
+                             f"got implementation={implementation!r}")
+        backend = _make(registry, implementation)
         backend.check_supported(**config)
-        logger.info("gmpo_jax: implementation=%s (explicit)", implementation)
+        logger.info("gmpo_jax: %s implementation=%s (explicit)", what, implementation)
         return backend
-    for name in IMPLEMENTATIONS:
+    for name in registry:
         try:
-            backend = _make(name)
+            backend = _make(registry, name)
             backend.check_supported(**config)
         except BackendUnavailableError as e:
-            logger.debug("gmpo_jax: %s unavailable: %s", name, e)
+            logger.debug("gmpo_jax: %s %s unavailable: %s", what, name, e)
             continue
         except UnsupportedConfigError as e:
-            warnings.warn(f"gmpo_jax: implementation={name!r} cannot serve this call ({e}); falling back.",
-                          stacklevel=4)
+            warnings.warn(f"gmpo_jax: {what} implementation={name!r} cannot serve this call ({e}); "
+                          "falling back.", stacklevel=5)
             continue
-        logger.info("gmpo_jax: implementation=%s", name)
+        logger.info("gmpo_jax: %s implementation=%s", what, name)
         return backend
-    raise BackendUnavailableError("no gmpo_jax implementation can serve this call")  # xla_chunked always can
+    raise BackendUnavailableError(f"no {what} implementation can serve this call")
+
+
+def resolve_backend(implementation, **config) -> LMHeadBackend:
+    """The LM-head backend for a call (see :func:`dispatch`); ``config`` goes to ``check_supported``."""
+    return dispatch(implementation, IMPLEMENTATIONS, "fused LM head", **config)
 
 
 def default_platform() -> str:

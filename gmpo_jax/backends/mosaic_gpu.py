@@ -18,7 +18,6 @@ Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/K
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

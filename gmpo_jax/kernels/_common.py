@@ -12,10 +12,8 @@ the logits) is the kernel's epilogue.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl

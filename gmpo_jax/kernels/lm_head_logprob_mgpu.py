@@ -19,7 +19,6 @@ copy) are masked to ``-inf``.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
