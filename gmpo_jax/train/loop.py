@@ -11,6 +11,15 @@ One step of `train`:
    policy's final hidden states and its LM-head weight to ``gmpo_jax.fused_linear_policy_loss``; then
    ``optimizer.update`` (AdamW, global-norm clipping, warmup + cosine schedule);
 6. one JSON line of metrics, the progress bar, periodic orbax checkpoints.
+
+``metrics.jsonl`` keys, one line per step: ``step``; ``reward_mean`` / ``reward_std`` over the batch;
+``exact_match`` (fraction of exact answers; NaN for a hook task without answers); ``completion_length``
+(mean unmasked tokens) and ``eos_fraction``; ``loss``, ``kl``, ``clip_fraction``, ``clip_fraction_low``,
+``clip_fraction_high``, ``grad_norm`` (means over the ``num_iterations`` updates); ``log_ratio_min`` /
+``log_ratio_max`` (extremes of the token log importance ratio over those updates; 0 when on-policy);
+``lr``; ``tokens`` (``batch_size * (P + T)``, prompt and completion slots of the batch);
+``rollout_time_s``, ``update_time_s``, ``step_time_s`` (wall clock; step 1 includes compilation) and
+``tokens_per_s = tokens / step_time_s``.
 """
 
 from __future__ import annotations
@@ -354,9 +363,10 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if new_rows:
-        log(f"{c.run_name}: {len(new_rows)} steps in {wall:.1f} s (first step, incl. compilation: "
-            f"{summary['first_step_s']:.1f} s); after compilation {summary['steps_per_s']:.2f} steps/s, "
-            f"{summary['tokens_per_s']:,.0f} tokens/s")
+        speed = (f"; after compilation {summary['steps_per_s']:.2f} steps/s, {summary['tokens_per_s']:,.0f} tokens/s"
+                 if len(new_rows) > 1 else "")
+        log(f"{c.run_name}: {len(new_rows)} step(s) in {wall:.1f} s (first step, incl. compilation: "
+            f"{summary['first_step_s']:.1f} s){speed}")
     log(f"reward (mean of 10 steps): first {summary['reward_first10']:.3f} -> last {summary['reward_last10']:.3f}; "
         f"exact answers {summary['exact_first10']:.1%} -> {summary['exact_last10']:.1%}"
         + (f"; last sample: {sample!r}" if sample else ""))
