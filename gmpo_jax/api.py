@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +114,7 @@ def fused_linear_policy_loss(
     temperature: ScalarLike = 1.0,
     weight_layout: str = "hv",
     chunk_size: Optional[int] = None,
-    implementation: Optional[str] = None,
+    implementation: Optional[Any] = None,
     vocab_size: Optional[int] = None,
     mesh: Optional[jax.sharding.Mesh] = None,
     data_axis: Optional[AxisName] = None,
@@ -158,8 +158,11 @@ def fused_linear_policy_loss(
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
-      implementation: None (best available: ``"mosaic_gpu"`` on Hopper GPUs, else ``"xla_chunked"``),
-        or an explicit name, which never falls back.
+      implementation: None (best available: ``"mosaic_gpu"`` on Hopper GPUs, else ``"xla_chunked"``;
+        a Mosaic configuration it cannot serve falls back with one warning), an explicit name, which
+        never falls back, or a backend instance (e.g.
+        ``gmpo_jax.backends.mosaic_gpu.MosaicGpuBackend(interpret=True)`` for the kernels in the Pallas
+        interpreter). Which one ran is logged on the ``gmpo_jax`` logger (INFO).
       vocab_size: the real vocabulary when the LM head is padded to ``V`` (e.g. to a multiple of the
         vocabulary shards): columns ``>= vocab_size`` are left out of the softmax and get zero gradient;
         an unmasked id in ``[vocab_size, V)`` gives NaN. None: all ``V`` columns are real.
@@ -230,7 +233,7 @@ def fused_linear_logprobs(
     temperature: ScalarLike = 1.0,
     weight_layout: str = "hv",
     chunk_size: Optional[int] = None,
-    implementation: Optional[str] = None,
+    implementation: Optional[Any] = None,
     vocab_size: Optional[int] = None,
     mesh: Optional[jax.sharding.Mesh] = None,
     data_axis: Optional[AxisName] = None,
