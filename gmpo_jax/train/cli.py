@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "resume", "continue from the newest checkpoint in the output folder", action="store_true")
     _add(g, "plots", "write training.png at the end (default on)", action=argparse.BooleanOptionalAction)
     _add(g, "progress", "progress bar (default on)", action=argparse.BooleanOptionalAction)
+    _add(g, "mesh", "data=D,model=M: split the batch over D devices and the LM head's vocabulary over M "
+                    "(fused loss sharded with jax.shard_map; V padded to a multiple of M and masked); D*M "
+                    "devices, D must divide --batch-size; on CPU simulate devices with "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=N (default: one device)", type=str)
     g = p.add_argument_group("task")
     _add(g, "task", f"{' | '.join(BUILTIN_TASKS)} | module:function (a Task, or a reward function "
                     f"(prompts, completions) -> rewards) (default {_D.task})", type=str)

@@ -47,7 +47,9 @@ class TrainConfig:
       Run: ``name`` (``None`` -> ``"<loss_type>-<task><digits>-s<seed>"``), ``output_dir`` (``None`` ->
         ``runs/<name>``), ``seed``, ``steps`` (optimizer steps, one rollout batch each),
         ``save_every`` (checkpoint period in steps; 0 = only at the end), ``resume``, ``plots``,
-        ``progress`` (tqdm bar), ``preset`` (informational).
+        ``progress`` (tqdm bar), ``preset`` (informational), ``mesh`` (``None``: one device; else
+        ``"data=D,model=M"``: the batch split over ``D`` devices and the LM head's vocabulary over ``M``,
+        see `gmpo_jax.train.parallel`).
       Task: ``task`` (``"reverse"``, ``"add"`` or ``"module:function"``), ``digits`` (operand length,
         the task difficulty), ``partial_credit`` (reward per correct answer position),
         ``prompt_task`` (built-in task whose prompts a ``module:function`` reward function scores).
@@ -77,6 +79,7 @@ class TrainConfig:
     plots: bool = True
     progress: bool = True
     preset: str = "cpu"
+    mesh: Optional[str] = None
     # task
     task: str = "reverse"
     digits: int = 6
@@ -140,8 +143,34 @@ class TrainConfig:
         """The configuration as a JSON object (one line)."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
+    def mesh_shape(self) -> Optional[tuple[int, int]]:
+        """``(D, M)`` of ``--mesh data=D,model=M``, checked against the devices and the batch; None
+        without ``--mesh``. Asks JAX for its device count (initialises the backend, compiles nothing).
+
+        Raises:
+          ConfigError: a malformed string, more devices than JAX sees, or ``batch_size % D != 0``.
+        """
+        if self.mesh is None:
+            return None
+        from gmpo_jax.train.parallel import parse_mesh
+
+        try:
+            d, m = parse_mesh(self.mesh)
+        except ValueError as e:
+            raise ConfigError(f"--mesh {e}, got {self.mesh!r}") from None
+        import jax
+
+        n = jax.device_count()
+        if d * m > n:
+            raise ConfigError(
+                f"--mesh data={d},model={m} needs {d * m} devices but JAX sees {n} ({jax.default_backend()}); "
+                f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={d * m} before starting")
+        if self.batch_size % d:
+            raise ConfigError(f"--mesh data={d} must divide --batch-size={self.batch_size}, got {self.mesh!r}")
+        return d, m
+
     def validate(self) -> "TrainConfig":
-        """Check every field with plain Python; no JAX work happens here.
+        """Check every field with plain Python; nothing compiles (``--mesh`` asks JAX for its device count).
 
         Returns:
           ``self``, for chaining.
@@ -209,6 +238,8 @@ class TrainConfig:
         need_float("weight_decay", 0.0)
         need_float("max_grad_norm", 0.0, lo_open=True)
         need_float("adam_b2", 0.0, 1.0)
+        if self.mesh is not None:
+            self.mesh_shape()
         if self.loss_type == "sapo" and (self.epsilon_low is not None or self.epsilon_high is not None):
             raise bad("epsilon_high" if self.epsilon_high is not None else "epsilon_low",
                       "does not apply to --loss-type sapo (it has no clip range)")

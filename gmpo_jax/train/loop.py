@@ -12,6 +12,11 @@ One step of `train`:
    ``optimizer.update`` (AdamW, global-norm clipping, warmup + cosine schedule);
 6. one JSON line of metrics, the progress bar, periodic orbax checkpoints.
 
+With ``--mesh data=D,model=M`` (`gmpo_jax.train.parallel`) the policy and optimizer state are placed on a
+``(D, M)`` mesh (replicated; the LM head split along its vocabulary when ``V % M == 0``), every rollout
+batch is split over ``data``, and steps 4-5 call the fused functions with ``mesh=``, ``data_axis=``,
+``vocab_axis=`` (and ``vocab_size=`` when the head is padded to a multiple of ``M``).
+
 ``metrics.jsonl`` keys, one line per step: ``step``; ``reward_mean`` / ``reward_std`` over the batch;
 ``exact_match`` (fraction of exact answers; NaN for a hook task without answers); ``completion_length``
 (mean unmasked tokens) and ``eos_fraction``; ``loss``, ``kl``, ``clip_fraction``, ``clip_fraction_low``,
@@ -40,6 +45,7 @@ import optax
 from flax import nnx
 
 import gmpo_jax
+from gmpo_jax.train import parallel
 from gmpo_jax.train import rollout as rollout_lib
 from gmpo_jax.train.config import ConfigError, TrainConfig, make_objective
 from gmpo_jax.train.model import Transformer
@@ -58,6 +64,7 @@ class Plan:
       max_completion_length: ``T``.
       vocab_size: ``V`` of the policy (>= the tokenizer's).
       objective: the ``gmpo_jax`` objective (static, hashable).
+      train_mesh: the `parallel.TrainMesh` of ``--mesh`` (static, hashable), or None (one device).
     """
 
     config: TrainConfig
@@ -65,6 +72,7 @@ class Plan:
     max_completion_length: int
     vocab_size: int
     objective: Any
+    train_mesh: Any = None
 
     @property
     def max_len(self) -> int:
@@ -73,7 +81,7 @@ class Plan:
 
 
 def plan(config: TrainConfig) -> Plan:
-    """Validate ``config`` and resolve task, lengths and objective; pure Python, nothing compiles.
+    """Validate ``config`` and resolve task, lengths, objective and mesh; nothing compiles.
 
     Raises:
       ConfigError: one-line message naming the offending ``--option``.
@@ -88,7 +96,9 @@ def plan(config: TrainConfig) -> Plan:
     vocab = config.vocab_size or TOKENIZER.vocab_size
     if vocab < TOKENIZER.vocab_size:
         raise ConfigError(f"--vocab-size must be >= the tokenizer's {TOKENIZER.vocab_size}, got {vocab}")
-    return Plan(config, task, t, vocab, make_objective(config, t))
+    shape = config.mesh_shape()
+    train_mesh = None if shape is None else parallel.make_train_mesh(*shape)
+    return Plan(config, task, t, vocab, make_objective(config, t), train_mesh)
 
 
 def build_model(p: Plan, seed: Optional[int] = None) -> Transformer:
@@ -118,7 +128,8 @@ def make_optimizer(config: TrainConfig, model: Transformer) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def policy_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective, *, temperature: float = 1.0):
+def policy_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective, *, temperature: float = 1.0,
+                train_mesh: Optional[parallel.TrainMesh] = None):
     """The training loss: ``gmpo_jax.fused_linear_policy_loss`` on the policy's completion hidden states.
 
     Args:
@@ -126,21 +137,24 @@ def policy_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective, 
       batch: a `rollout.RolloutBatch` (``N`` completions of ``T`` tokens).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)``.
       temperature: the sampling temperature (log-probs of the distribution that was sampled).
+      train_mesh: None (one device) or the ``--mesh`` `parallel.TrainMesh`: the fused loss runs sharded
+        over its data / vocabulary axes (the head zero-padded to a multiple of ``M``, ``vocab_size=V``).
 
     Returns:
       ``(loss f32[], aux: gmpo_jax.LossAux)``; differentiable with respect to the policy's parameters.
     """
     hidden = rollout_lib.completion_hidden(model, batch.prompt_ids, batch.completion_ids)
     weight, layout = rollout_lib.lm_head(model, hidden.dtype)
+    weight, mesh_kwargs = parallel.fused_head(weight, layout, train_mesh)
     return gmpo_jax.fused_linear_policy_loss(
         hidden, weight, batch.completion_ids, batch.completion_mask, batch.advantages,
         objective=objective, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
-        temperature=temperature, weight_layout=layout)
+        temperature=temperature, weight_layout=layout, **mesh_kwargs)
 
 
-@nnx.jit(static_argnames=("objective", "temperature"))
+@nnx.jit(static_argnames=("objective", "temperature", "train_mesh"))
 def train_step(model: Transformer, optimizer: nnx.Optimizer, batch: rollout_lib.RolloutBatch, objective,
-               temperature: float = 1.0) -> dict:
+               temperature: float = 1.0, train_mesh: Optional[parallel.TrainMesh] = None) -> dict:
     """One optimizer update on ``batch`` (compiled; updates ``model`` and ``optimizer`` in place).
 
     Returns:
@@ -150,7 +164,7 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, batch: rollout_lib.
     """
 
     def loss_fn(m):
-        return policy_loss(m, batch, objective, temperature=temperature)
+        return policy_loss(m, batch, objective, temperature=temperature, train_mesh=train_mesh)
 
     (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
@@ -187,6 +201,9 @@ def _rollout(p: Plan, model, ref_model, step: int):
     prompts = p.task.make_prompts(rng, c.num_prompts)
     prompts = [q for q in prompts for _ in range(c.group_size)]
     prompt_ids = jnp.asarray(TOKENIZER.encode_batch(prompts))
+    tm = p.train_mesh
+    if tm is not None:
+        prompt_ids = tm.put_batch(prompt_ids)
     key = jax.random.fold_in(jax.random.PRNGKey(c.seed), step)
     ids, mask = rollout_lib.sample_completions(
         model, prompt_ids, key, jnp.float32(c.temperature), max_new_tokens=p.max_completion_length,
@@ -196,11 +213,17 @@ def _rollout(p: Plan, model, ref_model, step: int):
     rewards = p.task.rewards(prompts, completions)
     adv = rollout_lib.group_advantages(rewards, c.group_size, scale=c.scale_rewards)
     old = ref = None
+    adv = jnp.asarray(adv)
+    if tm is not None:
+        ids, mask, adv = tm.put_batch((ids, mask, adv))
+    logprob_kw = dict(temperature=float(c.temperature), **({} if tm is None else {"train_mesh": tm}))
     if c.num_iterations > 1:
-        old = rollout_lib.policy_logprobs(model, prompt_ids, ids, mask, temperature=float(c.temperature))
+        old = rollout_lib.policy_logprobs(model, prompt_ids, ids, mask, **logprob_kw)
     if c.beta > 0:
-        ref = rollout_lib.policy_logprobs(ref_model, prompt_ids, ids, mask, temperature=float(c.temperature))
-    batch = rollout_lib.RolloutBatch(prompt_ids, ids, mask, jnp.asarray(adv), old, ref)
+        ref = rollout_lib.policy_logprobs(ref_model, prompt_ids, ids, mask, **logprob_kw)
+    batch = rollout_lib.RolloutBatch(prompt_ids, ids, mask, adv, old, ref)
+    if tm is not None:
+        batch = tm.put_batch(batch)
     mask_np = np.asarray(mask)
     stats = {
         "reward_mean": float(rewards.mean()),
@@ -215,7 +238,8 @@ def _rollout(p: Plan, model, ref_model, step: int):
 
 def _update(p: Plan, model, optimizer, batch) -> dict:
     """Step 5: ``num_iterations`` compiled updates; metrics averaged (ratio range: min / max)."""
-    outs = [train_step(model, optimizer, batch, p.objective, temperature=float(p.config.temperature))
+    kw = {} if p.train_mesh is None else {"train_mesh": p.train_mesh}
+    outs = [train_step(model, optimizer, batch, p.objective, temperature=float(p.config.temperature), **kw)
             for _ in range(p.config.num_iterations)]
     outs = jax.device_get(outs)
     m = {k: float(np.mean([o[k] for o in outs])) for k in _STEP_KEYS_MEAN}
@@ -298,6 +322,12 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
     model = build_model(p)
     ref_model = build_model(p) if c.beta > 0 else None  # frozen copy of the initial policy
     optimizer = make_optimizer(c, model)
+    tm = p.train_mesh
+    if tm is not None:  # before restoring: the checkpoint is read into the placed arrays' shardings
+        layout = "vh" if c.tie_embeddings else "hv"
+        for module in (model, ref_model, optimizer):
+            if module is not None:
+                tm.place_module(module, p.vocab_size, layout)
     ckpt = Checkpointer(ckpt_dir)
     start = 0
     if c.resume and ckpt.latest_step() is not None:
@@ -313,7 +343,8 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
     log(f"{c.run_name}: {c.loss_type} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
         f"{c.n_layers} layers, V={p.vocab_size}, {head}, {c.dtype}) | {c.batch_size} completions/step = "
         f"{c.num_prompts} prompts x {c.group_size}, T={p.max_completion_length}, {c.num_iterations} update(s) "
-        f"per batch | {jax.devices()[0].device_kind} | {c.steps} steps -> {run_dir}/")
+        f"per batch | {jax.devices()[0].device_kind}"
+        f"{'' if tm is None else f' x {tm.data * tm.model}, {tm.describe()}'} | {c.steps} steps -> {run_dir}/")
     schedule = learning_rate_schedule(c)
     tokens_per_step = c.batch_size * p.max_len
     bar = tqdm(total=c.steps, initial=start, desc=c.run_name, unit="step", disable=not c.progress,

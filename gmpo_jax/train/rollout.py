@@ -156,9 +156,9 @@ def lm_head(model, dtype):
     return weight.astype(dtype), layout
 
 
-@nnx.jit(static_argnames=("temperature",))
+@nnx.jit(static_argnames=("temperature", "train_mesh"))
 def policy_logprobs(model, batch_prompt_ids: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array,
-                    temperature: float = 1.0) -> jax.Array:
+                    temperature: float = 1.0, train_mesh=None) -> jax.Array:
     """Per-token log-probs of the completions under ``model`` via ``gmpo_jax.fused_linear_logprobs``.
 
     Used for ``old_logps`` (the behaviour policy, before the first update on a batch) and ``ref_logps``
@@ -168,12 +168,17 @@ def policy_logprobs(model, batch_prompt_ids: jax.Array, completion_ids: jax.Arra
       model: a `Transformer`.
       batch_prompt_ids: ``[N, P]`` int32. completion_ids: ``[N, T]`` int32. completion_mask: ``[N, T]``.
       temperature: the sampling temperature, a Python float (static): log-probs of the sampling distribution.
+      train_mesh: None (one device) or a `gmpo_jax.train.parallel.TrainMesh` (static): the fused call is
+        sharded over its data / vocabulary axes (``--mesh``).
 
     Returns:
       ``[N, T]`` float32, 0 where the mask is False; no gradient is taken through it.
     """
+    from gmpo_jax.train.parallel import fused_head
+
     h = completion_hidden(model, batch_prompt_ids, completion_ids)
     weight, layout = lm_head(model, h.dtype)
+    weight, mesh_kwargs = fused_head(weight, layout, train_mesh)
     logps = gmpo_jax.fused_linear_logprobs(h, weight, completion_ids, completion_mask=completion_mask,
-                                           temperature=temperature, weight_layout=layout)
+                                           temperature=temperature, weight_layout=layout, **mesh_kwargs)
     return jax.lax.stop_gradient(logps)
