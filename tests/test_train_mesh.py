@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import pytest
 
-from gmpo_jax.train import ConfigError, TrainConfig, cli, loop
+from gmpo_jax.train import ConfigError, TrainConfig, cli, loop, parallel
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -62,10 +62,12 @@ def compile_counter():
     ("data=1,data=1", "names the data axis twice"),
     ("data=0,model=1", "axis sizes must be >= 1"),
     ("data=-1", "must look like data=D,model=M"),
-    ("data=2,model=1", "needs 2 devices but JAX sees 1"),  # this process has one device
-    ("data=1,model=4", "needs 4 devices but JAX sees 1"),
+    ("data={n},model=1", "needs {n} devices but JAX sees {have}"),  # n = one more device than JAX has
+    ("data=1,model={n}", "needs {n} devices but JAX sees {have}"),
 ])
 def test_bad_mesh_is_one_line_error_before_compiling(mesh, why, capsys, compile_counter):
+    have = jax.device_count()
+    mesh, why = mesh.format(n=have + 1), why.format(n=have + 1, have=have)
     with pytest.raises(SystemExit) as exc:
         cli.main(["train", "--mesh", mesh])
     assert exc.value.code == 2
@@ -91,9 +93,19 @@ def test_mesh_option_parsed_and_in_help(capsys):
     assert "--mesh" in out and "data=D,model=M" in out
 
 
+def test_mesh_1x1_calls_the_single_device_program():
+    """``data=1,model=1``: a one-device mesh, and the fused functions get no mesh arguments (and no pad)."""
+    tm = parallel.make_train_mesh(1, 1)
+    assert (tm.data_axis, tm.vocab_axis, tuple(tm.mesh.axis_names)) == (None, None, ("data", "model"))
+    w = jax.numpy.ones((4, 15))
+    assert parallel.fused_head(w, "hv", tm) == (w, {}) and parallel.fused_head(w, "hv", None) == (w, {})
+    assert parallel.parse_mesh("data=1,model=1") == (1, 1) and parallel.parse_mesh("model=1") == (1, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # sharded training on 8 simulated CPU devices
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compares with a CPU child process; run on CPU")
 def test_mesh_training_matches_single_device(tmp_path):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -101,11 +113,8 @@ def test_mesh_training_matches_single_device(tmp_path):
     proc = subprocess.Popen([sys.executable, str(HERE / "train_mesh_cases.py"), str(tmp_path / "mesh")],
                             cwd=HERE.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:  # the single-device reference, on this process's device while the child compiles its meshes
-        cfg = TrainConfig(**train_mesh_cases.TINY)
-        base = loop.train(cfg.replace(output_dir=str(tmp_path / "single")), log=lambda s: None).history
-        # data=1,model=1: placed on a one-device mesh, fused calls without mesh arguments: same numbers
-        one = loop.train(cfg.replace(output_dir=str(tmp_path / "1x1"), mesh="data=1,model=1", steps=1),
-                         log=lambda s: None).history
+        cfg = TrainConfig(**train_mesh_cases.TINY, output_dir=str(tmp_path / "single"))
+        base = loop.train(cfg, log=lambda s: None).history
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -115,8 +124,6 @@ def test_mesh_training_matches_single_device(tmp_path):
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1]
     result = json.loads(line[len("RESULT "):])
 
-    for k in _METRICS + _SAMPLES:
-        np.testing.assert_allclose(one[0][k], base[0][k], rtol=1e-6, atol=1e-7, err_msg=f"data=1,model=1 {k}")
     assert set(result["runs"]) == {"data=2,model=2", "data=4,model=1"}
     for mesh, run in result["runs"].items():
         hist = run["history"]

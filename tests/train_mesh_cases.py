@@ -21,8 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gmpo_jax.train import TrainConfig, loop, parallel, rollout
-from gmpo_jax.train.tasks import TOKENIZER
+from gmpo_jax.train import TrainConfig, loop, parallel
 
 # the tiny configuration of tests/test_train.py (beta > 0 and num_iterations > 1: the sharded fused log-probs,
 # old and reference, and the sharded fused loss all run) with a tied head of V = 16 = 8 x M: on model=2 the
