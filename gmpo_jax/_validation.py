@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,12 +17,24 @@ def _shape(x) -> tuple:
     return tuple(np.shape(x))
 
 
-def _dtype(x):
+def _dtype(x, name: str = "argument"):
+    if not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray), got {type(x).__name__}: {x!r:.80}")
     return jnp.result_type(x)
 
 
+def _concrete(x):
+    """``x`` as a NumPy array if its value is known at trace time (not a tracer), else None."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def require_float(name: str, x) -> None:
-    if not jnp.issubdtype(_dtype(x), jnp.floating):
+    if not jnp.issubdtype(_dtype(x, name), jnp.floating):
         raise TypeError(f"{name} must have a floating dtype (bf16 / f16 / f32), got {name}.dtype={_dtype(x)}")
 
 
@@ -38,12 +51,11 @@ def require_rank(name: str, x, rank: int, what: str) -> None:
 def check_temperature(temperature) -> None:
     if isinstance(temperature, bool) or not (isinstance(temperature, numbers.Real) or hasattr(temperature, "shape")):
         raise TypeError(f"temperature must be a positive float or a float scalar array, got {temperature!r}")
-    if isinstance(temperature, numbers.Real) and not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got temperature={temperature!r}")
     if hasattr(temperature, "shape") and _shape(temperature) != ():
         raise ValueError(f"temperature must be a scalar, got temperature.shape={_shape(temperature)}")
-    if isinstance(temperature, (np.ndarray, np.generic)) and not float(temperature) > 0:
-        raise ValueError(f"temperature must be > 0, got temperature={float(temperature)!r}")
+    value = _concrete(temperature)
+    if value is not None and not float(value) > 0:  # NaN fails too
+        raise ValueError(f"temperature must be > 0, got temperature={float(value)!r}")
 
 
 def check_chunk_size(chunk_size) -> None:
@@ -99,15 +111,22 @@ def check_lm_head(hidden, weight, bias, weight_layout, *, prefix: str = "") -> t
 
 def check_ids(ids, B: int, T: int, name: str = "completion_ids") -> None:
     require_shape(name, ids, (B, T), "[B, T]")
-    if not jnp.issubdtype(_dtype(ids), jnp.integer):
+    if not jnp.issubdtype(_dtype(ids, name), jnp.integer):
         raise TypeError(f"{name} must have an integer dtype (int32), got {name}.dtype={_dtype(ids)}")
 
 
 def check_mask(mask, B: int, T: int) -> None:
     require_shape("completion_mask", mask, (B, T), "[B, T]")
-    dt = _dtype(mask)
+    dt = _dtype(mask, "completion_mask")
     if not (dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)):
         raise TypeError(f"completion_mask must be bool or {{0, 1}} numbers, got completion_mask.dtype={dt}")
+    if dt != jnp.bool_:
+        # a weighted mask (e.g. 0.5) would silently count as 1; a traced mask cannot be checked (documented)
+        value = _concrete(mask)
+        if value is not None and not np.all((value == 0) | (value == 1)):
+            bad = value[(value != 0) & (value != 1)].ravel()[:3].tolist()
+            raise ValueError(f"completion_mask must hold only 0 and 1 (it selects tokens, it does not weight "
+                             f"them), got values such as {bad}")
 
 
 def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, advantages, objective, old_logps,
@@ -119,6 +138,7 @@ def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, adva
     B, T, H, V = check_lm_head(hidden, weight, bias, weight_layout)
     check_ids(completion_ids, B, T)
     check_mask(completion_mask, B, T)
+    _dtype(advantages, "advantages")
     require_shape("advantages", advantages, (B,), "[B]")
     require_float("advantages", advantages)
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):

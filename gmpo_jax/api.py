@@ -30,7 +30,9 @@ class LossAux(NamedTuple):
       clip_fraction_low: the low-clipped part of ``clip_fraction``.
       clip_fraction_high: the high-clipped part of ``clip_fraction``.
       loss_numerator: the loss before normalisation; ``loss == loss_numerator / loss_denominator``.
-        Sum numerators and denominators over micro-batches to re-normalise exactly.
+        Sum numerators and denominators over micro-batches to re-normalise exactly. Like every field
+        here it carries no gradient: to train on a re-normalised loss, differentiate
+        ``loss * loss_denominator / global_denominator`` (``loss`` does carry the gradient).
       loss_denominator: the loss type's normaliser for this call (``B`` for grpo / sapo / gmpo, the token
         count for bnpo / dapo / cispo, ``B * max_completion_length`` for dr_grpo).
       log_ratio_min: smallest unmasked token log importance ratio ``logp - old`` (0 if all masked).
@@ -76,6 +78,16 @@ def _plan_kwargs(plan) -> dict:
 def _as_mask(completion_mask) -> jax.Array:
     m = jnp.asarray(completion_mask)
     return m if m.dtype == jnp.bool_ else m != 0
+
+
+def _as_ids(completion_ids) -> jax.Array:
+    """int32 ids; a wider id outside the int32 range becomes -1 (out of range: NaN if unmasked) rather
+    than wrapping around onto a valid id."""
+    ids = jnp.asarray(completion_ids)
+    if jnp.iinfo(ids.dtype).bits > 32:
+        info = jnp.iinfo(jnp.int32)
+        ids = jnp.where((ids < info.min) | (ids > info.max), -1, ids)
+    return ids.astype(jnp.int32)
 
 
 def _f32(x):
@@ -177,10 +189,20 @@ def fused_linear_policy_loss(
     Returns:
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars.
 
+    Gradients and what cannot be checked under ``jit``: only ``hidden``, ``weight`` and ``bias`` receive
+    gradients (``temperature``, advantages, old / reference log-probs, the IS ratio and the objective's
+    hyper-parameters are treated as data: zero cotangent). A traced ``completion_mask`` is taken as
+    ``!= 0`` (a concrete one must hold only 0 and 1), a traced ``temperature`` is not checked for
+    ``> 0``, and an unmasked out-of-range id gives NaN. Hidden states at masked positions must be finite
+    (their ids are ignored, but ``0 * NaN`` in the weight gradient is still NaN). With ``mesh=``, take
+    gradients under ``jax.jit`` or inside ``jax.set_mesh(mesh)`` (JAX needs the mesh context to build the
+    cotangent of a mesh-sharded scalar).
+
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids, a non-objective.
       ValueError: inconsistent shapes (named), ``weight`` not ``[H, V]`` / ``[V, H]`` as declared,
-        ``temperature <= 0``, ``chunk_size < 1``, a Python-float ``beta != 0`` without a reference, both
+        ``temperature <= 0``, ``chunk_size < 1``, a concrete ``beta != 0`` without a reference, a concrete
+        mask with values other than 0 / 1, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
       UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
@@ -206,7 +228,7 @@ def fused_linear_policy_loss(
     V_.check_vocab_size(vocab_size, V)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     mask = _as_mask(completion_mask)
-    ids = jnp.asarray(completion_ids).astype(jnp.int32)
+    ids = _as_ids(completion_ids)
     f32 = _f32
     ris = _rollout_is_ratio(objective, rollout_is_ratio)
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -283,7 +305,7 @@ def fused_linear_logprobs(
     V_.check_chunk_size(chunk_size)
     V_.check_vocab_size(vocab_size, V)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
-    ids = jnp.asarray(completion_ids).astype(jnp.int32)
+    ids = _as_ids(completion_ids)
     ids, bias = sharding.mask_padded_vocab(ids, bias, V, vocab_size)
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
     args = (hidden, weight, bias, ids, mask, jnp.asarray(temperature, jnp.float32))

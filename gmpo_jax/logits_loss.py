@@ -37,7 +37,7 @@ from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
 from gmpo_jax import logits_backends
-from gmpo_jax.api import LossAux, _as_mask, _f32, _rollout_is_ratio
+from gmpo_jax.api import LossAux, _as_ids, _as_mask, _f32, _rollout_is_ratio
 from gmpo_jax.objectives import ChunkData, Objective, finalize_metrics
 
 __all__ = ["policy_loss_from_logits"]
@@ -192,7 +192,7 @@ def policy_loss_from_logits(
 
     Raises:
       TypeError: non-floating logits / advantages / log-probs, non-integer ids, a non-objective.
-      ValueError: inconsistent shapes (named), ``temperature <= 0``, a Python-float ``beta != 0``
+      ValueError: inconsistent shapes (named), ``temperature <= 0``, a concrete ``beta != 0``
         without ``ref_logps``, an unknown ``implementation``.
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, float32 logits, or a row of
@@ -217,7 +217,7 @@ def policy_loss_from_logits(
         objective=objective, old_logps=old_logps, ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
         num_items_in_batch=num_items_in_batch, temperature=temperature)
     mask = _as_mask(completion_mask)
-    ids = jnp.asarray(completion_ids).astype(jnp.int32)
+    ids = _as_ids(completion_ids)
     f32 = _f32
     ris = _rollout_is_ratio(objective, rollout_is_ratio)
     logits = jnp.asarray(logits)

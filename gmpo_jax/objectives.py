@@ -26,10 +26,12 @@ MiniMax-M1, arXiv 2506.13585 (CISPO); Gao et al., arXiv 2511.20347 (SAPO).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Scalar = Union[float, jax.Array]
 
@@ -84,13 +86,36 @@ class MetricSums(NamedTuple):
         )
 
 
-def _is_concrete_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _concrete_value(x: Any) -> Optional[float]:
+    """The value of a concrete scalar hyper-parameter (Python / NumPy number, or a JAX scalar that is not
+    being traced); None for tracers and anything else (e.g. the None leaves of a ``jax.tree.map``)."""
+    if isinstance(x, bool) or isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, numbers.Real):
+        return float(x)
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)) and np.shape(x) == ():
+        try:
+            return float(x)
+        except (TypeError, jax.errors.ConcretizationTypeError):
+            return None
+    return None
+
+
+def _check_type(name: str, value: Any) -> None:
+    if isinstance(value, (str, bool)) or (hasattr(value, "shape") and np.shape(value) != ()):
+        raise TypeError(f"{name} must be a real scalar (Python float or a JAX / NumPy scalar), got {name}={value!r}")
 
 
 def _check_nonneg(name: str, value: Any) -> None:
-    if _is_concrete_number(value) and not value >= 0:
+    _check_type(name, value)
+    v = _concrete_value(value)
+    if v is not None and not v >= 0:
         raise ValueError(f"{name} must be >= 0, got {name}={value!r}")
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
 
 
 def _check_token_level(cls_name: str, level: Any) -> None:
@@ -102,7 +127,9 @@ def _check_token_level(cls_name: str, level: Any) -> None:
 
 
 def _check_pos(name: str, value: Any) -> None:
-    if _is_concrete_number(value) and not value > 0:
+    _check_type(name, value)
+    v = _concrete_value(value)
+    if v is not None and not v > 0:
         raise ValueError(f"{name} must be > 0, got {name}={value!r}")
 
 
@@ -144,12 +171,12 @@ class Objective:
     # --- shared ---------------------------------------------------------------------------
     @property
     def requires_reference(self) -> bool:
-        """True iff ``beta`` is a non-zero Python number: then a reference must be given at call time.
+        """True iff ``beta`` is a concrete non-zero number: then a reference must be given at call time.
 
         Whether the KL term exists is decided by whether a reference is given, never by a traced value.
         """
-        beta = getattr(self, "beta", 0.0)
-        return _is_concrete_number(beta) and beta != 0
+        v = _concrete_value(getattr(self, "beta", 0.0))
+        return v is not None and v != 0
 
     def _kl_term(self, logp, data: ChunkData, log_weight) -> Optional[jax.Array]:
         """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``.
@@ -159,9 +186,10 @@ class Objective:
         ``exp(ref - logp)`` cannot turn into ``0 * inf``.
         """
         beta = getattr(self, "beta", 0.0)
-        if data.ref_logps is None or (_is_concrete_number(beta) and beta == 0):
+        v = _concrete_value(beta)
+        if data.ref_logps is None or v == 0:
             return None
-        live = data.mask if _is_concrete_number(beta) else data.mask & (jnp.asarray(beta) != 0)
+        live = data.mask if v is not None else data.mask & (jnp.asarray(beta) != 0)
         kl = _k3_kl(logp, data.ref_logps, live)
         if getattr(self, "use_bias_correction_kl", False):
             kl = kl * jnp.exp(jnp.where(live, log_weight, 0.0))
@@ -216,6 +244,7 @@ class GMPO(Objective):
 
     def __post_init__(self):
         _check_token_level("GMPO", self.importance_sampling_level)
+        _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_nonneg("epsilon_low", self.epsilon_low)
         _check_nonneg("epsilon_high", self.epsilon_high)
         _check_nonneg("beta", self.beta)
@@ -387,8 +416,12 @@ class GRPO(Objective):
         _check_nonneg("beta", self.beta)
         if self.delta is not None:
             _check_pos("delta", self.delta)
-        if self.loss_type == "dr_grpo":
+        _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
+        mcl = self.max_completion_length
+        if isinstance(mcl, numbers.Integral) and not isinstance(mcl, (bool, np.bool_)):
+            object.__setattr__(self, "max_completion_length", int(mcl))  # static: a plain, hashable int
             mcl = self.max_completion_length
+        if self.loss_type == "dr_grpo":
             if not (isinstance(mcl, int) and not isinstance(mcl, bool) and mcl > 0):
                 raise ValueError(
                     "loss_type='dr_grpo' requires max_completion_length, a positive int, "
@@ -472,6 +505,7 @@ class CISPO(Objective):
 
     def __post_init__(self):
         _check_token_level("CISPO", self.importance_sampling_level)
+        _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_nonneg("epsilon_high", self.epsilon_high)
         _check_nonneg("beta", self.beta)
 
@@ -530,6 +564,7 @@ class SAPO(Objective):
 
     def __post_init__(self):
         _check_token_level("SAPO", self.importance_sampling_level)
+        _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_pos("temperature_pos", self.temperature_pos)
         _check_pos("temperature_neg", self.temperature_neg)
         _check_nonneg("beta", self.beta)

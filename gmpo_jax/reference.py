@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax import _validation as V_
-from gmpo_jax.api import LossAux, _as_mask, _f32, _rollout_is_ratio
+from gmpo_jax.api import LossAux, _as_ids, _as_mask, _f32, _rollout_is_ratio
 from gmpo_jax.objectives import ChunkData, Objective, finalize_metrics
 
 __all__ = ["logits", "logprobs", "policy_loss"]
@@ -39,7 +39,7 @@ def logprobs(hidden, weight, completion_ids, *, completion_mask=None, bias=None,
     B, T, H, V = V_.check_lm_head(hidden, weight, bias, weight_layout)
     V_.check_ids(completion_ids, B, T)
     mask = jnp.ones((B, T), bool) if completion_mask is None else _as_mask(completion_mask)
-    ids = jnp.where(mask, jnp.asarray(completion_ids).astype(jnp.int32), 0)
+    ids = jnp.where(mask, _as_ids(completion_ids), 0)
     z = logits(hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast)
     logp_all = jax.nn.log_softmax(z, axis=-1)
     logp = jnp.take_along_axis(logp_all, jnp.clip(ids, 0, V - 1)[..., None], axis=-1)[..., 0]
@@ -67,7 +67,7 @@ def policy_loss(hidden, weight, completion_ids, completion_mask, advantages, *, 
             ref_hidden, ref_weight, completion_ids, completion_mask=mask, bias=ref_bias,
             temperature=temperature, weight_layout=weight_layout, upcast=upcast))
     # masked positions: id 0 (any id is allowed there); unmasked out-of-range ids give NaN
-    ids = jnp.asarray(completion_ids).astype(jnp.int32)
+    ids = _as_ids(completion_ids)
     z = logits(hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast)
     logp_all = jax.nn.log_softmax(z, axis=-1)
     safe = jnp.where(mask, ids, 0)

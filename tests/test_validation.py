@@ -248,3 +248,57 @@ def test_logprobs_validation(exc, name, override):
     h, w, ids = a.pop("hidden"), a.pop("weight"), a.pop("completion_ids")
     with pytest.raises(exc, match=name):
         gmpo_jax.fused_linear_logprobs(h, w, ids, **a)
+
+
+# --------------------------------------------------------------------------------------------------
+# Concrete non-Python values are checked like Python numbers (found by the fresh-user review)
+# --------------------------------------------------------------------------------------------------
+def _tiny():
+    k = jax.random.split(jax.random.key(5), 2)
+    h = jax.random.normal(k[0], (2, 3, 4))
+    w = jax.random.normal(k[1], (4, 5))
+    return h, w, jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 3)), jnp.array([1.0, -1.0])
+
+
+@pytest.mark.parametrize("beta", [np.float32(5.0), jnp.array(5.0)], ids=["numpy", "jax"])
+def test_concrete_array_beta_without_reference_raises(beta):
+    h, w, ids, m, adv = _tiny()
+    with pytest.raises(ValueError, match="beta"):
+        gmpo_jax.fused_linear_policy_loss(h, w, ids, m, adv, objective=gmpo_jax.GRPO(beta=beta))
+
+
+@pytest.mark.parametrize("temperature", [jnp.array(-1.0), jnp.array(0.0), np.float32(np.nan)], ids=str)
+def test_concrete_array_temperature_must_be_positive(temperature):
+    h, w, ids, m, adv = _tiny()
+    with pytest.raises(ValueError, match="temperature"):
+        gmpo_jax.fused_linear_policy_loss(h, w, ids, m, adv, objective=gmpo_jax.GMPO(), temperature=temperature)
+
+
+def test_weighted_mask_is_rejected_when_concrete():
+    h, w, ids, _, adv = _tiny()
+    with pytest.raises(ValueError, match="completion_mask"):
+        gmpo_jax.fused_linear_policy_loss(h, w, ids, jnp.full((2, 3), 0.5), adv, objective=gmpo_jax.GMPO())
+
+
+def test_non_array_and_non_backend_arguments_are_named():
+    h, w, ids, m, adv = _tiny()
+    with pytest.raises(TypeError, match="advantages"):
+        gmpo_jax.fused_linear_policy_loss(h, w, ids, m, [1.0, -1.0], objective=gmpo_jax.GMPO())
+    with pytest.raises(TypeError, match="implementation"):
+        gmpo_jax.fused_linear_policy_loss(h, w, ids, m, adv, objective=gmpo_jax.GMPO(), implementation=123)
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    (dict(epsilon_low="0.4"), TypeError, "epsilon_low"),
+    (dict(epsilon_low=np.float32(-0.1)), ValueError, "epsilon_low"),
+    (dict(beta=jnp.array(-1.0)), ValueError, "beta"),
+    (dict(use_bias_correction_kl="no"), TypeError, "use_bias_correction_kl"),
+], ids=["string", "numpy-negative", "jax-negative", "flag-string"])
+def test_objective_hyper_parameter_types(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        gmpo_jax.GMPO(**kwargs)
+
+
+def test_numpy_integer_max_completion_length_is_accepted_as_int():
+    obj = gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=np.int64(5))
+    assert obj.max_completion_length == 5 and type(obj.max_completion_length) is int

@@ -102,6 +102,9 @@ def dispatch(implementation, registry: dict[str, str], what: str, **config):
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested backend cannot serve.
     """
     if implementation is not None and not isinstance(implementation, str):
+        if not callable(getattr(implementation, "check_supported", None)):
+            raise TypeError(f"implementation must be None, a name in {tuple(registry)} or a backend instance, "
+                            f"got implementation={implementation!r}")
         implementation.check_supported(**config)
         logger.info("gmpo_jax: %s implementation=%r (explicit instance)", what, implementation)
         return implementation
