@@ -75,6 +75,14 @@ def n_iters(first_s: float, min_iters: int, min_time_s: float, max_iters: int = 
     return max(min_iters, min(max_iters, int(min_time_s / first_s) + 1))
 
 
+def throughput(cfg, mode: str, median_ms: float) -> dict[str, float]:
+    """The achieved rate of a timed call: TFLOP/s of the LM-head model flops, or GB/s of the floor bytes."""
+    seconds = median_ms * 1e-3
+    if cfg.kind == "lm_head":
+        return {"tflops": round(cfg.model_flops(mode) / seconds / 1e12, 2)}
+    return {"gbps": round(cfg.floor_bytes(mode) / seconds / 1e9, 1)}
+
+
 def classify_error(exc: BaseException) -> str:
     """'oom' for allocation failures (XLA RESOURCE_EXHAUSTED, CUDA OOM), 'unsupported' for a backend's
     typed refusal (UnsupportedConfigError is a NotImplementedError), else 'error'."""

@@ -447,10 +447,7 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
             rec["peak_gib_cumulative"] = _common.gib(peak)
             rec.update(time_pipelined(f, args, stats["median_ms"]))
             rec["status"] = "ok" if stats.get("finite", True) else "nonfinite"
-            if cfg.kind == "lm_head":
-                rec["tflops"] = round(cfg.model_flops(mode) / (stats["median_ms"] * 1e-3) / 1e12, 2)
-            else:
-                rec["gbps"] = round(cfg.floor_bytes(mode) / (stats["median_ms"] * 1e-3) / 1e9, 1)
+            rec.update(_common.throughput(cfg, mode, stats["median_ms"]))
         except Exception as exc:  # noqa: BLE001
             rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
         del f

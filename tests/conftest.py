@@ -445,3 +445,20 @@ def check_against_spec(loss, aux, grads, ref: spec.SpecResult, case: Case, obj: 
         assert_grad_close(np.asarray(dw), ref.dweight, dtype, "dweight", grad_rtol)
         if case.bias is not None:
             assert_grad_close(np.asarray(db), ref.dbias, dtype, "dbias", grad_rtol)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by the training tests: configuration errors must stop before anything compiles
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture
+def compile_counter():
+    """Counts XLA backend compilations while the test body runs."""
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if "backend_compile" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    jax.monitoring.unregister_event_duration_listener(listener)

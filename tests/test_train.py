@@ -34,20 +34,6 @@ _TINY = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, batch_size=16, group_si
 # ---------------------------------------------------------------------------------------------
 # configuration errors: one line naming the option, nothing compiled
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def compile_counter():
-    """Counts XLA backend compilations while the test body runs."""
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if "backend_compile" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield events
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize("argv, option", [
     (["--group-size", "1"], "--group-size"),
     (["--batch-size", "100", "--group-size", "8"], "--batch-size"),

@@ -41,19 +41,6 @@ _SAMPLES = ("reward_mean", "reward_std", "completion_length", "exact_match", "eo
 # ---------------------------------------------------------------------------------------------
 # validation: one line naming --mesh, before anything compiles
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def compile_counter():
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if "backend_compile" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield events
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize("mesh, why", [
     ("data=2x", "must look like data=D,model=M"),
     ("2,2", "must look like data=D,model=M"),

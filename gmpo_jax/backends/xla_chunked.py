@@ -57,6 +57,21 @@ def _block_start(j, size, V):
     return jnp.minimum(nominal, V - size), nominal
 
 
+def _vocab_block(j, hidden, weight, bias, temperature, *, size, V, layout, precision):
+    """Logits of vocabulary block ``j``: ``(start, w_blk, z [R, size] f32, cols [size], fresh [size])``.
+
+    The last block slides back to end at ``V``; its columns already seen by the previous block are not
+    ``fresh`` and their logits are ``-inf`` (no sum-exp mass, zero probability, zero gradient).
+    """
+    start, nominal = _block_start(j, size, V)
+    w_blk = _weight_block(weight, start, size, layout)
+    b_blk = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
+    z = _block_logits(hidden, w_blk, b_blk, temperature, layout, precision)
+    cols = start + jnp.arange(size, dtype=jnp.int32)
+    fresh = cols >= nominal
+    return start, w_blk, jnp.where(fresh[None, :], z, -jnp.inf), cols, fresh
+
+
 @dataclasses.dataclass(frozen=True)
 class XlaChunkedBackend:
     """Portable backend; ``vocab_block=None`` takes the tuning table's value for the call's shape."""
@@ -76,17 +91,11 @@ class XlaChunkedBackend:
         V = weight.shape[1] if weight_layout == "hv" else weight.shape[0]
         size, n = _blocks(V, self._vocab_block(R, V))
         prec = _precision(hidden.dtype, weight.dtype)
-        cols0 = jnp.arange(size, dtype=jnp.int32)
 
         def body(carry, j):
             m, s, tgt = carry
-            start, nominal = _block_start(j, size, V)
-            w_blk = _weight_block(weight, start, size, weight_layout)
-            b_blk = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
-            z = _block_logits(hidden, w_blk, b_blk, temperature, weight_layout, prec)
-            cols = start + cols0
-            fresh = cols >= nominal
-            z = jnp.where(fresh[None, :], z, -jnp.inf)
+            _, _, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
+                                                layout=weight_layout, precision=prec)
             m_new = jnp.maximum(m, jnp.max(z, axis=1))
             # every column so far -inf (a vocabulary shard of padding only): keep s = 0, lse = -inf, not NaN
             m_ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -109,20 +118,15 @@ class XlaChunkedBackend:
         size, n = _blocks(V, self._vocab_block(R, V))
         prec = _precision(hidden.dtype, weight.dtype)
         cdt = jnp.result_type(hidden.dtype, weight.dtype)
-        cols0 = jnp.arange(size, dtype=jnp.int32)
         axis = 1 if weight_layout == "hv" else 0
         scale = (dlogp / temperature)[:, None]
 
         def body(carry, j):
             dh, dw, db = carry
-            start, nominal = _block_start(j, size, V)
-            w_blk = _weight_block(weight, start, size, weight_layout)
-            b_blk = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
-            z = _block_logits(hidden, w_blk, b_blk, temperature, weight_layout, prec)
-            cols = start + cols0
-            fresh = (cols >= nominal)[None, :]
-            p = jnp.where(fresh, jnp.exp(z - lse[:, None]), 0.0)
-            onehot = ((cols[None, :] == ids[:, None]) & fresh).astype(jnp.float32)
+            start, w_blk, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
+                                                        layout=weight_layout, precision=prec)
+            p = jnp.where(fresh[None, :], jnp.exp(z - lse[:, None]), 0.0)
+            onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
             dz_c = dz.astype(cdt)
             if weight_layout == "hv":  # dh += dz W_b^T ; dW_b = h^T dz  ([H, size])
