@@ -17,6 +17,7 @@ Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/K
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -69,11 +70,13 @@ def _num_sms(interpret: bool) -> int:
 class MosaicGpuBackend:
   """Pallas Mosaic GPU kernels; ``interpret=True`` runs them in the interpreter (CPU tests).
 
-  workspace_bytes bounds the ``[rows, window]`` 16-bit ``dz`` buffer of the gradient pass.
+  workspace_bytes bounds one ``[rows, window]`` 16-bit ``dz`` buffer of the gradient pass;
+  windows_in_flight bounds how many of them are alive at once (0: no bound, XLA schedules them).
   """
 
   interpret: bool = False
   workspace_bytes: int = 256 * 2**20
+  windows_in_flight: int = 1
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
@@ -150,7 +153,15 @@ class MosaicGpuBackend:
       window_tiles = max(1, min(n_tiles, self.workspace_bytes // (Rp * bn * hp.dtype.itemsize)))
       num_sms = _num_sms(self.interpret)
       dh = jnp.zeros((Rp, H), jnp.float32)
+      in_flight = collections.deque()  # per window: the values that consume its dz
       for first in range(0, n_tiles, window_tiles):
+        if self.windows_in_flight and len(in_flight) == self.windows_in_flight:
+          # At most `windows_in_flight` dz buffers live: this window's kernel inputs pass through a
+          # barrier with the consumers (dh / dW GEMM outputs) of the window that many steps back.
+          # Without it XLA may hoist every window's dz kernel (each depends only on the inputs) and
+          # keep all dz buffers alive at once. The accumulators never pass through it (no copies).
+          hp, weight, bias_p, ids_p, scale, lse2, coef, _ = lax.optimization_barrier(
+              (hp, weight, bias_p, ids_p, scale, lse2, coef, in_flight.popleft()))
         wt = min(window_tiles, n_tiles - first)
         v0 = first * bn
         v1 = min(V, v0 + wt * bn)
@@ -161,31 +172,20 @@ class MosaicGpuBackend:
                             interpret=self._interpret_params())
         if v1 - v0 != wt * bn:
           dz = dz[:, : v1 - v0]
-        if weight_layout == "hv":
-          w_blk = lax.slice_in_dim(weight, v0, v1, axis=1)            # [H, w]
-          dh = dh + lax.dot_general(dz, w_blk, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-          dw_blk = lax.dot_general(hp, dz, (((0,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)  # [H, w]
-          dw_acc = lax.dynamic_update_slice_in_dim(
-              dw_acc, lax.slice_in_dim(dw_acc, v0, v1, axis=1) + dw_blk, v0, axis=1)
-        else:
-          w_blk = lax.slice_in_dim(weight, v0, v1, axis=0)            # [w, H]
-          dh = dh + lax.dot_general(dz, w_blk, (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-          dw_blk = lax.dot_general(dz, hp, (((0,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)  # [w, H]
-          dw_acc = lax.dynamic_update_slice_in_dim(
-              dw_acc, lax.slice_in_dim(dw_acc, v0, v1, axis=0) + dw_blk, v0, axis=0)
+        axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
+        w_blk = lax.slice_in_dim(weight, v0, v1, axis=axis)            # [H, w] / [w, H]
+        dh_blk = lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [Rp, H]
+        a, b = (hp, dz) if axis == 1 else (dz, hp)                     # dW block in the weight's layout
+        dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        db_blk = None if db_acc is None else jnp.sum(dz.astype(jnp.float32), axis=0)
+        in_flight.append((dh_blk, dw_blk, db_blk))
+        dh = dh + dh_blk
+        dw_acc = lax.dynamic_update_slice_in_dim(
+            dw_acc, lax.slice_in_dim(dw_acc, v0, v1, axis=axis) + dw_blk, v0, axis=axis)
         if db_acc is not None:
-          db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
           db_acc = lax.dynamic_update_slice_in_dim(
               db_acc, lax.slice_in_dim(db_acc, v0, v1) + db_blk, v0, axis=0)
-        # One window live at a time: every input of the next window's kernel and weight slice passes
-        # through a barrier that waits for this window's accumulators. Without it XLA may hoist all
-        # windows' dz kernels (they depend only on the inputs) and keep many dz buffers alive at once.
-        hp, weight, bias_p, ids_p, scale, lse2, coef, dh, dw_acc, db_acc = lax.optimization_barrier(
-            (hp, weight, bias_p, ids_p, scale, lse2, coef, dh, dw_acc, db_acc))
       dhidden = dh[:R].astype(hidden.dtype)
     return dhidden, dw_acc, db_acc
 
