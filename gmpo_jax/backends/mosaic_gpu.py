@@ -77,6 +77,7 @@ class MosaicGpuBackend:
   interpret: bool = False
   workspace_bytes: int = 256 * 2**20
   windows_in_flight: int = 1
+  _tie: str = "slice"
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
@@ -160,8 +161,13 @@ class MosaicGpuBackend:
           # barrier with the consumers (dh / dW GEMM outputs) of the window that many steps back.
           # Without it XLA may hoist every window's dz kernel (each depends only on the inputs) and
           # keep all dz buffers alive at once. The accumulators never pass through it (no copies).
-          hp, weight, bias_p, ids_p, scale, lse2, coef, _ = lax.optimization_barrier(
-              (hp, weight, bias_p, ids_p, scale, lse2, coef, in_flight.popleft()))
+          tie = in_flight.popleft()
+          if self._tie == "acc":
+            hp, weight, bias_p, ids_p, scale, lse2, coef, (dh, dw_acc, db_acc) = lax.optimization_barrier(
+                (hp, weight, bias_p, ids_p, scale, lse2, coef, (dh, dw_acc, db_acc)))
+          else:
+            hp, weight, bias_p, ids_p, scale, lse2, coef, _ = lax.optimization_barrier(
+                (hp, weight, bias_p, ids_p, scale, lse2, coef, tie))
         wt = min(window_tiles, n_tiles - first)
         v0 = first * bn
         v1 = min(V, v0 + wt * bn)
@@ -179,13 +185,17 @@ class MosaicGpuBackend:
         a, b = (hp, dz) if axis == 1 else (dz, hp)                     # dW block in the weight's layout
         dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         db_blk = None if db_acc is None else jnp.sum(dz.astype(jnp.float32), axis=0)
-        in_flight.append((dh_blk, dw_blk, db_blk))
         dh = dh + dh_blk
         dw_acc = lax.dynamic_update_slice_in_dim(
             dw_acc, lax.slice_in_dim(dw_acc, v0, v1, axis=axis) + dw_blk, v0, axis=axis)
         if db_acc is not None:
           db_acc = lax.dynamic_update_slice_in_dim(
               db_acc, lax.slice_in_dim(db_acc, v0, v1) + db_blk, v0, axis=0)
+        if self._tie == "blk":
+          in_flight.append((dh_blk, dw_blk, db_blk))
+        else:
+          in_flight.append((dh, _straddle(dw_acc, v0, v1, axis),
+                            None if db_acc is None else _straddle(db_acc, v0, v1, 0)))
       dhidden = dh[:R].astype(hidden.dtype)
     return dhidden, dw_acc, db_acc
 
@@ -195,6 +205,15 @@ class MosaicGpuBackend:
       return None
     from gmpo_jax.kernels._compat import interpret_params
     return interpret_params()
+
+
+def _straddle(acc, v0, v1, axis):
+  """A 2-wide slice of ``acc`` across the edge of the just-updated block ``[v0, v1)``: it depends on the
+  update, and XLA cannot simplify it into a slice of the update alone (so the update must be done)."""
+  n = acc.shape[axis]
+  lo = v1 - 1 if v1 < n else v0 - 1
+  lo = max(lo, 0)
+  return lax.slice_in_dim(acc, lo, min(lo + 2, n), axis=axis)
 
 
 def _vocab(weight, weight_layout):
