@@ -17,7 +17,6 @@ Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/K
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import jax
@@ -70,13 +69,11 @@ def _num_sms(interpret: bool) -> int:
 class MosaicGpuBackend:
   """Pallas Mosaic GPU kernels; ``interpret=True`` runs them in the interpreter (CPU tests).
 
-  workspace_bytes bounds one ``[rows, window]`` 16-bit ``dz`` buffer of the gradient pass;
-  windows_in_flight bounds how many of them are alive at once (0: no bound, XLA schedules them).
+  workspace_bytes bounds the one ``[rows, window]`` 16-bit ``dz`` buffer of the gradient pass.
   """
 
   interpret: bool = False
   workspace_bytes: int = 256 * 2**20
-  windows_in_flight: int = 1
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
@@ -151,44 +148,54 @@ class MosaicGpuBackend:
       lse2 = jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, pad))
       n_tiles = C.cdiv(V, bn)
       window_tiles = max(1, min(n_tiles, self.workspace_bytes // (Rp * bn * hp.dtype.itemsize)))
+      wc = window_tiles * bn                                         # columns per window
+      axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
       num_sms = _num_sms(self.interpret)
-      dh = jnp.zeros((Rp, H), jnp.float32)
-      in_flight = collections.deque()  # per window: values computed once it is accumulated
-      for first in range(0, n_tiles, window_tiles):
-        if self.windows_in_flight and len(in_flight) == self.windows_in_flight:
-          # At most `windows_in_flight` dz buffers live: this window's kernel inputs pass through a
-          # barrier with values that exist only once the window that many steps back is accumulated.
-          # Without it XLA hoists every window's dz kernel (each depends only on the inputs) and keeps
-          # all dz buffers alive (qwen 2 x 32768: 5.95 GiB); tied to the GEMM outputs only, it defers
-          # the accumulations and keeps every window's f32 dh / dW block instead (2.12 GiB at 8 x 2048);
-          # passing the accumulators themselves through it costs 15 % of the time (KERNELS_NOTES.md).
-          hp, weight, bias_p, ids_p, scale, lse2, coef, _ = lax.optimization_barrier(
-              (hp, weight, bias_p, ids_p, scale, lse2, coef, in_flight.popleft()))
-        wt = min(window_tiles, n_tiles - first)
-        v0 = first * bn
-        v1 = min(V, v0 + wt * bn)
-        splits = C.pick_num_splits(Rp // cfg.rows_per_cta, wt, num_sms)
-        dz = dlogits_window(hp, weight, bias_p, ids_p, scale, lse2, coef,
-                            weight_layout=weight_layout, vocab_size=V, window_start=v0,
+      splits = C.pick_num_splits(Rp // cfg.rows_per_cta, window_tiles, num_sms)
+
+      def window(carry, w_blk, b_blk, ids_w, v0, width, wt, splits):
+        """dz of one window (its weight columns ``w_blk``, ids relative to it) and the three GEMMs."""
+        dh, dw_acc, db_acc = carry
+        dz = dlogits_window(hp, w_blk, b_blk, ids_w, scale, lse2, coef,
+                            weight_layout=weight_layout, vocab_size=width, window_start=0,
                             window_tiles=wt, cfg=cfg, num_splits=splits,
                             interpret=self._interpret_params())
-        if v1 - v0 != wt * bn:
-          dz = dz[:, : v1 - v0]
-        axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
-        w_blk = lax.slice_in_dim(weight, v0, v1, axis=axis)            # [H, w] / [w, H]
-        dh_blk = lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # [Rp, H]
+        if dz.shape[1] != width:
+          dz = dz[:, :width]
+        dh = dh + lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())),
+                                  preferred_element_type=jnp.float32)  # [Rp, H]
         a, b = (hp, dz) if axis == 1 else (dz, hp)                     # dW block in the weight's layout
         dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        db_blk = None if db_acc is None else jnp.sum(dz.astype(jnp.float32), axis=0)
-        dh = dh + dh_blk
         dw_acc = lax.dynamic_update_slice_in_dim(
-            dw_acc, lax.slice_in_dim(dw_acc, v0, v1, axis=axis) + dw_blk, v0, axis=axis)
+            dw_acc, lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk, v0, axis=axis)
         if db_acc is not None:
+          db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
           db_acc = lax.dynamic_update_slice_in_dim(
-              db_acc, lax.slice_in_dim(db_acc, v0, v1) + db_blk, v0, axis=0)
-        in_flight.append((dh, _straddle(dw_acc, v0, v1, axis),
-                          None if db_acc is None else _straddle(db_acc, v0, v1, 0)))
+              db_acc, lax.dynamic_slice_in_dim(db_acc, v0, width) + db_blk, v0, axis=0)
+        return dh, dw_acc, db_acc
+
+      # Full windows in a loop: one dz buffer (and one copied weight slice) alive at a time by
+      # construction, accumulators updated in place. A Python loop of windows left the order to
+      # XLA's scheduler, which hoisted dz kernels or deferred accumulations (up to 5.95 GiB at
+      # qwen 2 x 32768; KERNELS_NOTES.md).
+      def body(carry, k):
+        v0 = k * wc
+        w_blk = lax.dynamic_slice_in_dim(weight, v0, wc, axis=axis)
+        b_blk = None if bias_p is None else lax.dynamic_slice_in_dim(bias_p, v0, wc)
+        return window(carry, w_blk, b_blk, ids_p - v0, v0, wc, window_tiles, splits), None
+
+      carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc)
+      n_full = V // wc
+      if n_full:
+        carry, _ = lax.scan(body, carry, jnp.arange(n_full, dtype=jnp.int32))
+      v0 = n_full * wc
+      if v0 < V:  # the last, partial window: static shapes, the kernel masks columns >= V - v0
+        wt = C.cdiv(V - v0, bn)
+        w_blk = lax.slice_in_dim(weight, v0, V, axis=axis)
+        b_blk = None if bias_p is None else bias_p[v0:]
+        carry = window(carry, w_blk, b_blk, ids_p - v0, v0, V - v0, wt,
+                       C.pick_num_splits(Rp // cfg.rows_per_cta, wt, num_sms))
+      dh, dw_acc, db_acc = carry
       dhidden = dh[:R].astype(hidden.dtype)
     return dhidden, dw_acc, db_acc
 
@@ -198,15 +205,6 @@ class MosaicGpuBackend:
       return None
     from gmpo_jax.kernels._compat import interpret_params
     return interpret_params()
-
-
-def _straddle(acc, v0, v1, axis):
-  """A 2-wide slice of ``acc`` across the edge of the just-updated block ``[v0, v1)``: it depends on the
-  update, and XLA cannot simplify it into a slice of the update alone (so the update must be done)."""
-  n = acc.shape[axis]
-  lo = v1 - 1 if v1 < n else v0 - 1
-  lo = max(lo, 0)
-  return lax.slice_in_dim(acc, lo, min(lo + 2, n), axis=axis)
 
 
 def _vocab(weight, weight_layout):
