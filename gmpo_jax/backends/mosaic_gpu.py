@@ -69,11 +69,12 @@ def _num_sms(interpret: bool) -> int:
 class MosaicGpuBackend:
   """Pallas Mosaic GPU kernels; ``interpret=True`` runs them in the interpreter (CPU tests).
 
-  workspace_bytes bounds the one ``[rows, window]`` 16-bit ``dz`` buffer of the gradient pass.
+  workspace_bytes bounds the temporaries of one vocabulary window of the gradient pass: the 16-bit
+  ``dz [rows, window]``, the weight slice and the float32 dW block (one window is live at a time).
   """
 
   interpret: bool = False
-  workspace_bytes: int = 256 * 2**20
+  workspace_bytes: int = 384 * 2**20
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
@@ -147,7 +148,9 @@ class MosaicGpuBackend:
       coef = jnp.pad(dlogp.astype(jnp.float32) / t, (0, pad))
       lse2 = jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, pad))
       n_tiles = C.cdiv(V, bn)
-      window_tiles = max(1, min(n_tiles, self.workspace_bytes // (Rp * bn * hp.dtype.itemsize)))
+      # A window's temporaries: dz [Rp, w] and the weight slice [H, w] in 16 bits, the f32 dW block.
+      per_column = Rp * hp.dtype.itemsize + H * (hp.dtype.itemsize + 4)
+      window_tiles = max(1, min(n_tiles, self.workspace_bytes // (per_column * bn)))
       wc = window_tiles * bn                                         # columns per window
       axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
       num_sms = _num_sms(self.interpret)
