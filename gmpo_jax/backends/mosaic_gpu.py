@@ -74,7 +74,7 @@ class MosaicGpuBackend:
   """
 
   interpret: bool = False
-  workspace_bytes: int = 384 * 2**20
+  workspace_bytes: int = 256 * 2**20
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
