@@ -148,9 +148,14 @@ class MosaicGpuBackend:
       coef = jnp.pad(dlogp.astype(jnp.float32) / t, (0, pad))
       lse2 = jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, pad))
       n_tiles = C.cdiv(V, bn)
-      # A window's temporaries: dz [Rp, w] and the weight slice [H, w] in 16 bits, the f32 dW block.
-      per_column = Rp * hp.dtype.itemsize + H * (hp.dtype.itemsize + 4)
-      window_tiles = max(1, min(n_tiles, self.workspace_bytes // (per_column * bn)))
+      # A window's temporaries: dz [Rp, w] and the weight slice [H, w] in 16 bits, the f32 dW block;
+      # one window over the whole vocabulary when its dz alone fits (no slice, few rows: N = 512).
+      item = hp.dtype.itemsize
+      if self.workspace_bytes >= Rp * n_tiles * bn * item:
+        window_tiles = n_tiles
+      else:
+        per_column = Rp * item + H * (item + 4)
+        window_tiles = max(1, min(n_tiles, self.workspace_bytes // (per_column * bn)))
       wc = window_tiles * bn                                         # columns per window
       axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
       num_sms = _num_sms(self.interpret)
@@ -188,7 +193,7 @@ class MosaicGpuBackend:
         return window(carry, w_blk, b_blk, ids_p - v0, v0, wc, window_tiles, splits), None
 
       carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc)
-      n_full = V // wc
+      n_full = V // wc if window_tiles < n_tiles else 0  # one window: no loop, no weight slice
       if n_full:
         carry, _ = lax.scan(body, carry, jnp.arange(n_full, dtype=jnp.int32))
       v0 = n_full * wc
