@@ -44,6 +44,8 @@ def load(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
                     r = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if "layout" in r:  # multi-device runs (benchmarks.sharded_bench): tabulated by hand
+                    continue
                 dev = r.get("device") or os.path.splitext(os.path.basename(p))[0]
                 by_dev.setdefault(dev, []).append(r)
     return by_dev

@@ -79,3 +79,20 @@ def test_report(cpu_run):
     text = out.read_text()
     assert text.startswith("# keep me") and text.rstrip().endswith("notes stay") and "\nold\n" not in text
     assert "### cpu-tiny" in text and "xla_chunked" in text and "dense_jax" in text
+
+
+def test_sharded_bench_two_cpu_devices(tmp_path):
+    """benchmarks.sharded_bench on 2 simulated CPU devices: single / data / vocab layouts all run and
+    return the same loss (the sharded call equals the unsharded one)."""
+    results = tmp_path / "sharded.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "benchmarks.sharded_bench", "--shape", "cpu-tiny", "--B", "4", "--T", "64",
+           "--impl", "xla_chunked", "--iters", "2", "--results", str(results)]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=300)
+    recs = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["layout"], r["n_devices"], r["status"]) for r in recs] == [
+        ("single", 1, "ok"), ("data", 2, "ok"), ("vocab", 2, "ok")]
+    assert REQUIRED <= set(recs[0])
+    np_losses = [r["loss"] for r in recs]
+    assert max(np_losses) - min(np_losses) <= 1e-6 * max(1.0, abs(np_losses[0]))

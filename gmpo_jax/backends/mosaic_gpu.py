@@ -7,10 +7,14 @@ and keeps an online log-sum-exp per row; the per-split statistics are merged in 
 (``kernels.lm_head_grad_mgpu``) recomputes the logits tiles and writes ``dz`` once in the inputs'
 16-bit dtype; ``dh += dz W^T`` and ``dW[:, window] += h^T dz`` are XLA GEMMs with float32
 accumulation, ``db += sum_rows dz``. Nothing is accumulated with atomics: bitwise deterministic.
+The full windows run in a ``lax.scan`` (each step copies its weight columns and shifts the ids), so
+one window's buffers are alive at a time and the accumulators are updated in place; the last,
+partial window runs after it. Unrolled windows left that to XLA's scheduler, which kept up to all of
+them alive (benchmarks/RESULTS.md, "second session").
 
-Rows are padded to the kernels' row block (zero rows, zero cotangent); the weight is never
-copied or padded: the bulk copies zero-fill the tail of the last vocabulary tile and the kernels
-mask it (``-inf`` logits, zero gradient).
+Rows are padded to the kernels' row block (zero rows, zero cotangent); the weight is never padded:
+the bulk copies zero-fill the tail of the last vocabulary tile and the kernels mask it (``-inf``
+logits, zero gradient).
 
 Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/KERNELS_NOTES.md``).
 """
