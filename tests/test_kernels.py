@@ -131,6 +131,9 @@ INTERPRET = MosaicGpuBackend(interpret=True)
         pytest.param(100, 128, 192, "hv", jnp.bfloat16, True, 0.7, 1.0, id="hv-bf16-bias-T0.7-tail64"),
         pytest.param(70, 192, 200, "vh", jnp.float16, False, 1.3, 1.0, id="vh-f16-T1.3-tail72"),
         pytest.param(64, 64, 256, "hv", jnp.bfloat16, False, 1.0, 30.0, id="hv-bf16-logits30"),
+        # V not a multiple of the bulk-copy tiling (64 for "hv", 8 for "vh"): a zero-padded weight copy
+        pytest.param(100, 64, 200, "hv", jnp.bfloat16, True, 1.1, 1.0, id="hv-V200-unaligned"),
+        pytest.param(70, 64, 203, "vh", jnp.bfloat16, False, 0.8, 1.0, id="vh-V203-unaligned"),
     ],
 )
 def test_interpret_matches_oracle_and_xla(R, H, V, layout, dtype, bias, T, scale):
@@ -138,10 +141,11 @@ def test_interpret_matches_oracle_and_xla(R, H, V, layout, dtype, bias, T, scale
             bad_ids=(layout == "vh"))
 
 
-@pytest.mark.parametrize("layout,bias,V", [("hv", True, 320), ("vh", False, 328), ("hv", False, 256)])
+@pytest.mark.parametrize("layout,bias,V", [("hv", True, 320), ("vh", False, 328), ("hv", False, 256),
+                                            ("hv", False, 330)])
 def test_interpret_gradient_windows(layout, bias, V):
-  """A workspace of one 128-column tile: two full dz windows in the loop, then (V = 320, 328) a
-  partial one; the accumulated dh / dW / db must match the oracle and xla_chunked."""
+  """A workspace of one 128-column tile: two full dz windows in the loop, then (V = 320, 328, 330) a
+  partial one (330: from the padded weight copy); dh / dW / db must match the oracle and xla_chunked."""
   rows_p = 128  # R = 100 padded to the interpreter's 2 x 64-row CTA block
   be = MosaicGpuBackend(interpret=True, workspace_bytes=rows_p * 128 * 2)
   _run_case(be, 100, 64, V, layout, jnp.bfloat16, bias, 0.9, 1.0, seed=11, bad_ids=(layout == "vh"))
@@ -162,8 +166,6 @@ def test_interpret_rerun_is_bitwise_equal():
         (dict(hidden_dtype=jnp.float32, weight_dtype=jnp.float32), "16-bit"),
         (dict(hidden_dtype=jnp.bfloat16, weight_dtype=jnp.float16), "16-bit"),
         (dict(H=100), "multiple of 64"),
-        (dict(V=50257, weight_layout="vh"), "multiple of 8"),
-        (dict(V=50264, weight_layout="hv"), "multiple of 64"),
         (dict(weight_layout="vv"), "weight_layout"),
     ],
 )
@@ -177,7 +179,7 @@ def test_check_supported_raises_typed_error(kw, match):
 
 def test_check_supported_accepts_real_heads():
   for H, V in ((896, 151936), (1536, 151936), (2048, 128256), (3584, 152064), (4096, 128256),
-               (4096, 32000)):
+               (4096, 32000), (768, 50257)):
     for layout in ("hv", "vh"):
       MosaicGpuBackend(interpret=True).check_supported(
           hidden_dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16, H=H, V=V, rows=8192,
@@ -222,6 +224,7 @@ def _hopper():
         pytest.param(1000, 896, 151936, "vh", True, 0.7, 1.0, id="qwen0.5b-vh-bias"),
         pytest.param(515, 1536, 50304, "hv", True, 1.3, 30.0, id="hv-tail64-logits30"),
         pytest.param(300, 4096, 32008, "vh", False, 1.0, 1.0, id="llama-vh-tail8"),
+        pytest.param(700, 768, 50257, "hv", True, 1.0, 1.0, id="gpt2-hv-padded-copy"),
     ],
 )
 def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
@@ -258,7 +261,9 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
     (16384, 896, 151936, "hv", False, True),   # Qwen head, 16k rows: full windows in a loop + a tail
     (8192, 4096, 128256, "vh", True, True),    # Llama head layout with bias
     (1000, 4096, 128256, "vh", True, False),   # rows padded; dz of all of V fits: one window, no loop
-], ids=["qwen-16k-hv", "llama-8k-vh-bias", "llama-1000-vh-bias"])
+    (8192, 768, 50257, "hv", False, True),     # GPT-2: V unaligned, padded copy
+    (4096, 768, 50257, "vh", True, True),
+], ids=["qwen-16k-hv", "llama-8k-vh-bias", "llama-1000-vh-bias", "gpt2-8k-hv", "gpt2-4k-vh-bias"])
 def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop):
   """Both LM-head kernels, inside the backend (window loop, row padding, tails), lower to Mosaic GPU for
   CUDA with jax.export on the CPU (no GPU needed): shared-memory budgets, tiled bulk-copy rules and the

@@ -265,3 +265,14 @@ def test_builtin_task_rewards():
     np.testing.assert_allclose(add.rewards(prompts, answers), 1.5, rtol=1e-6)
     assert add.exact_match(prompts, answers) == 1.0
     assert TOKENIZER.decode(TOKENIZER.encode("12+3=") + [TOKENIZER.eos_id, 5]) == "12+3="
+
+
+def test_make_objective_epsilons():
+    """The CLI's objectives: epsilons given are passed on; left out, the objective's default, except
+    CISPO's cap on the importance weight (5.0: the library's 0.2 would scale on-policy gradients by 0.2)."""
+    from gmpo_jax.train.config import CISPO_EPSILON_HIGH, make_objective
+    assert make_objective(TrainConfig(loss_type="cispo"), 8) == gmpo_jax.CISPO(epsilon_high=CISPO_EPSILON_HIGH)
+    assert make_objective(TrainConfig(loss_type="cispo", epsilon_high=0.3), 8) == gmpo_jax.CISPO(epsilon_high=0.3)
+    assert make_objective(TrainConfig(loss_type="gmpo"), 8) == gmpo_jax.GMPO()
+    assert make_objective(TrainConfig(loss_type="dapo", epsilon_low=0.1), 8) == gmpo_jax.GRPO(
+        loss_type="dapo", epsilon_low=0.1)

@@ -12,9 +12,10 @@ one window's buffers are alive at a time and the accumulators are updated in pla
 partial window runs after it. Unrolled windows left that to XLA's scheduler, which kept up to all of
 them alive (benchmarks/RESULTS.md, "second session").
 
-Rows are padded to the kernels' row block (zero rows, zero cotangent); the weight is never padded:
-the bulk copies zero-fill the tail of the last vocabulary tile and the kernels mask it (``-inf``
-logits, zero gradient).
+Rows are padded to the kernels' row block (zero rows, zero cotangent); the bulk copies zero-fill
+the tail of the last vocabulary tile and the kernels mask it (``-inf`` logits, zero gradient). The
+weight is read in place when its vocabulary dimension suits the bulk copies (``V % 64 == 0`` for
+``"hv"``, ``V % 8 == 0`` for ``"vh"``: every real head but GPT-2's 50257), else from a zero-padded copy.
 
 Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/KERNELS_NOTES.md``).
 """
@@ -99,13 +100,6 @@ class MosaicGpuBackend:
     if V >= 2**31 - 2**20 or rows >= 2**31 - 2**20:
       raise UnsupportedConfigError(f"{V=} / {rows=} overflow int32 indexing")
     item = hd.itemsize
-    v_align = 64 if weight_layout == "hv" else 8
-    if V % v_align:
-      # Bulk tensor copies of the weight need its vocabulary dimension a multiple of the
-      # shared-memory tiling along it: (8, 64) tiles, V minor in "hv", major in "vh".
-      # GPT-2's 50257 falls back to xla_chunked.
-      raise UnsupportedConfigError(
-          f"mosaic_gpu with {weight_layout=} needs V a multiple of {v_align}, got {V=}")
     for kind in ("logprob", "grad"):
       cfg = block_config(rows=rows, H=H, V=V, kind=kind, interpret=self.interpret)
       extra = 2 * 3 * cfg.block_m * 4 if kind == "logprob" else 2 * cfg.block_m * cfg.block_n * item
@@ -126,7 +120,8 @@ class MosaicGpuBackend:
       hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
       n_tiles = C.cdiv(V, cfg.block_n)
       splits = C.pick_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
-      m2, l, t2 = lse_partials(hp, weight, bias_p, ids_p, scale, weight_layout=weight_layout,
+      m2, l, t2 = lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
+                               weight_layout=weight_layout,
                                vocab_size=V, cfg=cfg, num_splits=splits,
                                interpret=self._interpret_params())
       tgt, lse = combine_splits(m2, l, t2)
@@ -165,6 +160,8 @@ class MosaicGpuBackend:
       num_sms = _num_sms(self.interpret)
       splits = C.pick_num_splits(Rp // cfg.rows_per_cta, window_tiles, num_sms)
 
+      w_kernel = _aligned(weight, weight_layout)                     # == weight unless V is unaligned
+
       def window(carry, w_blk, b_blk, ids_w, v0, width, wt, splits):
         """dz of one window (its weight columns ``w_blk``, ids relative to it) and the three GEMMs."""
         dh, dw_acc, db_acc = carry
@@ -174,6 +171,8 @@ class MosaicGpuBackend:
                             interpret=self._interpret_params())
         if dz.shape[1] != width:
           dz = dz[:, :width]
+        if w_blk.shape[axis] != width:  # the aligned copy's padding columns
+          w_blk = lax.slice_in_dim(w_blk, 0, width, axis=axis)
         dh = dh + lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())),
                                   preferred_element_type=jnp.float32)  # [Rp, H]
         a, b = (hp, dz) if axis == 1 else (dz, hp)                     # dW block in the weight's layout
@@ -192,7 +191,7 @@ class MosaicGpuBackend:
       # qwen 2 x 32768; KERNELS_NOTES.md).
       def body(carry, k):
         v0 = k * wc
-        w_blk = lax.dynamic_slice_in_dim(weight, v0, wc, axis=axis)
+        w_blk = lax.dynamic_slice_in_dim(w_kernel, v0, wc, axis=axis)
         b_blk = None if bias_p is None else lax.dynamic_slice_in_dim(bias_p, v0, wc)
         return window(carry, w_blk, b_blk, ids_p - v0, v0, wc, window_tiles, splits), None
 
@@ -203,7 +202,7 @@ class MosaicGpuBackend:
       v0 = n_full * wc
       if v0 < V:  # the last, partial window: static shapes, the kernel masks columns >= V - v0
         wt = C.cdiv(V - v0, bn)
-        w_blk = lax.slice_in_dim(weight, v0, V, axis=axis)
+        w_blk = lax.slice_in_dim(w_kernel, v0, w_kernel.shape[axis], axis=axis)
         b_blk = None if bias_p is None else bias_p[v0:]
         carry = window(carry, w_blk, b_blk, ids_p - v0, v0, V - v0, wt,
                        C.pick_num_splits(Rp // cfg.rows_per_cta, wt, num_sms))
@@ -217,6 +216,21 @@ class MosaicGpuBackend:
       return None
     from gmpo_jax.kernels._compat import interpret_params
     return interpret_params()
+
+
+def _aligned(weight, weight_layout):
+  """The weight as the kernels' bulk copies can read it: its vocabulary dimension a multiple of the
+  shared-memory tiling along it ((8, 64) tiles: V minor in ``"hv"`` needs ``V % 64 == 0``, major in
+  ``"vh"`` ``V % 8 == 0``). Real heads (151936, 128256, 32000) are the weight itself; others (GPT-2's
+  50257) get a zero-padded copy, whose extra columns the kernels mask as ``>= vocab_size``."""
+  axis = 1 if weight_layout == "hv" else 0
+  align = 64 if weight_layout == "hv" else 8
+  V = weight.shape[axis]
+  if V % align == 0:
+    return weight
+  pad = [(0, 0), (0, 0)]
+  pad[axis] = (0, -V % align)
+  return jnp.pad(weight, pad)
 
 
 def _vocab(weight, weight_layout):

@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 #: every ``--loss-type`` value; ``gmpo`` first (the default)
+CISPO_EPSILON_HIGH = 5.0  # the demo's CISPO cap on the importance weight (see make_objective)
 LOSS_TYPES = ("gmpo", "grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo")
 BUILTIN_TASKS = ("reverse", "add")
 SCALE_REWARDS = ("group", "none")
@@ -264,7 +265,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_layers=6,
         n_heads=8,
         d_ff=2048,
-        vocab_size=128,  # the Mosaic GPU kernels need V % 64 == 0 (weight layout "hv") and H % 64 == 0
+        vocab_size=128,  # V % 64 == 0 lets the Mosaic GPU kernels read the weight in place; H % 64 == 0 needed
         dtype="bfloat16",
         batch_size=1024,
         group_size=16,
@@ -303,7 +304,8 @@ def make_objective(config: TrainConfig, max_completion_length: int):
 
     Returns:
       ``GMPO``, ``GRPO(loss_type=...)``, ``CISPO`` or ``SAPO``; epsilons left at ``None`` keep the
-      objective's own default (0.4 for GMPO, 0.2 otherwise).
+      objective's own default (0.4 for GMPO, 0.2 otherwise), except CISPO's ``epsilon_high``: 5.0
+      (``CISPO_EPSILON_HIGH``; its bound applies to the ratio itself, not to ``1 + eps``).
 
     Raises:
       ConfigError: the objective rejects a hyper-parameter (message names the option).
@@ -315,6 +317,10 @@ def make_objective(config: TrainConfig, max_completion_length: int):
         eps["epsilon_low"] = float(config.epsilon_low)
     if config.epsilon_high is not None:
         eps["epsilon_high"] = float(config.epsilon_high)
+    elif config.loss_type == "cispo":
+        # CISPO's epsilon_high caps the importance weight itself: the library's 0.2 (TRL / Liger's
+        # shared default) would scale every on-policy gradient by 0.2. 5.0 leaves on-policy tokens alone.
+        eps["epsilon_high"] = CISPO_EPSILON_HIGH
     beta = float(config.beta)
     lt = config.loss_type
     try:
