@@ -54,8 +54,8 @@ def check_temperature(temperature) -> None:
     if hasattr(temperature, "shape") and _shape(temperature) != ():
         raise ValueError(f"temperature must be a scalar, got temperature.shape={_shape(temperature)}")
     value = _concrete(temperature)
-    if value is not None and not float(value) > 0:  # NaN fails too
-        raise ValueError(f"temperature must be > 0, got temperature={float(value)!r}")
+    if value is not None and not 0 < float(value) < float("inf"):  # NaN fails too
+        raise ValueError(f"temperature must be finite and > 0, got temperature={float(value)!r}")
 
 
 def check_chunk_size(chunk_size) -> None:

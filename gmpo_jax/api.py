@@ -151,7 +151,9 @@ def fused_linear_policy_loss(
       weight: LM head, ``[H, V]`` (``weight_layout="hv"``, Flax ``Linear`` kernel) or ``[V, H]``
         (``"vh"``, tied embedding table); never transposed or copied.
       completion_ids: ``[B, T]`` integer sampled tokens. Masked positions may hold any value (e.g. -100
-        or ``>= V``); an unmasked id outside ``[0, V)`` makes the loss NaN (it cannot raise under jit).
+        or ``>= V``); an unmasked id outside ``[0, V)`` has a NaN log-prob (it cannot raise under jit),
+        which makes the loss NaN unless the objective ignores that token's value (e.g. a zero advantage
+        and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too.
       completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
       advantages: ``[B]`` float, one per completion (group-normalised by the caller).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
@@ -189,7 +191,8 @@ def fused_linear_policy_loss(
     Returns:
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars.
 
-    Gradients and what cannot be checked under ``jit``: only ``hidden``, ``weight`` and ``bias`` receive
+    Gradients and what cannot be checked under ``jit``: reverse mode only (a ``jax.custom_vjp``:
+    ``jax.grad`` / ``vjp`` work, ``jax.jvp`` / ``jacfwd`` do not). Only ``hidden``, ``weight`` and ``bias`` receive
     gradients (``temperature``, advantages, old / reference log-probs, the IS ratio and the objective's
     hyper-parameters are treated as data: zero cotangent). A traced ``completion_mask`` is taken as
     ``!= 0`` (a concrete one must hold only 0 and 1), a traced ``temperature`` is not checked for
@@ -200,8 +203,8 @@ def fused_linear_policy_loss(
 
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids, a non-objective.
-      ValueError: inconsistent shapes (named), ``weight`` not ``[H, V]`` / ``[V, H]`` as declared,
-        ``temperature <= 0``, ``chunk_size < 1``, a concrete ``beta != 0`` without a reference, a concrete
+      ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a concrete ``beta != 0`` without a reference, a concrete
         mask with values other than 0 / 1, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.

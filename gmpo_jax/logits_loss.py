@@ -169,7 +169,9 @@ def policy_loss_from_logits(
         predicts ``completion_ids[:, t]`` and the last position is dropped, lazily) or ``[B, T, V]``
         (already aligned); bf16 / f16 / f32.
       completion_ids: ``[B, T]`` integer sampled tokens. Masked positions may hold any value (e.g. -100
-        or ``>= V``); an unmasked id outside ``[0, V)`` makes the loss NaN (it cannot raise under jit).
+        or ``>= V``); an unmasked id outside ``[0, V)`` has a NaN log-prob (it cannot raise under jit),
+        which makes the loss NaN unless the objective ignores that token's value (e.g. a zero advantage
+        and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too.
       completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
       advantages: ``[B]`` float, one per completion (group-normalised by the caller).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
@@ -188,12 +190,14 @@ def policy_loss_from_logits(
     Returns:
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars (no
       gradient). The gradient with respect to ``logits`` has the logits' shape and dtype (zero at the
-      dropped last position).
+      dropped last position). Reverse mode only (a ``jax.custom_vjp``: no ``jax.jvp`` / ``jacfwd``).
 
     Raises:
       TypeError: non-floating logits / advantages / log-probs, non-integer ids, a non-objective.
-      ValueError: inconsistent shapes (named), ``temperature <= 0``, a concrete ``beta != 0``
-        without ``ref_logps``, an unknown ``implementation``.
+      ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
+        not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete ``beta != 0``
+        without ``ref_logps``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, float32 logits, or a row of
         logits that is not a multiple of 16 bytes).

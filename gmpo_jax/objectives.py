@@ -421,10 +421,10 @@ class GRPO(Objective):
         if isinstance(mcl, numbers.Integral) and not isinstance(mcl, (bool, np.bool_)):
             object.__setattr__(self, "max_completion_length", int(mcl))  # static: a plain, hashable int
             mcl = self.max_completion_length
-        if self.loss_type == "dr_grpo":
+        if self.loss_type == "dr_grpo" or mcl is not None:
             if not (isinstance(mcl, int) and not isinstance(mcl, bool) and mcl > 0):
                 raise ValueError(
-                    "loss_type='dr_grpo' requires max_completion_length, a positive int, "
+                    "max_completion_length must be a positive int (loss_type='dr_grpo' requires it), "
                     f"got max_completion_length={mcl!r}"
                 )
 

@@ -660,3 +660,24 @@ def test_reference_matches_oracle(obj, kw):
     logp = lib_logprobs(case.hidden, case.weight, case.ids, case.mask, bias=case.bias, temperature=temperature,
                         weight_layout=case.layout, implementation=REFERENCE)
     np.testing.assert_allclose(logp, case.logp64, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1e-10, 1e-6, 1e-3])
+def test_tiny_temperature_gives_finite_float64_value(temperature):
+    """|z| / temperature up to ~1e10: the fused log-probs (under jit) and the logits path equal the float64
+    log-softmax (relative 1e-6: float32 rounding of the 1e10-sized logits), never +-inf. Once failed with
+    +inf: XLA rounded the max and the sum-exp fusions' logits apart by ~1e3 and exp(z - m) underflowed."""
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 37)).astype(np.float32)
+    ids = rng.integers(0, 37, (2, 5))
+    z = np.einsum("bth,hv->btv", h.astype(np.float64), w.astype(np.float64)) / temperature
+    want = np.take_along_axis(z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                              - z.max(-1, keepdims=True), ids[..., None], -1)[..., 0]
+    got = jax.jit(lambda h, w, i: gmpo_jax.fused_linear_logprobs(h, w, i, temperature=temperature))(h, w, ids)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    # the logits path: logits already computed (float32), divided by the temperature inside
+    zl = jnp.asarray(np.einsum("bth,hv->btv", h, w), jnp.float32)
+    loss, aux = jax.jit(lambda zl: gmpo_jax.policy_loss_from_logits(
+        zl, ids, np.ones((2, 5)), np.array([1.0, -1.0]), objective=gmpo_jax.GMPO(), temperature=temperature))(zl)
+    assert np.isfinite(float(loss)) and np.isfinite(float(aux.log_ratio_max))

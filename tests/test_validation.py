@@ -105,7 +105,7 @@ def test_dtype_errors_are_type_errors(name, override):
 # --------------------------------------------------------------------------------------------------
 # Values of call arguments
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("temperature", [0.0, -1.0, np.float32(0.0)])
+@pytest.mark.parametrize("temperature", [0.0, -1.0, np.float32(0.0), float("inf"), float("nan")])
 def test_temperature_must_be_positive(temperature):
     with pytest.raises(ValueError, match="temperature"):
         call(temperature=temperature)
@@ -197,6 +197,7 @@ OBJECTIVE_ERRORS = [
     ("max_completion_length", lambda: gmpo_jax.GRPO(loss_type="dr_grpo")),
     ("max_completion_length", lambda: gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=0)),
     ("max_completion_length", lambda: gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=2.5)),
+    ("max_completion_length", lambda: gmpo_jax.GRPO(loss_type="grpo", max_completion_length=-3)),
     # sequence-level importance sampling is a configuration error for GMPO, CISPO and SAPO
     ("importance_sampling_level", lambda: gmpo_jax.GMPO(importance_sampling_level="sequence")),
     ("importance_sampling_level", lambda: gmpo_jax.CISPO(importance_sampling_level="sequence")),

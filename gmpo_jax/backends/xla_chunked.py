@@ -99,7 +99,8 @@ class XlaChunkedBackend:
             m_new = jnp.maximum(m, jnp.max(z, axis=1))
             # every column so far -inf (a vocabulary shard of padding only): keep s = 0, lse = -inf, not NaN
             m_ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-            s = s * jnp.exp(m - m_ref) + jnp.sum(jnp.exp(z - m_ref[:, None]), axis=1)
+            # exactly z <= m_ref; min() keeps a fusion's differently rounded z from overflowing exp
+            s = s * jnp.exp(m - m_ref) + jnp.sum(jnp.exp(jnp.minimum(z - m_ref[:, None], 0.0)), axis=1)
             hit = (cols[None, :] == ids[:, None]) & fresh[None, :]
             tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
             return (m_new, s, tgt), None
@@ -107,9 +108,14 @@ class XlaChunkedBackend:
         init = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R,), jnp.float32))
         with jax.named_scope("gmpo_jax/xla_chunked/logprobs"):
             (m, s, tgt), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+            # Exactly, s >= 1 (the maximum's own term) and tgt <= lse. XLA may round the logits of the
+            # max, sum and target reductions differently (separate fusions); at |z| ~ 1e10 (tiny
+            # temperatures) that is ~1e3 apart and exp(z - m) of the maximum underflows to 0 (lse = -inf,
+            # logp = +inf) or overflows. Restoring the exact bounds keeps the float32-accurate answer.
+            s = jnp.where(jnp.isneginf(m), s, jnp.maximum(s, 1.0))
             lse = m + jnp.log(s)
             valid = (ids >= 0) & (ids < V)
-            logp = jnp.where(valid, tgt - lse, jnp.nan)
+            logp = jnp.where(valid, jnp.minimum(tgt - lse, 0.0), jnp.nan)
         return logp, lse
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
@@ -125,7 +131,7 @@ class XlaChunkedBackend:
             dh, dw, db = carry
             start, w_blk, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
                                                         layout=weight_layout, precision=prec)
-            p = jnp.where(fresh[None, :], jnp.exp(z - lse[:, None]), 0.0)
+            p = jnp.where(fresh[None, :], jnp.exp(jnp.minimum(z - lse[:, None], 0.0)), 0.0)  # exactly <= 1
             onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
             dz_c = dz.astype(cdt)

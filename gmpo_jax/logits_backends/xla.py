@@ -50,7 +50,9 @@ def _online_lse(z):
 def _two_pass_lse(z):
     m = jnp.max(z, axis=-1)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    return m_safe + jnp.log(jnp.sum(jnp.exp(z - m_safe[..., None]), axis=-1))
+    s = jnp.sum(jnp.exp(jnp.minimum(z - m_safe[..., None], 0.0)), axis=-1)
+    # exactly s >= 1; the max and sum fusions may round z apart at |z| ~ 1e10 (see xla_chunked)
+    return m_safe + jnp.log(jnp.where(m == -jnp.inf, s, jnp.maximum(s, 1.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,7 @@ class XlaLogitsBackend:
             z = x.astype(jnp.float32) / temperature
             lse = _online_lse(z) if self.lse == "online" else _two_pass_lse(z)
             tgt = jnp.take_along_axis(x, jnp.clip(ids, 0, V - 1)[..., None], axis=-1)[..., 0]
-            logp = tgt.astype(jnp.float32) / temperature - lse
+            logp = jnp.minimum(tgt.astype(jnp.float32) / temperature - lse, 0.0)  # exactly <= 0
         return logp, lse
 
     def dlogits(self, logits, ids, lse, dlogp, *, T, temperature):
@@ -86,7 +88,7 @@ class XlaLogitsBackend:
             c = jnp.pad(dlogp / temperature, pad)[..., None]
             lse_p = jnp.pad(lse, pad)[..., None]
             ids_p = jnp.pad(ids, pad)[..., None]
-            p = jnp.exp(logits.astype(jnp.float32) / temperature - lse_p)
+            p = jnp.exp(jnp.minimum(logits.astype(jnp.float32) / temperature - lse_p, 0.0))  # exactly <= 1
             hit = lax.broadcasted_iota(jnp.int32, (1, 1, V), 2) == ids_p
             g = jnp.where(hit, 1.0 - p, -p)
             return jnp.where(c != 0.0, c * g, 0.0).astype(logits.dtype)
