@@ -7,6 +7,8 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
@@ -49,16 +51,19 @@ class LossAux(NamedTuple):
     log_ratio_max: jax.Array
 
 
-def _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan=None):
+def _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan=None,
+            with_entropy=False):
     B, H = hidden.shape[0], hidden.shape[2]
     if plan is not None:  # the backend serves one device's rows and vocabulary shard
         B, V = B // plan.data_shards, V // plan.vocab_shards
     chunk = min(chunk_size or tuning.default_chunk_size(B, T), B)
     backend = resolve_backend(
         implementation, hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=chunk * T,
-        weight_layout=weight_layout, has_bias=bias is not None)
+        weight_layout=weight_layout, has_bias=bias is not None,
+        **({"with_entropy": True} if with_entropy else {}))
     return fused_vjp.FusedConfig(backend=backend, chunk_size=chunk, weight_layout=weight_layout,
-                                 weight_dtype=weight.dtype, bias_dtype=None if bias is None else bias.dtype)
+                                 weight_dtype=weight.dtype, bias_dtype=None if bias is None else bias.dtype,
+                                 with_entropy=with_entropy)
 
 
 def _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout):
@@ -263,8 +268,9 @@ def fused_linear_logprobs(
     mesh: Optional[jax.sharding.Mesh] = None,
     data_axis: Optional[AxisName] = None,
     vocab_axis: Optional[AxisName] = None,
-) -> Float[Array, "B T"]:
-    r"""Per-token log-probs through the LM head without materialising the logits.
+    return_entropy: bool = False,
+) -> Union[Float[Array, "B T"], tuple[Float[Array, "B T"], Float[Array, "B T"]]]:
+    r"""Per-token log-probs (and optionally entropies) through the LM head without materialising the logits.
 
     .. math::
         \log\pi_{b,t} = \frac{z_{b,t,y}}{1} - \log\sum_v e^{z_{b,t,v}},\qquad z = (h W + c) / \tau
@@ -283,9 +289,17 @@ def fused_linear_logprobs(
       temperature: ``> 0`` logits temperature (float or traced scalar).
       weight_layout, chunk_size, implementation, vocab_size, mesh, data_axis, vocab_axis: as in
         :func:`fused_linear_policy_loss`.
+      return_entropy: also return the per-token entropy of the (temperature-scaled) softmax,
+        :math:`\mathcal{H}_{b,t} = \log\sum_v e^{z_v} - \sum_v p_v z_v` in nats, ``[0, log V]``: what TRL
+        logs as ``entropy`` and thresholds for its top-entropy token masking. Computed in the same pass
+        as the log-sum-exp (one extra running sum per row). A metric: it carries **no gradient** (its
+        cotangent is ignored; differentiate the log-probs only). Served by ``xla_chunked`` (the Mosaic
+        kernel does not compute it yet: the default dispatch falls back with one warning, an explicit
+        ``implementation="mosaic_gpu"`` raises).
 
     Returns:
-      ``[B, T]`` float32 log-probs.
+      ``[B, T]`` float32 log-probs; with ``return_entropy`` the pair ``(logp, entropy)``, both ``[B, T]``
+      float32 and 0 at masked positions.
 
     Raises:
       TypeError / ValueError: as :func:`fused_linear_policy_loss`, for the arguments it takes.
@@ -310,6 +324,12 @@ def fused_linear_logprobs(
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     ids = _as_ids(completion_ids)
     ids, bias = sharding.mask_padded_vocab(ids, bias, V, vocab_size)
-    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
+    if not isinstance(return_entropy, (bool, np.bool_)):
+        raise TypeError(f"return_entropy must be a bool, got return_entropy={return_entropy!r}")
+    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan,
+                  with_entropy=bool(return_entropy))
     args = (hidden, weight, bias, ids, mask, jnp.asarray(temperature, jnp.float32))
-    return fused_vjp.logprobs(cfg, *args) if plan is None else sharding.logprobs(cfg, plan, *args)
+    out = fused_vjp.logprobs(cfg, *args) if plan is None else sharding.logprobs(cfg, plan, *args)
+    if return_entropy:
+        return out[0], lax.stop_gradient(out[1])
+    return out

@@ -53,6 +53,7 @@ class FusedConfig:
     weight_layout: str
     weight_dtype: Any
     bias_dtype: Any = None
+    with_entropy: bool = False  # fused_linear_logprobs(..., return_entropy=True)
 
 
 def _chunk_plan(B: int, c: int):
@@ -171,38 +172,45 @@ policy_loss.defvjp(_policy_loss_fwd, _policy_loss_bwd)
 # Log-probs alone (rollout-time old / reference log-probs; composable into any user loss)
 # ------------------------------------------------------------------------------------------------
 def _run_logprobs(cfg: FusedConfig, hidden, weight, bias, ids, mask, temperature):
+    """``(logp, lse)`` ``[B, T]`` float32, and the entropy as a third output with ``cfg.with_entropy``."""
     B, T, H = hidden.shape
     backend: LMHeadBackend = cfg.backend
     n, locate = _chunk_plan(B, cfg.chunk_size)
+    kw = {"with_entropy": True} if cfg.with_entropy else {}
 
     def body(carry, i):
-        logp_all, lse_all = carry
         start, fresh = locate(i)
         c = cfg.chunk_size
         m = _slice(mask, start, c)
         ids_c = jnp.where(m, _slice(ids, start, c), 0).reshape(c * T)
         h = _slice(hidden, start, c).reshape(c * T, H)
-        logp, lse = backend.logprobs(h, weight, bias, ids_c, temperature, weight_layout=cfg.weight_layout)
-        logp = jnp.where(m, logp.reshape(c, T), 0.0)
-        logp_all = _merge_rows(logp_all, start, fresh, logp)
-        lse_all = _merge_rows(lse_all, start, fresh, lse.reshape(c, T))
-        return (logp_all, lse_all), None
+        out = backend.logprobs(h, weight, bias, ids_c, temperature, weight_layout=cfg.weight_layout, **kw)
+        new = [jnp.where(m, out[0].reshape(c, T), 0.0), out[1].reshape(c, T)]
+        if cfg.with_entropy:
+            new.append(jnp.where(m, out[2].reshape(c, T), 0.0))
+        return tuple(_merge_rows(a, start, fresh, x) for a, x in zip(carry, new)), None
 
-    init = (jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T), jnp.float32))
+    init = tuple(jnp.zeros((B, T), jnp.float32) for _ in range(3 if cfg.with_entropy else 2))
     with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs"):
-        (logp, lse), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-    return logp, lse
+        out, _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+    return out
+
+
+def primal_logprobs(cfg: FusedConfig, out):
+    """The custom VJP's output from ``_run_logprobs``' ``(logp, lse[, entropy])``."""
+    return (out[0], out[2]) if cfg.with_entropy else out[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def logprobs(cfg, hidden, weight, bias, ids, mask, temperature):
-    """Fused per-token log-probs ``[B, T]`` float32 (0 where ``mask`` is False)."""
-    return _run_logprobs(cfg, hidden, weight, bias, ids, mask, temperature)[0]
+    """Fused per-token log-probs ``[B, T]`` float32 (0 where ``mask`` is False); with
+    ``cfg.with_entropy`` the pair ``(logp, entropy)`` (the entropy gets no gradient)."""
+    return primal_logprobs(cfg, _run_logprobs(cfg, hidden, weight, bias, ids, mask, temperature))
 
 
 def _logprobs_fwd(cfg, hidden, weight, bias, ids, mask, temperature):
-    logp, lse = _run_logprobs(cfg, hidden, weight, bias, ids, mask, temperature)
-    return logp, (hidden, weight, bias, ids, mask, lse, temperature)
+    out = _run_logprobs(cfg, hidden, weight, bias, ids, mask, temperature)
+    return primal_logprobs(cfg, out), (hidden, weight, bias, ids, mask, out[1], temperature)
 
 
 def _logprobs_grads(cfg, res, g):
@@ -234,6 +242,7 @@ def _logprobs_grads(cfg, res, g):
 
 
 def _logprobs_bwd(cfg, res, g):
+    g = g[0] if cfg.with_entropy else g  # the entropy is a metric: no gradient
     dh, dw, db = _logprobs_grads(cfg, res, g)
     d_bias = None if db is None else db.astype(cfg.bias_dtype)
     return (dh, dw.astype(cfg.weight_dtype), d_bias, None, None, None)

@@ -257,9 +257,11 @@ class VocabParallelBackend:
         owned = (local >= 0) & (local < self.shard_size)
         return jnp.where(owned, local, -1), owned
 
-    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout):
+    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
         local, owned = self._local(ids)
-        logp_k, lse_k = self.inner.logprobs(hidden, weight, bias, local, temperature, weight_layout=weight_layout)
+        out = self.inner.logprobs(hidden, weight, bias, local, temperature, weight_layout=weight_layout,
+                                  **({"with_entropy": True} if with_entropy else {}))
+        logp_k, lse_k = out[:2]
         with jax.named_scope("gmpo_jax/vocab_parallel/combine"):
             m = lax.pmax(lse_k, self.axis)
             m = jnp.where(jnp.isneginf(m), 0.0, m)  # every column masked: keep lse = -inf, not NaN
@@ -268,7 +270,12 @@ class VocabParallelBackend:
             n_shards = lax.psum(1, self.axis)
             valid = (ids >= 0) & (ids < self.shard_size * n_shards)
             logp = jnp.where(valid, tgt - lse, jnp.nan)
-        return logp, lse
+            if not with_entropy:
+                return logp, lse
+            # H = lse - E[z] = sum_k w_k (H_k + lse - lse_k), w_k = exp(lse_k - lse) the shard's mass
+            w = jnp.exp(lse_k - lse)
+            ent = lax.psum(jnp.where(w > 0, w * (out[2] + lse - lse_k), 0.0), self.axis)
+        return logp, lse, ent
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
         dh, dw, db = self.inner.grads(hidden, weight, bias, self._local(ids)[0], dlogp, lse, temperature,
@@ -368,24 +375,25 @@ def _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature):
     def local(hidden, weight, bias, ids, mask, temperature):
         return fused_vjp._run_logprobs(cfg, hidden, weight, bias, ids, mask, temperature)
 
-    f = shard_map(local, mesh=plan.mesh, in_specs=_lp_specs(plan), out_specs=(plan.batch, plan.batch),
-                  check_vma=False)
+    out_specs = (plan.batch,) * (3 if cfg.with_entropy else 2)
+    f = shard_map(local, mesh=plan.mesh, in_specs=_lp_specs(plan), out_specs=out_specs, check_vma=False)
     return f(hidden, weight, bias, ids, mask, temperature)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature):
-    return _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature)[0]
+    return fused_vjp.primal_logprobs(cfg, _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature))
 
 
 def _logprobs_fwd(cfg, plan, hidden, weight, bias, ids, mask, temperature):
-    logp, lse = _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature)
-    return logp, (hidden, weight, bias, ids, mask, lse, temperature)
+    out = _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature)
+    return fused_vjp.primal_logprobs(cfg, out), (hidden, weight, bias, ids, mask, out[1], temperature)
 
 
 def _logprobs_bwd(cfg, plan, res, g):
     hidden, weight, bias, ids, mask, lse, temperature = res
     dax = plan.data_axis
+    g = g[0] if cfg.with_entropy else g  # the entropy is a metric: no gradient
 
     def local(hidden, weight, bias, ids, mask, temperature, lse, g):
         dh, dw, db = fused_vjp._logprobs_grads(cfg, (hidden, weight, bias, ids, mask, lse, temperature), g)

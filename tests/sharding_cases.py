@@ -232,6 +232,31 @@ def test_logprobs_sharded(mesh_name):
     assert np.all(np.asarray(got[2])[:, V_REAL:] == 0.0)
 
 
+@pytest.mark.parametrize("mesh_name", sorted(MESHES_AND_TUPLE))
+def test_logprobs_entropy_sharded(mesh_name):
+    """return_entropy=True on every mesh (vocabulary shards combine their entropies by mass) equals the
+    single-device entropy, which equals float64 over the real vocabulary (padded columns excluded)."""
+    shape, data_axis, vocab_axis = MESHES_AND_TUPLE[mesh_name]
+    mesh = _mesh(shape)
+    c, w, _ = case_for("gmpo")
+
+    def run(**kw):
+        return gmpo_jax.fused_linear_logprobs(jnp.asarray(c.hidden), jnp.asarray(w), jnp.asarray(c.ids),
+                                              completion_mask=jnp.asarray(c.mask), chunk_size=CHUNK,
+                                              vocab_size=V_REAL, return_entropy=True, **kw)
+
+    logp0, ent0 = jax.jit(run, compiler_options=FAST)()
+    logp, ent = jax.jit(lambda: run(mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis),
+                        compiler_options=FAST)()
+    z = np.einsum("bth,hv->btv", np.asarray(c.hidden, np.float64), np.asarray(w, np.float64))[..., :V_REAL]
+    z = z - z.max(-1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    want = np.where(c.mask, -(p * np.log(p)).sum(-1), 0.0)
+    np.testing.assert_allclose(np.asarray(ent0), want, rtol=0, atol=2e-5)
+    _close(ent, ent0, 1e-5, f"entropy@{mesh_name}")
+    _close(logp, logp0, 1e-5, f"logp@{mesh_name}")
+
+
 # --------------------------------------------------------------------------------------------------
 # The compiled program of the vocabulary-parallel case never gathers the weight or the [N, V] logits
 # --------------------------------------------------------------------------------------------------

@@ -81,6 +81,16 @@ def spec_logprobs(hidden, weight, ids, mask=None, *, bias=None, temperature=1.0,
     return np.where(m, lp, 0.0)
 
 
+def spec_entropy(hidden, weight, mask=None, *, bias=None, temperature=1.0, weight_layout="hv", vocab_size=None):
+    """H[b, t] = -sum_v p log p of softmax(z[b, t]) over the first ``vocab_size`` columns, float64; 0 masked."""
+    z = _logits(hidden, weight, bias, temperature, weight_layout)
+    if vocab_size is not None:
+        z = z[..., :vocab_size]
+    logsm = _log_softmax(z)
+    ent = -np.sum(np.exp(logsm) * logsm, axis=-1)
+    return np.where(_mask_bool(mask, ent.shape), ent, 0.0)
+
+
 def spec_head_vjp(hidden, weight, ids, mask, dlogp, *, bias=None, temperature=1.0, weight_layout="hv"):
     """(dhidden [B,T,H], dweight (declared layout), dbias [V] or None) for cotangent ``dlogp`` [B, T]."""
     h = np.asarray(hidden, dtype=f64)

@@ -638,6 +638,57 @@ def test_logprobs_and_gradient(dtype, layout, with_bias, temperature, chunk_size
         assert np.all(np.asarray(dh)[~mask] == 0)
 
 
+@pytest.mark.parametrize(
+    "dtype, layout, with_bias, temperature, chunk_size, logit_scale, vocab_size",
+    [("float32", "hv", False, 1.0, None, 1.0, None), ("float32", "vh", True, 0.7, 2, 1.0, None),
+     ("bfloat16", "hv", True, 1.0, 1, 1.0, None), ("float32", "hv", False, 1.0, 3, 30.0, None),
+     ("float32", "vh", False, 1.3, 2, 1.0, 30)],
+    ids=["f32-hv", "f32-vh-bias-T0.7", "bf16-hv-bias", "f32-peaky-logits30", "f32-vh-padded-vocab30"],
+)
+def test_logprobs_entropy(dtype, layout, with_bias, temperature, chunk_size, logit_scale, vocab_size):
+    """``return_entropy=True``: the entropy equals float64 ``-sum p log p`` (absolute 2e-5 * (1 + max|z|):
+    the online sum of ``p (z - m)`` in float32, several vocabulary blocks), is 0 at masked positions, lies
+    in ``[0, log V]``; the log-probs and their gradient are those of ``return_entropy=False``; the entropy
+    itself carries no gradient. A padded vocabulary (``vocab_size``) is left out of the softmax."""
+    from gmpo_jax.backends.xla_chunked import XlaChunkedBackend
+    case = make_case(27, dtype=DTYPES[dtype], layout=layout, with_bias=with_bias, temperature=temperature)
+    w = np.asarray(case.weight) * logit_scale
+    backend = XlaChunkedBackend(vocab_block=16)  # several blocks: exercises the rescaled running sums
+    kw = dict(completion_mask=case.mask, bias=case.bias, temperature=temperature, weight_layout=layout,
+              chunk_size=chunk_size, implementation=backend, vocab_size=vocab_size)
+
+    ids = case.ids if vocab_size is None else case.ids % vocab_size  # real ids only
+
+    def f(h, w, entropy):
+        return gmpo_jax.fused_linear_logprobs(h, w, ids, return_entropy=entropy, **kw)
+
+    logp, ent = jax.jit(lambda h, w: f(h, w, True))(case.hidden, w)
+    want = spec.spec_entropy(case.hidden, w, case.mask, bias=case.bias, temperature=temperature,
+                             weight_layout=layout, vocab_size=vocab_size)
+    zmax = np.max(np.abs(spec._logits(case.hidden, w, case.bias, temperature, layout)))
+    assert ent.dtype == jnp.float32 and ent.shape == case.ids.shape
+    np.testing.assert_allclose(np.asarray(ent), want, rtol=0, atol=2e-5 * (1 + zmax))
+    V = vocab_size or (w.shape[1] if layout == "hv" else w.shape[0])
+    assert np.all(np.asarray(ent) >= 0) and np.all(np.asarray(ent) <= np.log(V) + 1e-6)
+    assert np.all(np.asarray(ent)[~case.mask] == 0)
+    np.testing.assert_array_equal(np.asarray(logp), np.asarray(jax.jit(lambda h, w: f(h, w, False))(case.hidden, w)))
+    g_both = jax.grad(lambda h: jnp.sum(f(h, w, True)[0]) + jnp.sum(f(h, w, True)[1]))(case.hidden)
+    g_logp = jax.grad(lambda h: jnp.sum(f(h, w, False)))(case.hidden)
+    np.testing.assert_array_equal(np.asarray(g_both), np.asarray(g_logp))
+
+
+def test_entropy_is_xla_chunked_only():
+    """The Mosaic kernel does not compute the entropy: an explicit request is a typed error."""
+    from gmpo_jax.backends.base import UnsupportedConfigError
+    from gmpo_jax.backends.mosaic_gpu import MosaicGpuBackend
+    case = make_case(28)
+    with pytest.raises(UnsupportedConfigError, match="entropy"):
+        gmpo_jax.fused_linear_logprobs(case.hidden.astype(jnp.bfloat16), case.weight.astype(jnp.bfloat16),
+                                       case.ids, return_entropy=True, implementation=MosaicGpuBackend(interpret=True))
+    with pytest.raises(TypeError, match="return_entropy"):
+        gmpo_jax.fused_linear_logprobs(case.hidden, case.weight, case.ids, return_entropy="yes")
+
+
 # --------------------------------------------------------------------------------------------------
 # gmpo_jax.reference (the dense float32 oracle) against the float64 oracle
 # --------------------------------------------------------------------------------------------------

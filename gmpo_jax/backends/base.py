@@ -59,11 +59,13 @@ class LMHeadBackend(Protocol):
     name: str
 
     def check_supported(self, *, hidden_dtype, weight_dtype, H: int, V: int, rows: int,
-                        weight_layout: str, has_bias: bool) -> None:
+                        weight_layout: str, has_bias: bool, with_entropy: bool = False) -> None:
         """Raise ``UnsupportedConfigError`` / ``BackendUnavailableError`` if this call cannot be served."""
 
-    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout):
-        """``(logp [R] f32, lse [R] f32)`` with ``logp = z[id] - logsumexp(z)``; NaN for ids outside [0, V)."""
+    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
+        """``(logp [R] f32, lse [R] f32)`` with ``logp = z[id] - logsumexp(z)``; NaN for ids outside [0, V).
+
+        With ``with_entropy``, a third output: the softmax entropy ``lse - sum_v p_v z_v`` ``[R]`` f32."""
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
         """``(dhidden [R, H] hidden.dtype, dw_acc, db_acc)`` for ``dz = dlogp (onehot(id) - softmax(z)) / T``.

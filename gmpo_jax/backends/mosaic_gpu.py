@@ -83,10 +83,14 @@ class MosaicGpuBackend:
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
-  def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias):
+  def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias,
+                      with_entropy=False):
     from gmpo_jax.kernels import _common as C
     if not self.interpret and not any(supported_on(d) for d in jax.devices()):
       raise BackendUnavailableError("Pallas Mosaic GPU kernels need a Hopper (sm_90) or newer GPU")
+    if with_entropy:
+      raise UnsupportedConfigError("the per-token entropy is computed by xla_chunked only (not yet in "
+                                   "the Mosaic log-prob kernel)")
     if weight_layout not in ("hv", "vh"):
       raise UnsupportedConfigError(f"{weight_layout=} must be 'hv' or 'vh'")
     hd, wd = jnp.dtype(hidden_dtype), jnp.dtype(weight_dtype)
@@ -108,13 +112,13 @@ class MosaicGpuBackend:
             f"{kind} kernel needs {cfg.smem_bytes(item, extra)} bytes of shared memory "
             f"(> {C.SMEM_BYTES}) with {cfg}")
 
-  def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout):
+  def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
     from gmpo_jax.kernels import _common as C
     from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
     R, H = hidden.shape
     V = _vocab(weight, weight_layout)
     self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
-                         weight_layout=weight_layout, has_bias=bias is not None)
+                         weight_layout=weight_layout, has_bias=bias is not None, with_entropy=with_entropy)
     cfg = block_config(rows=R, H=H, V=V, kind="logprob", interpret=self.interpret)
     with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
       hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)

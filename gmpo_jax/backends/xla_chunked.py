@@ -79,44 +79,56 @@ class XlaChunkedBackend:
     vocab_block: int | None = None
     name: str = "xla_chunked"
 
-    def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias):
+    def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias,
+                        with_entropy=False):
         if weight_layout not in ("hv", "vh"):
             raise UnsupportedConfigError(f"weight_layout={weight_layout!r}")
 
     def _vocab_block(self, rows, V):
         return self.vocab_block or tuning.xla_vocab_block(rows, V)
 
-    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout):
+    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
         R = hidden.shape[0]
         V = weight.shape[1] if weight_layout == "hv" else weight.shape[0]
         size, n = _blocks(V, self._vocab_block(R, V))
         prec = _precision(hidden.dtype, weight.dtype)
 
         def body(carry, j):
-            m, s, tgt = carry
+            m, s, tgt, e = carry
             _, _, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
                                                 layout=weight_layout, precision=prec)
             m_new = jnp.maximum(m, jnp.max(z, axis=1))
             # every column so far -inf (a vocabulary shard of padding only): keep s = 0, lse = -inf, not NaN
             m_ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+            rescale = jnp.exp(m - m_ref)
             # exactly z <= m_ref; min() keeps a fusion's differently rounded z from overflowing exp
-            s = s * jnp.exp(m - m_ref) + jnp.sum(jnp.exp(jnp.minimum(z - m_ref[:, None], 0.0)), axis=1)
+            q = jnp.exp(jnp.minimum(z - m_ref[:, None], 0.0))
+            if with_entropy:  # e = sum_v q_v (z_v - m): rescaled like s when the maximum moves
+                shift = jnp.where(jnp.isneginf(m), 0.0, m - m_ref)
+                e = rescale * (e + s * shift) + jnp.sum(jnp.where(q > 0, q * (z - m_ref[:, None]), 0.0), axis=1)
+            s = s * rescale + jnp.sum(q, axis=1)
             hit = (cols[None, :] == ids[:, None]) & fresh[None, :]
             tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
-            return (m_new, s, tgt), None
+            return (m_new, s, tgt, e), None
 
-        init = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R,), jnp.float32))
+        zeros = jnp.zeros((R,), jnp.float32)
+        init = (jnp.full((R,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
         with jax.named_scope("gmpo_jax/xla_chunked/logprobs"):
-            (m, s, tgt), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+            (m, s, tgt, e), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
             # Exactly, s >= 1 (the maximum's own term) and tgt <= lse. XLA may round the logits of the
             # max, sum and target reductions differently (separate fusions); at |z| ~ 1e10 (tiny
             # temperatures) that is ~1e3 apart and exp(z - m) of the maximum underflows to 0 (lse = -inf,
             # logp = +inf) or overflows. Restoring the exact bounds keeps the float32-accurate answer.
-            s = jnp.where(jnp.isneginf(m), s, jnp.maximum(s, 1.0))
+            empty = jnp.isneginf(m)
+            s = jnp.where(empty, s, jnp.maximum(s, 1.0))
             lse = m + jnp.log(s)
             valid = (ids >= 0) & (ids < V)
             logp = jnp.where(valid, jnp.minimum(tgt - lse, 0.0), jnp.nan)
-        return logp, lse
+            if not with_entropy:
+                return logp, lse
+            # H = lse - E[z] = log s - e / s, in [0, log V]
+            ent = jnp.where(empty, 0.0, jnp.clip(jnp.log(s) - e / jnp.where(empty, 1.0, s), 0.0, jnp.log(V)))
+        return logp, lse, ent
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
         R, H = hidden.shape
