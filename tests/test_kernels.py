@@ -283,3 +283,49 @@ def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop
   jax.export.export(fwd, platforms=["cuda"])(h, w, b, i)
   exp = jax.export.export(bwd, platforms=["cuda"])(h, w, b, i, f, f, acc)
   assert ("stablehlo.while" in exp.mlir_module()) == loop
+
+
+def test_interpret_split_of_masked_vocabulary_is_not_nan():
+  """A -inf bias over the last vocabulary tiles (a padded vocabulary masked by ``vocab_size``) leaves a
+  whole split without a finite logit: its statistics must stay (m = -inf, l = 0), not NaN, and the merged
+  log-sum-exp must equal the float64 one over the finite columns. Rows with every column masked give
+  lse = -inf. (Was NaN: exp2(-inf - -inf).)"""
+  from gmpo_jax.backends.mosaic_gpu import _prepare, block_config
+  from gmpo_jax.kernels._compat import interpret_params
+  from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
+  R, H, V = 128, 64, 384
+  h, w, _, ids, _ = _inputs(R, H, V, "hv", jnp.bfloat16, False, 1.0, seed=9)
+  bias = jnp.where(jnp.arange(V) >= 250, -jnp.inf, 0.0).astype(jnp.float32)   # tile 3 all masked
+  cfg = block_config(rows=R, H=H, V=V, kind="logprob", interpret=True)
+  hp, ids_p, scale, bias_p, _ = _prepare(h, ids % 250, bias, jnp.float32(1.0), cfg, V)
+  m2, l, t2 = lse_partials(hp, w, bias_p, ids_p, scale, weight_layout="hv", vocab_size=V, cfg=cfg,
+                           num_splits=3, interpret=interpret_params())
+  assert np.all(np.asarray(m2)[2] == -np.inf) and np.all(np.asarray(l)[2] == 0)
+  _, lse = combine_splits(m2, l, t2)
+  z = np.asarray(h, np.float64) @ np.asarray(w, np.float64)[:, :250]
+  want = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1))
+  np.testing.assert_allclose(np.asarray(lse), want, rtol=0, atol=LOGP_TOL * (1 + np.abs(z).max()))
+  all_masked = combine_splits(jnp.full((2, 4), -jnp.inf), jnp.zeros((2, 4)), jnp.zeros((2, 4)))[1]
+  assert np.all(np.asarray(all_masked) == -np.inf)
+
+
+def test_interpret_padded_vocab_size_through_the_api():
+  """``vocab_size=`` masks a padded vocabulary with a -inf bias; through the public API the Mosaic
+  backend (interpret mode) returns the xla_chunked log-probs and gradients, not NaN, even when the
+  padding covers whole vocabulary tiles."""
+  import gmpo_jax
+  rng = np.random.default_rng(4)
+  B, T, H, V, real = 2, 40, 64, 1024, 250   # tiles 2..7 all padding: whole splits of it
+  h = jnp.asarray(rng.standard_normal((B, T, H)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((H, V)) / 8, jnp.bfloat16)
+  ids = jnp.asarray(rng.integers(0, real, (B, T)), jnp.int32)
+
+  def run(impl):
+    f = lambda h, w: jnp.sum(gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=real, implementation=impl))
+    return jax.value_and_grad(f, argnums=(0, 1))(h, w)
+
+  (v, (dh, dw)), (v0, (dh0, dw0)) = run(INTERPRET), run("xla_chunked")
+  assert np.isfinite(float(v))
+  np.testing.assert_allclose(float(v), float(v0), rtol=1e-5)
+  assert _rel(dh, dh0) < GRAD_REL_XLA and _rel(dw, dw0) < GRAD_REL_XLA
+  assert np.all(np.asarray(dw)[:, real:] == 0)

@@ -90,8 +90,11 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
       col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
       z2 = jnp.where(col < vocab_size, z2, -jnp.inf)
       m_new = jnp.maximum(m2, z2.max(axis=1))
-      p = jnp.exp2(z2 - C.bcast_rows(m_new, shape))
-      l = l * jnp.exp2(m2 - m_new) + p.sum(axis=1)
+      # a row whose logits so far are all -inf (a split of masked / padded vocabulary: a -inf bias):
+      # keep l = 0 and m = -inf instead of exp2(-inf - -inf) = NaN
+      m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp2(z2 - C.bcast_rows(m_ref, shape))
+      l = l * jnp.exp2(m2 - m_ref) + p.sum(axis=1)
       t2 = t2 + jnp.where(col == C.bcast_rows(ids_v, shape), z2, 0.0).sum(axis=1)
       return ids_v, scale_v, m_new, l, t2
 
@@ -139,7 +142,8 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
 def combine_splits(m2, l, t2):
   """Merges per-split statistics into ``(target_logit, lse)`` in natural-log units."""
   m_all = m2.max(axis=0)
-  l_all = (l * jnp.exp2(m2 - m_all[None])).sum(axis=0)
+  m_ref = jnp.where(m_all == -jnp.inf, 0.0, m_all)  # a row with no finite logit: lse = -inf, not NaN
+  l_all = (l * jnp.exp2(m2 - m_ref[None])).sum(axis=0)
   lse = (m_all + jnp.log2(l_all)) * C.LN2
   tgt = t2.sum(axis=0) * C.LN2
   return tgt, lse
