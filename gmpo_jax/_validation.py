@@ -20,7 +20,10 @@ def _shape(x) -> tuple:
 def _dtype(x, name: str = "argument"):
     if not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray), got {type(x).__name__}: {x!r:.80}")
-    return jnp.result_type(x)
+    try:
+        return jnp.result_type(x)
+    except TypeError:  # strings, objects: not a JAX dtype
+        raise TypeError(f"{name} must hold numbers, got {name}.dtype={x.dtype}") from None
 
 
 def _concrete(x):

@@ -91,6 +91,8 @@ def test_shape_errors_name_the_argument(name, override):
      ("advantages", dict(advantages=jnp.zeros((B,), jnp.int32))),
      ("old_logps", dict(old_logps=jnp.zeros((B, T), jnp.int32))),
      ("chunk_size", dict(chunk_size=1.5)),
+     ("completion_mask", dict(completion_mask=np.full((B, T), "a"))),
+     ("advantages", dict(advantages=np.full((B,), None, dtype=object))),
      ("objective", dict(objective="gmpo"))],
 )
 def test_dtype_errors_are_type_errors(name, override):
