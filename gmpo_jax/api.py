@@ -273,7 +273,7 @@ def fused_linear_logprobs(
     r"""Per-token log-probs (and optionally entropies) through the LM head without materialising the logits.
 
     .. math::
-        \log\pi_{b,t} = \frac{z_{b,t,y}}{1} - \log\sum_v e^{z_{b,t,v}},\qquad z = (h W + c) / \tau
+        \log\pi_{b,t} = z_{b,t,y} - \log\sum_v e^{z_{b,t,v}},\qquad z = (h W + c) / \tau
 
     For rollout-time old-policy and reference log-probs, or any loss of your own: it is differentiable
     (its own custom VJP; one cotangent per token; the logits are recomputed block by block in the
@@ -290,7 +290,8 @@ def fused_linear_logprobs(
       weight_layout, chunk_size, implementation, vocab_size, mesh, data_axis, vocab_axis: as in
         :func:`fused_linear_policy_loss`.
       return_entropy: also return the per-token entropy of the (temperature-scaled) softmax,
-        :math:`\mathcal{H}_{b,t} = \log\sum_v e^{z_v} - \sum_v p_v z_v` in nats, ``[0, log V]``: what TRL
+        :math:`\mathcal{H}_{b,t} = \log\sum_v e^{z_v} - \sum_v p_v z_v` in nats, in ``[0, log V]`` (``V`` =
+        ``vocab_size`` when given: padded columns are outside the softmax): what TRL
         logs as ``entropy`` and thresholds for its top-entropy token masking. Computed in the same pass
         as the log-sum-exp (one extra running sum per row). A metric: it carries **no gradient** (its
         cotangent is ignored; differentiate the log-probs only). Served by ``xla_chunked`` (the Mosaic
@@ -302,7 +303,9 @@ def fused_linear_logprobs(
       float32 and 0 at masked positions.
 
     Raises:
-      TypeError / ValueError: as :func:`fused_linear_policy_loss`, for the arguments it takes.
+      TypeError / ValueError: as :func:`fused_linear_policy_loss`, for the arguments it takes; TypeError
+        for a ``return_entropy`` that is not a bool.
+      UnsupportedConfigError: ``return_entropy=True`` with an explicit Mosaic GPU implementation.
 
     Example:
       >>> import jax, jax.numpy as jnp, gmpo_jax

@@ -383,7 +383,8 @@ class GRPO(Objective):
 
     Raises:
       ValueError: unknown ``loss_type`` / ``importance_sampling_level``, negative epsilon or beta,
-        ``delta <= 0``, ``dr_grpo`` without a positive ``max_completion_length``.
+        ``delta <= 0``, a ``max_completion_length`` that is not a positive int (``dr_grpo``
+        requires one).
 
     References: Shao et al. arXiv 2402.03300 (GRPO); Yu et al. arXiv 2503.14476 (DAPO); Liu et al.
     arXiv 2503.20783 (Dr. GRPO); Zheng et al. arXiv 2507.18071 (GSPO); Liger-Kernel

@@ -732,3 +732,35 @@ def test_tiny_temperature_gives_finite_float64_value(temperature):
     loss, aux = jax.jit(lambda zl: gmpo_jax.policy_loss_from_logits(
         zl, ids, np.ones((2, 5)), np.array([1.0, -1.0]), objective=gmpo_jax.GMPO(), temperature=temperature))(zl)
     assert np.isfinite(float(loss)) and np.isfinite(float(aux.log_ratio_max))
+
+
+@pytest.mark.parametrize("temperature", [1e-10, 1e-6, 1e-2])
+def test_tiny_temperature_gradients_and_entropy(temperature):
+    """Targets at each row's argmax: at tiny temperatures the softmax is one-hot, so d logp / dh, d loss /
+    dz and the entropy are ~0 (float64). Compared at absolute 1e-5 of the gradient scale |W| / T. Once
+    failed with the full 1 / T (and 1/e nats of entropy): XLA contracted ``x / T - lse`` into a fused
+    multiply-add that missed the rounding of ``x / T`` by ~1e3, so the argmax got probability 0."""
+    rng = np.random.default_rng(6)
+    h = rng.standard_normal((2, 8, 8)).astype(np.float32)
+    w = (rng.standard_normal((8, 32)) / 3).astype(np.float32)
+    z32 = np.einsum("bth,hv->btv", h, w)
+    ids = z32.argmax(-1).astype(np.int32)
+    z64 = np.einsum("bth,hv->btv", h.astype(np.float64), w.astype(np.float64)) / temperature
+    p = np.exp(z64 - z64.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = (np.eye(32)[ids] - p) / temperature @ w.astype(np.float64).T
+    scale = np.abs(w).max() / temperature
+    f = lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=temperature, return_entropy=True)
+    g = jax.jit(jax.grad(lambda h: jnp.sum(f(h)[0])))(h)
+    np.testing.assert_allclose(np.asarray(g), want, rtol=0, atol=1e-5 * scale)
+    ent = jax.jit(f)(h)[1]
+    want_ent = -np.sum(p * np.log(np.maximum(p, 1e-300)), -1)
+    np.testing.assert_allclose(np.asarray(ent), want_ent, rtol=0, atol=1e-5)
+    zl = jnp.asarray(np.concatenate([z32, np.zeros((2, 1, 32), np.float32)], 1))  # [B, T + 1, V]
+    gz = jax.jit(jax.grad(lambda zl: gmpo_jax.policy_loss_from_logits(
+        zl, ids, np.ones((2, 8)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0),
+        temperature=temperature)[0]))(zl)
+    pz = np.exp(z32 / np.float64(temperature) - (z32 / np.float64(temperature)).max(-1, keepdims=True))
+    pz /= pz.sum(-1, keepdims=True)
+    want_z = -(np.eye(32)[ids] - pz) / temperature / 16  # dapo-style mean over 16 tokens, A = 1, w = 1
+    np.testing.assert_allclose(np.asarray(gz)[:, :8], want_z, rtol=0, atol=1e-5 / temperature)

@@ -46,6 +46,14 @@ def _block_logits(hidden, w_blk, b_blk, temperature, layout, precision):
     return z / temperature
 
 
+def _shifted(z, ref):
+    """``z - ref`` for ``ref >= max(z)`` (a row maximum or log-sum-exp): exactly ``<= 0``, and exactly 0
+    where ``z == ref``. XLA may contract ``(x / T) - ref`` into a fused multiply-add whose unrounded
+    product differs from the rounded ``z`` that gave ``ref`` by up to half an ulp of ``z`` (~1e3 at
+    ``|z| ~ 1e10``, a tiny temperature): the maximum would get ``exp(+-1e3)`` instead of ``exp(0)``."""
+    return jnp.where(z == ref, 0.0, jnp.minimum(z - ref, 0.0))
+
+
 def _blocks(V, vocab_block):
     size = min(vocab_block, V)
     n = -(-V // size)
@@ -101,11 +109,11 @@ class XlaChunkedBackend:
             # every column so far -inf (a vocabulary shard of padding only): keep s = 0, lse = -inf, not NaN
             m_ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
             rescale = jnp.exp(m - m_ref)
-            # exactly z <= m_ref; min() keeps a fusion's differently rounded z from overflowing exp
-            q = jnp.exp(jnp.minimum(z - m_ref[:, None], 0.0))
+            d = _shifted(z, m_ref[:, None])
+            q = jnp.exp(d)
             if with_entropy:  # e = sum_v q_v (z_v - m): rescaled like s when the maximum moves
                 shift = jnp.where(jnp.isneginf(m), 0.0, m - m_ref)
-                e = rescale * (e + s * shift) + jnp.sum(jnp.where(q > 0, q * (z - m_ref[:, None]), 0.0), axis=1)
+                e = rescale * (e + s * shift) + jnp.sum(jnp.where(q > 0, q * d, 0.0), axis=1)
             s = s * rescale + jnp.sum(q, axis=1)
             hit = (cols[None, :] == ids[:, None]) & fresh[None, :]
             tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
@@ -143,7 +151,7 @@ class XlaChunkedBackend:
             dh, dw, db = carry
             start, w_blk, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
                                                         layout=weight_layout, precision=prec)
-            p = jnp.where(fresh[None, :], jnp.exp(jnp.minimum(z - lse[:, None], 0.0)), 0.0)  # exactly <= 1
+            p = jnp.where(fresh[None, :], jnp.exp(_shifted(z, lse[:, None])), 0.0)
             onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
             dz_c = dz.astype(cdt)

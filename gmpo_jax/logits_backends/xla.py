@@ -88,7 +88,10 @@ class XlaLogitsBackend:
             c = jnp.pad(dlogp / temperature, pad)[..., None]
             lse_p = jnp.pad(lse, pad)[..., None]
             ids_p = jnp.pad(ids, pad)[..., None]
-            p = jnp.exp(jnp.minimum(logits.astype(jnp.float32) / temperature - lse_p, 0.0))  # exactly <= 1
+            z = logits.astype(jnp.float32) / temperature
+            # exactly z <= lse, and z == lse for a one-hot row: XLA may contract z - lse into a fused
+            # multiply-add that misses the rounding of z by ~1e3 at tiny temperatures (see xla_chunked)
+            p = jnp.exp(jnp.where(z == lse_p, 0.0, jnp.minimum(z - lse_p, 0.0)))
             hit = lax.broadcasted_iota(jnp.int32, (1, 1, V), 2) == ids_p
             g = jnp.where(hit, 1.0 - p, -p)
             return jnp.where(c != 0.0, c * g, 0.0).astype(logits.dtype)

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("objective")
     _add(g, "loss_type", f"{' | '.join(LOSS_TYPES)} (default {_D.loss_type})", type=str)
     _add(g, "epsilon_low", "lower clip range (default: the objective's, 0.4 gmpo / 0.2 others)", type=float)
-    _add(g, "epsilon_high", "upper clip range (default: the objective's)", type=float)
+    _add(g, "epsilon_high", "upper clip range (default: the objective's; 5.0 for cispo, whose bound caps the ratio itself)", type=float)
     _add(g, "beta", f"KL coefficient to the frozen initial policy (default {_D.beta})", type=float)
     _add(g, "scale_rewards", f"advantage scaling: {' | '.join(SCALE_REWARDS)} (none = Dr. GRPO) "
                              f"(default {_D.scale_rewards})", type=str)

@@ -63,7 +63,8 @@ class TrainConfig:
         ``max_completion_length`` (``None`` -> the task's answer length + 1 for EOS),
         ``temperature``, ``top_p``.
       Objective: ``loss_type``, ``epsilon_low`` / ``epsilon_high`` (``None`` -> the objective's
-        default: 0.4 for GMPO, 0.2 for the others), ``beta`` (KL to the frozen initial policy),
+        default: 0.4 for GMPO, 0.2 for the GRPO family; CISPO's ``epsilon_high``: 5.0, see
+        ``make_objective``), ``beta`` (KL to the frozen initial policy),
         ``scale_rewards`` (``"group"``: divide by the group std; ``"none"``: Dr. GRPO, centre only),
         ``num_iterations`` (optimizer passes over each rollout batch; > 1 makes the updates
         off-policy and the importance ratios non-trivial).
