@@ -257,6 +257,34 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
   np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw2))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@pytest.mark.parametrize("temperature", [1e-6, 1e-2])
+def test_gpu_tiny_temperature_argmax_targets(temperature):
+  """Targets at each row's argmax, tiny temperature: the softmax is one-hot, so d logp / dh ~ 0 (float64)
+  and logp ~ 0. The XLA paths needed ``z - ref`` set to exactly 0 where ``z == ref`` (a contracted
+  multiply-add of ``x / T - lse`` misses the rounding of ``x / T``); the kernels' ``z * scale - lse2``
+  can be contracted the same way by the GPU compiler. Not yet run on a device (added after the device
+  time of 2026-11-30 was spent)."""
+  import gmpo_jax
+  rng = np.random.default_rng(7)
+  B, T, H, V = 2, 64, 128, 1024
+  h = jnp.asarray(rng.standard_normal((B, T, H)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((H, V)) / 8, jnp.bfloat16)
+  z = np.einsum("bth,hv->btv", np.asarray(h, np.float64), np.asarray(w, np.float64))
+  ids = jnp.asarray(z.argmax(-1), jnp.int32)
+  zt = z / temperature
+  p = np.exp(zt - zt.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  want = (np.eye(V)[np.asarray(ids)] - p) / temperature @ np.asarray(w, np.float64).T
+  f = lambda h: jnp.sum(gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=temperature,
+                                                       implementation="mosaic_gpu"))
+  v, g = jax.jit(jax.value_and_grad(f))(h)
+  assert np.isfinite(float(v)) and float(v) <= 0
+  scale = float(np.abs(np.asarray(w, np.float32)).max()) / temperature
+  np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=0, atol=1e-2 * scale)
+
+
 @pytest.mark.parametrize("R,H,V,layout,bias,loop", [
     (16384, 896, 151936, "hv", False, True),   # Qwen head, 16k rows: full windows in a loop + a tail
     (8192, 4096, 128256, "vh", True, True),    # Llama head layout with bias
