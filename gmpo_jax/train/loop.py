@@ -340,7 +340,7 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
 
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     head = "tied nnx.Embed head (vh)" if c.tie_embeddings else "nnx.Linear head (hv)"
-    log(f"{c.run_name}: {c.loss_type} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
+    log(f"{c.run_name}: {p.objective} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
         f"{c.n_layers} layers, V={p.vocab_size}, {head}, {c.dtype}) | {c.batch_size} completions/step = "
         f"{c.num_prompts} prompts x {c.group_size}, T={p.max_completion_length}, {c.num_iterations} update(s) "
         f"per batch | {jax.devices()[0].device_kind}"
