@@ -229,7 +229,7 @@ def _aligned(weight, weight_layout):
   50257) get a zero-padded copy, whose extra columns the kernels mask as ``>= vocab_size``."""
   axis = 1 if weight_layout == "hv" else 0
   align = 64 if weight_layout == "hv" else 8
-  V = weight.shape[axis]
+  V = _vocab(weight, weight_layout)
   if V % align == 0:
     return weight
   pad = [(0, 0), (0, 0)]

@@ -24,7 +24,7 @@ from jax import lax
 from gmpo_jax.backends.base import UnsupportedConfigError
 from gmpo_jax import tuning
 
-__all__ = ["XlaChunkedBackend", "make_backend"]
+__all__ = ["XlaChunkedBackend", "make_backend", "shifted"]
 
 
 def _precision(*dtypes):
@@ -46,9 +46,10 @@ def _block_logits(hidden, w_blk, b_blk, temperature, layout, precision):
     return z / temperature
 
 
-def _shifted(z, ref):
-    """``z - ref`` for ``ref >= max(z)`` (a row maximum or log-sum-exp): exactly ``<= 0``, and exactly 0
-    where ``z == ref``. XLA may contract ``(x / T) - ref`` into a fused multiply-add whose unrounded
+def shifted(z, ref):
+    """``z - ref`` (float32, broadcast shapes) for ``ref >= max(z)`` along the vocabulary (a row maximum
+    or log-sum-exp): exactly ``<= 0``, and exactly 0 where ``z == ref``; ``-inf`` logits stay ``-inf``.
+    Shared with the logits path (``logits_backends/xla.py``). XLA may contract ``(x / T) - ref`` into a fused multiply-add whose unrounded
     product differs from the rounded ``z`` that gave ``ref`` by up to half an ulp of ``z`` (~1e3 at
     ``|z| ~ 1e10``, a tiny temperature): the maximum would get ``exp(+-1e3)`` instead of ``exp(0)``."""
     return jnp.where(z == ref, 0.0, jnp.minimum(z - ref, 0.0))
@@ -109,7 +110,7 @@ class XlaChunkedBackend:
             # every column so far -inf (a vocabulary shard of padding only): keep s = 0, lse = -inf, not NaN
             m_ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
             rescale = jnp.exp(m - m_ref)
-            d = _shifted(z, m_ref[:, None])
+            d = shifted(z, m_ref[:, None])
             q = jnp.exp(d)
             if with_entropy:  # e = sum_v q_v (z_v - m): rescaled like s when the maximum moves
                 shift = jnp.where(jnp.isneginf(m), 0.0, m - m_ref)
@@ -151,7 +152,7 @@ class XlaChunkedBackend:
             dh, dw, db = carry
             start, w_blk, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
                                                         layout=weight_layout, precision=prec)
-            p = jnp.where(fresh[None, :], jnp.exp(_shifted(z, lse[:, None])), 0.0)
+            p = jnp.where(fresh[None, :], jnp.exp(shifted(z, lse[:, None])), 0.0)
             onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
             dz_c = dz.astype(cdt)

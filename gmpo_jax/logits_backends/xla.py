@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax.backends.base import UnsupportedConfigError
+from gmpo_jax.backends.xla_chunked import shifted
 
 __all__ = ["XlaLogitsBackend", "make_backend"]
 
@@ -88,10 +89,7 @@ class XlaLogitsBackend:
             c = jnp.pad(dlogp / temperature, pad)[..., None]
             lse_p = jnp.pad(lse, pad)[..., None]
             ids_p = jnp.pad(ids, pad)[..., None]
-            z = logits.astype(jnp.float32) / temperature
-            # exactly z <= lse, and z == lse for a one-hot row: XLA may contract z - lse into a fused
-            # multiply-add that misses the rounding of z by ~1e3 at tiny temperatures (see xla_chunked)
-            p = jnp.exp(jnp.where(z == lse_p, 0.0, jnp.minimum(z - lse_p, 0.0)))
+            p = jnp.exp(shifted(logits.astype(jnp.float32) / temperature, lse_p))  # exactly <= 1
             hit = lax.broadcasted_iota(jnp.int32, (1, 1, V), 2) == ids_p
             g = jnp.where(hit, 1.0 - p, -p)
             return jnp.where(c != 0.0, c * g, 0.0).astype(logits.dtype)
