@@ -124,20 +124,22 @@ def _largest_divisor(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
-def lm_head_inputs(cfg: Config, opts: dict[str, Any]):
+def lm_head_arrays(cfg: Config, opts: dict[str, Any]):
+    """``(hidden, weight, ids, mask, advantages)`` of an LM-head configuration (trace under ``jax.jit``;
+    ``out_shardings`` places them, as ``benchmarks.sharded_bench`` does)."""
     B, T, H, V = cfg.B, cfg.T, cfg.H, cfg.V
     seed, layout = opts["seed"], opts["weight_layout"]
+    hidden = hashed_normal(seed, 1, (B, T, H), jnp.bfloat16)
+    w_shape = (H, V) if layout == "hv" else (V, H)
+    weight = hashed_normal(seed, 2, w_shape, jnp.bfloat16, opts["logit_scale"] / math.sqrt(H))
+    ids = hashed_randint(seed, 3, (B, T), V)
+    adv = hashed_normal(seed, 4, (B,), jnp.float32)
+    return hidden, weight, ids, _mask(seed, B, T, opts["mask"]), adv
 
-    @jax.jit
-    def make():
-        hidden = hashed_normal(seed, 1, (B, T, H), jnp.bfloat16)
-        w_shape = (H, V) if layout == "hv" else (V, H)
-        weight = hashed_normal(seed, 2, w_shape, jnp.bfloat16, opts["logit_scale"] / math.sqrt(H))
-        ids = hashed_randint(seed, 3, (B, T), V)
-        adv = hashed_normal(seed, 4, (B,), jnp.float32)
-        return hidden, weight, ids, _mask(seed, B, T, opts["mask"]), adv
 
-    hidden, weight, ids, mask, adv = make()
+def lm_head_inputs(cfg: Config, opts: dict[str, Any]):
+    B, T, seed, layout = cfg.B, cfg.T, opts["seed"], opts["weight_layout"]
+    hidden, weight, ids, mask, adv = jax.jit(lambda: lm_head_arrays(cfg, opts))()
     logp = chunked_logps(hidden, weight, ids, weight_layout=layout)
     old = jax.jit(lambda lp: lp + opts["ratio_noise"] * hashed_normal(seed, 5, (B, T), jnp.float32))(logp)
     del logp

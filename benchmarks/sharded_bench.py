@@ -61,16 +61,9 @@ def _worker(args) -> dict[str, Any]:
         shard = {"h": NamedSharding(mesh, P(d, None, None)), "w": NamedSharding(mesh, P(None, v)),
                  "bt": NamedSharding(mesh, P(d, None)), "b": NamedSharding(mesh, P(d))}
     B, T, H, V, seed = cfg.B, cfg.T, cfg.H, cfg.V, opts["seed"]
-
-    def make():
-        hidden = jax_impls.hashed_normal(seed, 1, (B, T, H), jnp.bfloat16)
-        weight = jax_impls.hashed_normal(seed, 2, (H, V), jnp.bfloat16, 1.0 / H ** 0.5)
-        ids = jax_impls.hashed_randint(seed, 3, (B, T), V)
-        adv = jax_impls.hashed_normal(seed, 4, (B,), jnp.float32)
-        return hidden, weight, ids, jnp.ones((B, T), jnp.bool_), adv
-
     outs = (shard["h"], shard["w"], shard["bt"], shard["bt"], shard["b"])
-    hidden, weight, ids, mask, adv = jax.jit(make, out_shardings=None if n == 1 else outs)()
+    hidden, weight, ids, mask, adv = jax.jit(lambda: jax_impls.lm_head_arrays(cfg, opts),
+                                             out_shardings=None if n == 1 else outs)()
     logp_kw = {k: kw[k] for k in ("implementation", "mesh", "data_axis", "vocab_axis") if k in kw}
     old = jax.jit(lambda h, w, i: gmpo_jax.fused_linear_logprobs(h, w, i, **logp_kw)
                   + opts["ratio_noise"] * jax_impls.hashed_normal(seed, 5, (B, T), jnp.float32))(
