@@ -722,9 +722,7 @@ def test_tiny_temperature_gives_finite_float64_value(temperature):
     h = rng.standard_normal((2, 5, 8)).astype(np.float32)
     w = rng.standard_normal((8, 37)).astype(np.float32)
     ids = rng.integers(0, 37, (2, 5))
-    z = np.einsum("bth,hv->btv", h.astype(np.float64), w.astype(np.float64)) / temperature
-    want = np.take_along_axis(z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
-                              - z.max(-1, keepdims=True), ids[..., None], -1)[..., 0]
+    want = spec.spec_logprobs(h, w, ids, temperature=temperature)
     got = jax.jit(lambda h, w, i: gmpo_jax.fused_linear_logprobs(h, w, i, temperature=temperature))(h, w, ids)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
     # the logits path: logits already computed (float32), divided by the temperature inside
@@ -745,22 +743,17 @@ def test_tiny_temperature_gradients_and_entropy(temperature):
     w = (rng.standard_normal((8, 32)) / 3).astype(np.float32)
     z32 = np.einsum("bth,hv->btv", h, w)
     ids = z32.argmax(-1).astype(np.int32)
-    z64 = np.einsum("bth,hv->btv", h.astype(np.float64), w.astype(np.float64)) / temperature
-    p = np.exp(z64 - z64.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    want = (np.eye(32)[ids] - p) / temperature @ w.astype(np.float64).T
+    want = spec.spec_head_vjp(h, w, ids, None, np.ones(ids.shape), temperature=temperature)[0]
     scale = np.abs(w).max() / temperature
     f = lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=temperature, return_entropy=True)
     g = jax.jit(jax.grad(lambda h: jnp.sum(f(h)[0])))(h)
     np.testing.assert_allclose(np.asarray(g), want, rtol=0, atol=1e-5 * scale)
     ent = jax.jit(f)(h)[1]
-    want_ent = -np.sum(p * np.log(np.maximum(p, 1e-300)), -1)
-    np.testing.assert_allclose(np.asarray(ent), want_ent, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent), spec.spec_entropy(h, w, temperature=temperature), rtol=0, atol=1e-5)
     zl = jnp.asarray(np.concatenate([z32, np.zeros((2, 1, 32), np.float32)], 1))  # [B, T + 1, V]
     gz = jax.jit(jax.grad(lambda zl: gmpo_jax.policy_loss_from_logits(
         zl, ids, np.ones((2, 8)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0),
         temperature=temperature)[0]))(zl)
-    pz = np.exp(z32 / np.float64(temperature) - (z32 / np.float64(temperature)).max(-1, keepdims=True))
-    pz /= pz.sum(-1, keepdims=True)
+    pz = np.exp(spec._log_softmax(z32 / np.float64(temperature)))
     want_z = -(np.eye(32)[ids] - pz) / temperature / 16  # dapo-style mean over 16 tokens, A = 1, w = 1
     np.testing.assert_allclose(np.asarray(gz)[:, :8], want_z, rtol=0, atol=1e-5 / temperature)
