@@ -257,18 +257,11 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
   np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw2))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
-@pytest.mark.parametrize("temperature", [1e-6, 1e-2])
-def test_gpu_tiny_temperature_argmax_targets(temperature):
+def _tiny_temperature_case(implementation, B, T, H, V, temperature):
   """Targets at each row's argmax, tiny temperature: the softmax is one-hot, so d logp / dh ~ 0 (float64)
-  and logp ~ 0. The XLA paths needed ``z - ref`` set to exactly 0 where ``z == ref`` (a contracted
-  multiply-add of ``x / T - lse`` misses the rounding of ``x / T``); the kernels' ``z * scale - lse2``
-  can be contracted the same way by the GPU compiler. Not yet run on a device (added after the device
-  time of 2026-11-30 was spent)."""
+  and logp ~ 0; compared at 1e-2 of the gradient scale |W| / T."""
   import gmpo_jax
   rng = np.random.default_rng(7)
-  B, T, H, V = 2, 64, 128, 1024
   h = jnp.asarray(rng.standard_normal((B, T, H)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((H, V)) / 8, jnp.bfloat16)
   z = np.einsum("bth,hv->btv", np.asarray(h, np.float64), np.asarray(w, np.float64))
@@ -278,11 +271,29 @@ def test_gpu_tiny_temperature_argmax_targets(temperature):
   p /= p.sum(-1, keepdims=True)
   want = (np.eye(V)[np.asarray(ids)] - p) / temperature @ np.asarray(w, np.float64).T
   f = lambda h: jnp.sum(gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=temperature,
-                                                       implementation="mosaic_gpu"))
+                                                       implementation=implementation))
   v, g = jax.jit(jax.value_and_grad(f))(h)
   assert np.isfinite(float(v)) and float(v) <= 0
   scale = float(np.abs(np.asarray(w, np.float32)).max()) / temperature
   np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=0, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-2])
+def test_interpret_tiny_temperature_argmax_targets(temperature):
+  """The Pallas interpreter runs the kernels' arithmetic: failed at T = 1e-6 before the backward's
+  ``z2 - lse2`` snap (``_common.snap_tolerance``): the log-sum-exp's round trip through natural-log
+  units moved it by an ulp (~0.5 at |z| / T ~ 1e7), so the argmax got p = 2**(+-0.5), not 1."""
+  _tiny_temperature_case(INTERPRET, 1, 64, 128, 256, temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@pytest.mark.parametrize("temperature", [1e-6, 1e-2])
+def test_gpu_tiny_temperature_argmax_targets(temperature):
+  """As the interpreter test, at 128 rows of V = 1024 on the GPU. Failed at T = 1e-6 on the H200
+  (2026-11-30, 75e1d17) before the snap; the GPU compiler may also contract ``z * scale - lse2`` into
+  a fused multiply-add that skips the rounding of ``z * scale``, which the snap covers too."""
+  _tiny_temperature_case("mosaic_gpu", 2, 64, 128, 1024, temperature)
 
 
 @pytest.mark.parametrize("R,H,V,layout,bias,loop", [

@@ -371,6 +371,31 @@ def test_mosaic_gpu_kernels_interpret_extreme(pick_target):
     np.testing.assert_allclose(d[ok], want_d, rtol=1e-2, atol=1e-2 * np.abs(want_d).max())
 
 
+
+@pytest.mark.parametrize("backend", [INTERPRET, INTERPRET_LEAN], ids=["pick", "lean"])
+@pytest.mark.parametrize("temperature", [1e-6, 1e-2])
+def test_mosaic_gpu_interpret_tiny_temperature_argmax_targets(backend, temperature):
+    """Targets at each row's argmax, tiny temperature: the softmax is one-hot, so logp = 0 and dlogits
+    ~ 0 (float64); the gradient compared at 1e-2 of its scale 1 / T (CISPO at 5.0: d loss / d logp =
+    -1 / N). Failed at T = 1e-6 before the backward's snap (``snap_tolerance``) and the ``logp <= 0``
+    clamp: ulps of a ~1e7 log-sum-exp gave the argmax p = 2**(+-0.5) and a positive log-prob."""
+    rng = np.random.default_rng(3)
+    B, T, V = 2, 39, 256  # 80 rows
+    z = jnp.asarray(rng.standard_normal((B, T + 1, V)), jnp.bfloat16)
+    ids = np.asarray(z[:, :T]).argmax(-1).astype(np.int32)  # argmax of the bf16 logits themselves
+    loss, g = jax.jit(jax.value_and_grad(lambda zl: gmpo_jax.policy_loss_from_logits(
+        zl, ids, np.ones((B, T)), np.ones(B), objective=gmpo_jax.CISPO(epsilon_high=5.0),
+        temperature=temperature, implementation=backend)[0]))(z)
+    zt = _f64(z[:, :T]) / temperature
+    p = np.exp(zt - zt.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    logp = np.log(np.take_along_axis(p, ids[..., None], -1))[..., 0]
+    # float32 resolves a log-prob to a few ulps of |z| / T (0.25 at 1e-6): 1e-6 |z / T| absolute
+    assert float(loss) == pytest.approx(-logp.mean(), rel=1e-5, abs=1e-6 * np.abs(zt).max())
+    want = -(np.eye(V)[ids] - p) / temperature / (B * T)
+    np.testing.assert_allclose(_f64(g)[:, :T], want, rtol=0, atol=1e-2 / temperature / (B * T))
+    assert np.all(_f64(g)[:, T] == 0)
+
 @pytest.mark.parametrize("B, T, extra, V, lean", [
     (2, 1024, True, 128256, False),   # 2050 rows -> viewed as 8200 x 32064 (k = 4)
     (16, 1024, True, 128256, True),   # 16400 rows (k = 1)

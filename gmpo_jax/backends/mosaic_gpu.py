@@ -128,10 +128,10 @@ class MosaicGpuBackend:
                                weight_layout=weight_layout,
                                vocab_size=V, cfg=cfg, num_splits=splits,
                                interpret=self._interpret_params())
-      tgt, lse = combine_splits(m2, l, t2)
-      tgt, lse = tgt[:R], lse[:R]
+      logp, lse = combine_splits(m2, l, t2)
+      logp, lse = logp[:R], lse[:R]
       valid = (ids >= 0) & (ids < V)
-      logp = jnp.where(valid, tgt - lse, jnp.nan)
+      logp = jnp.where(valid, logp, jnp.nan)
     return logp, lse
 
   def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc,

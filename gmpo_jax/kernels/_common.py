@@ -204,3 +204,22 @@ def bcast_cols(v, shape):
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+# |d| <= 2**-21 |lse2| is at most a few float32 ulps of the log-sum-exp: below what float32 resolves.
+SNAP_RELATIVE = 2.0 ** -21
+
+
+def snap_tolerance(lse2):
+  """Per-row tolerance under which a backward kernel treats ``z2 - lse2`` as exactly 0 (``p = 1``).
+
+  The gradient kernels recompute ``z2 = z * scale`` and subtract a log-sum-exp that reached them
+  through other roundings (natural-log units in between, a fused multiply-add of ``z * scale - lse2``
+  that skips the rounding of ``z * scale``). At ordinary temperatures that is a relative error of
+  ~1e-7 in one probability; at tiny temperatures (``|z| / T ~ 1e7``) an ulp of ``lse2`` is ~0.5, so
+  the argmax of a one-hot softmax got ``p = 2**(+-0.5)`` and a gradient of ``~0.4 / T`` instead of 0
+  (measured on an H200 at ``T = 1e-6``, 2026-11-30). Snapping ``|z2 - lse2| <= 2**-21 |lse2|`` (a few
+  ulps) to 0 restores ``p = 1`` there and changes no probability by more than ``1e-5`` relative
+  anywhere else: the XLA paths get the same result by setting ``z - ref`` to exactly 0 where
+  ``z == ref`` (``gmpo_jax.backends.xla_chunked.shifted``).
+  """
+  return jnp.abs(lse2) * SNAP_RELATIVE

@@ -71,18 +71,20 @@ def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, 
     my_rows = row0 + wg * bm
 
     def init_carry():
+      lse2_v = C.row_vector(lse_ref, my_rows, bm, interpret)
       return (C.row_vector(ids_ref, my_rows, bm, interpret),
               C.row_vector(scale_ref, my_rows, bm, interpret),
-              C.row_vector(lse_ref, my_rows, bm, interpret),
+              lse2_v, C.snap_tolerance(lse2_v),
               C.row_vector(coef_ref, my_rows, bm, interpret))
 
     def epilogue(tile, z, carry):
-      ids_v, scale_v, lse2_v, coef_v = carry
+      ids_v, scale_v, lse2_v, tol_v, coef_v = carry
       shape = (bm, bn)
       if has_bias:
         z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
       col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
       z2 = z * C.bcast_rows(scale_v, shape) - C.bcast_rows(lse2_v, shape)
+      z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance
       p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
       onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
       dz = C.bcast_rows(coef_v, shape) * (onehot - p)

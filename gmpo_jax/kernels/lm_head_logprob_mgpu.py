@@ -140,10 +140,16 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
 
 
 def combine_splits(m2, l, t2):
-  """Merges per-split statistics into ``(target_logit, lse)`` in natural-log units."""
+  """Merges per-split statistics into ``(logp, lse)`` in natural-log units.
+
+  ``logp = (t2 - lse2) * ln 2`` is formed in the kernels' base-2 units, where the target's ``t2`` and
+  the running max are the same rounded number at a one-hot softmax (tiny temperatures): converting
+  each to natural units first and subtracting could leave an ulp (~0.5 at ``|z| / T ~ 1e7``) and a
+  positive log-prob. ``logp <= 0`` is then exact (as in the XLA paths).
+  """
   m_all = m2.max(axis=0)
   m_ref = jnp.where(m_all == -jnp.inf, 0.0, m_all)  # a row with no finite logit: lse = -inf, not NaN
   l_all = (l * jnp.exp2(m2 - m_ref[None])).sum(axis=0)
-  lse = (m_all + jnp.log2(l_all)) * C.LN2
-  tgt = t2.sum(axis=0) * C.LN2
-  return tgt, lse
+  lse2 = m_all + jnp.log2(l_all)
+  logp = jnp.minimum((t2.sum(axis=0) - lse2) * C.LN2, 0.0)
+  return logp, lse2 * C.LN2

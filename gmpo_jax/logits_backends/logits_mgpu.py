@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 
+from gmpo_jax.kernels._common import snap_tolerance
 from gmpo_jax.kernels._compat import iota, layout_cast, load_vector, plgpu
 
 __all__ = ["KernelConfig", "lse_partials", "combine_partials", "dlogits", "pick_splits"]
@@ -261,6 +262,7 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
     ids_v, k_v, lse_v, c_v = _load_row_vectors(
         ((ids_ref, ids_smem), (k_ref, f_smem.at[0]), (lse_ref, f_smem.at[1]), (c_ref, f_smem.at[2])),
         row0, vec_barrier, interpret)
+    tol_v = snap_tolerance(lse_v)
 
     def tile(t):
       return (pl.ds(row0, bm), pl.ds(_tile_start(tile0 + t, bv, V), bv))
@@ -279,7 +281,8 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
       slot = lax.rem(t, stages)
       plgpu.barrier_wait(loaded.at[slot])
       col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)  # column within the tile
-      p = jnp.exp2(x_smem.at[slot][...].astype(jnp.float32) * _bcast(k_v, shape) - _bcast(lse_v, shape))
+      z2 = x_smem.at[slot][...].astype(jnp.float32) * _bcast(k_v, shape) - _bcast(lse_v, shape)
+      p = jnp.exp2(jnp.where(jnp.abs(z2) <= _bcast(tol_v, shape), 0.0, z2))  # see snap_tolerance
       g = jnp.where(col == _bcast(ids_v - _tile_start(tile0 + t, bv, V), shape), 1.0 - p, -p)
       c = _bcast(c_v, shape)
       dz = jnp.where(c != 0.0, c * g, 0.0).astype(dtype)

@@ -129,7 +129,9 @@ class MosaicGpuLogitsBackend:
         if not self.fwd.pick_target:  # a [B, T] gather from the full array (no slice of the logits)
             tgt = logits[jnp.arange(B)[:, None], jnp.arange(T)[None, :], jnp.clip(ids, 0, V - 1)]
             tgt = tgt.astype(jnp.float32) / temperature
-        return tgt - lse, lse2.reshape(B, Tl)
+        # logp <= 0 exactly: at tiny temperatures (|z| / T ~ 1e7) the target and the log-sum-exp reach
+        # natural units through different roundings and could differ by an ulp (~0.5) the wrong way
+        return jnp.minimum(tgt - lse, 0.0), lse2.reshape(B, Tl)
 
     def dlogits(self, logits, ids, lse2, dlogp, *, T, temperature):
         B, Tl, V = logits.shape
