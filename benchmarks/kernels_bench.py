@@ -185,6 +185,32 @@ def time_shape(tag, R, H, V, layout="hv", variants=(), grad_variants=()):
     traceback.print_exc()
 
 
+def time_entropy(tag, R, H, V, layout="hv"):
+  """The seam's ``logprobs`` with and without the entropy (mosaic_gpu, xla_chunked), and the entropy's
+  largest difference between the two (logits ~ N(0, 1))."""
+  try:
+    h, w, b, ids, _ = make_inputs(R, H, V, layout, False, seed=5)
+    T = jnp.float32(1.0)
+    flops = 2.0 * R * H * V
+    out = {}
+    for name, be in (("mosaic_gpu", MosaicGpuBackend()), ("xla_chunked", XlaChunkedBackend())):
+      for ent in (False, True):
+        f = jax.jit(lambda h, w, ids, T, be=be, ent=ent: be.logprobs(h, w, None, ids, T, weight_layout=layout,
+                                                                     with_entropy=ent))
+        out[name, ent] = f(h, w, ids, T)
+        ms, _ = bench(f, h, w, ids, T)
+        record(kind="time", tag=tag, what=f"{name}.logprobs entropy={ent}", R=R, H=H, V=V, ms=ms,
+               tflops=flops / ms / 1e9)
+    (lp_m, _, e_m), (lp_x, _, e_x) = out["mosaic_gpu", True], out["xla_chunked", True]
+    record(kind="check", tag=tag, what="entropy mosaic_gpu vs xla_chunked", R=R, H=H, V=V,
+           entropy_maxabs=float(jnp.max(jnp.abs(e_m - e_x))), entropy_mean=float(jnp.mean(e_x)),
+           logp_bitwise_same_without_entropy=bool(jnp.array_equal(lp_m, out["mosaic_gpu", False][0])),
+           ok=bool(jnp.max(jnp.abs(e_m - e_x)) < 1e-3))
+  except Exception as e:
+    record(kind="time", tag=tag, what="entropy", error=f"{type(e).__name__}: {str(e)[:1500]}")
+    traceback.print_exc()
+
+
 def time_e2e(tag, B, T, H, V, impls, layout="hv"):
   """fused_linear_policy_loss (GMPO defaults) forward+backward and forward-only, per implementation."""
   import gmpo_jax
@@ -218,20 +244,26 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--skip-checks", action="store_true")
   ap.add_argument("--final", action="store_true", help="config timings + workspace variant + e2e")
+  ap.add_argument("--entropy", action="store_true", help="only the with/without-entropy log-prob timings")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   d = jax.devices()[0]
   log(f"jax {jax.__version__} device {d.device_kind} cc={getattr(d, 'compute_capability', None)} "
       f"sms={getattr(d, 'core_count', None)}")
   t_start = time.time()
-  if not args.skip_checks:
+  if args.entropy:
+    time_entropy("qwen R=16384", 16384, 896, 151936)
+    time_entropy("llama R=8192", 8192, 4096, 128256)
+  elif not args.skip_checks:
     check(1000, 896, 151936, "hv", False, 1.0)
     check(1000, 896, 151936, "vh", True, 0.7)
     check(515, 1536, 50264, "hv", True, 1.3, scale=30.0)
     check(64, 2048, 32000, "hv", False, 1.0, scale=1000.0)
     check(300, 4096, 32000, "vh", False, 1.0)
   log(f"checks done in {time.time() - t_start:.1f}s")
-  if args.final:
+  if args.entropy:
+    pass
+  elif args.final:
     time_shape("qwen R=8192", 8192, 896, 151936, "hv")
     try:
       h, w, b, ids, dlogp = make_inputs(8192, 896, 151936, "hv", False, seed=7)
@@ -252,7 +284,7 @@ def main():
     time_shape("qwen R=8192", 8192, 896, 151936, "hv",
                variants=[(128, 128, 4), (64, 256, 4), (128, 128, 3), (64, 128, 6)],
                grad_variants=[(128, 128, 3), (64, 128, 6)])
-  if not args.quick and not args.final:
+  if not args.quick and not args.final and not args.entropy:
     time_shape("qwen R=8192 vh", 8192, 896, 151936, "vh")
     time_shape("llama R=8192", 8192, 4096, 128256, "hv", variants=[(128, 128, 4), (64, 256, 4)])
   with open(os.path.join(args.out, "kernels.jsonl"), "w") as f:
@@ -260,7 +292,10 @@ def main():
       f.write(json.dumps(r) + "\n")
   log("\n== summary ==")
   for r in RESULTS:
-    if r["kind"] == "check":
+    if r["kind"] == "check" and "entropy_maxabs" in r:
+      log(f"check {r['tag']}: {r['what']}: {r['entropy_maxabs']:.2e} (mean entropy {r['entropy_mean']:.3f}) "
+          f"logp unchanged={r['logp_bitwise_same_without_entropy']} ok={r['ok']}")
+    elif r["kind"] == "check":
       log(f"check {r.get('R')} {r.get('H')} {r.get('V')} {r.get('layout')} ok={r.get('ok')} "
           + (r.get("error", "")[:300] if "error" in r else
              f"lse {r['lse_maxabs_vs_xla']:.2e}/{r['lse_maxabs_vs_f32']:.2e} dh {r['dh_rel_vs_xla']:.2e} "

@@ -294,9 +294,8 @@ def fused_linear_logprobs(
         ``vocab_size`` when given: padded columns are outside the softmax): what TRL
         logs as ``entropy`` and thresholds for its top-entropy token masking. Computed in the same pass
         as the log-sum-exp (one extra running sum per row). A metric: it carries **no gradient** (its
-        cotangent is ignored; differentiate the log-probs only). Served by ``xla_chunked`` (the Mosaic
-        kernel does not compute it yet: the default dispatch falls back with one warning, an explicit
-        ``implementation="mosaic_gpu"`` raises).
+        cotangent is ignored; differentiate the log-probs only). Every implementation computes it
+        (``mosaic_gpu``: two more float32 operations per logit in the log-prob kernel).
 
     Returns:
       ``[B, T]`` float32 log-probs; with ``return_entropy`` the pair ``(logp, entropy)``, both ``[B, T]``
@@ -305,7 +304,6 @@ def fused_linear_logprobs(
     Raises:
       TypeError / ValueError: as :func:`fused_linear_policy_loss`, for the arguments it takes; TypeError
         for a ``return_entropy`` that is not a bool.
-      UnsupportedConfigError: ``return_entropy=True`` with an explicit Mosaic GPU implementation.
 
     Example:
       >>> import jax, jax.numpy as jnp, gmpo_jax

@@ -30,6 +30,8 @@ from gmpo_jax.backends.mosaic_gpu import MosaicGpuBackend, supported_on
 from gmpo_jax.backends.xla_chunked import XlaChunkedBackend
 from gmpo_jax.kernels import _common as C
 
+import spec_numpy as spec
+
 LOGP_TOL = 2e-5
 GRAD_REL_F64 = 1e-2
 LSE_VS_XLA = 1e-5
@@ -304,7 +306,8 @@ def test_gpu_tiny_temperature_argmax_targets(temperature):
     (4096, 768, 50257, "vh", True, True),
 ], ids=["qwen-16k-hv", "llama-8k-vh-bias", "llama-1000-vh-bias", "gpt2-8k-hv", "gpt2-4k-vh-bias"])
 def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop):
-  """Both LM-head kernels, inside the backend (window loop, row padding, tails), lower to Mosaic GPU for
+  """Both LM-head kernels (the log-prob one also with the entropy), inside the backend (window loop,
+  row padding, tails), lower to Mosaic GPU for
   CUDA with jax.export on the CPU (no GPU needed): shared-memory budgets, tiled bulk-copy rules and the
   scan over windows are checked before any device time is spent."""
   from gmpo_jax.backends import mosaic_gpu
@@ -320,6 +323,9 @@ def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop
   bwd = jax.jit(lambda h, w, b, i, d, l, a: be.grads(h, w, b, i, d, l, jnp.float32(0.9), weight_layout=layout,
                                                       dw_acc=a, db_acc=None if b is None else jnp.zeros(V)))
   jax.export.export(fwd, platforms=["cuda"])(h, w, b, i)
+  fwd_ent = jax.jit(lambda h, w, b, i: be.logprobs(h, w, b, i, jnp.float32(0.9), weight_layout=layout,
+                                                    with_entropy=True))
+  jax.export.export(fwd_ent, platforms=["cuda"])(h, w, b, i)
   exp = jax.export.export(bwd, platforms=["cuda"])(h, w, b, i, f, f, acc)
   assert ("stablehlo.while" in exp.mlir_module()) == loop
 
@@ -368,3 +374,76 @@ def test_interpret_padded_vocab_size_through_the_api():
   np.testing.assert_allclose(float(v), float(v0), rtol=1e-5)
   assert _rel(dh, dh0) < GRAD_REL_XLA and _rel(dw, dw0) < GRAD_REL_XLA
   assert np.all(np.asarray(dw)[:, real:] == 0)
+
+
+@pytest.mark.parametrize("layout,bias,V,vocab_size,temperature,scale", [
+    ("hv", False, 384, None, 1.0, 1.0),      # three 128-column tiles: the running sums rescale
+    ("vh", True, 328, None, 0.7, 1.0),       # V % 128 != 0: masked tail columns; bias
+    ("hv", False, 1024, 250, 1.3, 1.0),      # vocab_size padding: whole splits with no finite logit
+    ("hv", True, 384, None, 1.0, 30.0),      # peaky softmax: large logits, entropy ~ 0
+    ("hv", False, 384, None, 1e-6, 1.0),     # tiny temperature: one-hot softmax, entropy 0
+], ids=["hv", "vh-bias-T0.7-tail", "padded-vocab250", "peaky-logits30", "T1e-6"])
+def test_interpret_entropy_matches_float64(layout, bias, V, vocab_size, temperature, scale):
+  """``return_entropy=True`` through the Mosaic log-prob kernel (interpreter): the entropy equals float64
+  ``-sum p log p`` (absolute 2e-5 (1 + min(max |z| / T, 104)): the kernel's online sum of ``p (z2 -
+  m2)`` in float32; terms with ``m - z > 104`` have ``p = 0`` in float32 and add nothing, so a tiny
+  temperature must give 0), lies in ``[0, log V]``, and the log-probs are bitwise those of
+  ``return_entropy=False``."""
+  import gmpo_jax
+  B, T, H = 2, 64, 128
+  h, w, b, _, _ = _inputs(B * T, H, V, layout, jnp.bfloat16, bias, scale, seed=11)
+  h = h.reshape(B, T, H)
+  real = vocab_size or V
+  rng = np.random.default_rng(12)
+  ids = jnp.asarray(rng.integers(0, real, (B, T)), jnp.int32)
+  kw = dict(bias=b, temperature=temperature, weight_layout=layout, vocab_size=vocab_size,
+            implementation=INTERPRET)
+  logp, ent = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids, return_entropy=True, **kw))(h)
+  want = spec.spec_entropy(h, w, bias=b, temperature=temperature, weight_layout=layout, vocab_size=vocab_size)
+  zmax = np.abs(spec._logits(h, w, b, temperature, layout)).max()
+  np.testing.assert_allclose(np.asarray(ent), want, rtol=0, atol=2e-5 * (1 + min(zmax, 104.0)))
+  assert np.all(np.asarray(ent) >= 0) and np.all(np.asarray(ent) <= np.log(real) + 1e-6)
+  logp0 = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids, **kw))(h)
+  np.testing.assert_array_equal(np.asarray(logp), np.asarray(logp0))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_interpret_entropy_split_merge(num_splits):
+  """The entropy's per-split sums re-based to the global maximum (``combine_splits``), with one split
+  whose columns are all masked (a ``-inf`` bias): equal to the float64 entropy over the finite columns."""
+  from gmpo_jax.backends.mosaic_gpu import _prepare, block_config
+  from gmpo_jax.kernels._compat import interpret_params
+  from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
+  R, H, V = 128, 64, 384
+  h, w, _, ids, _ = _inputs(R, H, V, "hv", jnp.bfloat16, False, 3.0, seed=13)
+  bias = jnp.where((jnp.arange(V) >= 128) & (jnp.arange(V) < 256), -jnp.inf, 0.0).astype(jnp.float32)
+  cfg = block_config(rows=R, H=H, V=V, kind="logprob", interpret=True)
+  hp, ids_p, scale, bias_p, _ = _prepare(h, ids, bias, jnp.float32(1.0), cfg, V)
+  stats = lse_partials(hp, w, bias_p, ids_p, scale, weight_layout="hv", vocab_size=V, cfg=cfg,
+                       num_splits=num_splits, with_entropy=True, interpret=interpret_params())
+  assert len(stats) == 4
+  _, lse, ent = combine_splits(*stats)
+  z = (np.asarray(h, np.float64) @ np.asarray(w, np.float64))[:, np.r_[0:128, 256:384]]
+  logsm = z - z.max(1, keepdims=True)
+  logsm -= np.log(np.exp(logsm).sum(1, keepdims=True))
+  want = -(np.exp(logsm) * logsm).sum(1)
+  np.testing.assert_allclose(np.asarray(ent), want, rtol=0, atol=2e-5 * (1 + np.abs(z).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@pytest.mark.parametrize("layout,bias,H,V", [("hv", False, 896, 151936), ("vh", True, 4096, 128256)])
+def test_gpu_entropy_real_heads(layout, bias, H, V):
+  """The kernel's entropy on the GPU at real heads equals the float64 entropy of a row subset (absolute
+  2e-5 (1 + max |z|)), and return_entropy leaves the log-probs bitwise unchanged."""
+  import gmpo_jax
+  R = 512
+  h, w, b, ids, _ = _inputs(R, H, V, layout, jnp.bfloat16, bias, 3.0, seed=21)
+  kw = dict(bias=b, temperature=0.8, weight_layout=layout, implementation="mosaic_gpu")
+  logp, ent = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids[None], return_entropy=True, **kw))(h[None])
+  logp0 = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids[None], **kw))(h[None])
+  np.testing.assert_array_equal(np.asarray(logp), np.asarray(logp0))
+  sub = slice(0, 64)
+  want = spec.spec_entropy(h[sub], w, bias=b, temperature=0.8, weight_layout=layout)
+  zmax = np.abs(spec._logits(h[sub], w, b, 0.8, layout)).max()
+  np.testing.assert_allclose(np.asarray(ent)[0, sub], want, rtol=0, atol=2e-5 * (1 + zmax))

@@ -88,9 +88,6 @@ class MosaicGpuBackend:
     from gmpo_jax.kernels import _common as C
     if not self.interpret and not any(supported_on(d) for d in jax.devices()):
       raise BackendUnavailableError("Pallas Mosaic GPU kernels need a Hopper (sm_90) or newer GPU")
-    if with_entropy:
-      raise UnsupportedConfigError("the per-token entropy is computed by xla_chunked only (not yet in "
-                                   "the Mosaic log-prob kernel)")
     if weight_layout not in ("hv", "vh"):
       raise UnsupportedConfigError(f"{weight_layout=} must be 'hv' or 'vh'")
     hd, wd = jnp.dtype(hidden_dtype), jnp.dtype(weight_dtype)
@@ -106,7 +103,7 @@ class MosaicGpuBackend:
     item = hd.itemsize
     for kind in ("logprob", "grad"):
       cfg = block_config(rows=rows, H=H, V=V, kind=kind, interpret=self.interpret)
-      extra = 2 * 3 * cfg.block_m * 4 if kind == "logprob" else 2 * cfg.block_m * cfg.block_n * item
+      extra = 2 * 4 * cfg.block_m * 4 if kind == "logprob" else 2 * cfg.block_m * cfg.block_n * item
       if cfg.smem_bytes(item, extra) > C.SMEM_BYTES:
         raise UnsupportedConfigError(
             f"{kind} kernel needs {cfg.smem_bytes(item, extra)} bytes of shared memory "
@@ -124,14 +121,14 @@ class MosaicGpuBackend:
       hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
       n_tiles = C.cdiv(V, cfg.block_n)
       splits = C.pick_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
-      m2, l, t2 = lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
-                               weight_layout=weight_layout,
-                               vocab_size=V, cfg=cfg, num_splits=splits,
-                               interpret=self._interpret_params())
-      logp, lse = combine_splits(m2, l, t2)
-      logp, lse = logp[:R], lse[:R]
+      stats = lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
+                           weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
+                           with_entropy=with_entropy, interpret=self._interpret_params())
+      logp, lse, *ent = (x[:R] for x in combine_splits(*stats))
       valid = (ids >= 0) & (ids < V)
       logp = jnp.where(valid, logp, jnp.nan)
+      if with_entropy:  # in [0, log V], as the XLA path's
+        return logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))
     return logp, lse
 
   def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc,

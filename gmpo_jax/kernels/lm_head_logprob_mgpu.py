@@ -32,7 +32,7 @@ ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vocab_size: int,
-                 cfg: C.BlockConfig, num_splits: int, interpret=None):
+                 cfg: C.BlockConfig, num_splits: int, with_entropy: bool = False, interpret=None):
   """Per-split online log-sum-exp statistics of the logits.
 
   Args:
@@ -41,11 +41,12 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
     bias: ``[num_tiles * block_n]`` f32 (zero-padded past ``V``) or None.
     ids: ``[Rp]`` int32 target ids (any value; ids outside ``[0, V)`` pick nothing).
     row_scale: ``[Rp]`` f32, ``log2(e) / temperature`` per row.
+    with_entropy: also accumulate ``e2`` (two more float32 operations per logit).
 
   Returns:
-    ``(m2, l, t2)``, each ``[num_splits, Rp]`` f32: per split the running max of ``z * log2 e``,
-    the sum of ``exp2(z * log2 e - m2)`` and the target's ``z * log2 e`` (0 when the split does
-    not hold the target).
+    ``(m2, l, t2)`` or, with ``with_entropy``, ``(m2, l, t2, e2)``, each ``[num_splits, Rp]`` f32:
+    per split the running max of ``z2 = z * log2 e``, the sum of ``exp2(z2 - m2)``, the target's
+    ``z2`` (0 when the split does not hold the target) and ``sum exp2(z2 - m2) (z2 - m2)``.
   """
   rows, hdim = hidden.shape
   bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
@@ -61,9 +62,9 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
 
   def kernel(*refs):
     if has_bias:
-      h_ref, w_ref, b_ref, ids_ref, scale_ref, m_out, l_out, t_out, scratch = refs
+      h_ref, w_ref, b_ref, ids_ref, scale_ref, *outs, scratch = refs
     else:
-      h_ref, w_ref, ids_ref, scale_ref, m_out, l_out, t_out, scratch = refs
+      h_ref, w_ref, ids_ref, scale_ref, *outs, scratch = refs
       b_ref = None
     a_smem, b_smem, stat_smem, loaded, consumed = scratch
     split = lax.axis_index("split")
@@ -79,10 +80,11 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
       m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), ROW, interpret)
       l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
       t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
-      return ids_v, scale_v, m2, l, t2
+      e2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
+      return ids_v, scale_v, m2, l, t2, e2
 
     def epilogue(tile, z, carry):
-      ids_v, scale_v, m2, l, t2 = carry
+      ids_v, scale_v, m2, l, t2, e2 = carry
       shape = (bm, bn)
       if has_bias:
         z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
@@ -93,21 +95,26 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
       # a row whose logits so far are all -inf (a split of masked / padded vocabulary: a -inf bias):
       # keep l = 0 and m = -inf instead of exp2(-inf - -inf) = NaN
       m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp2(z2 - C.bcast_rows(m_ref, shape))
-      l = l * jnp.exp2(m2 - m_ref) + p.sum(axis=1)
+      d = z2 - C.bcast_rows(m_ref, shape)
+      p = jnp.exp2(d)
+      rescale = jnp.exp2(m2 - m_ref)
+      if with_entropy:
+        # e2 = sum_v p_v (z2_v - m): moves with the maximum like l (the shift is 0 while l is 0, and
+        # max(d, -256) keeps p * d = 0 * -inf away from masked columns)
+        shift = jnp.where(m2 == -jnp.inf, 0.0, m2 - m_ref)
+        e2 = rescale * (e2 + l * shift) + (p * jnp.maximum(d, -256.0)).sum(axis=1)
+      l = l * rescale + p.sum(axis=1)
       t2 = t2 + jnp.where(col == C.bcast_rows(ids_v, shape), z2, 0.0).sum(axis=1)
-      return ids_v, scale_v, m_new, l, t2
+      return ids_v, scale_v, m_new, l, t2, e2
 
     def finish(carry):
-      _, _, m2, l, t2 = carry
-      stat_smem[wg, 0] = m2
-      stat_smem[wg, 1] = l
-      stat_smem[wg, 2] = t2
+      stats = carry[2:] if with_entropy else carry[2:5]
+      for i, v in enumerate(stats):
+        stat_smem[wg, i] = v
       plgpu.commit_smem()
       dst = (split, pl.ds(my_rows, bm))
-      plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], m_out.at[dst])
-      plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], l_out.at[dst])
-      plgpu.copy_smem_to_gmem(stat_smem.at[wg, 2], t_out.at[dst])
+      for i, out in enumerate(outs):
+        plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], out.at[dst])
       plgpu.wait_smem_to_gmem(0)
 
     C.logits_tile_loop(
@@ -117,16 +124,17 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
         init_carry=init_carry, epilogue=epilogue, finish=finish, interpret=interpret)
 
   stat = jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)
+  n_stats = 4 if with_entropy else 3
   scratch = [
       plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
       plgpu.SMEM(b_shape, dtype, transforms=transforms),
-      plgpu.SMEM((2, 3, bm), jnp.float32),
+      plgpu.SMEM((2, n_stats, bm), jnp.float32),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   ]
   call = plgpu.kernel(
       kernel,
-      out_type=(stat, stat, stat),
+      out_type=(stat,) * n_stats,
       scratch_types=[scratch],
       grid=(num_splits, rows // (2 * bm)),
       grid_names=("split", "rows"),
@@ -139,17 +147,29 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
   return call(*args)
 
 
-def combine_splits(m2, l, t2):
-  """Merges per-split statistics into ``(logp, lse)`` in natural-log units.
+def combine_splits(m2, l, t2, e2=None):
+  """Merges per-split statistics into ``(logp, lse)``, or ``(logp, lse, entropy)`` given ``e2``, in
+  natural-log units.
 
   ``logp = (t2 - lse2) * ln 2`` is formed in the kernels' base-2 units, where the target's ``t2`` and
   the running max are the same rounded number at a one-hot softmax (tiny temperatures): converting
   each to natural units first and subtracting could leave an ulp (~0.5 at ``|z| / T ~ 1e7``) and a
-  positive log-prob. ``logp <= 0`` is then exact (as in the XLA paths).
+  positive log-prob. ``logp <= 0`` is then exact (as in the XLA paths). The entropy
+  ``H = lse - E_p[z] = (log2 l - e2 / l) ln 2`` (relative to the max: no cancellation of large
+  logits) is clipped to ``[0, log V]`` like the XLA path's and is 0 for a row with no finite logit.
   """
   m_all = m2.max(axis=0)
   m_ref = jnp.where(m_all == -jnp.inf, 0.0, m_all)  # a row with no finite logit: lse = -inf, not NaN
-  l_all = (l * jnp.exp2(m2 - m_ref[None])).sum(axis=0)
+  alpha = jnp.exp2(m2 - m_ref[None])
+  l_all = (l * alpha).sum(axis=0)
   lse2 = m_all + jnp.log2(l_all)
   logp = jnp.minimum((t2.sum(axis=0) - lse2) * C.LN2, 0.0)
-  return logp, lse2 * C.LN2
+  if e2 is None:
+    return logp, lse2 * C.LN2
+  # each split's sum re-based to the global max; an empty split (l = 0, m2 = -inf) adds nothing
+  shift = jnp.where(l > 0, m2 - m_ref[None], 0.0)
+  e_all = (alpha * (e2 + l * shift)).sum(axis=0)
+  empty = m_all == -jnp.inf
+  safe_l = jnp.where(empty, 1.0, l_all)
+  ent = jnp.where(empty, 0.0, (jnp.log2(safe_l) - e_all / safe_l) * C.LN2)
+  return logp, lse2 * C.LN2, ent
