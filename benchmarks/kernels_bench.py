@@ -211,29 +211,6 @@ def time_entropy(tag, R, H, V, layout="hv"):
     traceback.print_exc()
 
 
-def time_snap(tag, R, H, V, layout="hv", window_tiles=256):
-  """The gradient kernel (one 32768-column window) with and without the tiny-temperature snap, same inputs."""
-  from gmpo_jax.kernels import _common as C
-  from gmpo_jax.kernels.lm_head_grad_mgpu import dlogits_window
-  from gmpo_jax.backends.mosaic_gpu import _prepare
-  try:
-    h, w, b, ids, dlogp = make_inputs(R, H, V, layout, False, seed=9)
-    cfg = block_config(rows=R, H=H, V=V, kind="grad")
-    hp, ids_p, scale, _, Rp = _prepare(h, ids, None, jnp.float32(1.0), cfg, V)
-    lse2 = jnp.full((Rp,), 20.0, jnp.float32)
-    splits = C.pick_num_splits(Rp // cfg.rows_per_cta, window_tiles, jax.devices()[0].core_count)
-    for snap in (False, True, False, True):
-      f = jax.jit(lambda hp, w, ids_p, scale, lse2, dlogp, snap=snap: dlogits_window(
-          hp, w, None, ids_p, scale, lse2, dlogp, weight_layout=layout, vocab_size=window_tiles * cfg.block_n,
-          window_start=0, window_tiles=window_tiles, cfg=cfg, num_splits=splits, snap=snap))
-      ms, _ = bench(f, hp, w, ids_p, scale, lse2, jnp.pad(dlogp, (0, Rp - R)), n=20)
-      record(kind="time", tag=tag, what=f"dz_kernel window={window_tiles * cfg.block_n} snap={snap}", R=R,
-             H=H, V=V, ms=ms, tflops=2.0 * R * H * window_tiles * cfg.block_n / ms / 1e9)
-  except Exception as e:
-    record(kind="time", tag=tag, what="snap", error=f"{type(e).__name__}: {str(e)[:1500]}")
-    traceback.print_exc()
-
-
 def time_e2e(tag, B, T, H, V, impls, layout="hv"):
   """fused_linear_policy_loss (GMPO defaults) forward+backward and forward-only, per implementation."""
   import gmpo_jax
@@ -268,21 +245,15 @@ def main():
   ap.add_argument("--skip-checks", action="store_true")
   ap.add_argument("--final", action="store_true", help="config timings + workspace variant + e2e")
   ap.add_argument("--entropy", action="store_true", help="only the with/without-entropy log-prob timings")
-  ap.add_argument("--snap", action="store_true", help="only the gradient kernel with / without the snap")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   d = jax.devices()[0]
   log(f"jax {jax.__version__} device {d.device_kind} cc={getattr(d, 'compute_capability', None)} "
       f"sms={getattr(d, 'core_count', None)}")
   t_start = time.time()
-  if args.snap:
-    time_snap("qwen R=16384", 16384, 896, 151936)
-    time_snap("llama R=8192", 8192, 4096, 128256)
   if args.entropy:
     time_entropy("qwen R=16384", 16384, 896, 151936)
     time_entropy("llama R=8192", 8192, 4096, 128256)
-  elif args.snap:
-    pass
   elif not args.skip_checks:
     check(1000, 896, 151936, "hv", False, 1.0)
     check(1000, 896, 151936, "vh", True, 0.7)
@@ -290,7 +261,7 @@ def main():
     check(64, 2048, 32000, "hv", False, 1.0, scale=1000.0)
     check(300, 4096, 32000, "vh", False, 1.0)
   log(f"checks done in {time.time() - t_start:.1f}s")
-  if args.entropy or args.snap:
+  if args.entropy:
     pass
   elif args.final:
     time_shape("qwen R=8192", 8192, 896, 151936, "hv")
@@ -313,7 +284,7 @@ def main():
     time_shape("qwen R=8192", 8192, 896, 151936, "hv",
                variants=[(128, 128, 4), (64, 256, 4), (128, 128, 3), (64, 128, 6)],
                grad_variants=[(128, 128, 3), (64, 128, 6)])
-  if not args.quick and not args.final and not args.entropy and not args.snap:
+  if not args.quick and not args.final and not args.entropy:
     time_shape("qwen R=8192 vh", 8192, 896, 151936, "vh")
     time_shape("llama R=8192", 8192, 4096, 128256, "hv", variants=[(128, 128, 4), (64, 256, 4)])
   with open(os.path.join(args.out, "kernels.jsonl"), "w") as f:

@@ -147,8 +147,6 @@ class MosaicGpuBackend:
       t = jnp.asarray(temperature, jnp.float32)
       coef = jnp.pad(dlogp.astype(jnp.float32) / t, (0, pad))
       lse2 = jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, pad))
-      # the kernel variant that snaps z2 - lse2 to 0 (tiny temperatures) only where it matters
-      needs_snap = jnp.max(jnp.where(jnp.isfinite(lse2), jnp.abs(lse2), 0.0)) > C.SNAP_MIN_LSE2
       n_tiles = C.cdiv(V, bn)
       # A window's temporaries: dz [Rp, w] and the weight slice [H, w] in 16 bits, the f32 dW block;
       # one window over the whole vocabulary when its dz alone fits (no slice, few rows: N = 512).
@@ -168,13 +166,10 @@ class MosaicGpuBackend:
       def window(carry, w_blk, b_blk, ids_w, v0, width, wt, splits):
         """dz of one window (its weight columns ``w_blk``, ids relative to it) and the three GEMMs."""
         dh, dw_acc, db_acc = carry
-        def dz_kernel(snap):
-          return lambda *a: dlogits_window(
-              *a, weight_layout=weight_layout, vocab_size=width, window_start=0, window_tiles=wt, cfg=cfg,
-              num_splits=splits, snap=snap, interpret=self._interpret_params())
-
-        dz = lax.cond(needs_snap, dz_kernel(True), dz_kernel(False),
-                      hp, w_blk, b_blk, ids_w, scale, lse2, coef)
+        dz = dlogits_window(hp, w_blk, b_blk, ids_w, scale, lse2, coef,
+                            weight_layout=weight_layout, vocab_size=width, window_start=0,
+                            window_tiles=wt, cfg=cfg, num_splits=splits,
+                            interpret=self._interpret_params())
         if dz.shape[1] != width:
           dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns

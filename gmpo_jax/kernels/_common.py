@@ -207,10 +207,6 @@ LN2 = math.log(2.0)
 
 # |d| <= 2**-21 |lse2| is at most a few float32 ulps of the log-sum-exp: below what float32 resolves.
 SNAP_RELATIVE = 2.0 ** -21
-# Below this |lse2| (|z| / T < ~2839) a few ulps of lse2 move a probability by < 4e-4 relative, under the
-# 16-bit rounding of dz (2e-3): the gradient kernel's snap is then skipped (its two operations per logit
-# cost ~2 % of the gradient pass, which is bound by its epilogue).
-SNAP_MIN_LSE2 = 2.0 ** 12
 
 
 def snap_tolerance(lse2):

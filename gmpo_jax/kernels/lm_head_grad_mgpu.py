@@ -28,7 +28,7 @@ from gmpo_jax.kernels._compat import iota, plgpu
 
 def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, weight_layout: str,
                    vocab_size: int, window_start: int, window_tiles: int, cfg: C.BlockConfig,
-                   num_splits: int, snap: bool = True, interpret=None):
+                   num_splits: int, interpret=None):
   """``dz`` for the vocabulary columns ``[window_start, window_start + window_tiles * block_n)``.
 
   Args:
@@ -40,8 +40,6 @@ def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, 
     row_lse2: ``[Rp]`` f32 ``lse * log2(e)``.
     row_coef: ``[Rp]`` f32 ``dlogp / T`` (0 on padding rows).
     window_start: first column, a multiple of ``block_n``.
-    snap: set ``z2 - lse2`` to 0 within ``C.snap_tolerance`` (two more operations per logit; only
-      needed for log-sum-exps beyond ``C.SNAP_MIN_LSE2``, i.e. tiny temperatures).
 
   Returns:
     ``dz``: ``[Rp, window_tiles * block_n]`` in ``hidden.dtype``; columns past ``V`` are 0.
@@ -86,8 +84,7 @@ def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, 
         z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
       col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
       z2 = z * C.bcast_rows(scale_v, shape) - C.bcast_rows(lse2_v, shape)
-      if snap:
-        z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance
+      z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance
       p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
       onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
       dz = C.bcast_rows(coef_v, shape) * (onehot - p)
