@@ -8,6 +8,8 @@ on 0.11.2).
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -31,12 +33,21 @@ def interpret_params():
   return _interpret_params_cls()(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
 
+# 0.10.2's ``plgpu.load(src, idx, ...)`` requires the index; 0.11.2 deprecates passing it (index the
+# reference with ``.at`` instead) and gives it a default.
+_IDX = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_NEEDS_IDX = _IDX is not None and _IDX.default is inspect.Parameter.empty
+
+
 def load_vector(ref, layout, interpret):
-  """``plgpu.load(ref, (), layout=layout)``; the interpreter has no ``load`` yet (0.10.2)."""
+  """``plgpu.load(ref, layout=layout)`` of a whole (already indexed) reference; the interpreter has no
+  ``load`` yet (0.10.2)."""
   if interpret:
     return ref[...]
   # GMEM: only the unoptimised (per-element) transfer supports the WGMMA row/column layouts.
-  return plgpu.load(ref, (), layout=layout, optimized=False)
+  if _LOAD_NEEDS_IDX:
+    return plgpu.load(ref, (), layout=layout, optimized=False)
+  return plgpu.load(ref, layout=layout, optimized=False)
 
 
 def layout_cast(x, layout, interpret):
@@ -55,12 +66,12 @@ def iota(dtype, shape, dimension, layout, interpret):
 def wgmma(acc_ref, a, b, *, transpose_b=False, interpret=False):
   """``plgpu.wgmma(acc, a, b[^T])`` on shared-memory operands."""
   if transpose_b:
-    b = plgpu.transpose_ref(b, (1, 0))
+    b = b.transpose((1, 0))  # plgpu.transpose_ref is deprecated on 0.11.2; the same transform on 0.10.2
   plgpu.wgmma(acc_ref, a, b)
 
 
 def needs_value_matmul(transpose_b, interpret):
-  """The interpreter (0.10.2) ignores ``plgpu.transpose_ref`` on wgmma operands and cannot
+  """The interpreter (0.10.2) ignores the transposed view of wgmma operands and cannot
   store into an accumulator; there a transposed product is computed from the loaded tiles with
   a float32 ``jnp.dot`` (16-bit operands, float32 accumulation: the same arithmetic)."""
   return bool(interpret) and transpose_b
