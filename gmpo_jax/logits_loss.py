@@ -199,8 +199,9 @@ def policy_loss_from_logits(
         without ``ref_logps``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
-        serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, float32 logits, or a row of
-        logits that is not a multiple of 16 bytes).
+        serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /
+        f32, or rows of logits that the kernels' 128-byte tiles cannot cover, see
+        ``MosaicGpuLogitsBackend._split``).
 
     References: GMPO, arXiv 2507.20673; Liger-Kernel ``triton_grpo_loss``; TRL ``GRPOTrainer``.
 

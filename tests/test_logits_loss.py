@@ -308,8 +308,12 @@ def test_argument_errors():
     if not _on_hopper():
         with pytest.raises(BackendUnavailableError):
             gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, implementation="mosaic_gpu")
-    with pytest.raises(UnsupportedConfigError, match="dtype"):  # f32 logits: the kernels take 16-bit
-        gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, implementation=INTERPRET)
+    with pytest.raises(UnsupportedConfigError, match="dtype"):  # the kernels take bf16 / f16 / f32
+        gmpo_jax.policy_loss_from_logits(z.astype(jnp.float8_e4m3fn), ids, m, a, objective=obj,
+                                         implementation=INTERPRET)
+    with pytest.raises(UnsupportedConfigError, match="row split"):  # 100-column rows: no 128-byte tiling
+        gmpo_jax.policy_loss_from_logits(z[..., :100].astype(jnp.bfloat16), ids, m, a, objective=obj,
+                                         implementation=INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,7 +325,10 @@ def test_argument_errors():
     ("bfloat16", 2, 35, 320, True, Obj("gmpo", beta=0.04), 0.7, INTERPRET),
     # 3 x 22 = 66 rows: viewed as 264 rows of 192 columns (k = 4); target gathered outside the kernel
     ("float16", 3, 22, 768, False, Obj("dapo", level="sequence", delta=1.5), 1.0, INTERPRET_LEAN),
-], ids=["bf16-T+1-gmpo-beta", "f16-T-rowsplit4-lean-dapo-seq"])
+    # float32 logits: 128-byte rows of 32 elements; 2 x 40 = 80 rows, V = 288 = 2.25 tiles of 128
+    ("float32", 2, 39, 288, True, Obj("cispo", beta=0.04), 1.3, INTERPRET),
+    ("float32", 3, 22, 768, False, Obj("grpo"), 1.0, INTERPRET_LEAN),
+], ids=["bf16-T+1-gmpo-beta", "f16-T-rowsplit4-lean-dapo-seq", "f32-T+1-cispo-beta", "f32-T-rowsplit4-lean-grpo"])
 def test_mosaic_gpu_interpret(dtype, B, T, V, extra, obj, temperature, backend):
     case = make_inputs(11, B=B, T=T, V=V, dtype=dtype, extra=extra, temperature=temperature, empty_row=1)
     (loss, aux), g = check(case, obj, backend, temperature=temperature)
@@ -396,18 +403,19 @@ def test_mosaic_gpu_interpret_tiny_temperature_argmax_targets(backend, temperatu
     np.testing.assert_allclose(_f64(g)[:, :T], want, rtol=0, atol=1e-2 / temperature / (B * T))
     assert np.all(_f64(g)[:, T] == 0)
 
-@pytest.mark.parametrize("B, T, extra, V, lean", [
-    (2, 1024, True, 128256, False),   # 2050 rows -> viewed as 8200 x 32064 (k = 4)
-    (16, 1024, True, 128256, True),   # 16400 rows (k = 1)
-    (3, 22, False, 768, False),       # 66 rows -> 264 x 192
-], ids=["llama3-2x1025", "llama3-16x1025-lean", "tiny-3x22"])
-def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean):
+@pytest.mark.parametrize("B, T, extra, V, lean, dtype", [
+    (2, 1024, True, 128256, False, jnp.bfloat16),   # 2050 rows -> viewed as 8200 x 32064 (k = 4)
+    (16, 1024, True, 128256, True, jnp.bfloat16),   # 16400 rows (k = 1)
+    (3, 22, False, 768, False, jnp.bfloat16),       # 66 rows -> 264 x 192
+    (2, 1024, True, 128256, True, jnp.float32),     # float32: 32-column (128-byte) tiles, 2x the SMEM
+], ids=["llama3-2x1025", "llama3-16x1025-lean", "tiny-3x22", "llama3-2x1025-f32-lean"])
+def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean, dtype):
     """Both kernels lower to Mosaic GPU for CUDA (jax.export on CPU; no GPU needed): shapes, layouts and
     the tiled bulk copies' divisibility rules are checked at this stage (what failed on the device at
     2050 rows before the row split)."""
     backend = MosaicGpuLogitsBackend(fwd=K.KernelConfig(pick_target=not lean))
-    dataclasses.replace(backend, interpret=True).check_supported(dtype=jnp.bfloat16, B=B, T=T, Tl=T + int(extra), V=V)
-    z = jax.ShapeDtypeStruct((B, T + int(extra), V), jnp.bfloat16)
+    dataclasses.replace(backend, interpret=True).check_supported(dtype=dtype, B=B, T=T, Tl=T + int(extra), V=V)
+    z = jax.ShapeDtypeStruct((B, T + int(extra), V), dtype)
     i = jax.ShapeDtypeStruct((B, T), jnp.int32)
     f = jax.ShapeDtypeStruct((B, T), jnp.float32)
     r = jax.ShapeDtypeStruct((B, T + int(extra)), jnp.float32)
@@ -422,10 +430,11 @@ def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean):
 # --------------------------------------------------------------------------------------------------
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("extra, obj", [(True, Obj("gmpo")), (False, Obj("dapo", beta=0.04)),
-                                        (True, Obj("grpo", level="sequence"))], ids=str)
-def test_mosaic_gpu_real_vocab(extra, obj):
-    case = make_inputs(13, B=2, T=96, V=128256, dtype="bfloat16", extra=extra, temperature=0.9, scale=3.0)
+@pytest.mark.parametrize("extra, obj, dtype", [
+    (True, Obj("gmpo"), "bfloat16"), (False, Obj("dapo", beta=0.04), "bfloat16"),
+    (True, Obj("grpo", level="sequence"), "bfloat16"), (True, Obj("cispo", beta=0.04), "float32")], ids=str)
+def test_mosaic_gpu_real_vocab(extra, obj, dtype):
+    case = make_inputs(13, B=2, T=96, V=128256, dtype=dtype, extra=extra, temperature=0.9, scale=3.0)
     (loss, aux), g = check(case, obj, "mosaic_gpu", temperature=0.9)
     (l_x, _), g_x = value_and_grad(case, obj, "xla", temperature=0.9)
     assert float(loss) == pytest.approx(float(l_x), rel=1e-4)

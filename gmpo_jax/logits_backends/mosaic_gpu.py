@@ -19,7 +19,7 @@ from gmpo_jax.logits_backends import logits_mgpu as K
 
 __all__ = ["MosaicGpuLogitsBackend", "make_backend"]
 
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def _num_sms() -> int:
@@ -51,7 +51,9 @@ class MosaicGpuLogitsBackend:
     the forward (None: enough CTAs for about four waves, see ``logits_mgpu.pick_splits``).
     Defaults from the H200 sweep of benchmarks/LOGITS_NOTES.md (2026-11-30): 128-column tiles; the
     forward without the in-kernel target pick (0.146 vs 0.165 ms at 2 x 1025 x 128256 bf16), 4 stages;
-    the backward 3 stages, 32 tiles per CTA (block sizes within ~3 % of each other there).
+    the backward 3 stages, 32 tiles per CTA (block sizes within ~3 % of each other there). float32
+    logits run the same blocks (128 KB of shared-memory ring in the forward, 192 KB in the backward);
+    their speed has not been swept.
     """
 
     fwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=4, pick_target=False)
@@ -75,7 +77,7 @@ class MosaicGpuLogitsBackend:
         ``(V / k) % (128 / itemsize) == 0``. Splitting each row into ``k`` equal pieces (``k`` in 1, 2,
         4, 8) meets the first when ``R`` is not a multiple of 8 (e.g. ``B * (T + 1) = 2050`` rows of
         Llama-3 logits: ``k = 4``, pieces of 32064 columns); the pieces' statistics are merged like
-        the vocabulary splits'. Odd ``R`` needs ``V % 512 == 0`` (bf16); otherwise None.
+        the vocabulary splits'. Odd ``R`` needs ``V % 512 == 0`` (bf16; ``V % 256`` for f32); otherwise None.
         """
         g = 128 // jnp.dtype(dtype).itemsize
         wide = max(self.fwd.block_v, self.bwd.block_v)
@@ -89,7 +91,7 @@ class MosaicGpuLogitsBackend:
             raise BackendUnavailableError("the Mosaic GPU logits kernels need a Hopper (sm_90) or newer GPU")
         dtype = jnp.dtype(dtype)
         if dtype not in _DTYPES:
-            raise UnsupportedConfigError(f"logits dtype {dtype} (the Mosaic GPU kernels take bf16 / f16)")
+            raise UnsupportedConfigError(f"logits dtype {dtype} (the Mosaic GPU kernels take bf16 / f16 / f32)")
         for cfg in (self.fwd, self.bwd):
             if cfg.block_v % (128 // dtype.itemsize):
                 raise UnsupportedConfigError(f"block_v={cfg.block_v} is not a multiple of 128 bytes of {dtype}")
