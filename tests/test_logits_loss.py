@@ -408,12 +408,13 @@ def test_mosaic_gpu_interpret_tiny_temperature_argmax_targets(backend, temperatu
     (16, 1024, True, 128256, True, jnp.bfloat16),   # 16400 rows (k = 1)
     (3, 22, False, 768, False, jnp.bfloat16),       # 66 rows -> 264 x 192
     (2, 1024, True, 128256, True, jnp.float32),     # float32: 32-column (128-byte) tiles, 2x the SMEM
-], ids=["llama3-2x1025", "llama3-16x1025-lean", "tiny-3x22", "llama3-2x1025-f32-lean"])
+    (2, 1024, True, 128256, "inplace", jnp.bfloat16),  # dlogits into the logits' buffer, 64-column tiles
+], ids=["llama3-2x1025", "llama3-16x1025-lean", "tiny-3x22", "llama3-2x1025-f32-lean", "llama3-2x1025-inplace"])
 def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean, dtype):
     """Both kernels lower to Mosaic GPU for CUDA (jax.export on CPU; no GPU needed): shapes, layouts and
     the tiled bulk copies' divisibility rules are checked at this stage (what failed on the device at
     2050 rows before the row split)."""
-    backend = MosaicGpuLogitsBackend(fwd=K.KernelConfig(pick_target=not lean))
+    backend = MosaicGpuLogitsBackend(fwd=K.KernelConfig(pick_target=not lean), inplace=lean == "inplace")
     dataclasses.replace(backend, interpret=True).check_supported(dtype=dtype, B=B, T=T, Tl=T + int(extra), V=V)
     z = jax.ShapeDtypeStruct((B, T + int(extra), V), dtype)
     i = jax.ShapeDtypeStruct((B, T), jnp.int32)
@@ -463,3 +464,25 @@ def test_docstring_example():
 
     result = doctest.testmod(gmpo_jax.logits_loss, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("B, T, V, extra", [
+    (2, 39, 320, True),    # 80 rows (a slid-back second row block), V = 2.5 tiles: 64-column tiles in place
+    (3, 22, 768, False),   # 66 rows viewed as 264 x 192 (k = 4): slid-back rows, 192 = 3 x 64 columns
+], ids=["80x320", "66x768-rowsplit4"])
+def test_mosaic_gpu_inplace_interpret(B, T, V, extra):
+    """``MosaicGpuLogitsBackend(inplace=True)``: the backward writes dlogits into the logits' buffer (a
+    ``jax.Ref``); the same dlogits as the out-of-place kernel, also under ``donate_argnums``, with slid-back
+    row blocks and a row length that needs the 128-byte column tiles; to one bf16 ulp: the interpreter's
+    XLA:CPU code for the kernel's ``exp2`` differs between programs and tile widths.)"""
+    case = make_inputs(21, B=B, T=T, V=V, dtype="bfloat16", extra=extra, temperature=0.8, empty_row=1)
+    obj = Obj("dapo", beta=0.04)
+    inplace = dataclasses.replace(INTERPRET, inplace=True)
+    (l0, _), g0 = value_and_grad(case, obj, INTERPRET, temperature=0.8)
+    (l1, _), g1 = value_and_grad(case, obj, inplace, temperature=0.8)
+    assert float(l1) == float(l0)
+    np.testing.assert_allclose(_f64(g1), _f64(g0), rtol=2.0**-7, atol=0)
+    logits, *rest = _args(case, 0.8, None)
+    f = jax.jit(lambda z, *rest: jax.grad(lambda z: _call(obj.lib(), inplace, z, *rest)[0])(z), donate_argnums=0,
+                compiler_options=FAST_COMPILE)
+    np.testing.assert_allclose(_f64(f(jnp.array(logits), *rest)), _f64(g1), rtol=2.0**-7, atol=0)

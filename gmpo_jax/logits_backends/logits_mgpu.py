@@ -32,6 +32,7 @@ slid-back block starts on a tile boundary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -239,23 +240,43 @@ def combine_partials(m2, l, t2):
   return t2.sum(axis=0) * LN2, lse2 * LN2, lse2
 
 
-def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=None):
+def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bool = False, interpret=None):
   """``dz[r, v] = c_r * (onehot(ids_r)[v] - exp2(x[r, v] * k_r - lse2_r))`` in ``x.dtype``, ``[R, V]``.
 
   Rows with ``c_r == 0`` are exactly 0 whatever ``x`` holds there.
+
+  With ``inplace``, ``dz`` is written into the buffer of ``x`` (``x`` is passed to the kernel as a
+  ``jax.Ref``, which XLA aliases in and out: no second ``[R, V]`` buffer when the logits are dead
+  afterwards, e.g. donated or an intermediate of the same jit; otherwise XLA copies them first). Then
+  each CTA stores only the rows it owns (the slid-back last row block, its new rows), and ``V`` must be
+  a multiple of ``block_v`` (no slid-back column tile), so no element is written by two CTAs: every
+  element is read by the CTA that overwrites it, before it does, and the rows a slid-back block reads
+  but does not own (possibly overwritten by their owner already) are discarded. Without ``inplace`` a
+  slid-back block rewrites its overlap with bitwise identical values.
   """
   R, V = x.shape
   bm, bv, stages = BLOCK_ROWS, cfg.block_v, cfg.stages
   check_block(bv, x.dtype)
   assert R >= bm and V >= bv, (R, V)
   num_tiles = _cdiv(V, bv)
+  num_row_blocks = _cdiv(R, bm)
   tps = min(cfg.tiles_per_cta, num_tiles)
   num_splits = _cdiv(num_tiles, tps)
   shape = (bm, bv)
   dtype = x.dtype
+  # what a slid-back block owns: its last rows / columns (multiples of the 8-row x 128-byte tiling)
+  tail_rows = R - (num_row_blocks - 1) * bm
+  if inplace and V % bv:
+    raise ValueError(f"in place needs V % block_v == 0, got V={V}, block_v={bv}")
 
-  def kernel(x_ref, ids_ref, k_ref, lse_ref, c_ref, o_ref, x_smem, o_smem, loaded, ids_smem, f_smem, vec_barrier):
+  def kernel(*refs):
+    if inplace:
+      ids_ref, k_ref, lse_ref, c_ref, x_ref, x_smem, o_smem, loaded, ids_smem, f_smem, vec_barrier = refs
+      o_ref = x_ref
+    else:
+      x_ref, ids_ref, k_ref, lse_ref, c_ref, o_ref, x_smem, o_smem, loaded, ids_smem, f_smem, vec_barrier = refs
     split = lax.axis_index("split")
+    last_rows = lax.axis_index("rows") == num_row_blocks - 1
     row0 = _row_block_start(R)
     tile0 = split * tps
     n_tiles = jnp.minimum(tps, num_tiles - tile0)
@@ -269,6 +290,18 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
 
     def fetch(t, slot):
       plgpu.copy_gmem_to_smem(x_ref.at[tile(t)], x_smem.at[slot], loaded.at[slot])
+
+    def store(t, slot):
+      """Tile ``t``; in place, only the rows the block owns (a TMA box has a static size, so the slid-back
+      last row block stores a smaller one; a column slice of tiled shared memory is not contiguous, so
+      in place needs ``V % block_v == 0``)."""
+      dst_cols = pl.ds(_tile_start(tile0 + t, bv, V), bv)
+      if not inplace or tail_rows == bm:
+        plgpu.copy_smem_to_gmem(o_smem.at[slot], o_ref.at[pl.ds(row0, bm), dst_cols])
+        return
+      for nr, cond in ((bm, ~last_rows), (tail_rows, last_rows)):
+        pl.when(cond)(lambda nr=nr: plgpu.copy_smem_to_gmem(
+            o_smem.at[slot, pl.ds(bm - nr, nr)], o_ref.at[pl.ds(row0 + bm - nr, nr), dst_cols]))
 
     for s in range(stages):  # prologue: fill the ring
 
@@ -290,7 +323,7 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
       plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
       o_smem.at[slot][...] = dz
       plgpu.commit_smem()  # fence + warpgroup barrier: every thread has also finished reading x_smem[slot]
-      plgpu.copy_smem_to_gmem(o_smem.at[slot], o_ref.at[tile(t)])
+      store(t, slot)
 
       @pl.when(t + stages < n_tiles)
       def _():
@@ -298,20 +331,24 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, interpret=N
 
     plgpu.wait_smem_to_gmem(0)
 
-  call = plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct((R, V), dtype),
-      scratch_types=[
-          plgpu.SMEM((stages, bm, bv), dtype, transforms=_transforms(dtype)),
-          plgpu.SMEM((stages, bm, bv), dtype, transforms=_transforms(dtype)),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.SMEM((bm,), jnp.int32),
-          plgpu.SMEM((3, bm), jnp.float32),
-          plgpu.Barrier(num_arrivals=4, num_barriers=1),
-      ],
-      grid=(num_splits, _cdiv(R, bm)),
-      grid_names=("split", "rows"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )
-  return call(x, ids, k_rows, lse2_rows, c_rows)
+  scratch = [
+      plgpu.SMEM((stages, bm, bv), dtype, transforms=_transforms(dtype)),
+      plgpu.SMEM((stages, bm, bv), dtype, transforms=_transforms(dtype)),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.SMEM((bm,), jnp.int32),
+      plgpu.SMEM((3, bm), jnp.float32),
+      plgpu.Barrier(num_arrivals=4, num_barriers=1),
+  ]
+  grid = dict(grid=(num_splits, num_row_blocks), grid_names=("split", "rows"))
+  params = plgpu.CompilerParams(approx_math=True)
+  if not inplace:
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((R, V), dtype), scratch_types=scratch,
+                        compiler_params=params, interpret=interpret, **grid)
+    return call(x, ids, k_rows, lse2_rows, c_rows)
+  # A Ref argument is aliased in and out of the kernel. plgpu.kernel wraps its call in a custom_vmap,
+  # which rejects Ref effects (jax 0.10.2), so the mesh kernel is built directly, as plgpu.kernel does.
+  call = pl.kernel(lambda *refs: pl.run_scoped(functools.partial(kernel, *refs), *scratch), out_type=(),
+                   mesh=plgpu.Mesh(**grid), compiler_params=params, interpret=interpret)
+  x_ref = jax.new_ref(x, memory_space=plgpu.GMEM if interpret else None)
+  call(ids, k_rows, lse2_rows, c_rows, x_ref)
+  return jax.freeze(x_ref)

@@ -49,6 +49,12 @@ class MosaicGpuLogitsBackend:
 
     ``fwd`` / ``bwd``: block configurations of the two kernels; ``num_splits``: vocabulary splits of
     the forward (None: enough CTAs for about four waves, see ``logits_mgpu.pick_splits``).
+    ``inplace``: the backward writes ``dlogits`` into the logits' buffer (Liger's ``inplace``): one
+    ``[B, T(+1), V]`` buffer instead of two when the logits are dead after the loss (donated to the jit,
+    or an intermediate of the same jit, as in a training step); otherwise XLA copies them first, which
+    costs a read and a write of the logits. The logits the caller passed are never modified in a way
+    it can observe (JAX values are immutable). Where the kernels' view of a row is not a multiple of
+    ``bwd.block_v``, the backward runs with 128-byte tiles (64 bf16 columns).
     Defaults from the H200 sweep of benchmarks/LOGITS_NOTES.md (2026-11-30): 128-column tiles; the
     forward without the in-kernel target pick (0.146 vs 0.165 ms at 2 x 1025 x 128256 bf16), 4 stages;
     the backward 3 stages, 32 tiles per CTA (block sizes within ~3 % of each other there). float32
@@ -59,6 +65,7 @@ class MosaicGpuLogitsBackend:
     fwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=4, pick_target=False)
     bwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=3, tiles_per_cta=32)
     num_splits: int | None = None
+    inplace: bool = False
     interpret: bool = False
     name: str = "mosaic_gpu"
 
@@ -141,8 +148,12 @@ class MosaicGpuLogitsBackend:
         rep = lambda v: jnp.repeat(v.reshape(R), k)
         kk = jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R * k,))
         c = rep(jnp.pad(dlogp / temperature, ((0, 0), (0, Tl - T))))
+        cfg = self.bwd
+        if self.inplace and x.shape[1] % cfg.block_v:  # no slid-back column tile in place
+            cfg = dataclasses.replace(cfg, block_v=128 // jnp.dtype(logits.dtype).itemsize)
         with jax.named_scope("gmpo_jax/mosaic_gpu/dlogits"):
-            dz = K.dlogits(x, ids_r, kk, rep(lse2), c, cfg=self.bwd, interpret=self._interpret_params())
+            dz = K.dlogits(x, ids_r, kk, rep(lse2), c, cfg=cfg, inplace=self.inplace,
+                           interpret=self._interpret_params())
         return dz.reshape(B, Tl, V)
 
 
