@@ -186,6 +186,9 @@ def policy_loss_from_logits(
       implementation: None (``"mosaic_gpu"`` on Hopper-or-newer GPUs when it can serve the call, else
         ``"xla"``), an explicit name (never falls back), or a backend instance such as
         ``gmpo_jax.logits_backends.mosaic_gpu.MosaicGpuLogitsBackend(interpret=True)``.
+        ``MosaicGpuLogitsBackend(inplace=True)`` writes ``dlogits`` into the logits' buffer (Liger's
+        ``inplace``): half the memory when the logits die with the loss (an intermediate of the same
+        jit, or donated with ``donate_argnums``); if they are still live, XLA copies them first.
 
     Returns:
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars (no

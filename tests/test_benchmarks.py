@@ -96,3 +96,21 @@ def test_sharded_bench_two_cpu_devices(tmp_path):
     assert REQUIRED <= set(recs[0])
     np_losses = [r["loss"] for r in recs]
     assert max(np_losses) - min(np_losses) <= 1e-6 * max(1.0, abs(np_losses[0]))
+
+
+def test_logits_inplace_script_on_cpu(tmp_path):
+    """benchmarks.logits_inplace on a tiny shape with the kernels in the interpreter: three records; only
+    the donated in-place program aliases the logits (XLA's memory analysis), and it needs one logits
+    buffer less than the out-of-place program."""
+    out = tmp_path / "inplace.jsonl"
+    cmd = [sys.executable, "-m", "benchmarks.logits_inplace", "--interpret", "--B", "1", "--T", "63", "--V", "256",
+           "--iters", "1", "--out", str(out)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
+    recs = {r["config"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(recs) == {"out-of-place", "inplace, donated", "inplace, kept"}
+    assert all(r["repeatable"] for r in recs.values())
+    assert recs["inplace, donated"]["alias_gib"] == recs["inplace, donated"]["logits_gib"]
+    assert recs["out-of-place"]["alias_gib"] == 0 and recs["inplace, kept"]["alias_gib"] == 0
+    saved = recs["out-of-place"]["xla_peak_gib"] - recs["inplace, donated"]["xla_peak_gib"]
+    assert saved == pytest.approx(recs["out-of-place"]["logits_gib"], rel=0.05)

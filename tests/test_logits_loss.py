@@ -486,3 +486,17 @@ def test_mosaic_gpu_inplace_interpret(B, T, V, extra):
     f = jax.jit(lambda z, *rest: jax.grad(lambda z: _call(obj.lib(), inplace, z, *rest)[0])(z), donate_argnums=0,
                 compiler_options=FAST_COMPILE)
     np.testing.assert_allclose(_f64(f(jnp.array(logits), *rest)), _f64(g1), rtol=2.0**-7, atol=0)
+
+
+@gpu
+@needs_hopper
+def test_mosaic_gpu_inplace_full_shape():
+    """In place on the device at B = 2, T = 1024 (kernels' view 8200 x 32064: 64-column tiles, a slid-back
+    row block), donated: the dlogits of the out-of-place kernel (to one bf16 ulp)."""
+    case = make_inputs(17, B=2, T=1024, V=128256, dtype="bfloat16", extra=True, temperature=1.0, scale=3.0)
+    obj = Obj("grpo")
+    (_, _), g0 = value_and_grad(case, obj, "mosaic_gpu")
+    logits, *rest = _args(case, 1.0, None)
+    inplace = MosaicGpuLogitsBackend(inplace=True)
+    f = jax.jit(lambda z, *rest: jax.grad(lambda z: _call(obj.lib(), inplace, z, *rest)[0])(z), donate_argnums=0)
+    np.testing.assert_allclose(_f64(f(jnp.array(logits), *rest)), _f64(g0), rtol=2.0**-7, atol=0)
