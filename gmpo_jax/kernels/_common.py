@@ -184,6 +184,56 @@ def logits_tile_loop(
     finish(carry)
 
 
+def cta_rows(block_m: int):
+  """``(split, row0, my_rows)`` of this CTA and warpgroup: the vocabulary split (grid axis ``"split"``),
+  the CTA's first row (it owns ``2 * block_m``) and this consumer warpgroup's first row."""
+  row0 = lax.axis_index("rows") * (2 * block_m)
+  return lax.axis_index("split"), row0, row0 + lax.axis_index("wg") * block_m
+
+
+def launch(body, *, hidden, weight, bias, row_inputs, out_type, epilogue_smem, weight_layout: str,
+           cfg: BlockConfig, num_splits: int, interpret=None):
+  """Runs an LM-head kernel on the grid ``(num_splits, rows / (2 block_m))`` with three warpgroups
+  (two consumers, one memory warpgroup: ``logits_tile_loop``).
+
+  ``body(h_ref, w_ref, b_ref, row_refs, out_refs, smem)`` gets the references of ``hidden``, ``weight``,
+  ``bias`` (None without one), the per-row inputs ``row_inputs`` and the outputs ``out_type`` (a tuple,
+  or one ``ShapeDtypeStruct``), and ``smem = (a_smem, b_smem, epilogue, loaded, consumed)``: the
+  operand rings of ``logits_tile_loop``, the scratch ``epilogue_smem`` (a ``plgpu.SMEM``) of the
+  kernel's own epilogue, and the ring's two barriers.
+  """
+  dtype = hidden.dtype
+  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+  transforms = operand_transforms(jnp.dtype(dtype).itemsize)
+  b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
+  has_bias = bias is not None
+  n_rows = len(row_inputs)
+
+  def kernel(h_ref, w_ref, *refs):
+    b_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+    body(h_ref, w_ref, b_ref, refs[:n_rows], refs[n_rows:-1], refs[-1])
+
+  scratch = [
+      plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
+      plgpu.SMEM(b_shape, dtype, transforms=transforms),
+      epilogue_smem,
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  ]
+  call = plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=[scratch],
+      grid=(num_splits, hidden.shape[0] // (2 * bm)),
+      grid_names=("split", "rows"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs)
+
+
 def row_vector(ref, start, size, interpret):
   """Loads ``ref[start:start+size]`` (GMEM) as a per-row vector of the WGMMA layout."""
   return load_vector(ref.at[pl.ds(start, size)], plgpu.Layout.WGMMA.reduce(1), interpret)

@@ -45,30 +45,23 @@ def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, 
     ``dz``: ``[Rp, window_tiles * block_n]`` in ``hidden.dtype``; columns past ``V`` are 0.
   """
   rows, hdim = hidden.shape
-  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+  bm, bn = cfg.block_m, cfg.block_n
   assert window_start % bn == 0
   first_tile = window_start // bn
   tiles_per_split = C.cdiv(window_tiles, num_splits)
   assert C.cdiv(window_tiles, tiles_per_split) == num_splits
-  k_iters = hdim // bk
+  k_iters = hdim // cfg.block_k
   dtype = hidden.dtype
-  transforms = C.operand_transforms(jnp.dtype(dtype).itemsize)
   has_bias = bias is not None
-  b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
 
-  def kernel(*refs):
-    if has_bias:
-      h_ref, w_ref, b_ref, ids_ref, scale_ref, lse_ref, coef_ref, dz_out, scratch = refs
-    else:
-      h_ref, w_ref, ids_ref, scale_ref, lse_ref, coef_ref, dz_out, scratch = refs
-      b_ref = None
-    a_smem, b_smem, out_smem, loaded, consumed = scratch
-    split = lax.axis_index("split")
-    row0 = lax.axis_index("rows") * (2 * bm)
+  def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
+    ids_ref, scale_ref, lse_ref, coef_ref = row_refs
+    (dz_out,) = outs
+    a_smem, b_smem, out_smem, loaded, consumed = smem
+    split, row0, my_rows = C.cta_rows(bm)
     local0 = split * tiles_per_split
     n_tiles = jnp.minimum(tiles_per_split, window_tiles - local0)
     wg = lax.axis_index("wg")
-    my_rows = row0 + wg * bm
 
     def init_carry():
       lse2_v = C.row_vector(lse_ref, my_rows, bm, interpret)
@@ -105,24 +98,8 @@ def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, 
         row0=row0, tile0=first_tile + local0, num_tiles=n_tiles, k_iters=k_iters, cfg=cfg,
         init_carry=init_carry, epilogue=epilogue, finish=finish, interpret=interpret)
 
-  out_transforms = C.operand_transforms(jnp.dtype(dtype).itemsize)
-  scratch = [
-      plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
-      plgpu.SMEM(b_shape, dtype, transforms=transforms),
-      plgpu.SMEM((2, bm, bn), dtype, transforms=out_transforms),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-  ]
-  call = plgpu.kernel(
-      kernel,
+  return C.launch(
+      body, hidden=hidden, weight=weight, bias=bias, row_inputs=(ids, row_scale, row_lse2, row_coef),
       out_type=jax.ShapeDtypeStruct((rows, window_tiles * bn), dtype),
-      scratch_types=[scratch],
-      grid=(num_splits, rows // (2 * bm)),
-      grid_names=("split", "rows"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )
-  args = (hidden, weight) + ((bias,) if has_bias else ()) + (ids, row_scale, row_lse2, row_coef)
-  return call(*args)
+      epilogue_smem=plgpu.SMEM((2, bm, bn), dtype, transforms=C.operand_transforms(jnp.dtype(dtype).itemsize)),
+      weight_layout=weight_layout, cfg=cfg, num_splits=num_splits, interpret=interpret)

@@ -49,30 +49,22 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
     ``z2`` (0 when the split does not hold the target) and ``sum exp2(z2 - m2) (z2 - m2)``.
   """
   rows, hdim = hidden.shape
-  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   num_tiles = C.cdiv(vocab_size, bn)
   tiles_per_split = C.cdiv(num_tiles, num_splits)
   assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits)
   assert rows % (2 * bm) == 0 and hdim % bk == 0
   k_iters = hdim // bk
-  dtype = hidden.dtype
-  transforms = C.operand_transforms(jnp.dtype(dtype).itemsize)
   has_bias = bias is not None
-  b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
+  n_stats = 4 if with_entropy else 3
 
-  def kernel(*refs):
-    if has_bias:
-      h_ref, w_ref, b_ref, ids_ref, scale_ref, *outs, scratch = refs
-    else:
-      h_ref, w_ref, ids_ref, scale_ref, *outs, scratch = refs
-      b_ref = None
-    a_smem, b_smem, stat_smem, loaded, consumed = scratch
-    split = lax.axis_index("split")
-    row0 = lax.axis_index("rows") * (2 * bm)
+  def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
+    ids_ref, scale_ref = row_refs
+    a_smem, b_smem, stat_smem, loaded, consumed = smem
+    split, row0, my_rows = C.cta_rows(bm)
     tile0 = split * tiles_per_split
     n_tiles = jnp.minimum(tiles_per_split, num_tiles - tile0)
     wg = lax.axis_index("wg")
-    my_rows = row0 + wg * bm
 
     def init_carry():
       ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)
@@ -124,27 +116,10 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
         init_carry=init_carry, epilogue=epilogue, finish=finish, interpret=interpret)
 
   stat = jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)
-  n_stats = 4 if with_entropy else 3
-  scratch = [
-      plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
-      plgpu.SMEM(b_shape, dtype, transforms=transforms),
-      plgpu.SMEM((2, n_stats, bm), jnp.float32),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-  ]
-  call = plgpu.kernel(
-      kernel,
-      out_type=(stat,) * n_stats,
-      scratch_types=[scratch],
-      grid=(num_splits, rows // (2 * bm)),
-      grid_names=("split", "rows"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )
-  args = (hidden, weight) + ((bias,) if has_bias else ()) + (ids, row_scale)
-  return call(*args)
+  return C.launch(
+      body, hidden=hidden, weight=weight, bias=bias, row_inputs=(ids, row_scale), out_type=(stat,) * n_stats,
+      epilogue_smem=plgpu.SMEM((2, n_stats, bm), jnp.float32), weight_layout=weight_layout, cfg=cfg,
+      num_splits=num_splits, interpret=interpret)
 
 
 def combine_splits(m2, l, t2, e2=None):
