@@ -1,6 +1,8 @@
 """Kernel-level GPU check and timing of the mosaic_gpu backend against xla_chunked and the XLA matmul.
 
   PYTHONPATH=. python3 -m benchmarks.kernels_bench [--quick] [--out DIR]
+  PYTHONPATH=. python3 -m benchmarks.kernels_bench --sweep     # block sizes for gmpo_jax.tuning.MOSAIC_BLOCKS
+  PYTHONPATH=. python3 -m benchmarks.kernels_bench --entropy   # log-probs with / without the entropy
 
 One process, everything in one device call: correctness at real shapes (both layouts, bias,
 temperature, bf16) against ``xla_chunked`` and a float32 dense reference on a row subset, a
@@ -145,44 +147,74 @@ def time_shape(tag, R, H, V, layout="hv", variants=(), grad_variants=()):
       except Exception as e:
         record(kind="time", tag=tag, what=f"{name}.grads", error=f"{type(e).__name__}: {str(e)[:1500]}")
         traceback.print_exc()
-    # block-size variants of the log-prob kernel
-    from gmpo_jax.kernels import _common as C
-    from gmpo_jax.kernels.lm_head_logprob_mgpu import lse_partials
-    from gmpo_jax.backends.mosaic_gpu import _prepare
-    for bm, bn, st in variants:
+    time_variants(tag, h, w, ids, T, layout, variants, grad_variants)
+  except Exception as e:
+    record(kind="time", tag=tag, error=f"{type(e).__name__}: {str(e)[:2000]}")
+    traceback.print_exc()
+
+
+def time_variants(tag, h, w, ids, T, layout, variants, grad_variants):
+  """The log-prob kernel and the dz kernel (whole vocabulary) alone for each ``(block_m, block_n, stages)``;
+  records carry ``kernel`` and ``block`` = ``(block_m, block_n, block_k, stages)`` for ``table_entries``."""
+  from gmpo_jax.kernels import _common as C
+  from gmpo_jax.kernels.lm_head_grad_mgpu import dlogits_window
+  from gmpo_jax.kernels.lm_head_logprob_mgpu import lse_partials
+  from gmpo_jax.backends.mosaic_gpu import _prepare
+  R, H = h.shape
+  V = w.shape[1] if layout == "hv" else w.shape[0]
+  flops = 2.0 * R * H * V
+  for kernel, plan in (("logprob", variants), ("grad", grad_variants)):
+    for bm, bn, st in plan:
       cfg = C.BlockConfig(block_m=bm, block_n=bn, block_k=64, num_stages=st)
-      try:
-        hp, ids_p, scale, _, Rp = _prepare(h, ids, None, T, cfg, V)
-        splits = C.pick_num_splits(Rp // cfg.rows_per_cta, C.cdiv(V, bn), jax.devices()[0].core_count)
-        f = jax.jit(lambda hp, w, ids_p, scale, cfg=cfg, splits=splits: lse_partials(
-            hp, w, None, ids_p, scale, weight_layout=layout, vocab_size=V, cfg=cfg, num_splits=splits))
-        ms, _ = bench(f, hp, w, ids_p, scale)
-        record(kind="time", tag=tag, what=f"logprob_kernel bm={bm} bn={bn} stages={st} splits={splits}",
-               R=R, H=H, V=V, ms=ms, tflops=flops / ms / 1e9)
-      except Exception as e:
-        record(kind="time", tag=tag, what=f"logprob_kernel bm={bm} bn={bn} stages={st}",
-               error=f"{type(e).__name__}: {str(e)[:1500]}")
-        traceback.print_exc()
-    from gmpo_jax.kernels.lm_head_grad_mgpu import dlogits_window
-    for bm, bn, st in grad_variants:
-      cfg = C.BlockConfig(block_m=bm, block_n=bn, block_k=64, num_stages=st)
+      what = f"{kernel} kernel bm={bm} bn={bn} stages={st}"
       try:
         hp, ids_p, scale, _, Rp = _prepare(h, ids, None, T, cfg, V)
         nt = C.cdiv(V, bn)
         splits = C.pick_num_splits(Rp // cfg.rows_per_cta, nt, jax.devices()[0].core_count)
-        f = jax.jit(lambda hp, w, ids_p, scale, cfg=cfg, splits=splits, nt=nt: dlogits_window(
-            hp, w, None, ids_p, scale, scale, scale, weight_layout=layout, vocab_size=V,
-            window_start=0, window_tiles=nt, cfg=cfg, num_splits=splits))
+        if kernel == "logprob":
+          f = jax.jit(lambda hp, w, ids_p, scale, cfg=cfg, splits=splits: lse_partials(
+              hp, w, None, ids_p, scale, weight_layout=layout, vocab_size=V, cfg=cfg, num_splits=splits))
+        else:
+          f = jax.jit(lambda hp, w, ids_p, scale, cfg=cfg, splits=splits, nt=nt: dlogits_window(
+              hp, w, None, ids_p, scale, scale, scale, weight_layout=layout, vocab_size=V,
+              window_start=0, window_tiles=nt, cfg=cfg, num_splits=splits))
         ms, _ = bench(f, hp, w, ids_p, scale)
-        record(kind="time", tag=tag, what=f"dz_kernel(full V) bm={bm} bn={bn} stages={st} splits={splits}",
+        record(kind="time", tag=tag, what=f"{what} splits={splits}", kernel=kernel, block=[bm, bn, 64, st],
                R=R, H=H, V=V, ms=ms, tflops=flops / ms / 1e9)
       except Exception as e:
-        record(kind="time", tag=tag, what=f"dz_kernel bm={bm} bn={bn} stages={st}",
-               error=f"{type(e).__name__}: {str(e)[:1500]}")
+        record(kind="time", tag=tag, what=what, error=f"{type(e).__name__}: {str(e)[:1500]}")
         traceback.print_exc()
-  except Exception as e:
-    record(kind="time", tag=tag, error=f"{type(e).__name__}: {str(e)[:2000]}")
-    traceback.print_exc()
+
+
+def table_entries(records, device_kind):
+  """``gmpo_jax.tuning.MOSAIC_BLOCKS`` entries from sweep records: per head (H, V), the fastest block of
+  each kernel. Returns ``{(device_kind, H, V): {"logprob": (...), "grad": (...)}}`` (kernels with records)."""
+  best = {}
+  for r in records:
+    if "kernel" not in r or "ms" not in r:
+      continue
+    key = (device_kind, r["H"], r["V"])
+    cur = best.setdefault(key, {}).get(r["kernel"])
+    if cur is None or r["ms"] < cur[0]:
+      best[key][r["kernel"]] = (r["ms"], tuple(r["block"]))
+  return {k: {kind: blk for kind, (_, blk) in v.items()} for k, v in best.items()}
+
+
+SWEEP_HEADS = {"qwen2.5-0.5b": (896, 151936), "llama3-8b": (4096, 128256)}
+SWEEP_LOGPROB = [(64, 256, 4), (128, 128, 4), (128, 128, 3), (64, 128, 6), (64, 256, 3)]
+SWEEP_GRAD = [(128, 128, 3), (64, 128, 6), (128, 128, 2), (64, 256, 3)]
+
+
+def sweep(R=8192):
+  """The offline block sweep behind ``gmpo_jax.tuning.MOSAIC_BLOCKS``: both kernels, each head, R rows."""
+  for name, (H, V) in SWEEP_HEADS.items():
+    h, w, _, ids, _ = make_inputs(R, H, V, "hv", False, seed=7)
+    time_variants(f"sweep {name} R={R}", h, w, ids, jnp.float32(1.0), "hv", SWEEP_LOGPROB, SWEEP_GRAD)
+    del h, w
+  entries = table_entries(RESULTS, jax.devices()[0].device_kind)
+  log("== MOSAIC_BLOCKS entries (paste into gmpo_jax/tuning.py after review) ==")
+  for key, kinds in entries.items():
+    log(f"    {key!r}: {kinds!r},")
 
 
 def time_entropy(tag, R, H, V, layout="hv"):
@@ -245,13 +277,16 @@ def main():
   ap.add_argument("--skip-checks", action="store_true")
   ap.add_argument("--final", action="store_true", help="config timings + workspace variant + e2e")
   ap.add_argument("--entropy", action="store_true", help="only the with/without-entropy log-prob timings")
+  ap.add_argument("--sweep", action="store_true", help="only the block sweep behind gmpo_jax.tuning.MOSAIC_BLOCKS")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   d = jax.devices()[0]
   log(f"jax {jax.__version__} device {d.device_kind} cc={getattr(d, 'compute_capability', None)} "
       f"sms={getattr(d, 'core_count', None)}")
   t_start = time.time()
-  if args.entropy:
+  if args.sweep:
+    sweep()
+  elif args.entropy:
     time_entropy("qwen R=16384", 16384, 896, 151936)
     time_entropy("llama R=8192", 8192, 4096, 128256)
   elif not args.skip_checks:
@@ -261,7 +296,7 @@ def main():
     check(64, 2048, 32000, "hv", False, 1.0, scale=1000.0)
     check(300, 4096, 32000, "vh", False, 1.0)
   log(f"checks done in {time.time() - t_start:.1f}s")
-  if args.entropy:
+  if args.entropy or args.sweep:
     pass
   elif args.final:
     time_shape("qwen R=8192", 8192, 896, 151936, "hv")
@@ -284,7 +319,7 @@ def main():
     time_shape("qwen R=8192", 8192, 896, 151936, "hv",
                variants=[(128, 128, 4), (64, 256, 4), (128, 128, 3), (64, 128, 6)],
                grad_variants=[(128, 128, 3), (64, 128, 6)])
-  if not args.quick and not args.final and not args.entropy:
+  if not args.quick and not args.final and not args.entropy and not args.sweep:
     time_shape("qwen R=8192 vh", 8192, 896, 151936, "vh")
     time_shape("llama R=8192", 8192, 4096, 128256, "hv", variants=[(128, 128, 4), (64, 256, 4)])
   with open(os.path.join(args.out, "kernels.jsonl"), "w") as f:

@@ -1,4 +1,7 @@
-"""Default block sizes: a small reviewed table, no autotuning, no environment variables.
+"""Default block sizes: small reviewed tables, no autotuning, no environment variables.
+
+XLA path (``xla_chunked``): chunk rows and vocabulary block below. Mosaic GPU LM-head kernels:
+``MOSAIC_BLOCKS``, keyed by GPU and head, filled from ``python3 -m benchmarks.kernels_bench --sweep``.
 
 Chunks are groups of whole sequences; ``rows = chunk_size * T`` tokens go through the LM head at once.
 The XLA path keeps one ``[rows, vocab_block]`` float32 logits block live (plus a few same-sized
@@ -28,3 +31,23 @@ def xla_vocab_block(rows: int, V: int) -> int:
     vb = LOGITS_BLOCK_ELEMENTS // max(rows, 1)
     vb = max(MIN_VOCAB_BLOCK, min(MAX_VOCAB_BLOCK, (vb // 128) * 128))
     return min(vb, V)
+
+
+# Mosaic GPU LM-head kernels: (block_m per warpgroup, block_n, block_k, num_stages) per kernel, keyed by
+# (device_kind, H, V). Filled from the H200 sweep of 2026-11-30 (benchmarks/KERNELS_NOTES.md, "Block-size
+# variants"; ``python3 -m benchmarks.kernels_bench --sweep`` prints these entries): log-prob kernel at
+# R = 8192, Qwen 64x256x4 3.56 ms vs 128x128x4 3.70, 128x128x3 3.72, 64x128x6 3.82; Llama 64x256x4 12.80 ms
+# vs 128x128x4 14.44; the gradient (dz) kernel at Qwen 128x128x3 3.84 ms vs 64x128x6 4.03 (Llama's not swept:
+# Qwen's entry). The gradient kernel's two output staging tiles share shared memory with its ring, hence
+# fewer stages. Other GPUs and heads use MOSAIC_DEFAULT (the same, the best measured on any head).
+MOSAIC_BLOCKS: dict[tuple[str, int, int], dict[str, tuple[int, int, int, int]]] = {
+    ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)},    # Qwen2.5-0.5B
+    ("NVIDIA H200", 4096, 128256): {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)},   # Llama-3-8B
+}
+MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)}
+
+
+def mosaic_blocks(device_kind: str, H: int, V: int, kind: str) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, block_k, num_stages)`` of the Mosaic kernel ``kind`` (``"logprob"`` / ``"grad"``)
+    on ``device_kind`` for a head of ``H x V``: the table's entry, else ``MOSAIC_DEFAULT``."""
+    return MOSAIC_BLOCKS.get((device_kind, H, V), MOSAIC_DEFAULT)[kind]

@@ -114,3 +114,19 @@ def test_logits_inplace_script_on_cpu(tmp_path):
     assert recs["out-of-place"]["alias_gib"] == 0 and recs["inplace, kept"]["alias_gib"] == 0
     saved = recs["out-of-place"]["xla_peak_gib"] - recs["inplace, donated"]["xla_peak_gib"]
     assert saved == pytest.approx(recs["out-of-place"]["logits_gib"], rel=0.05)
+
+
+def test_kernels_bench_table_entries():
+    """The block sweep's selection (benchmarks.kernels_bench.table_entries): the fastest block per kernel and
+    head, failed variants (no time) ignored, in the shape of gmpo_jax.tuning.MOSAIC_BLOCKS."""
+    from benchmarks.kernels_bench import table_entries
+    recs = [dict(kernel="logprob", block=[128, 128, 64, 4], H=896, V=151936, ms=3.70),
+            dict(kernel="logprob", block=[64, 256, 64, 4], H=896, V=151936, ms=3.56),
+            dict(kernel="grad", block=[64, 128, 64, 6], H=896, V=151936, ms=4.03),
+            dict(kernel="grad", block=[128, 128, 64, 3], H=896, V=151936, ms=3.84),
+            dict(kernel="grad", block=[64, 256, 64, 3], H=896, V=151936, error="smem"),
+            dict(kernel="logprob", block=[128, 128, 64, 4], H=4096, V=128256, ms=14.44),
+            dict(what="xla_matmul", H=896, V=151936, ms=3.29)]
+    assert table_entries(recs, "NVIDIA H200") == {
+        ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)},
+        ("NVIDIA H200", 4096, 128256): {"logprob": (128, 128, 64, 4)}}

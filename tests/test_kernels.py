@@ -207,6 +207,24 @@ def test_block_config_and_splits():
     assert 1 <= s <= tiles and C.cdiv(tiles, per) == s  # every split non-empty
 
 
+def test_block_table():
+  """block_config reads the reviewed table (gmpo_jax.tuning.MOSAIC_BLOCKS) for a listed GPU and head,
+  the default elsewhere, 64-row gradient blocks for <= 128 rows, and every entry fits shared memory."""
+  from gmpo_jax import tuning
+  from gmpo_jax.backends.mosaic_gpu import block_config
+  cfg = block_config(rows=8192, H=896, V=151936, kind="logprob", device_kind="NVIDIA H200")
+  assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) == tuning.MOSAIC_BLOCKS[
+      ("NVIDIA H200", 896, 151936)]["logprob"]
+  other = block_config(rows=8192, H=1536, V=151936, kind="grad", device_kind="NVIDIA H100 80GB HBM3")
+  assert (other.block_m, other.block_n, other.block_k, other.num_stages) == tuning.MOSAIC_DEFAULT["grad"]
+  assert block_config(rows=100, H=896, V=151936, kind="grad", device_kind="NVIDIA H200").block_m == 64
+  for entry in [*tuning.MOSAIC_BLOCKS.values(), tuning.MOSAIC_DEFAULT]:
+    for kind, (bm, bn, bk, st) in entry.items():
+      cfg = C.BlockConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=st)
+      extra = 2 * 4 * bm * 4 if kind == "logprob" else 2 * bm * bn * 2
+      assert cfg.smem_bytes(2, extra) <= C.SMEM_BYTES, (kind, cfg)
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU: real shapes on a Hopper GPU
 # --------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmpo_jax import tuning
 from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
 
 __all__ = ["MosaicGpuBackend", "make_backend", "supported_on", "block_config"]
@@ -46,19 +47,19 @@ def supported_on(device) -> bool:
     return False
 
 
-def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = False):
-  """The reviewed block-size table (kernels ``"logprob"`` / ``"grad"``); see KERNELS_NOTES.md."""
+def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = False, device_kind: str | None = None):
+  """Block sizes of the kernel ``kind`` (``"logprob"`` / ``"grad"``) from the reviewed table
+  ``gmpo_jax.tuning.MOSAIC_BLOCKS`` (keyed by GPU and head; ``device_kind`` defaults to the first
+  device's). The gradient kernel runs 64-row warpgroup blocks when ``rows <= 128`` (less padding)."""
   from gmpo_jax.kernels._common import BlockConfig
   if interpret:  # small tiles: the interpreter's cost grows with the tile count and sizes
     return BlockConfig(block_m=64, block_n=128, block_k=64, num_stages=2)
-  if kind == "logprob":
-    # H200, 2026-11-30: [8192, 896] x [896, 151936]: 64x256 3.56 ms vs 128x128 3.70 ms;
-    # [8192, 4096] x [4096, 128256]: 12.8 ms vs 14.4 ms (XLA matmul 12.5 ms).
-    return BlockConfig(block_m=64, block_n=256, block_k=64, num_stages=4)
-  block_m = 64 if rows <= 128 else 128
-  # grad: the 2 x [block_m, block_n] output staging tiles take shared memory from the ring;
-  # H200, 2026-11-30, dz of [8192, 896] x [896, 151936]: 128x128x3 3.84 ms, 64x128x6 4.03 ms.
-  return BlockConfig(block_m=block_m, block_n=128, block_k=64, num_stages=3)
+  if device_kind is None:
+    device_kind = getattr(jax.devices()[0], "device_kind", "")
+  block_m, block_n, block_k, stages = tuning.mosaic_blocks(device_kind, H, V, kind)
+  if kind == "grad" and rows <= 128:
+    block_m = 64
+  return BlockConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
 def _num_sms(interpret: bool) -> int:
