@@ -167,7 +167,8 @@ def policy_loss_from_logits(
     Args:
       logits: ``[B, T + 1, V]`` (the usual causal-LM output over prompt-end + completion: position ``t``
         predicts ``completion_ids[:, t]`` and the last position is dropped, lazily) or ``[B, T, V]``
-        (already aligned); bf16 / f16 / f32.
+        (already aligned); a floating dtype (``"xla"`` computes in float32 from any; the Mosaic kernels
+        take bf16 / f16 / f32).
       completion_ids: ``[B, T]`` integer sampled tokens. Masked positions may hold any value (e.g. -100
         or ``>= V``); an unmasked id outside ``[0, V)`` has a NaN log-prob (it cannot raise under jit),
         which makes the loss NaN unless the objective ignores that token's value (e.g. a zero advantage
@@ -188,7 +189,8 @@ def policy_loss_from_logits(
         ``gmpo_jax.logits_backends.mosaic_gpu.MosaicGpuLogitsBackend(interpret=True)``.
         ``MosaicGpuLogitsBackend(inplace=True)`` writes ``dlogits`` into the logits' buffer (Liger's
         ``inplace``): half the memory when the logits die with the loss (an intermediate of the same
-        jit, or donated with ``donate_argnums``); if they are still live, XLA copies them first.
+        jit, or donated with ``donate_argnums``); if they are still live, XLA copies them first. It
+        does not batch under ``jax.vmap`` (the default backend does).
 
     Returns:
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars (no

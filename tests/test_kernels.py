@@ -465,3 +465,23 @@ def test_gpu_entropy_real_heads(layout, bias, H, V):
   want = spec.spec_entropy(h[sub], w, bias=b, temperature=0.8, weight_layout=layout)
   zmax = np.abs(spec._logits(h[sub], w, b, 0.8, layout)).max()
   np.testing.assert_allclose(np.asarray(ent)[0, sub], want, rtol=0, atol=2e-5 * (1 + zmax))
+
+
+def test_interpret_tie_at_tiny_temperature():
+  """Two identical weight columns that hold every row's maximum, T = 1e-4 (|z| / T ~ 3e5): the tied
+  maxima have p = 1/2 each, so d logp / dW of the two columns is equal and that of the others ~0
+  (float64), not all on one column (the snap's limit lies at |z| / T ~ 1.9e6, ``_common.snap_tolerance``)."""
+  import gmpo_jax
+  rng = np.random.default_rng(8)
+  B, T, H, V, tau = 1, 64, 64, 256, 1e-4
+  u = rng.standard_normal(H)
+  h = jnp.asarray(u + 0.01 * rng.standard_normal((B, T, H)), jnp.bfloat16)
+  w = rng.standard_normal((H, V)) / 8
+  w[:, 3] = w[:, 7] = u / 2  # z_3 = z_7 ~ |u|^2 / 2 ~ 32, the others ~ N(0, 1)
+  w = jnp.asarray(w, jnp.bfloat16)
+  ids = jnp.full((B, T), 3, jnp.int32)
+  f = lambda w: jnp.sum(gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=tau, implementation=INTERPRET))
+  dw = np.asarray(jax.jit(jax.grad(f))(w), np.float64)
+  want = spec.spec_head_vjp(h, w, ids, None, np.ones((B, T)), temperature=tau)[1]
+  assert np.allclose(want[:, 3], -want[:, 7]) and np.abs(want[:, 3]).max() > 0  # the setup: a real tie
+  np.testing.assert_allclose(dw, want, rtol=0, atol=1e-2 * np.abs(want).max())

@@ -311,7 +311,7 @@ def test_argument_errors():
     with pytest.raises(UnsupportedConfigError, match="dtype"):  # the kernels take bf16 / f16 / f32
         gmpo_jax.policy_loss_from_logits(z.astype(jnp.float8_e4m3fn), ids, m, a, objective=obj,
                                          implementation=INTERPRET)
-    with pytest.raises(UnsupportedConfigError, match="row split"):  # 100-column rows: no 128-byte tiling
+    with pytest.raises(UnsupportedConfigError, match="no k meets"):  # 100-column rows: no 128-byte tiling
         gmpo_jax.policy_loss_from_logits(z[..., :100].astype(jnp.bfloat16), ids, m, a, objective=obj,
                                          implementation=INTERPRET)
 
@@ -500,3 +500,34 @@ def test_mosaic_gpu_inplace_full_shape():
     inplace = MosaicGpuLogitsBackend(inplace=True)
     f = jax.jit(lambda z, *rest: jax.grad(lambda z: _call(obj.lib(), inplace, z, *rest)[0])(z), donate_argnums=0)
     np.testing.assert_allclose(_f64(f(jnp.array(logits), *rest)), _f64(g0), rtol=2.0**-7, atol=0)
+
+
+@pytest.mark.parametrize("backend", [INTERPRET, INTERPRET_LEAN], ids=["pick", "lean"])
+def test_mosaic_gpu_interpret_tie_at_tiny_temperature(backend):
+    """Two exactly tied maxima at T = 1e-4 (|z| / T = 8e4): p = 1/2 each, so dlogits of the target is
+    -c / 2 and of its twin +c / 2 (float64), not the snap's p = 1 (``snap_tolerance``'s limit lies at
+    |z| / T ~ 1.9e6)."""
+    B, T, V, tau = 2, 39, 256, 1e-4
+    z = np.zeros((B, T + 1, V), np.float32)
+    z[0, 0, 3] = z[0, 0, 7] = 8.0
+    ids = np.full((B, T), 3, np.int32)
+    mask = np.zeros((B, T), bool)
+    mask[0, 0] = True
+    obj = gmpo_jax.GRPO(loss_type="dapo", epsilon_low=10.0, epsilon_high=10.0)
+    g = jax.jit(jax.grad(lambda x: gmpo_jax.policy_loss_from_logits(
+        x, ids, mask, jnp.array([1.0, 0.0]), objective=obj, old_logps=np.zeros((B, T), np.float32),
+        temperature=tau, implementation=backend)[0]))(jnp.asarray(z, jnp.bfloat16))
+    # d loss / d logp = -A e^{logp - old} / N = -0.5 (logp = log 1/2, one token): dz = -0.5 / T (onehot - p)
+    c = -0.5 / tau
+    np.testing.assert_allclose(_f64(g)[0, 0, [3, 7]], [c * 0.5, -c * 0.5], rtol=1e-2)
+    assert np.all(_f64(g)[0, 0, [v for v in range(V) if v not in (3, 7)]] == 0)
+
+
+def test_mosaic_gpu_inplace_interpret_eager():
+    """In place without an enclosing jit (the interpreter's GMEM Ref needs one: the kernel call wraps
+    itself): the same dlogits as the jitted call."""
+    case = make_inputs(23, B=2, T=39, V=320, dtype="bfloat16", extra=True, temperature=1.0)
+    inplace = dataclasses.replace(INTERPRET, inplace=True)
+    logits, *rest = _args(case, 1.0, None)
+    f = lambda z: _call(Obj("grpo").lib(), inplace, z, *rest)[0]
+    np.testing.assert_allclose(_f64(jax.grad(f)(logits)), _f64(jax.jit(jax.grad(f))(logits)), rtol=2.0**-7, atol=0)

@@ -255,8 +255,10 @@ def bcast_cols(v, shape):
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
-# |d| <= 2**-21 |lse2| is at most a few float32 ulps of the log-sum-exp: below what float32 resolves.
-SNAP_RELATIVE = 2.0 ** -21
+# |d| <= 3 * 2**-23 |lse2| is 3 to 6 float32 ulps of the log-sum-exp: what its roundings can move it
+# by (about 2.5 ulps: the forward's fused multiply-add residual, the trip through natural-log units, the
+# backward's residual).
+SNAP_RELATIVE = 3 * 2.0 ** -23
 
 
 def snap_tolerance(lse2):
@@ -264,12 +266,17 @@ def snap_tolerance(lse2):
 
   The gradient kernels recompute ``z2 = z * scale`` and subtract a log-sum-exp that reached them
   through other roundings (natural-log units in between, a fused multiply-add of ``z * scale - lse2``
-  that skips the rounding of ``z * scale``). At ordinary temperatures that is a relative error of
-  ~1e-7 in one probability; at tiny temperatures (``|z| / T ~ 1e7``) an ulp of ``lse2`` is ~0.5, so
-  the argmax of a one-hot softmax got ``p = 2**(+-0.5)`` and a gradient of ``~0.4 / T`` instead of 0
-  (measured on an H200 at ``T = 1e-6``, 2026-11-30). Snapping ``|z2 - lse2| <= 2**-21 |lse2|`` (a few
-  ulps) to 0 restores ``p = 1`` there and changes no probability by more than ``1e-5`` relative
-  anywhere else: the XLA paths get the same result by setting ``z - ref`` to exactly 0 where
-  ``z == ref`` (``gmpo_jax.backends.xla_chunked.shifted``).
+  that skips the rounding of ``z * scale``): up to about 2.5 ulps of ``lse2``. At ordinary temperatures
+  that is a relative error of ~1e-7 in one probability; at tiny temperatures (``|z| / T ~ 1e7``) an
+  ulp of ``lse2`` is ~1, so the argmax of a one-hot softmax got ``p = 2**(+-0.5)`` and a gradient of
+  ``~0.4 / T`` instead of 0 (measured on an H200 at ``T = 1e-6``, 2026-11-30). Snapping
+  ``|z2 - lse2| <= 2**-22 |lse2|`` to 0 restores ``p = 1`` there; the XLA paths get the same by
+  setting ``z - ref`` to exactly 0 where ``z == ref`` (``gmpo_jax.backends.xla_chunked.shifted``).
+
+  Limit: a logit whose probability differs from 1 by less than the snap (``|log2 p| <= 3 * 2**-23
+  |lse2|``) counts as the maximum. That is below float32's resolution unless ``|lse2| >= 2**23 / 3``
+  (``|z| / T`` above ~1.9e6 nats), where it also covers exact ties (``p = 1/2``, ``log2 p = -1``): there two tied
+  maxima both get ``p = 1``. At such temperatures float32 cannot resolve those probabilities anyway (the
+  XLA path's are off by ~50 %); a tie at ``|z| / T = 8e4`` is exact (tests).
   """
   return jnp.abs(lse2) * SNAP_RELATIVE

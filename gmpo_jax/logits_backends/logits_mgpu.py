@@ -349,6 +349,12 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bo
   # which rejects Ref effects (jax 0.10.2), so the mesh kernel is built directly, as plgpu.kernel does.
   call = pl.kernel(lambda *refs: pl.run_scoped(functools.partial(kernel, *refs), *scratch), out_type=(),
                    mesh=plgpu.Mesh(**grid), compiler_params=params, interpret=interpret)
-  x_ref = jax.new_ref(x, memory_space=plgpu.GMEM if interpret else None)
-  call(ids, k_rows, lse2_rows, c_rows, x_ref)
-  return jax.freeze(x_ref)
+
+  def run(ids, k_rows, lse2_rows, c_rows, x):
+    x_ref = jax.new_ref(x, memory_space=plgpu.GMEM if interpret else None)
+    call(ids, k_rows, lse2_rows, c_rows, x_ref)
+    return jax.freeze(x_ref)
+
+  # The interpreter needs the Ref in GMEM, and a Ref with a memory space exists only under jit (inlined
+  # into an enclosing one); the device path is the plain Ref, measured that way.
+  return (jax.jit(run) if interpret else run)(ids, k_rows, lse2_rows, c_rows, x)

@@ -54,7 +54,8 @@ class MosaicGpuLogitsBackend:
     or an intermediate of the same jit, as in a training step); otherwise XLA copies them first, which
     costs a read and a write of the logits. The logits the caller passed are never modified in a way
     it can observe (JAX values are immutable). Where the kernels' view of a row is not a multiple of
-    ``bwd.block_v``, the backward runs with 128-byte tiles (64 bf16 columns).
+    ``bwd.block_v``, the backward runs with 128-byte tiles (64 bf16 columns). The in-place kernel takes
+    a ``jax.Ref``, which ``jax.vmap`` cannot batch (use the default, which batches).
     Defaults from the H200 sweep of benchmarks/LOGITS_NOTES.md (2026-11-30): 128-column tiles; the
     forward without the in-kernel target pick (0.146 vs 0.165 ms at 2 x 1025 x 128256 bf16), 4 stages;
     the backward 3 stages, 32 tiles per CTA (block sizes within ~3 % of each other there). float32
@@ -84,7 +85,8 @@ class MosaicGpuLogitsBackend:
         ``(V / k) % (128 / itemsize) == 0``. Splitting each row into ``k`` equal pieces (``k`` in 1, 2,
         4, 8) meets the first when ``R`` is not a multiple of 8 (e.g. ``B * (T + 1) = 2050`` rows of
         Llama-3 logits: ``k = 4``, pieces of 32064 columns); the pieces' statistics are merged like
-        the vocabulary splits'. Odd ``R`` needs ``V % 512 == 0`` (bf16; ``V % 256`` for f32); otherwise None.
+        the vocabulary splits'. Also ``R * k >= 64`` (one row block) and ``V / k >= block_v``. Odd ``R``
+        needs ``k = 8``: ``V % 512 == 0`` (bf16; ``V % 256`` for f32) and ``V >= 8 block_v``. Otherwise None.
         """
         g = 128 // jnp.dtype(dtype).itemsize
         wide = max(self.fwd.block_v, self.bwd.block_v)
@@ -103,10 +105,12 @@ class MosaicGpuLogitsBackend:
             if cfg.block_v % (128 // dtype.itemsize):
                 raise UnsupportedConfigError(f"block_v={cfg.block_v} is not a multiple of 128 bytes of {dtype}")
         if self._split(dtype, B * Tl, V) is None:
+            g = 128 // dtype.itemsize
+            wide = max(self.fwd.block_v, self.bwd.block_v)
             raise UnsupportedConfigError(
-                f"B * T(+1) = {B * Tl} rows of V = {V} {dtype} logits: no row split k in (1, 2, 4, 8) gives a "
-                f"multiple of 8 rows of a multiple of {128 // dtype.itemsize} columns (>= block_v), as the "
-                "tiled bulk copies need")
+                f"B * T(+1) = {B * Tl} rows of V = {V} {dtype} logits: the kernels view them as [rows * k, V / k] "
+                f"with k in (1, 2, 4, 8), and need rows * k a multiple of 8 and >= {K.BLOCK_ROWS} (one row "
+                f"block), V / k a multiple of {g} (128 bytes) and >= {wide} (block_v); no k meets all four")
 
     def _splits(self, R, W):
         if self.num_splits is not None:
