@@ -118,6 +118,27 @@ def check_ids(ids, B: int, T: int, name: str = "completion_ids") -> None:
         raise TypeError(f"{name} must have an integer dtype (int32), got {name}.dtype={_dtype(ids)}")
 
 
+def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids") -> None:
+    """Every id the mask counts (all of them without a mask) lies in ``[0, V)``, when the ids and the mask
+    are concrete. Traced (under jit) they cannot be checked: such an id gives a NaN log-prob (documented)."""
+    ids_v = _concrete(ids)
+    if ids_v is None:
+        return
+    if mask is None:
+        active = np.ones(ids_v.shape, bool)
+    else:
+        mask_v = _concrete(mask)
+        if mask_v is None:
+            return
+        active = mask_v != 0
+    bad = active & ((ids_v < 0) | (ids_v >= V))
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name} must lie in [0, {V}) wherever completion_mask is 1 (masked positions may hold any "
+                         f"id, e.g. -100), got {name}[{', '.join(map(str, pos))}] = {int(ids_v[pos])} "
+                         f"({int(bad.sum())} such position(s))")
+
+
 def check_mask(mask, B: int, T: int) -> None:
     require_shape("completion_mask", mask, (B, T), "[B, T]")
     dt = _dtype(mask, "completion_mask")

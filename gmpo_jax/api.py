@@ -156,7 +156,8 @@ def fused_linear_policy_loss(
       weight: LM head, ``[H, V]`` (``weight_layout="hv"``, Flax ``Linear`` kernel) or ``[V, H]``
         (``"vh"``, tied embedding table); never transposed or copied.
       completion_ids: ``[B, T]`` integer sampled tokens. Masked positions may hold any value (e.g. -100
-        or ``>= V``); an unmasked id outside ``[0, V)`` has a NaN log-prob (it cannot raise under jit),
+        or ``>= V``); an unmasked id outside ``[0, V)`` raises ValueError when the ids and the mask are
+        concrete; traced (under jit) it has a NaN log-prob,
         which makes the loss NaN unless the objective ignores that token's value (e.g. a zero advantage
         and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too.
       completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
@@ -184,7 +185,8 @@ def fused_linear_policy_loss(
         interpreter). Which one ran is logged on the ``gmpo_jax`` logger (INFO).
       vocab_size: the real vocabulary when the LM head is padded to ``V`` (e.g. to a multiple of the
         vocabulary shards): columns ``>= vocab_size`` are left out of the softmax and get zero gradient;
-        an unmasked id in ``[vocab_size, V)`` gives NaN. None: all ``V`` columns are real.
+        an unmasked id in ``[vocab_size, V)`` is out of range (ValueError if concrete, else NaN). None:
+        all ``V`` columns are real.
       mesh: the ``jax.sharding.Mesh`` of ``data_axis`` / ``vocab_axis`` (None: the ``jax.set_mesh`` one).
       data_axis: mesh axis name (or tuple of names) the batch ``B`` is split over: data parallel, ``B`` a
         multiple of its size. Normalisers and metrics stay global: the result equals the unsharded one.
@@ -201,7 +203,7 @@ def fused_linear_policy_loss(
     gradients (``temperature``, advantages, old / reference log-probs, the IS ratio and the objective's
     hyper-parameters are treated as data: zero cotangent). A traced ``completion_mask`` is taken as
     ``!= 0`` (a concrete one must hold only 0 and 1), a traced ``temperature`` is not checked for
-    ``> 0``, and an unmasked out-of-range id gives NaN. Hidden states at masked positions must be finite
+    ``> 0``, and a traced unmasked out-of-range id gives NaN (a concrete one raises). Hidden states at masked positions must be finite
     (their ids are ignored, but ``0 * NaN`` in the weight gradient is still NaN). With ``mesh=``, take
     gradients under ``jax.jit`` or inside ``jax.set_mesh(mesh)`` (JAX needs the mesh context to build the
     cotangent of a mesh-sharded scalar).
@@ -210,7 +212,7 @@ def fused_linear_policy_loss(
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
         ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a concrete ``beta != 0`` without a reference, a concrete
-        mask with values other than 0 / 1, both
+        mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
       UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
@@ -234,6 +236,7 @@ def fused_linear_policy_loss(
         rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch, temperature=temperature,
         weight_layout=weight_layout, chunk_size=chunk_size)
     V_.check_vocab_size(vocab_size, V)
+    V_.check_ids_in_range(completion_ids, completion_mask, vocab_size or V)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     mask = _as_mask(completion_mask)
     ids = _as_ids(completion_ids)
@@ -282,7 +285,8 @@ def fused_linear_logprobs(
     Args:
       hidden: ``[B, T, H]`` bf16 / f16 / f32 hidden states.
       weight: ``[H, V]`` (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``) LM head.
-      completion_ids: ``[B, T]`` integer target ids. Without a mask, an id outside ``[0, V)`` gives NaN.
+      completion_ids: ``[B, T]`` integer target ids. Without a mask, an id outside ``[0, V)`` raises
+        ValueError when concrete and gives NaN when traced.
       completion_mask: optional ``[B, T]`` bool / {0, 1}; masked positions return 0, receive no gradient
         and may hold any id.
       bias: optional ``[V]`` LM-head bias.
@@ -322,6 +326,7 @@ def fused_linear_logprobs(
     V_.check_temperature(temperature)
     V_.check_chunk_size(chunk_size)
     V_.check_vocab_size(vocab_size, V)
+    V_.check_ids_in_range(completion_ids, completion_mask, vocab_size or V)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     ids = _as_ids(completion_ids)
     ids, bias = sharding.mask_padded_vocab(ids, bias, V, vocab_size)

@@ -18,7 +18,8 @@ Design decisions of the custom VJP (and why):
   read and the objective.
 * **Masked tokens.** Their ids are replaced by 0 before the logits pass (any id, e.g. -100 or >= V, is
   allowed under the mask); the objective selects them out and their ``dlogits`` rows are selected to
-  exactly zero, whatever the logits hold there. An *unmasked* id outside ``[0, V)`` gives NaN.
+  exactly zero, whatever the logits hold there. An *unmasked* id outside ``[0, V)`` raises when the
+  ids and mask are concrete, and gives NaN under jit.
 * **Cotangents.** Only ``logits`` gets a gradient; advantages, old / reference log-probs, the IS ratio,
   the temperature and the objective's hyper-parameters are data (zero cotangents), as in TRL / Liger.
 """
@@ -63,6 +64,7 @@ def _check_inputs(*, logits, completion_ids, completion_mask, advantages, object
                          f"completion_ids), got logits.shape={np.shape(logits)}")
     V_.check_ids(completion_ids, B, T)
     V_.check_mask(completion_mask, B, T)
+    V_.check_ids_in_range(completion_ids, completion_mask, V)
     V_.require_shape("advantages", advantages, (B,), "[B]")
     V_.require_float("advantages", advantages)
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
@@ -170,7 +172,8 @@ def policy_loss_from_logits(
         (already aligned); a floating dtype (``"xla"`` computes in float32 from any; the Mosaic kernels
         take bf16 / f16 / f32).
       completion_ids: ``[B, T]`` integer sampled tokens. Masked positions may hold any value (e.g. -100
-        or ``>= V``); an unmasked id outside ``[0, V)`` has a NaN log-prob (it cannot raise under jit),
+        or ``>= V``); an unmasked id outside ``[0, V)`` raises ValueError when the ids and the mask are
+        concrete; traced (under jit) it has a NaN log-prob,
         which makes the loss NaN unless the objective ignores that token's value (e.g. a zero advantage
         and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too.
       completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
@@ -200,8 +203,8 @@ def policy_loss_from_logits(
     Raises:
       TypeError: non-floating logits / advantages / log-probs, non-integer ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
-        not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete ``beta != 0``
-        without ``ref_logps``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
+        outside ``[0, V)``, a concrete ``beta != 0`` without ``ref_logps``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /

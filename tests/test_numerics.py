@@ -680,7 +680,8 @@ def test_logprobs_entropy(dtype, layout, with_bias, temperature, chunk_size, log
 def test_return_entropy_must_be_a_bool():
     case = make_case(28)
     with pytest.raises(TypeError, match="return_entropy"):
-        gmpo_jax.fused_linear_logprobs(case.hidden, case.weight, case.ids, return_entropy="yes")
+        gmpo_jax.fused_linear_logprobs(case.hidden, case.weight, case.ids, completion_mask=case.mask,
+                                       return_entropy="yes")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -305,3 +305,33 @@ def test_objective_hyper_parameter_types(kwargs, error, name):
 def test_numpy_integer_max_completion_length_is_accepted_as_int():
     obj = gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=np.int64(5))
     assert obj.max_completion_length == 5 and type(obj.max_completion_length) is int
+
+
+def test_concrete_unmasked_out_of_range_ids_raise():
+    """Concrete ids and mask: an unmasked id outside [0, V) (or [0, vocab_size)) is a ValueError naming
+    completion_ids and the position, in every entry point; masked positions may hold any id; traced ids
+    cannot be checked (they give NaN, tested in test_numerics / test_logits_loss)."""
+    rng = np.random.default_rng(0)
+    B, T, H, V = 2, 5, 8, 11
+    h = jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((H, V)), jnp.float32)
+    adv = jnp.array([1.0, -1.0])
+    mask = np.ones((B, T), bool)
+    mask[1, 3] = False
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    ids[1, 3] = -100  # masked: fine
+    logits = jnp.asarray(rng.standard_normal((B, T + 1, V)), jnp.float32)
+    gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, objective=gmpo_jax.GMPO())
+    gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=gmpo_jax.GMPO())
+    bad = ids.copy()
+    bad[0, 2] = V
+    with pytest.raises(ValueError, match=r"completion_ids\[0, 2\] = 11"):
+        gmpo_jax.fused_linear_policy_loss(h, w, bad, mask, adv, objective=gmpo_jax.GMPO())
+    with pytest.raises(ValueError, match=r"completion_ids\[0, 2\] = 11"):
+        gmpo_jax.policy_loss_from_logits(logits, bad, mask, adv, objective=gmpo_jax.GMPO())
+    with pytest.raises(ValueError, match=r"completion_ids must lie in \[0, 11\)"):
+        gmpo_jax.fused_linear_logprobs(h, w, jnp.asarray(ids))  # no mask: -100 counts
+    with pytest.raises(ValueError, match=r"\[0, 7\)"):
+        gmpo_jax.fused_linear_logprobs(h, w, np.where(mask, 8, 0), completion_mask=mask, vocab_size=7)
+    traced = jax.jit(lambda i: gmpo_jax.fused_linear_policy_loss(h, w, i, mask, adv, objective=gmpo_jax.GMPO())[0])
+    assert np.isnan(float(traced(bad)))
