@@ -356,4 +356,4 @@ def test_explicit_sharding_along_hidden_raises():
     c, w, _ = case_for("gmpo")
     hs = jax.device_put(c.hidden, NamedSharding(mesh, P(None, None, "model")))
     with pytest.raises(ValueError, match="batch axis and weight's vocabulary axis"):
-        gmpo_jax.fused_linear_logprobs(hs, jnp.asarray(w), jnp.asarray(c.ids))
+        gmpo_jax.fused_linear_logprobs(hs, jnp.asarray(w), jnp.asarray(c.ids), completion_mask=jnp.asarray(c.mask))

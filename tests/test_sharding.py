@@ -69,7 +69,9 @@ def test_vocab_size_equals_the_unpadded_head():
 def test_unmasked_id_in_the_padding_is_nan_masked_one_is_ignored():
     h, w, ids = _inputs()
     ids = ids.at[0, 1].set(7)  # in [vocab_size, V)
-    logp = gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6)
+    with pytest.raises(ValueError, match=r"completion_ids\[0, 1\] = 7"):  # concrete: checked
+        gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6)
+    logp = jax.jit(lambda ids: gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6))(ids)  # traced: NaN
     assert np.isnan(logp[0, 1]) and np.all(np.isfinite(np.delete(np.asarray(logp).ravel(), 1)))
     mask = jnp.ones((2, 3), bool).at[0, 1].set(False)
     loss, _ = gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, jnp.array([1.0, -1.0]), objective=gmpo_jax.GMPO(),
