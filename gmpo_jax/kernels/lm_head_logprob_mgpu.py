@@ -72,11 +72,12 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
       m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), ROW, interpret)
       l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
       t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
-      e2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
-      return ids_v, scale_v, m2, l, t2, e2
+      stats = (m2, l, t2) + ((layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret),)
+                             if with_entropy else ())
+      return (ids_v, scale_v) + stats
 
     def epilogue(tile, z, carry):
-      ids_v, scale_v, m2, l, t2, e2 = carry
+      ids_v, scale_v, m2, l, t2, *e2 = carry  # e2: [the entropy's sum] with_entropy, else []
       shape = (bm, bn)
       if has_bias:
         z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
@@ -94,14 +95,13 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
         # e2 = sum_v p_v (z2_v - m): moves with the maximum like l (the shift is 0 while l is 0, and
         # max(d, -256) keeps p * d = 0 * -inf away from masked columns)
         shift = jnp.where(m2 == -jnp.inf, 0.0, m2 - m_ref)
-        e2 = rescale * (e2 + l * shift) + (p * jnp.maximum(d, -256.0)).sum(axis=1)
+        e2 = [rescale * (e2[0] + l * shift) + (p * jnp.maximum(d, -256.0)).sum(axis=1)]
       l = l * rescale + p.sum(axis=1)
       t2 = t2 + jnp.where(col == C.bcast_rows(ids_v, shape), z2, 0.0).sum(axis=1)
-      return ids_v, scale_v, m_new, l, t2, e2
+      return (ids_v, scale_v, m_new, l, t2, *e2)
 
     def finish(carry):
-      stats = carry[2:] if with_entropy else carry[2:5]
-      for i, v in enumerate(stats):
+      for i, v in enumerate(carry[2:]):
         stat_smem[wg, i] = v
       plgpu.commit_smem()
       dst = (split, pl.ds(my_rows, bm))
