@@ -327,11 +327,11 @@ def fused_linear_logprobs(
     V_.check_chunk_size(chunk_size)
     V_.check_vocab_size(vocab_size, V)
     V_.check_ids_in_range(completion_ids, completion_mask, vocab_size or V)
+    if not isinstance(return_entropy, (bool, np.bool_)):
+        raise TypeError(f"return_entropy must be a bool, got return_entropy={return_entropy!r}")
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     ids = _as_ids(completion_ids)
     ids, bias = sharding.mask_padded_vocab(ids, bias, V, vocab_size)
-    if not isinstance(return_entropy, (bool, np.bool_)):
-        raise TypeError(f"return_entropy must be a bool, got return_entropy={return_entropy!r}")
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan,
                   with_entropy=bool(return_entropy))
     args = (hidden, weight, bias, ids, mask, jnp.asarray(temperature, jnp.float32))

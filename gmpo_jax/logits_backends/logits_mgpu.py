@@ -264,7 +264,7 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bo
   num_splits = _cdiv(num_tiles, tps)
   shape = (bm, bv)
   dtype = x.dtype
-  # what a slid-back block owns: its last rows / columns (multiples of the 8-row x 128-byte tiling)
+  # the rows the slid-back last row block owns (a multiple of the 8-row tiling): all it stores in place
   tail_rows = R - (num_row_blocks - 1) * bm
   if inplace and V % bv:
     raise ValueError(f"in place needs V % block_v == 0, got V={V}, block_v={bv}")

@@ -77,6 +77,10 @@ class MosaicGpuLogitsBackend:
 
         return interpret_params()
 
+    def _view_limits(self, dtype):
+        """Columns of one 128-byte tile of ``dtype``, and the widest block of the two kernels."""
+        return 128 // jnp.dtype(dtype).itemsize, max(self.fwd.block_v, self.bwd.block_v)
+
     def _split(self, dtype, R: int, V: int):
         """Rows of the kernels' view ``[R * k, V / k]`` of the logits (a free reshape), or None.
 
@@ -88,8 +92,7 @@ class MosaicGpuLogitsBackend:
         the vocabulary splits'. Also ``R * k >= 64`` (one row block) and ``V / k >= block_v``. Odd ``R``
         needs ``k = 8``: ``V % 512 == 0`` (bf16; ``V % 256`` for f32) and ``V >= 8 block_v``. Otherwise None.
         """
-        g = 128 // jnp.dtype(dtype).itemsize
-        wide = max(self.fwd.block_v, self.bwd.block_v)
+        g, wide = self._view_limits(dtype)
         for k in (1, 2, 4, 8):
             if (R * k) % 8 == 0 and V % (k * g) == 0 and V // k >= wide and R * k >= K.BLOCK_ROWS:
                 return k
@@ -105,8 +108,7 @@ class MosaicGpuLogitsBackend:
             if cfg.block_v % (128 // dtype.itemsize):
                 raise UnsupportedConfigError(f"block_v={cfg.block_v} is not a multiple of 128 bytes of {dtype}")
         if self._split(dtype, B * Tl, V) is None:
-            g = 128 // dtype.itemsize
-            wide = max(self.fwd.block_v, self.bwd.block_v)
+            g, wide = self._view_limits(dtype)
             raise UnsupportedConfigError(
                 f"B * T(+1) = {B * Tl} rows of V = {V} {dtype} logits: the kernels view them as [rows * k, V / k] "
                 f"with k in (1, 2, 4, 8), and need rows * k a multiple of 8 and >= {K.BLOCK_ROWS} (one row "
