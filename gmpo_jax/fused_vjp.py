@@ -15,11 +15,15 @@ Design decisions (and why):
   selects implement SPEC.md's strict boundary rule), and then the LM-head gradients through the
   backend: the hidden-state gradient per chunk (in the hidden dtype, written into a ``[B, T, H]`` carry)
   and the weight / bias gradient accumulated in a float32 carry (never stacked per chunk). The backward
-  multiplies these residuals by the cotangent. Plain evaluation (no differentiation) runs the primal,
+  multiplies these residuals by the cotangent. A call that is one chunk needs no accumulator: the
+  backend returns that chunk's weight gradient. Plain evaluation (no differentiation) runs the primal,
   which computes only log-probs and the loss: no gradient work at all.
 * **Memory.** Live at once: the inputs, one float32 copy of the weight (the ``dW`` accumulator), the
   ``[B, T, H]`` hidden gradient and one chunk's workspace (the backend's vocabulary block). Never a
-  ``[chunk, T, V]`` or ``[B, T, V]`` array.
+  ``[chunk, T, V]`` or ``[B, T, V]`` array in float32. One exception, inside the same bound: a single
+  chunk whose backend can keep its logits for the gradient pass (``logprobs_for_grads``: the Mosaic GPU
+  kernels, in float16) may use the float32 weight copy it does not need plus ``SAVED_LOGITS_SLACK``
+  for them, and then skips the second logits computation (``8 N H V`` -> ``6 N H V`` flops).
 * **Masked tokens.** Their ids are replaced by 0 before the LM head (any id, e.g. -100 or >= V, is
   allowed under the mask) and every objective selects them out, so they influence nothing. An
   *unmasked* id outside ``[0, V)`` yields a NaN log-prob and therefore a NaN loss (loud by design).
@@ -40,6 +44,10 @@ from jax import lax
 
 from gmpo_jax.backends.base import LMHeadBackend
 from gmpo_jax.objectives import ChunkData, MetricSums, Objective, finalize_metrics
+
+# What a single chunk may keep for its gradient pass beyond the float32 weight copy it does not make:
+# the memory target's 512 MiB over the inputs, returned gradients and that copy, less 128 MiB for the rest.
+SAVED_LOGITS_SLACK = 384 * 2**20
 
 __all__ = ["FusedConfig", "policy_loss", "logprobs"]
 
@@ -92,16 +100,27 @@ def _chunk(cfg: FusedConfig, i, locate, hidden, ids, mask, adv, old, ref, ris):
 
 def _scan_policy(cfg: FusedConfig, objective: Objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
                  denom, temperature, *, with_grads: bool):
-    """``(numerator, MetricSums, (dh, dw f32, db f32))`` of these rows over a given denominator (the
-    call's own, or the global one of a data-parallel call: ``gmpo_jax.sharding``)."""
+    """``(numerator, MetricSums, (dh, dw, db f32))`` of these rows over a given denominator (the
+    call's own, or the global one of a data-parallel call: ``gmpo_jax.sharding``). ``dw`` is float32,
+    or the weight's dtype when a single chunk's backend kept its logits (``logprobs_for_grads``)."""
     B, T, H = hidden.shape
     backend: LMHeadBackend = cfg.backend
     n, locate = _chunk_plan(B, cfg.chunk_size)
+    # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
+    # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
+    single = with_grads and n == 1
+    keep = single and callable(getattr(backend, "logprobs_for_grads", None))
 
     def body(carry, i):
         num, sums, dh, dw, db = carry
         start, fresh, h, ids_c, data = _chunk(cfg, i, locate, hidden, ids, mask, adv, old, ref, ris)
-        logp, lse = backend.logprobs(h, weight, bias, ids_c, temperature, weight_layout=cfg.weight_layout)
+        saved = None
+        if keep:
+            logp, lse, saved = backend.logprobs_for_grads(
+                h, weight, bias, ids_c, temperature, weight_layout=cfg.weight_layout,
+                budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK)
+        else:
+            logp, lse = backend.logprobs(h, weight, bias, ids_c, temperature, weight_layout=cfg.weight_layout)
         logp = logp.reshape(data.mask.shape)
         with jax.named_scope("gmpo_jax/objective"):
             if with_grads:
@@ -113,21 +132,25 @@ def _scan_policy(cfg: FusedConfig, objective: Objective, hidden, weight, bias, i
         sums = sums.combine(sums_c)
         if with_grads:
             dlogp = jnp.where(data.mask, g / denom, 0.0).reshape(-1)
+            kw = {} if saved is None else {"saved": saved}
             dh_c, dw, db = backend.grads(h, weight, bias, ids_c, dlogp, lse, temperature,
-                                         weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db)
+                                         weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, **kw)
             dh = _merge_rows(dh, start, fresh, dh_c.reshape(cfg.chunk_size, T, H))
         return (num, sums, dh, dw, db), None
 
     zero = jnp.zeros((), jnp.float32)
     if with_grads:
         dh0 = jnp.zeros_like(hidden)
-        dw0 = jnp.zeros(weight.shape, jnp.float32)
+        dw0 = None if single else jnp.zeros(weight.shape, jnp.float32)
         db0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
     else:
         dh0 = dw0 = db0 = None
+    init = (zero, MetricSums.zeros(), dh0, dw0, db0)
     with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss"):
-        (num, sums, dh, dw, db), _ = lax.scan(body, (zero, MetricSums.zeros(), dh0, dw0, db0),
-                                              jnp.arange(n, dtype=jnp.int32))
+        if single:
+            (num, sums, dh, dw, db), _ = body(init, jnp.int32(0))
+        else:
+            (num, sums, dh, dw, db), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
     return num, sums, (dh, dw, db)
 
 

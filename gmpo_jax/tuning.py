@@ -34,20 +34,27 @@ def xla_vocab_block(rows: int, V: int) -> int:
 
 
 # Mosaic GPU LM-head kernels: (block_m per warpgroup, block_n, block_k, num_stages) per kernel, keyed by
-# (device_kind, H, V). Filled from the H200 sweep of 2026-11-30 (benchmarks/KERNELS_NOTES.md, "Block-size
-# variants"; ``python3 -m benchmarks.kernels_bench --sweep`` prints these entries): log-prob kernel at
-# R = 8192, Qwen 64x256x4 3.56 ms vs 128x128x4 3.70, 128x128x3 3.72, 64x128x6 3.82; Llama 64x256x4 12.80 ms
-# vs 128x128x4 14.44; the gradient (dz) kernel at Qwen 128x128x3 3.84 ms vs 64x128x6 4.03 (Llama's not swept:
-# Qwen's entry). The gradient kernel's two output staging tiles share shared memory with its ring, hence
-# fewer stages. Other GPUs and heads use MOSAIC_DEFAULT (the same, the best measured on any head).
+# (device_kind, H, V). From ``python3 -m benchmarks.kernels_bench --sweep`` on an H200 (2026-11-30, fourth
+# session, jax 0.11.2, R = 8192; benchmarks/KERNELS_NOTES.md): log-prob kernel, Qwen 64x256x3 3.59 ms vs
+# 64x256x4 3.67, 128x128x3 3.62, 128x128x4 3.64, 64x128x6 3.94; Llama 64x256x4 14.00 ms vs 64x256x3 14.03,
+# 128x128x3 14.21, 128x128x4 14.96, 64x128x6 17.23 (the Qwen gaps are within the ~2 % run-to-run spread, so
+# both heads keep 64x256x4). Gradient (dz) kernel: Llama 64x256x3 13.64 ms vs 128x128x3 14.36, 128x128x2
+# 16.42, 64x128x6 18.37; Qwen 64x256x3 3.87 vs 128x128x3 3.89. The gradient kernel's two output staging
+# tiles share shared memory with its ring, hence fewer stages. "logprob_saved" is the log-prob kernel that
+# also writes the logits tiles for the gradient pass (``save_logits``): its two float16 staging tiles
+# leave room for three stages at 64 x 256 (which cost nothing measurable above). Other GPUs and heads use
+# MOSAIC_DEFAULT.
 MOSAIC_BLOCKS: dict[tuple[str, int, int], dict[str, tuple[int, int, int, int]]] = {
-    ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)},    # Qwen2.5-0.5B
-    ("NVIDIA H200", 4096, 128256): {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)},   # Llama-3-8B
+    ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3)},    # Qwen2.5-0.5B
+    ("NVIDIA H200", 4096, 128256): {"logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3)},   # Llama-3-8B
 }
-MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)}
+MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {
+    "logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3), "logprob_saved": (64, 256, 64, 3)}
 
 
 def mosaic_blocks(device_kind: str, H: int, V: int, kind: str) -> tuple[int, int, int, int]:
     """``(block_m, block_n, block_k, num_stages)`` of the Mosaic kernel ``kind`` (``"logprob"`` / ``"grad"``)
-    on ``device_kind`` for a head of ``H x V``: the table's entry, else ``MOSAIC_DEFAULT``."""
-    return MOSAIC_BLOCKS.get((device_kind, H, V), MOSAIC_DEFAULT)[kind]
+    on ``device_kind`` for a head of ``H x V`` (``kind`` may also be ``"logprob_saved"``): the table's
+    entry, else ``MOSAIC_DEFAULT``'s."""
+    entry = MOSAIC_BLOCKS.get((device_kind, H, V), {})
+    return entry.get(kind, MOSAIC_DEFAULT[kind])

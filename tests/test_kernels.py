@@ -36,6 +36,7 @@ LOGP_TOL = 2e-5
 GRAD_REL_F64 = 1e-2
 LSE_VS_XLA = 1e-5
 GRAD_REL_XLA = 2e-3
+SAVED_REL = 4e-3
 
 
 def _inputs(R, H, V, layout, dtype, bias, scale, seed):
@@ -80,7 +81,7 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False):
+def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, saved=False):
   h, w, b, ids, dlogp = _inputs(R, H, V, layout, dtype, bias, scale, seed)
   if bad_ids:
     ids = ids.at[1].set(-1).at[2].set(V)
@@ -119,6 +120,25 @@ def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False):
                               db_acc=db0)
   assert _rel(dh, dh_x) < GRAD_REL_XLA
   assert _rel(np.asarray(dw) - np.asarray(dw0), np.asarray(dw_x) - np.asarray(dw0)) < GRAD_REL_XLA
+  if saved:  # the logits kept by the log-prob kernel (float16) replace the recompute
+    logp_s, lse_s, kept = be.logprobs_for_grads(h, w, b, ids, Tf, weight_layout=layout, budget_bytes=2**40)
+    assert kept is not None
+    np.testing.assert_array_equal(np.asarray(logp_s), np.asarray(logp))
+    np.testing.assert_array_equal(np.asarray(lse_s), np.asarray(lse))
+    dh_s, dw_s, db_s = be.grads(h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=None,
+                                db_acc=db0, saved=kept)
+    assert dh_s.dtype == h.dtype and dw_s.dtype == w.dtype and dw_s.shape == w.shape
+    assert _rel(dh_s, ref["dh"]) < GRAD_REL_F64 and _rel(dw_s, ref["dw"]) < GRAD_REL_F64
+    # against the recompute: float16 logits (p off by <= p |ln p| 2**-11) and a 16-bit dW
+    assert _rel(dh_s, dh) < SAVED_REL and _rel(dw_s, np.asarray(dw) - np.asarray(dw0)) < SAVED_REL
+    if bias:
+      assert _rel(db_s, ref["db"]) < GRAD_REL_F64 and _rel(db_s, db) < SAVED_REL
+    assert be.logprobs_for_grads(h, w, b, ids, Tf, weight_layout=layout, budget_bytes=0)[2] is None
+    dh_n, dw_n, _ = be.grads(h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=None, db_acc=db0)
+    assert dw_n.dtype == jnp.float32  # no accumulator, recompute: the chunk's own float32 gradient
+    np.testing.assert_array_equal(np.asarray(dh_n), np.asarray(dh))
+    np.testing.assert_allclose(np.asarray(dw_n), np.asarray(dw) - np.asarray(dw0), rtol=0,
+                               atol=1e-5 * float(np.abs(np.asarray(dw0)).max()))
   return logp, lse, dh, dw
 
 
@@ -151,6 +171,46 @@ def test_interpret_gradient_windows(layout, bias, V):
   rows_p = 128  # R = 100 padded to the interpreter's 2 x 64-row CTA block
   be = MosaicGpuBackend(interpret=True, workspace_bytes=rows_p * 128 * 2)
   _run_case(be, 100, 64, V, layout, jnp.bfloat16, bias, 0.9, 1.0, seed=11, bad_ids=(layout == "vh"))
+
+
+@pytest.mark.parametrize("R,H,V,layout,dtype,bias,T,scale,workspace", [
+    pytest.param(100, 128, 192, "hv", jnp.bfloat16, True, 0.7, 1.0, None, id="hv-bf16-bias-T0.7-tail64"),
+    pytest.param(70, 192, 200, "vh", jnp.float16, False, 1.3, 1.0, None, id="vh-f16-T1.3-tail72"),
+    pytest.param(64, 64, 256, "hv", jnp.bfloat16, False, 1.0, 30.0, None, id="hv-bf16-logits30"),
+    pytest.param(100, 64, 330, "hv", jnp.bfloat16, True, 0.9, 1.0, 128 * 128 * 2, id="hv-V330-windows"),
+    pytest.param(100, 64, 328, "vh", jnp.bfloat16, False, 0.9, 1.0, 128 * 128 * 2, id="vh-V328-windows"),
+])
+def test_interpret_saved_logits_match_oracle(R, H, V, layout, dtype, bias, T, scale, workspace):
+  """``logprobs_for_grads`` keeps the logits (float16 relative to the running max, the log-prob kernel's
+  ``save_logits``); ``grads(saved=...)`` builds dz from them: the float64 oracle and the recompute path
+  agree (the saved path's dW comes back in the weight's dtype, written once per window; with a
+  one-tile workspace the windows run in the scan and a partial tail)."""
+  be = INTERPRET if workspace is None else MosaicGpuBackend(interpret=True, workspace_bytes=workspace)
+  _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed=R + V + 1, bad_ids=(layout == "vh"), saved=True)
+
+
+def test_interpret_saved_logits_kernel_tiles():
+  """The kernel's saved tiles: ``d + m`` is ``z2 = z log2(e) / T`` to float16's precision (``|d| 2**-11``),
+  ``d <= 0``, ``-inf`` past V; the statistics are bitwise those of the kernel without ``save_logits``
+  (two vocabulary splits: each has its own running max)."""
+  from gmpo_jax.backends.mosaic_gpu import _prepare, block_config
+  from gmpo_jax.kernels._compat import interpret_params
+  from gmpo_jax.kernels.lm_head_logprob_mgpu import lse_partials
+  R, H, V, T = 100, 128, 700, 0.7
+  h, w, b, ids, _ = _inputs(R, H, V, "hv", jnp.bfloat16, True, 1.0, seed=21)
+  cfg = block_config(rows=R, H=H, V=V, kind="logprob_saved", interpret=True)
+  hp, ids_p, scale, b_p, _ = _prepare(h, ids, b, jnp.float32(T), cfg, V)
+  kw = dict(weight_layout="hv", vocab_size=V, cfg=cfg, num_splits=2, interpret=interpret_params())
+  plain = lse_partials(hp, w, b_p, ids_p, scale, **kw)
+  *stats, d, m = lse_partials(hp, w, b_p, ids_p, scale, save_logits=True, **kw)
+  for x, y in zip(plain, stats):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  d = np.asarray(d, np.float64)
+  assert d.dtype == np.float64 and d.shape == (128, 6 * 128) and np.asarray(m).shape == (6, 128)
+  assert np.all(d[:, V:] == -np.inf) and np.all(d[:, :V] <= 0)
+  z2 = (np.asarray(h, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)) / T * C.LOG2E
+  rebuilt = d[:R, :V] + np.repeat(np.asarray(m, np.float64).T, 128, axis=1)[:R, :V]
+  assert np.all(np.abs(rebuilt - z2) <= np.abs(d[:R, :V]) * 2.0**-11 + 1e-5 * (1 + np.abs(z2)))
 
 
 def test_interpret_rerun_is_bitwise_equal():
@@ -211,7 +271,7 @@ def test_block_table():
   """block_config reads the reviewed table (gmpo_jax.tuning.MOSAIC_BLOCKS) for a listed GPU and head,
   the default elsewhere, 64-row gradient blocks for <= 128 rows, and every entry fits shared memory."""
   from gmpo_jax import tuning
-  from gmpo_jax.backends.mosaic_gpu import block_config
+  from gmpo_jax.backends.mosaic_gpu import block_config, epilogue_bytes
   cfg = block_config(rows=8192, H=896, V=151936, kind="logprob", device_kind="NVIDIA H200")
   assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) == tuning.MOSAIC_BLOCKS[
       ("NVIDIA H200", 896, 151936)]["logprob"]
@@ -221,7 +281,7 @@ def test_block_table():
   for entry in [*tuning.MOSAIC_BLOCKS.values(), tuning.MOSAIC_DEFAULT]:
     for kind, (bm, bn, bk, st) in entry.items():
       cfg = C.BlockConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=st)
-      extra = 2 * 4 * bm * 4 if kind == "logprob" else 2 * bm * bn * 2
+      extra = epilogue_bytes(kind, cfg, 2)
       assert cfg.smem_bytes(2, extra) <= C.SMEM_BYTES, (kind, cfg)
 
 
@@ -275,6 +335,47 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
   np.testing.assert_array_equal(np.asarray(dh), np.asarray(dh2))
   np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw2))
+  # the kept logits (log-prob kernel with save_logits; dz from them, dW in the weight's dtype)
+  fs = jax.jit(lambda *a: be.logprobs_for_grads(*a, weight_layout=layout, budget_bytes=2**40))
+  gs = jax.jit(lambda h, w, b, ids, d, l, T, kept: be.grads(h, w, b, ids, d, l, T, weight_layout=layout,
+                                                            dw_acc=None, db_acc=db0, saved=kept))
+  logp_s, lse_s, kept = fs(h, w, b, ids, Tf)
+  np.testing.assert_allclose(np.asarray(lse_s), np.asarray(lse_x), rtol=0, atol=1e-4 * (1 + zmax))
+  dh_s, dw_s, db_s = gs(h, w, b, ids, dlogp, lse_s, Tf, kept)
+  assert dw_s.dtype == w.dtype and _rel(dh_s, dh_x) < 1e-2 and _rel(dw_s, dw_x) < 1e-2
+  if bias:
+    assert _rel(db_s, db_x) < 1e-2
+  dh_s2, dw_s2, _ = gs(h, w, b, ids, dlogp, lse_s, Tf, fs(h, w, b, ids, Tf)[2])
+  np.testing.assert_array_equal(np.asarray(dh_s), np.asarray(dh_s2))
+  np.testing.assert_array_equal(np.asarray(dw_s), np.asarray(dw_s2))
+
+
+def _tiny_temperature_policy_case(implementation, B, T, H, V, temperature):
+  """GMPO through the public API (one chunk: the Mosaic backend keeps its logits) with every target at
+  its row's argmax and a tiny temperature, against float64: ``d loss / d logp_t = -A exp(mean_t logp) /
+  (B T)`` (old log-probs 0, nothing clipped), compared at 1e-2 of the gradient scale ``|W| / (T B T_len)``.
+  A saved logit that loses the argmax's exact 0 (p = 2**(+-0.5)) is off by ~0.4 of that scale."""
+  import gmpo_jax
+  rng = np.random.default_rng(8)
+  h = jnp.asarray(rng.standard_normal((B, T, H)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((H, V)) / 8, jnp.bfloat16)
+  w64 = np.asarray(w, np.float64)
+  z = np.einsum("bth,hv->btv", np.asarray(h, np.float64), w64) / temperature
+  ids = z.argmax(-1)
+  logp_all = z - z.max(-1, keepdims=True)
+  logp_all -= np.log(np.exp(logp_all).sum(-1, keepdims=True))
+  p = np.exp(logp_all)
+  logp = np.take_along_axis(logp_all, ids[..., None], -1)[..., 0]
+  dlogp = -np.exp(logp.mean(-1, keepdims=True)) / (B * T)                       # [B, 1], A = 1
+  want = dlogp[..., None] * (np.eye(V)[ids] - p) / temperature @ w64.T
+  mask = jnp.ones((B, T), bool)
+  f = lambda h: gmpo_jax.fused_linear_policy_loss(
+      h, w, jnp.asarray(ids, jnp.int32), mask, jnp.ones((B,), jnp.float32), objective=gmpo_jax.GMPO(),
+      old_logps=jnp.zeros((B, T), jnp.float32), temperature=temperature, implementation=implementation)[0]
+  v, g = jax.jit(jax.value_and_grad(f))(h)
+  assert np.isfinite(float(v))
+  scale = float(np.abs(np.asarray(w, np.float32)).max()) / temperature / (B * T)
+  np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=0, atol=1e-2 * scale)
 
 
 def _tiny_temperature_case(implementation, B, T, H, V, temperature):
@@ -306,6 +407,13 @@ def test_interpret_tiny_temperature_argmax_targets(temperature):
   _tiny_temperature_case(INTERPRET, 1, 64, 128, 256, temperature)
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-2])
+def test_interpret_tiny_temperature_saved_logits(temperature):
+  """The same through the policy loss, whose single chunk keeps its logits (float16, relative to the
+  running max): the argmax's ``d = 0`` and the snap keep its p = 1."""
+  _tiny_temperature_policy_case(INTERPRET, 1, 64, 128, 256, temperature)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
 @pytest.mark.parametrize("temperature", [1e-6, 1e-2])
@@ -314,6 +422,7 @@ def test_gpu_tiny_temperature_argmax_targets(temperature):
   (2026-11-30, 75e1d17) before the snap; the GPU compiler may also contract ``z * scale - lse2`` into
   a fused multiply-add that skips the rounding of ``z * scale``, which the snap covers too."""
   _tiny_temperature_case("mosaic_gpu", 2, 64, 128, 1024, temperature)
+  _tiny_temperature_policy_case("mosaic_gpu", 2, 64, 128, 1024, temperature)
 
 
 @pytest.mark.parametrize("R,H,V,layout,bias,loop", [
@@ -346,6 +455,13 @@ def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop
   jax.export.export(fwd_ent, platforms=["cuda"])(h, w, b, i)
   exp = jax.export.export(bwd, platforms=["cuda"])(h, w, b, i, f, f, acc)
   assert ("stablehlo.while" in exp.mlir_module()) == loop
+
+  def saved_path(h, w, b, i, d):  # the log-prob kernel with save_logits, and dz from what it kept
+    logp, lse, kept = be.logprobs_for_grads(h, w, b, i, jnp.float32(0.9), weight_layout=layout, budget_bytes=2**40)
+    assert kept is not None
+    return be.grads(h, w, b, i, d, lse, jnp.float32(0.9), weight_layout=layout, dw_acc=None,
+                    db_acc=None if b is None else jnp.zeros(V), saved=kept)
+  jax.export.export(jax.jit(saved_path), platforms=["cuda"])(h, w, b, i, f)
 
 
 def test_interpret_split_of_masked_vocabulary_is_not_nan():

@@ -72,6 +72,14 @@ class LMHeadBackend(Protocol):
 
         ``dw_acc`` (float32, ``weight.shape``) and ``db_acc`` (float32 ``[V]`` or None) are accumulated
         into and returned: ``dw_acc + hidden^T dz`` (laid out like the weight), ``db_acc + sum_rows dz``.
+        ``dw_acc=None`` (a call of one chunk): return ``hidden^T dz`` itself (float32, or the weight's
+        dtype after ``logprobs_for_grads`` kept the logits).
+
+        Optional extension: a backend may also define ``logprobs_for_grads(hidden, weight, bias, ids,
+        temperature, *, weight_layout, budget_bytes) -> (logp, lse, saved)``, keeping what its gradient
+        pass can reuse within ``budget_bytes`` of device memory (``saved`` None when it keeps nothing);
+        ``grads`` then gets ``saved=`` (only when it is not None). ``gmpo_jax.backends.mosaic_gpu`` keeps
+        the logits.
         """
 
 

@@ -12,6 +12,12 @@ one window's buffers are alive at a time and the accumulators are updated in pla
 partial window runs after it. Unrolled windows left that to XLA's scheduler, which kept up to all of
 them alive (benchmarks/RESULTS.md, "second session").
 
+``logprobs_for_grads`` (the policy loss's single-chunk call, where no float32 weight-gradient accumulator
+is needed): when the chunk's logits fit the memory it is given, the log-prob kernel also writes them
+(float16, relative to each row's running maximum: ``kernels.lm_head_logprob_mgpu``) and ``grads`` forms
+``dz`` from them window by window in XLA instead of recomputing the logits: ``6 N H V`` flops in all
+instead of ``8 N H V``. It then returns the weight gradient in the weight's dtype, written once per window.
+
 Rows are padded to the kernels' row block (zero rows, zero cotangent); the bulk copies zero-fill
 the tail of the last vocabulary tile and the kernels mask it (``-inf`` logits, zero gradient). The
 weight is read in place when its vocabulary dimension suits the bulk copies (``V % 64 == 0`` for
@@ -23,6 +29,7 @@ Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/K
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +55,7 @@ def supported_on(device) -> bool:
 
 
 def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = False, device_kind: str | None = None):
-  """Block sizes of the kernel ``kind`` (``"logprob"`` / ``"grad"``) from the reviewed table
+  """Block sizes of the kernel ``kind`` (``"logprob"``, ``"logprob_saved"``, ``"grad"``) from the reviewed table
   ``gmpo_jax.tuning.MOSAIC_BLOCKS`` (keyed by GPU and head; ``device_kind`` defaults to the first
   device's). The gradient kernel runs 64-row warpgroup blocks when ``rows <= 128`` (less padding)."""
   from gmpo_jax.kernels._common import BlockConfig
@@ -62,6 +69,16 @@ def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = Fals
   return BlockConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
+def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
+  """Shared memory of a kernel's epilogue beyond its operand ring (``kind`` as in :func:`block_config`)."""
+  from gmpo_jax.kernels.lm_head_logprob_mgpu import saved_epilogue_bytes
+  if kind == "logprob":
+    return 2 * 4 * cfg.block_m * 4          # up to four statistics per row, two warpgroups
+  if kind == "logprob_saved":
+    return saved_epilogue_bytes(cfg)
+  return 2 * cfg.block_m * cfg.block_n * itemsize  # the dz kernel's two output tiles
+
+
 def _num_sms(interpret: bool) -> int:
   if interpret:
     return _H100_SMS
@@ -71,16 +88,32 @@ def _num_sms(interpret: bool) -> int:
     return _H100_SMS
 
 
+class SavedLogits(NamedTuple):
+  """The logits of a chunk as the log-prob kernel saved them (``save_logits``): ``d = z2 - m`` ``[Rp,
+  n_tiles * block_n]`` float16 and the running maxima ``m`` ``[n_tiles, Rp]`` float32, ``z2`` in base-2
+  units (``z * log2(e) / T``)."""
+
+  d: jax.Array
+  m: jax.Array
+
+  @property
+  def block_n(self) -> int:
+    return self.d.shape[1] // self.m.shape[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
   """Pallas Mosaic GPU kernels; ``interpret=True`` runs them in the interpreter (CPU tests).
 
   workspace_bytes bounds the temporaries of one vocabulary window of the gradient pass: the 16-bit
   ``dz [rows, window]``, the weight slice and the float32 dW block (one window is live at a time).
+  save_logits: let ``logprobs_for_grads`` keep the logits for the gradient pass when they fit its
+  budget (False: always recompute them).
   """
 
   interpret: bool = False
   workspace_bytes: int = 256 * 2**20
+  save_logits: bool = True
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
@@ -102,38 +135,79 @@ class MosaicGpuBackend:
     if V >= 2**31 - 2**20 or rows >= 2**31 - 2**20:
       raise UnsupportedConfigError(f"{V=} / {rows=} overflow int32 indexing")
     item = hd.itemsize
-    for kind in ("logprob", "grad"):
+    for kind in ("logprob", "grad") + (("logprob_saved",) if self.save_logits else ()):
       cfg = block_config(rows=rows, H=H, V=V, kind=kind, interpret=self.interpret)
-      extra = 2 * 4 * cfg.block_m * 4 if kind == "logprob" else 2 * cfg.block_m * cfg.block_n * item
+      extra = epilogue_bytes(kind, cfg, item)
       if cfg.smem_bytes(item, extra) > C.SMEM_BYTES:
         raise UnsupportedConfigError(
             f"{kind} kernel needs {cfg.smem_bytes(item, extra)} bytes of shared memory "
             f"(> {C.SMEM_BYTES}) with {cfg}")
 
   def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
-    from gmpo_jax.kernels import _common as C
-    from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
     R, H = hidden.shape
     V = _vocab(weight, weight_layout)
     self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
                          weight_layout=weight_layout, has_bias=bias is not None, with_entropy=with_entropy)
-    cfg = block_config(rows=R, H=H, V=V, kind="logprob", interpret=self.interpret)
     with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
-      hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
-      n_tiles = C.cdiv(V, cfg.block_n)
-      splits = C.pick_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
-      stats = lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
-                           weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
-                           with_entropy=with_entropy, interpret=self._interpret_params())
-      logp, lse, *ent = (x[:R] for x in combine_splits(*stats))
-      valid = (ids >= 0) & (ids < V)
-      logp = jnp.where(valid, logp, jnp.nan)
-      if with_entropy:  # in [0, log V], as the XLA path's
-        return logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))
-    return logp, lse
+      out, _ = self._logprobs(hidden, weight, bias, ids, temperature, weight_layout=weight_layout,
+                              with_entropy=with_entropy, save_logits=False)
+    return out
+
+  def saved_bytes(self, *, rows: int, H: int, V: int) -> int:
+    """Device memory that ``logprobs_for_grads`` and ``grads`` use beyond the inputs and the returned
+    gradients when the logits are kept: the float16 logits and their per-tile maxima, the float32
+    hidden-state gradient and one window's workspace (``workspace_bytes``)."""
+    from gmpo_jax.kernels import _common as C
+    cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
+    Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
+    n_tiles = C.cdiv(V, cfg.block_n)
+    return Rp * n_tiles * (cfg.block_n * 2 + 4) + Rp * H * 4 + self._window_bytes(saved=True)
+
+  def _window_bytes(self, saved: bool) -> int:
+    # the saved path's windows hold only dz and the dW block (half the workspace: room for the logits)
+    return self.workspace_bytes // 2 if saved else self.workspace_bytes
+
+  def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
+    """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the logits tiles
+    when ``save_logits`` and :meth:`saved_bytes` ``<= budget_bytes``, else None (``grads`` recomputes)."""
+    R, H = hidden.shape
+    V = _vocab(weight, weight_layout)
+    self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
+                         weight_layout=weight_layout, has_bias=bias is not None)
+    save = self.save_logits and self.saved_bytes(rows=R, H=H, V=V) <= budget_bytes
+    with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
+      (logp, lse), saved = self._logprobs(hidden, weight, bias, ids, temperature, weight_layout=weight_layout,
+                                          with_entropy=False, save_logits=save)
+    return logp, lse, saved
+
+  def _logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_logits):
+    from gmpo_jax.kernels import _common as C
+    from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
+    R, H = hidden.shape
+    V = _vocab(weight, weight_layout)
+    kind = "logprob_saved" if save_logits else "logprob"
+    cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
+    hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
+    n_tiles = C.cdiv(V, cfg.block_n)
+    splits = C.pick_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
+    out = lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
+                       weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
+                       with_entropy=with_entropy, save_logits=save_logits,
+                       interpret=self._interpret_params())
+    stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_logits else (out, None)
+    logp, lse, *ent = (x[:R] for x in combine_splits(*stats))
+    valid = (ids >= 0) & (ids < V)
+    logp = jnp.where(valid, logp, jnp.nan)
+    if with_entropy:  # in [0, log V], as the XLA path's
+      return (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))), saved
+    return (logp, lse), saved
 
   def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc,
-            db_acc):
+            db_acc, saved=None):
+    """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute.
+
+    ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned (float32, or the weight's
+    dtype when ``saved`` is given), each window's block written once."""
     from gmpo_jax.kernels import _common as C
     from gmpo_jax.kernels.lm_head_grad_mgpu import dlogits_window
     R, H = hidden.shape
@@ -141,7 +215,12 @@ class MosaicGpuBackend:
     self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
                          weight_layout=weight_layout, has_bias=bias is not None)
     cfg = block_config(rows=R, H=H, V=V, kind="grad", interpret=self.interpret)
-    bn = cfg.block_n
+    if saved is not None:  # the windows follow the saved tiles (the log-prob kernel's block_n)
+      cfg = dataclasses.replace(cfg, block_m=block_config(rows=R, H=H, V=V, kind="logprob_saved",
+                                                          interpret=self.interpret).block_m)
+      bn = saved.block_n
+    else:
+      bn = cfg.block_n
     with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
       hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
       pad = Rp - R
@@ -152,25 +231,34 @@ class MosaicGpuBackend:
       # A window's temporaries: dz [Rp, w] and the weight slice [H, w] in 16 bits, the f32 dW block;
       # one window over the whole vocabulary when its dz alone fits (no slice, few rows: N = 512).
       item = hp.dtype.itemsize
-      if self.workspace_bytes >= Rp * n_tiles * bn * item:
+      workspace = self._window_bytes(saved is not None)
+      if workspace >= Rp * n_tiles * bn * item:
         window_tiles = n_tiles
       else:
         per_column = Rp * item + H * (item + 4)
-        window_tiles = max(1, min(n_tiles, self.workspace_bytes // (per_column * bn)))
+        window_tiles = max(1, min(n_tiles, workspace // (per_column * bn)))
       wc = window_tiles * bn                                         # columns per window
       axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
       num_sms = _num_sms(self.interpret)
-      splits = C.pick_num_splits(Rp // cfg.rows_per_cta, window_tiles, num_sms)
-
       w_kernel = _aligned(weight, weight_layout)                     # == weight unless V is unaligned
+      fresh = dw_acc is None
+      if fresh:
+        dw_acc = jnp.zeros(weight.shape, weight.dtype if saved is not None else jnp.float32)
 
-      def window(carry, w_blk, b_blk, ids_w, v0, width, wt, splits):
-        """dz of one window (its weight columns ``w_blk``, ids relative to it) and the three GEMMs."""
+      def dz_of(w_blk, b_blk, ids_w, v0, width, wt):
+        """dz of one window, ``[Rp, wt * bn]`` (its weight columns ``w_blk``, ids relative to it)."""
+        if saved is not None:
+          return _dz_from_saved(saved, v0, wt, ids_w, lse2, coef, width, hp.dtype)
+        splits = C.pick_num_splits(Rp // cfg.rows_per_cta, wt, num_sms)
+        return dlogits_window(hp, w_blk, b_blk, ids_w, scale, lse2, coef,
+                              weight_layout=weight_layout, vocab_size=width, window_start=0,
+                              window_tiles=wt, cfg=cfg, num_splits=splits,
+                              interpret=self._interpret_params())
+
+      def window(carry, w_blk, b_blk, ids_w, v0, width, wt):
+        """dz of one window and the three GEMMs."""
         dh, dw_acc, db_acc = carry
-        dz = dlogits_window(hp, w_blk, b_blk, ids_w, scale, lse2, coef,
-                            weight_layout=weight_layout, vocab_size=width, window_start=0,
-                            window_tiles=wt, cfg=cfg, num_splits=splits,
-                            interpret=self._interpret_params())
+        dz = dz_of(w_blk, b_blk, ids_w, v0, width, wt)
         if dz.shape[1] != width:
           dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns
@@ -179,8 +267,9 @@ class MosaicGpuBackend:
                                   preferred_element_type=jnp.float32)  # [Rp, H]
         a, b = (hp, dz) if axis == 1 else (dz, hp)                     # dW block in the weight's layout
         dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        dw_acc = lax.dynamic_update_slice_in_dim(
-            dw_acc, lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk, v0, axis=axis)
+        if not fresh:
+          dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
+        dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
         if db_acc is not None:
           db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
           db_acc = lax.dynamic_update_slice_in_dim(
@@ -195,7 +284,7 @@ class MosaicGpuBackend:
         v0 = k * wc
         w_blk = lax.dynamic_slice_in_dim(w_kernel, v0, wc, axis=axis)
         b_blk = None if bias_p is None else lax.dynamic_slice_in_dim(bias_p, v0, wc)
-        return window(carry, w_blk, b_blk, ids_p - v0, v0, wc, window_tiles, splits), None
+        return window(carry, w_blk, b_blk, ids_p - v0, v0, wc, window_tiles), None
 
       carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc)
       n_full = V // wc if window_tiles < n_tiles else 0  # one window: no loop, no weight slice
@@ -203,11 +292,9 @@ class MosaicGpuBackend:
         carry, _ = lax.scan(body, carry, jnp.arange(n_full, dtype=jnp.int32))
       v0 = n_full * wc
       if v0 < V:  # the last, partial window: static shapes, the kernel masks columns >= V - v0
-        wt = C.cdiv(V - v0, bn)
         w_blk = lax.slice_in_dim(w_kernel, v0, w_kernel.shape[axis], axis=axis)
         b_blk = None if bias_p is None else bias_p[v0:]
-        carry = window(carry, w_blk, b_blk, ids_p - v0, v0, V - v0, wt,
-                       C.pick_num_splits(Rp // cfg.rows_per_cta, wt, num_sms))
+        carry = window(carry, w_blk, b_blk, ids_p - v0, v0, V - v0, C.cdiv(V - v0, bn))
       dh, dw_acc, db_acc = carry
       dhidden = dh[:R].astype(hidden.dtype)
     return dhidden, dw_acc, db_acc
@@ -233,6 +320,24 @@ def _aligned(weight, weight_layout):
   pad = [(0, 0), (0, 0)]
   pad[axis] = (0, -V % align)
   return jnp.pad(weight, pad)
+
+
+def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dtype):
+  """``dz = coef (onehot - exp2(d + m - lse2))`` of the window of ``wt`` saved tiles from column ``v0``
+  (one XLA fusion: the float16 tiles read once, ``dz`` written once), ``[Rp, wt * block_n]``; columns
+  ``>= width`` and ``-inf`` logits give 0, and ``|z2 - lse2|`` within ``snap_tolerance`` counts as 0
+  (``p = 1``) as in the dz kernel."""
+  from gmpo_jax.kernels import _common as C
+  bn = saved.block_n
+  Rp = saved.d.shape[0]
+  d = lax.dynamic_slice_in_dim(saved.d, v0, wt * bn, axis=1).reshape(Rp, wt, bn).astype(jnp.float32)
+  m = lax.dynamic_slice_in_dim(saved.m, v0 // bn, wt, axis=0).T                  # [Rp, wt]
+  z = d + (m - lse2[:, None])[:, :, None]
+  z = jnp.where(jnp.abs(z) <= C.snap_tolerance(lse2)[:, None, None], 0.0, z).reshape(Rp, wt * bn)
+  col = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+  p = jnp.where(col < width, jnp.exp2(z), 0.0)
+  onehot = jnp.where(col == ids_w[:, None], 1.0, 0.0)
+  return (coef[:, None] * (onehot - p)).astype(dtype)
 
 
 def _vocab(weight, weight_layout):

@@ -173,6 +173,8 @@ class XlaChunkedBackend:
                     db, lax.dynamic_slice_in_dim(db, start, size) + jnp.sum(dz, axis=0), start, axis=0)
             return (dh, dw, db), None
 
+        if dw_acc is None:  # the seam's "no accumulator": this chunk's own gradient
+            dw_acc = jnp.zeros(weight.shape, jnp.float32)
         init = (jnp.zeros((R, H), jnp.float32), dw_acc, db_acc)
         with jax.named_scope("gmpo_jax/xla_chunked/grads"):
             (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
