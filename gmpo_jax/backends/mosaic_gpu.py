@@ -156,16 +156,20 @@ class MosaicGpuBackend:
   def saved_bytes(self, *, rows: int, H: int, V: int) -> int:
     """Device memory that ``logprobs_for_grads`` and ``grads`` use beyond the inputs and the returned
     gradients when the logits are kept: the float16 logits and their per-tile maxima, the float32
-    hidden-state gradient and one window's workspace (``workspace_bytes``)."""
+    hidden-state gradient and the gradient pass's windows (:meth:`_saved_window_tiles`)."""
     from gmpo_jax.kernels import _common as C
     cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
     Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
     n_tiles = C.cdiv(V, cfg.block_n)
-    return Rp * n_tiles * (cfg.block_n * 2 + 4) + Rp * H * 4 + self._window_bytes(saved=True)
+    wt = self._saved_window_tiles(Rp, H, n_tiles, cfg.block_n, 2)
+    return Rp * n_tiles * (cfg.block_n * 2 + 4) + Rp * H * 4 + wt * cfg.block_n * _per_column(Rp, H, 2)
 
-  def _window_bytes(self, saved: bool) -> int:
-    # the saved path's windows hold only dz and the dW block (half the workspace: room for the logits)
-    return self.workspace_bytes // 2 if saved else self.workspace_bytes
+  def _saved_window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int) -> int:
+    """Vocabulary tiles per window of the saved path: all when their dz fits ``workspace_bytes`` (as in
+    the recompute path), else windows of half the workspace (room for the logits: Llama-3 at 8192 rows)."""
+    if self.workspace_bytes >= Rp * n_tiles * bn * item:
+      return n_tiles
+    return max(1, min(n_tiles, self.workspace_bytes // 2 // (_per_column(Rp, H, item) * bn)))
 
   def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
     """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the logits tiles
@@ -231,12 +235,12 @@ class MosaicGpuBackend:
       # A window's temporaries: dz [Rp, w] and the weight slice [H, w] in 16 bits, the f32 dW block;
       # one window over the whole vocabulary when its dz alone fits (no slice, few rows: N = 512).
       item = hp.dtype.itemsize
-      workspace = self._window_bytes(saved is not None)
-      if workspace >= Rp * n_tiles * bn * item:
+      if saved is not None:
+        window_tiles = self._saved_window_tiles(Rp, H, n_tiles, bn, item)
+      elif self.workspace_bytes >= Rp * n_tiles * bn * item:
         window_tiles = n_tiles
       else:
-        per_column = Rp * item + H * (item + 4)
-        window_tiles = max(1, min(n_tiles, workspace // (per_column * bn)))
+        window_tiles = max(1, min(n_tiles, self.workspace_bytes // (_per_column(Rp, H, item) * bn)))
       wc = window_tiles * bn                                         # columns per window
       axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
       num_sms = _num_sms(self.interpret)
@@ -338,6 +342,12 @@ def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dt
   p = jnp.where(col < width, jnp.exp2(z), 0.0)
   onehot = jnp.where(col == ids_w[:, None], 1.0, 0.0)
   return (coef[:, None] * (onehot - p)).astype(dtype)
+
+
+def _per_column(Rp: int, H: int, item: int) -> int:
+  """Bytes per vocabulary column of a gradient window: dz ``[Rp]`` and the weight slice ``[H]`` in 16 bits,
+  the float32 dW block ``[H]``."""
+  return Rp * item + H * (item + 4)
 
 
 def _vocab(weight, weight_layout):
