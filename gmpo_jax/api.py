@@ -144,9 +144,11 @@ def fused_linear_policy_loss(
 
     computed in float32 with a vocabulary-blocked online log-sum-exp, then the objective's loss of
     ``SPEC.md`` (e.g. GMPO: :math:`\frac1B\sum_b -A_b \exp(\mathrm{mean}_t\,\mathrm{clip}(\log\pi -
-    \log\pi_{old}))`). The ``[B, T, V]`` logits are never materialised: memory beyond the inputs is one
-    float32 copy of the weight (gradient accumulator), the ``[B, T, H]`` hidden gradient and one
-    chunk's vocabulary block. Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the
+    \log\pi_{old}))`). The ``[B, T, V]`` logits are never materialised in float32: memory beyond the
+    inputs is one float32 copy of the weight (gradient accumulator), the ``[B, T, H]`` hidden gradient
+    and one chunk's vocabulary block. A call of one chunk needs no accumulator; there the Mosaic GPU
+    kernels keep the chunk's logits in float16 for the gradient pass when they fit that copy's memory
+    plus 384 MiB (Llama-3-8B's head at 8192 tokens: 1.3x faster), instead of computing them twice. Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the
     gradients are computed in the forward pass and scaled by the cotangent); evaluation without
     differentiation does no gradient work.
 

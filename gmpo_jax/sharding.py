@@ -323,7 +323,9 @@ def _run_policy(cfg, plan: ShardingPlan, objective, hidden, weight, bias, ids, m
                 num = lax.psum(num, dax)
                 sums = MetricSums(*(lax.psum(x, dax) for x in sums[:4]),
                                   lax.pmin(sums.log_ratio_min, dax), lax.pmax(sums.log_ratio_max, dax))
-                dw, db = _psum(dw.astype(jnp.float32), dax), _psum(db, dax)  # a kept-logits dw is 16-bit
+                if dw is not None:  # summed in float32 (a single chunk that kept its logits returns 16-bit)
+                    dw = dw.astype(jnp.float32)
+                dw, db = _psum(dw, dax), _psum(db, dax)
         return num, sums, (dh, dw, db)
 
     f = shard_map(local, mesh=plan.mesh, in_specs=_policy_specs(plan),
