@@ -19,6 +19,8 @@ Tolerances (one table, the reasons beside them):
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -81,7 +83,7 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, saved=False):
+def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, saved=None):
   h, w, b, ids, dlogp = _inputs(R, H, V, layout, dtype, bias, scale, seed)
   if bad_ids:
     ids = ids.at[1].set(-1).at[2].set(V)
@@ -120,9 +122,14 @@ def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, s
                               db_acc=db0)
   assert _rel(dh, dh_x) < GRAD_REL_XLA
   assert _rel(np.asarray(dw) - np.asarray(dw0), np.asarray(dw_x) - np.asarray(dw0)) < GRAD_REL_XLA
-  if saved:  # the logits kept by the log-prob kernel (float16) replace the recompute
-    logp_s, lse_s, kept = be.logprobs_for_grads(h, w, b, ids, Tf, weight_layout=layout, budget_bytes=2**40)
-    assert kept is not None
+  if saved is not None:  # the logits kept by the log-prob kernel (float16) replace the recompute
+    if saved == "all":
+      logp_s, lse_s, kept = be.logprobs_for_grads(h, w, b, ids, Tf, weight_layout=layout, budget_bytes=2**40)
+      assert kept is not None and kept.d.shape[1] >= V
+    else:  # the leading `saved` tiles kept, the rest recomputed
+      (logp_s, lse_s), kept = be._logprobs(h, w, b, ids, Tf, weight_layout=layout, with_entropy=False,
+                                          save_tiles=saved)
+      assert kept.m.shape[0] == saved and kept.d.shape[1] < V
     np.testing.assert_array_equal(np.asarray(logp_s), np.asarray(logp))
     np.testing.assert_array_equal(np.asarray(lse_s), np.asarray(lse))
     dh_s, dw_s, db_s = be.grads(h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=None,
@@ -173,25 +180,47 @@ def test_interpret_gradient_windows(layout, bias, V):
   _run_case(be, 100, 64, V, layout, jnp.bfloat16, bias, 0.9, 1.0, seed=11, bad_ids=(layout == "vh"))
 
 
-@pytest.mark.parametrize("R,H,V,layout,dtype,bias,T,scale,workspace", [
-    pytest.param(100, 128, 192, "hv", jnp.bfloat16, True, 0.7, 1.0, None, id="hv-bf16-bias-T0.7-tail64"),
-    pytest.param(70, 192, 200, "vh", jnp.float16, False, 1.3, 1.0, None, id="vh-f16-T1.3-tail72"),
-    pytest.param(64, 64, 256, "hv", jnp.bfloat16, False, 1.0, 30.0, None, id="hv-bf16-logits30"),
-    pytest.param(100, 64, 330, "hv", jnp.bfloat16, True, 0.9, 1.0, 128 * 128 * 2, id="hv-V330-windows"),
-    pytest.param(100, 64, 328, "vh", jnp.bfloat16, False, 0.9, 1.0, 128 * 128 * 2, id="vh-V328-windows"),
+@pytest.mark.parametrize("R,H,V,layout,dtype,bias,T,scale,workspace,saved", [
+    pytest.param(100, 128, 192, "hv", jnp.bfloat16, True, 0.7, 1.0, None, "all", id="hv-bf16-bias-T0.7-tail64"),
+    pytest.param(70, 192, 200, "vh", jnp.float16, False, 1.3, 1.0, None, "all", id="vh-f16-T1.3-tail72"),
+    pytest.param(64, 64, 256, "hv", jnp.bfloat16, False, 1.0, 30.0, None, "all", id="hv-bf16-logits30"),
+    pytest.param(100, 64, 330, "hv", jnp.bfloat16, True, 0.9, 1.0, 128 * 128 * 2, "all", id="hv-V330-windows"),
+    pytest.param(100, 64, 328, "vh", jnp.bfloat16, False, 0.9, 1.0, 128 * 128 * 2, "all", id="vh-V328-windows"),
+    pytest.param(100, 64, 330, "hv", jnp.bfloat16, True, 0.9, 1.0, None, 1, id="hv-V330-keep1of3"),
+    pytest.param(100, 64, 520, "vh", jnp.bfloat16, True, 1.1, 1.0, 128 * 128 * 2, 3, id="vh-V520-keep3of5-windows"),
 ])
-def test_interpret_saved_logits_match_oracle(R, H, V, layout, dtype, bias, T, scale, workspace):
+def test_interpret_saved_logits_match_oracle(R, H, V, layout, dtype, bias, T, scale, workspace, saved):
   """``logprobs_for_grads`` keeps the logits (float16 relative to the running max, the log-prob kernel's
-  ``save_logits``); ``grads(saved=...)`` builds dz from them: the float64 oracle and the recompute path
-  agree (the saved path's dW comes back in the weight's dtype, written once per window; with a
-  one-tile workspace the windows run in the scan and a partial tail)."""
+  ``save_tiles``); ``grads(saved=...)`` builds dz from them and recomputes the tiles not kept: the float64
+  oracle and the recompute path agree (the saved path's dW comes back in the weight's dtype, written once
+  per window; with a one-tile workspace the windows run in the scans, with partial tails)."""
   be = INTERPRET if workspace is None else MosaicGpuBackend(interpret=True, workspace_bytes=workspace)
-  _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed=R + V + 1, bad_ids=(layout == "vh"), saved=True)
+  _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed=R + V + 1, bad_ids=(layout == "vh"), saved=saved)
+
+
+def test_save_plan():
+  """``save_plan`` keeps the most leading tiles whose peak extra memory (``saved_bytes``) fits the budget
+  (not monotone in the tiles: the recomputed rest's window shrinks as more are kept), none without
+  ``save_logits``; at the real heads with the fused loss's budget (4 H V + 384 MiB): all of Llama-3's
+  tiles at 8192 rows, half at 16384, 15 % of Qwen's at 16384."""
+  from gmpo_jax.fused_vjp import SAVED_LOGITS_SLACK
+  be = MosaicGpuBackend()
+  for rows, H, V in [(8192, 4096, 128256), (16384, 4096, 128256), (16384, 896, 151936), (512, 896, 151936)]:
+    budget = 4 * H * V + SAVED_LOGITS_SLACK
+    t = be.save_plan(rows=rows, H=H, V=V, budget_bytes=budget)
+    n = C.cdiv(V, 256)
+    assert be.saved_bytes(rows=rows, H=H, V=V, save_tiles=t) <= budget
+    assert all(be.saved_bytes(rows=rows, H=H, V=V, save_tiles=u) > budget for u in range(t + 1, n + 1))
+    assert MosaicGpuBackend(save_logits=False).save_plan(rows=rows, H=H, V=V, budget_bytes=budget) == 0
+  assert be.save_plan(rows=8192, H=4096, V=128256, budget_bytes=4 * 4096 * 128256 + SAVED_LOGITS_SLACK) == 501
+  assert be.save_plan(rows=16384, H=4096, V=128256, budget_bytes=4 * 4096 * 128256 + SAVED_LOGITS_SLACK) == 248
+  assert be.save_plan(rows=16384, H=896, V=151936, budget_bytes=4 * 896 * 151936 + SAVED_LOGITS_SLACK) == 90
+  assert be.save_plan(rows=8192, H=4096, V=128256, budget_bytes=0) == 0
 
 
 def test_interpret_saved_logits_kernel_tiles():
   """The kernel's saved tiles: ``d + m`` is ``z2 = z log2(e) / T`` to float16's precision (``|d| 2**-11``),
-  ``d <= 0``, ``-inf`` past V; the statistics are bitwise those of the kernel without ``save_logits``
+  ``d <= 0``, ``-inf`` past V; the statistics are bitwise those of the kernel without ``save_tiles``
   (two vocabulary splits: each has its own running max)."""
   from gmpo_jax.backends.mosaic_gpu import _prepare, block_config
   from gmpo_jax.kernels._compat import interpret_params
@@ -202,7 +231,12 @@ def test_interpret_saved_logits_kernel_tiles():
   hp, ids_p, scale, b_p, _ = _prepare(h, ids, b, jnp.float32(T), cfg, V)
   kw = dict(weight_layout="hv", vocab_size=V, cfg=cfg, num_splits=2, interpret=interpret_params())
   plain = lse_partials(hp, w, b_p, ids_p, scale, **kw)
-  *stats, d, m = lse_partials(hp, w, b_p, ids_p, scale, save_logits=True, **kw)
+  *stats, d, m = lse_partials(hp, w, b_p, ids_p, scale, save_tiles=6, **kw)
+  *stats4, d4, m4 = lse_partials(hp, w, b_p, ids_p, scale, save_tiles=4, **kw)  # the leading tiles only
+  for x, y in zip(stats, stats4):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_array_equal(np.asarray(d4), np.asarray(d)[:, :4 * 128])
+  np.testing.assert_array_equal(np.asarray(m4), np.asarray(m)[:4])
   for x, y in zip(plain, stats):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   d = np.asarray(d, np.float64)
@@ -348,6 +382,14 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
   dh_s2, dw_s2, _ = gs(h, w, b, ids, dlogp, lse_s, Tf, fs(h, w, b, ids, Tf)[2])
   np.testing.assert_array_equal(np.asarray(dh_s), np.asarray(dh_s2))
   np.testing.assert_array_equal(np.asarray(dw_s), np.asarray(dw_s2))
+  # a third of the tiles kept, the rest recomputed after them
+  n_keep = C.cdiv(V, kept.block_n) // 3
+  (_, lse_p), part = jax.jit(lambda *a: be._logprobs(*a, weight_layout=layout, with_entropy=False,
+                                                     save_tiles=n_keep))(h, w, b, ids, Tf)
+  dh_p, dw_p, db_p = gs(h, w, b, ids, dlogp, lse_p, Tf, part)
+  assert part.m.shape[0] == n_keep and _rel(dh_p, dh_x) < 1e-2 and _rel(dw_p, dw_x) < 1e-2
+  if bias:
+    assert _rel(db_p, db_x) < 1e-2
 
 
 def _tiny_temperature_policy_case(implementation, B, T, H, V, temperature):
@@ -456,12 +498,16 @@ def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop
   exp = jax.export.export(bwd, platforms=["cuda"])(h, w, b, i, f, f, acc)
   assert ("stablehlo.while" in exp.mlir_module()) == loop
 
-  def saved_path(h, w, b, i, d):  # the log-prob kernel with save_logits, and dz from what it kept
-    logp, lse, kept = be.logprobs_for_grads(h, w, b, i, jnp.float32(0.9), weight_layout=layout, budget_bytes=2**40)
+  from gmpo_jax.fused_vjp import SAVED_LOGITS_SLACK
+
+  def saved_path(h, w, b, i, d, budget):  # the log-prob kernel keeping tiles, dz from what it kept
+    logp, lse, kept = be.logprobs_for_grads(h, w, b, i, jnp.float32(0.9), weight_layout=layout, budget_bytes=budget)
     assert kept is not None
     return be.grads(h, w, b, i, d, lse, jnp.float32(0.9), weight_layout=layout, dw_acc=None,
                     db_acc=None if b is None else jnp.zeros(V), saved=kept)
-  jax.export.export(jax.jit(saved_path), platforms=["cuda"])(h, w, b, i, f)
+  # all tiles kept, and the fused loss's budget (Qwen at 16384 rows: 90 of 594 kept, the rest recomputed)
+  for budget in (2**40, 4 * H * V + SAVED_LOGITS_SLACK):
+    jax.export.export(jax.jit(functools.partial(saved_path, budget=budget)), platforms=["cuda"])(h, w, b, i, f)
 
 
 def test_interpret_split_of_masked_vocabulary_is_not_nan():

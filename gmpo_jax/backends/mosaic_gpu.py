@@ -107,8 +107,8 @@ class MosaicGpuBackend:
 
   workspace_bytes bounds the temporaries of one vocabulary window of the gradient pass: the 16-bit
   ``dz [rows, window]``, the weight slice and the float32 dW block (one window is live at a time).
-  save_logits: let ``logprobs_for_grads`` keep the logits for the gradient pass when they fit its
-  budget (False: always recompute them).
+  save_logits: let ``logprobs_for_grads`` keep the logits (all, or the leading vocabulary tiles that fit
+  its budget) for the gradient pass (False: always recompute them).
   """
 
   interpret: bool = False
@@ -150,55 +150,83 @@ class MosaicGpuBackend:
                          weight_layout=weight_layout, has_bias=bias is not None, with_entropy=with_entropy)
     with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
       out, _ = self._logprobs(hidden, weight, bias, ids, temperature, weight_layout=weight_layout,
-                              with_entropy=with_entropy, save_logits=False)
+                              with_entropy=with_entropy, save_tiles=0)
     return out
 
-  def saved_bytes(self, *, rows: int, H: int, V: int) -> int:
-    """Device memory that ``logprobs_for_grads`` and ``grads`` use beyond the inputs and the returned
-    gradients when the logits are kept: the float16 logits and their per-tile maxima, the float32
-    hidden-state gradient and the gradient pass's windows (:meth:`_saved_window_tiles`)."""
+  def save_plan(self, *, rows: int, H: int, V: int, budget_bytes: int) -> int:
+    """How many leading vocabulary tiles of the logits ``logprobs_for_grads`` keeps (0: none): the most
+    whose peak extra memory (:meth:`saved_bytes`) fits ``budget_bytes``; 0 without ``save_logits``, or
+    when the log-prob kernel's saved tiles and the dz kernel's tiles differ in shape (table entries)."""
+    from gmpo_jax.kernels import _common as C
+    cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
+    grad = block_config(rows=rows, H=H, V=V, kind="grad", interpret=self.interpret)
+    if not self.save_logits or (cfg.block_m, cfg.block_n) != (grad.block_m, grad.block_n):
+      return 0
+    Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
+    n_tiles = C.cdiv(V, cfg.block_n)
+    for t in range(n_tiles, 0, -1):  # not monotone in t: the recomputed rest's window shrinks as t grows
+      if self._saved_bytes(Rp, H, n_tiles, cfg.block_n, t) <= budget_bytes:
+        return t
+    return 0
+
+  def saved_bytes(self, *, rows: int, H: int, V: int, save_tiles: int) -> int:
+    """Peak device memory that ``logprobs_for_grads`` and ``grads`` use beyond the inputs and the
+    returned gradients when ``save_tiles`` leading tiles of the logits are kept: the float32 hidden-state
+    gradient plus the larger of (the float16 tiles and their per-tile maxima, with one window of the
+    saved part) and (one window of the recomputed rest, after the kept tiles are freed)."""
     from gmpo_jax.kernels import _common as C
     cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
     Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
-    n_tiles = C.cdiv(V, cfg.block_n)
-    wt = self._saved_window_tiles(Rp, H, n_tiles, cfg.block_n, 2)
-    return Rp * n_tiles * (cfg.block_n * 2 + 4) + Rp * H * 4 + wt * cfg.block_n * _per_column(Rp, H, 2)
+    return self._saved_bytes(Rp, H, C.cdiv(V, cfg.block_n), cfg.block_n, save_tiles)
+
+  def _saved_bytes(self, Rp: int, H: int, n_tiles: int, bn: int, save_tiles: int) -> int:
+    per_column = _per_column(Rp, H, 2)
+    kept = Rp * save_tiles * (bn * 2 + 4) + self._saved_window_tiles(Rp, H, save_tiles, bn, 2) * bn * per_column
+    rest = self._window_tiles(Rp, H, n_tiles - save_tiles, bn, 2) * bn * per_column if save_tiles < n_tiles else 0
+    return Rp * H * 4 + max(kept, rest)
+
+  def _window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int) -> int:
+    """Vocabulary tiles per window of the recompute path: all when their dz fits ``workspace_bytes``
+    (no weight slice, few rows: N = 512), else as many as the workspace holds (dz, weight slice, dW)."""
+    if self.workspace_bytes >= Rp * n_tiles * bn * item:
+      return n_tiles
+    return max(1, min(n_tiles, self.workspace_bytes // (_per_column(Rp, H, item) * bn)))
 
   def _saved_window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int) -> int:
-    """Vocabulary tiles per window of the saved path: all when their dz fits ``workspace_bytes`` (as in
-    the recompute path), else windows of half the workspace (room for the logits: Llama-3 at 8192 rows)."""
+    """Vocabulary tiles per window of the saved part: all when their dz fits ``workspace_bytes``, else
+    windows of half the workspace (room for the kept logits: Llama-3 at 8192 rows)."""
     if self.workspace_bytes >= Rp * n_tiles * bn * item:
       return n_tiles
     return max(1, min(n_tiles, self.workspace_bytes // 2 // (_per_column(Rp, H, item) * bn)))
 
   def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
-    """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the logits tiles
-    when ``save_logits`` and :meth:`saved_bytes` ``<= budget_bytes``, else None (``grads`` recomputes)."""
+    """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
+    tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes)."""
     R, H = hidden.shape
     V = _vocab(weight, weight_layout)
     self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
                          weight_layout=weight_layout, has_bias=bias is not None)
-    save = self.save_logits and self.saved_bytes(rows=R, H=H, V=V) <= budget_bytes
+    save_tiles = self.save_plan(rows=R, H=H, V=V, budget_bytes=budget_bytes)
     with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
       (logp, lse), saved = self._logprobs(hidden, weight, bias, ids, temperature, weight_layout=weight_layout,
-                                          with_entropy=False, save_logits=save)
+                                          with_entropy=False, save_tiles=save_tiles)
     return logp, lse, saved
 
-  def _logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_logits):
+  def _logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles):
     from gmpo_jax.kernels import _common as C
     from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
     R, H = hidden.shape
     V = _vocab(weight, weight_layout)
-    kind = "logprob_saved" if save_logits else "logprob"
+    kind = "logprob_saved" if save_tiles else "logprob"
     cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
     hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
     n_tiles = C.cdiv(V, cfg.block_n)
     splits = C.pick_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
     out = lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
                        weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
-                       with_entropy=with_entropy, save_logits=save_logits,
+                       with_entropy=with_entropy, save_tiles=save_tiles,
                        interpret=self._interpret_params())
-    stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_logits else (out, None)
+    stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
     logp, lse, *ent = (x[:R] for x in combine_splits(*stats))
     valid = (ids >= 0) & (ids < V)
     logp = jnp.where(valid, logp, jnp.nan)
@@ -208,7 +236,8 @@ class MosaicGpuBackend:
 
   def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc,
             db_acc, saved=None):
-    """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute.
+    """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
+    the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
 
     ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned (float32, or the weight's
     dtype when ``saved`` is given), each window's block written once."""
@@ -219,29 +248,19 @@ class MosaicGpuBackend:
     self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
                          weight_layout=weight_layout, has_bias=bias is not None)
     cfg = block_config(rows=R, H=H, V=V, kind="grad", interpret=self.interpret)
-    if saved is not None:  # the windows follow the saved tiles (the log-prob kernel's block_n)
-      cfg = dataclasses.replace(cfg, block_m=block_config(rows=R, H=H, V=V, kind="logprob_saved",
-                                                          interpret=self.interpret).block_m)
-      bn = saved.block_n
-    else:
-      bn = cfg.block_n
+    bn = cfg.block_n
     with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
       hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
+      if saved is not None and (saved.block_n != bn or saved.d.shape[0] != Rp):
+        raise ValueError(f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
+                         f"not match the gradient kernel's {bn} / {Rp} (see save_plan)")
       pad = Rp - R
       t = jnp.asarray(temperature, jnp.float32)
       coef = jnp.pad(dlogp.astype(jnp.float32) / t, (0, pad))
       lse2 = jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, pad))
       n_tiles = C.cdiv(V, bn)
-      # A window's temporaries: dz [Rp, w] and the weight slice [H, w] in 16 bits, the f32 dW block;
-      # one window over the whole vocabulary when its dz alone fits (no slice, few rows: N = 512).
+      save_tiles = 0 if saved is None else saved.m.shape[0]
       item = hp.dtype.itemsize
-      if saved is not None:
-        window_tiles = self._saved_window_tiles(Rp, H, n_tiles, bn, item)
-      elif self.workspace_bytes >= Rp * n_tiles * bn * item:
-        window_tiles = n_tiles
-      else:
-        window_tiles = max(1, min(n_tiles, self.workspace_bytes // (_per_column(Rp, H, item) * bn)))
-      wc = window_tiles * bn                                         # columns per window
       axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
       num_sms = _num_sms(self.interpret)
       w_kernel = _aligned(weight, weight_layout)                     # == weight unless V is unaligned
@@ -249,9 +268,9 @@ class MosaicGpuBackend:
       if fresh:
         dw_acc = jnp.zeros(weight.shape, weight.dtype if saved is not None else jnp.float32)
 
-      def dz_of(w_blk, b_blk, ids_w, v0, width, wt):
+      def dz_of(w_blk, b_blk, ids_w, v0, width, wt, kept):
         """dz of one window, ``[Rp, wt * bn]`` (its weight columns ``w_blk``, ids relative to it)."""
-        if saved is not None:
+        if kept:
           return _dz_from_saved(saved, v0, wt, ids_w, lse2, coef, width, hp.dtype)
         splits = C.pick_num_splits(Rp // cfg.rows_per_cta, wt, num_sms)
         return dlogits_window(hp, w_blk, b_blk, ids_w, scale, lse2, coef,
@@ -259,10 +278,13 @@ class MosaicGpuBackend:
                               window_tiles=wt, cfg=cfg, num_splits=splits,
                               interpret=self._interpret_params())
 
-      def window(carry, w_blk, b_blk, ids_w, v0, width, wt):
-        """dz of one window and the three GEMMs."""
+      def window(carry, v0, width, wt, kept, w_blk=None, b_blk=None):
+        """dz of one window (columns ``[v0, v0 + width)``) and the three GEMMs."""
         dh, dw_acc, db_acc = carry
-        dz = dz_of(w_blk, b_blk, ids_w, v0, width, wt)
+        if w_blk is None:  # a full window inside the loop: dynamic slices of static width
+          w_blk = lax.dynamic_slice_in_dim(w_kernel, v0, wt * bn, axis=axis)
+          b_blk = None if bias_p is None else lax.dynamic_slice_in_dim(bias_p, v0, wt * bn)
+        dz = dz_of(w_blk, b_blk, ids_p - v0, v0, width, wt, kept)
         if dz.shape[1] != width:
           dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns
@@ -280,25 +302,30 @@ class MosaicGpuBackend:
               db_acc, lax.dynamic_slice_in_dim(db_acc, v0, width) + db_blk, v0, axis=0)
         return dh, dw_acc, db_acc
 
-      # Full windows in a loop: one dz buffer (and one copied weight slice) alive at a time by
-      # construction, accumulators updated in place. A Python loop of windows left the order to
-      # XLA's scheduler, which hoisted dz kernels or deferred accumulations (up to 5.95 GiB at
-      # qwen 2 x 32768; KERNELS_NOTES.md).
-      def body(carry, k):
-        v0 = k * wc
-        w_blk = lax.dynamic_slice_in_dim(w_kernel, v0, wc, axis=axis)
-        b_blk = None if bias_p is None else lax.dynamic_slice_in_dim(bias_p, v0, wc)
-        return window(carry, w_blk, b_blk, ids_p - v0, v0, wc, window_tiles), None
+      def windows(carry, tile0, tile1, wt, kept):
+        """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one
+        weight slice alive at a time by construction, accumulators updated in place; a Python loop left
+        the order to XLA's scheduler, which hoisted dz kernels: up to 5.95 GiB at qwen 2 x 32768,
+        KERNELS_NOTES.md), then the partial one, with static shapes (columns past V are masked)."""
+        c0, c1 = tile0 * bn, min(tile1 * bn, V)
+        n_full = (c1 - c0) // (wt * bn) if wt < tile1 - tile0 else 0   # one window: no loop, no slice
+        if n_full:
+          carry, _ = lax.scan(lambda c, k: (window(c, c0 + k * (wt * bn), wt * bn, wt, kept), None),
+                              carry, jnp.arange(n_full, dtype=jnp.int32))
+        v0 = c0 + n_full * wt * bn
+        if v0 < c1:
+          end = min(v0 + C.cdiv(c1 - v0, bn) * bn, w_kernel.shape[axis])
+          w_blk = lax.slice_in_dim(w_kernel, v0, end, axis=axis)
+          b_blk = None if bias_p is None else bias_p[v0:v0 + C.cdiv(c1 - v0, bn) * bn]
+          carry = window(carry, v0, c1 - v0, C.cdiv(c1 - v0, bn), kept, w_blk, b_blk)
+        return carry
 
       carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc)
-      n_full = V // wc if window_tiles < n_tiles else 0  # one window: no loop, no weight slice
-      if n_full:
-        carry, _ = lax.scan(body, carry, jnp.arange(n_full, dtype=jnp.int32))
-      v0 = n_full * wc
-      if v0 < V:  # the last, partial window: static shapes, the kernel masks columns >= V - v0
-        w_blk = lax.slice_in_dim(w_kernel, v0, w_kernel.shape[axis], axis=axis)
-        b_blk = None if bias_p is None else bias_p[v0:]
-        carry = window(carry, w_blk, b_blk, ids_p - v0, v0, V - v0, C.cdiv(V - v0, bn))
+      if save_tiles:
+        carry = windows(carry, 0, save_tiles, self._saved_window_tiles(Rp, H, save_tiles, bn, item), True)
+      if save_tiles < n_tiles:
+        carry = windows(carry, save_tiles, n_tiles,
+                        self._window_tiles(Rp, H, n_tiles - save_tiles, bn, item), False)
       dh, dw_acc, db_acc = carry
       dhidden = dh[:R].astype(hidden.dtype)
     return dhidden, dw_acc, db_acc

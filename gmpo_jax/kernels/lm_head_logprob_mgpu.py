@@ -7,8 +7,8 @@ For rows ``r`` of ``hidden`` and the LM-head weight ``W``,
    \\mathrm{lse}_r = \\log \\sum_v e^{z_{r,v}}, \\qquad
    \\log p_r = z_{r,\\mathrm{id}_r} - \\mathrm{lse}_r .
 
-By default the kernel never writes logits to device memory (``save_logits=True`` keeps them for
-the gradient pass, below). The grid is ``(splits, row blocks)``: each CTA
+By default the kernel never writes logits to device memory (``save_tiles`` keeps some for the
+gradient pass, below). The grid is ``(splits, row blocks)``: each CTA
 owns ``2 * block_m`` rows and a contiguous range of vocabulary tiles (a *split*); for every
 tile it computes ``z`` with wgmma (float32 accumulation), keeps a running maximum and sum of
 exponentials per row (base 2, so the exponentials are single ``ex2`` instructions), and picks
@@ -17,8 +17,8 @@ the target logit when the tile holds it. Each split writes three float32 numbers
 negligible). Vocabulary columns past ``V`` (the tail of the last tile, zero-filled by the bulk
 copy) are masked to ``-inf``.
 
-``save_logits=True`` also writes every tile, relative to its row's running maximum, for a gradient pass
-that reads instead of recomputing them: ``d = z2 - m`` in float16 (``d <= 0``: 11 significant bits where
+``save_tiles=n`` also writes the first ``n`` vocabulary tiles, relative to their row's running maximum,
+for a gradient pass that reads instead of recomputing them: ``d = z2 - m`` in float16 (``d <= 0``: 11 significant bits where
 the softmax has its mass; a probability ``p`` rebuilt from it is off by at most ``p |ln p| 2**-11``) and
 ``m`` per tile and row in float32, so that ``z2 - lse2 = d + m - lse2``. That is ``2 V + 4 V / block_n``
 bytes per row (250 KiB at Llama-3's vocabulary) written once, against ``2 H V`` flops recomputed.
@@ -39,7 +39,7 @@ ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vocab_size: int,
-                 cfg: C.BlockConfig, num_splits: int, with_entropy: bool = False, save_logits: bool = False,
+                 cfg: C.BlockConfig, num_splits: int, with_entropy: bool = False, save_tiles: int = 0,
                interpret=None):
   """Per-split online log-sum-exp statistics of the logits.
 
@@ -50,15 +50,16 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
     ids: ``[Rp]`` int32 target ids (any value; ids outside ``[0, V)`` pick nothing).
     row_scale: ``[Rp]`` f32, ``log2(e) / temperature`` per row.
     with_entropy: also accumulate ``e2`` (two more float32 operations per logit).
-    save_logits: also return the logits tiles (module docstring); the epilogue then stages a
-      ``[block_m, block_n]`` float16 tile per warpgroup in shared memory (``cfg`` must leave room).
+    save_tiles: also return the first ``save_tiles`` logits tiles (module docstring; at most the number
+      of tiles); the epilogue then stages a ``[block_m, block_n]`` float16 tile per warpgroup in shared
+      memory (``cfg`` must leave room).
 
   Returns:
     ``(m2, l, t2)`` or, with ``with_entropy``, ``(m2, l, t2, e2)``, each ``[num_splits, Rp]`` f32:
     per split the running max of ``z2 = z * log2 e``, the sum of ``exp2(z2 - m2)``, the target's
     ``z2`` (0 when the split does not hold the target) and ``sum exp2(z2 - m2) (z2 - m2)``. With
-    ``save_logits``, two more: ``d`` ``[Rp, num_tiles * block_n]`` f16 (``z2 - m``, ``-inf`` past ``V``)
-    and ``m`` ``[num_tiles, Rp]`` f32 (the running maximum after each tile, 0 while it is ``-inf``).
+    ``save_tiles``, two more: ``d`` ``[Rp, save_tiles * block_n]`` f16 (``z2 - m``, ``-inf`` past ``V``)
+    and ``m`` ``[save_tiles, Rp]`` f32 (the running maximum after each tile, 0 while it is ``-inf``).
   """
   rows, hdim = hidden.shape
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -69,6 +70,8 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
   k_iters = hdim // bk
   has_bias = bias is not None
   n_stats = 4 if with_entropy else 3
+  assert 0 <= save_tiles <= num_tiles, (save_tiles, num_tiles)
+  save_logits = save_tiles > 0
 
   def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
     ids_ref, scale_ref = row_refs
@@ -114,12 +117,19 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
       t2 = t2 + jnp.where(col == C.bcast_rows(ids_v, shape), z2, 0.0).sum(axis=1)
       if save_logits:
         d_out, m_out = saved
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left SMEM
-        tile_smem[wg] = d.astype(jnp.float16)
-        stat_smem[wg, n_stats] = m_ref
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile_smem.at[wg], d_out.at[pl.ds(my_rows, bm), pl.ds(tile * bn, bn)])
-        plgpu.copy_smem_to_gmem(stat_smem.at[wg, n_stats], m_out.at[tile, pl.ds(my_rows, bm)])
+
+        def store():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left SMEM
+          tile_smem[wg] = d.astype(jnp.float16)
+          stat_smem[wg, n_stats] = m_ref
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(tile_smem.at[wg], d_out.at[pl.ds(my_rows, bm), pl.ds(tile * bn, bn)])
+          plgpu.copy_smem_to_gmem(stat_smem.at[wg, n_stats], m_out.at[tile, pl.ds(my_rows, bm)])
+
+        if save_tiles == num_tiles:
+          store()
+        else:
+          pl.when(tile < save_tiles)(store)
       return (ids_v, scale_v, m_new, l, t2, *e2)
 
     def finish(carry):
@@ -141,8 +151,8 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
   out_type = (stat,) * n_stats
   epilogue_smem = plgpu.SMEM((2, n_stats + save_logits, bm), jnp.float32)
   if save_logits:
-    out_type += (jax.ShapeDtypeStruct((rows, num_tiles * bn), jnp.float16),
-                 jax.ShapeDtypeStruct((num_tiles, rows), jnp.float32))
+    out_type += (jax.ShapeDtypeStruct((rows, save_tiles * bn), jnp.float16),
+                 jax.ShapeDtypeStruct((save_tiles, rows), jnp.float32))
     epilogue_smem = (epilogue_smem, plgpu.SMEM((2, bm, bn), jnp.float16, transforms=C.operand_transforms(2)))
   return C.launch(
       body, hidden=hidden, weight=weight, bias=bias, row_inputs=(ids, row_scale), out_type=out_type,
@@ -151,7 +161,7 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
 
 
 def saved_epilogue_bytes(cfg: C.BlockConfig, n_stats: int = 3) -> int:
-  """Shared memory of the log-prob kernel's epilogue: the statistics' staging, plus with ``save_logits``
+  """Shared memory of the log-prob kernel's epilogue: the statistics' staging, plus with ``save_tiles``
   (``n_stats + 1`` rows of it and) the two float16 logits tiles."""
   return 2 * (n_stats + 1) * cfg.block_m * 4 + 2 * cfg.block_m * cfg.block_n * 2
 
