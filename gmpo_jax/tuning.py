@@ -52,6 +52,15 @@ MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {
     "logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3), "logprob_saved": (64, 256, 64, 3)}
 
 
+# Mosaic GPU LM head: keep a single chunk's logits (float16) for the gradient pass only for hidden sizes
+# this large. Measured on an H200 (2026-11-30, benchmarks/RESULTS.md "Issue 3, fourth session"), fwd+bwd,
+# recompute vs keep: Llama-3 (H 4096) 8192 rows 57.35 -> 43.85 ms (all kept), 16384 rows 108.4 -> 98.8 ms
+# (half kept); Qwen2.5-0.5B (H 896) 16384 rows 29.64 -> 29.97 ms (15 % kept), 512 rows 1.364 -> 1.605 ms
+# (84 % kept). The recompute a kept tile saves grows with H, its memory traffic does not. Between 896 and
+# 4096 nothing was measured: the threshold sits at the next real head below 4096 (Qwen2.5-7B's 3584).
+SAVED_LOGITS_MIN_H = 3584
+
+
 def mosaic_blocks(device_kind: str, H: int, V: int, kind: str) -> tuple[int, int, int, int]:
     """``(block_m, block_n, block_k, num_stages)`` of the Mosaic kernel ``kind`` (``"logprob"`` / ``"grad"``)
     on ``device_kind`` for a head of ``H x V`` (``kind`` may also be ``"logprob_saved"``): the table's

@@ -150,6 +150,7 @@ def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, s
 
 
 INTERPRET = MosaicGpuBackend(interpret=True)
+KEEP = MosaicGpuBackend(interpret=True, save_min_hidden=0)  # keeps the logits at any hidden size
 
 
 # Curated cases (interpret mode is slow: one or two row blocks, two vocabulary tiles, the last
@@ -194,17 +195,18 @@ def test_interpret_saved_logits_match_oracle(R, H, V, layout, dtype, bias, T, sc
   ``save_tiles``); ``grads(saved=...)`` builds dz from them and recomputes the tiles not kept: the float64
   oracle and the recompute path agree (the saved path's dW comes back in the weight's dtype, written once
   per window; with a one-tile workspace the windows run in the scans, with partial tails)."""
-  be = INTERPRET if workspace is None else MosaicGpuBackend(interpret=True, workspace_bytes=workspace)
+  be = KEEP if workspace is None else MosaicGpuBackend(interpret=True, workspace_bytes=workspace, save_min_hidden=0)
   _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed=R + V + 1, bad_ids=(layout == "vh"), saved=saved)
 
 
 def test_save_plan():
   """``save_plan`` keeps the most leading tiles whose peak extra memory (``saved_bytes``) fits the budget
   (not monotone in the tiles: the recomputed rest's window shrinks as more are kept), none without
-  ``save_logits``; at the real heads with the fused loss's budget (4 H V + 384 MiB): all of Llama-3's
-  tiles at 8192 rows, half at 16384, 15 % of Qwen's at 16384."""
+  ``save_logits`` or below ``save_min_hidden``; at the real heads with the fused loss's budget (4 H V +
+  384 MiB): all of Llama-3's tiles at 8192 rows, half at 16384; none of Qwen2.5-0.5B's (H 896: measured
+  no faster), which would be 15 % at 16384 rows."""
   from gmpo_jax.fused_vjp import SAVED_LOGITS_SLACK
-  be = MosaicGpuBackend()
+  be = MosaicGpuBackend(save_min_hidden=0)
   for rows, H, V in [(8192, 4096, 128256), (16384, 4096, 128256), (16384, 896, 151936), (512, 896, 151936)]:
     budget = 4 * H * V + SAVED_LOGITS_SLACK
     t = be.save_plan(rows=rows, H=H, V=V, budget_bytes=budget)
@@ -216,6 +218,8 @@ def test_save_plan():
   assert be.save_plan(rows=16384, H=4096, V=128256, budget_bytes=4 * 4096 * 128256 + SAVED_LOGITS_SLACK) == 248
   assert be.save_plan(rows=16384, H=896, V=151936, budget_bytes=4 * 896 * 151936 + SAVED_LOGITS_SLACK) == 90
   assert be.save_plan(rows=8192, H=4096, V=128256, budget_bytes=0) == 0
+  assert MosaicGpuBackend().save_plan(rows=16384, H=896, V=151936, budget_bytes=2**40) == 0  # H < 3584
+  assert MosaicGpuBackend().save_plan(rows=8192, H=4096, V=128256, budget_bytes=2**40) == 501
 
 
 def test_interpret_saved_logits_kernel_tiles():
@@ -342,7 +346,7 @@ def _hopper():
     ],
 )
 def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
-  be = MosaicGpuBackend()
+  be = MosaicGpuBackend(save_min_hidden=0)  # the kept-logits checks below run at every head
   h, w, b, ids, dlogp = _inputs(R, H, V, layout, jnp.bfloat16, bias, scale, seed=R)
   Tf = jnp.float32(T)
   xk = XlaChunkedBackend()
@@ -453,7 +457,7 @@ def test_interpret_tiny_temperature_argmax_targets(temperature):
 def test_interpret_tiny_temperature_saved_logits(temperature):
   """The same through the policy loss, whose single chunk keeps its logits (float16, relative to the
   running max): the argmax's ``d = 0`` and the snap keep its p = 1."""
-  _tiny_temperature_policy_case(INTERPRET, 1, 64, 128, 256, temperature)
+  _tiny_temperature_policy_case(KEEP, 1, 64, 128, 256, temperature)
 
 
 @pytest.mark.gpu
@@ -464,7 +468,7 @@ def test_gpu_tiny_temperature_argmax_targets(temperature):
   (2026-11-30, 75e1d17) before the snap; the GPU compiler may also contract ``z * scale - lse2`` into
   a fused multiply-add that skips the rounding of ``z * scale``, which the snap covers too."""
   _tiny_temperature_case("mosaic_gpu", 2, 64, 128, 1024, temperature)
-  _tiny_temperature_policy_case("mosaic_gpu", 2, 64, 128, 1024, temperature)
+  _tiny_temperature_policy_case(MosaicGpuBackend(save_min_hidden=0), 2, 64, 128, 1024, temperature)
 
 
 @pytest.mark.parametrize("R,H,V,layout,bias,loop", [
@@ -481,7 +485,7 @@ def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop
   scan over windows are checked before any device time is spent."""
   from gmpo_jax.backends import mosaic_gpu
   monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
-  be = MosaicGpuBackend()
+  be = MosaicGpuBackend(save_min_hidden=0)
   h = jax.ShapeDtypeStruct((R, H), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((H, V) if layout == "hv" else (V, H), jnp.bfloat16)
   b = jax.ShapeDtypeStruct((V,), jnp.float32) if bias else None
@@ -554,6 +558,45 @@ def test_interpret_padded_vocab_size_through_the_api():
   np.testing.assert_allclose(float(v), float(v0), rtol=1e-5)
   assert _rel(dh, dh0) < GRAD_REL_XLA and _rel(dw, dw0) < GRAD_REL_XLA
   assert np.all(np.asarray(dw)[:, real:] == 0)
+
+
+@pytest.mark.parametrize("objective", ["GMPO", "GRPO-dapo"])
+def test_interpret_kept_logits_through_the_api(objective):
+  """The fused loss through the public API with a backend that keeps its logits (one chunk: float16
+  logits, dz from them, dW in the weight's dtype) against the same kernels with two chunks (float32 dW
+  accumulator, logits recomputed) and float64 (tests/spec_numpy.py): loss and metrics to 1e-5, gradients
+  to the float16 logits' tolerance (``SAVED_REL``) and 1e-2 of float64; dW comes back in bfloat16."""
+  import gmpo_jax
+  rng = np.random.default_rng(12)
+  B, T, H, V = 2, 50, 64, 330
+  h = jnp.asarray(rng.standard_normal((B, T, H)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((H, V)) / 8, jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal(V) / 4, jnp.float32)
+  ids = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+  mask = jnp.asarray(rng.random((B, T)) > 0.2)
+  adv = jnp.asarray([0.7, -1.2], jnp.float32)
+  old = jnp.asarray(-np.log(V) + 0.3 * rng.standard_normal((B, T)), jnp.float32)
+  obj = gmpo_jax.GMPO() if objective == "GMPO" else gmpo_jax.GRPO(loss_type="dapo")
+
+  def run(impl, chunk_size=None):
+    f = lambda h, w, b: gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, objective=obj, old_logps=old, bias=b,
+                                                          temperature=0.9, implementation=impl, chunk_size=chunk_size)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(h, w, bias)
+
+  (loss, aux), (dh, dw, db) = run(KEEP)
+  (loss2, aux2), (dh2, dw2, db2) = run(KEEP, chunk_size=1)
+  assert dw.dtype == w.dtype and dh.dtype == h.dtype and db.dtype == bias.dtype
+  np.testing.assert_allclose(float(loss), float(loss2), rtol=1e-5, atol=1e-7)
+  for k in ("clip_fraction", "log_ratio_min", "log_ratio_max"):
+    np.testing.assert_allclose(float(getattr(aux, k)), float(getattr(aux2, k)), rtol=1e-5, atol=1e-6)
+  for a, b in ((dh, dh2), (dw, dw2), (db, db2)):
+    assert _rel(a, b) < SAVED_REL
+  kw = dict(loss_type="gmpo", epsilon_low=0.4, epsilon_high=0.4) if objective == "GMPO" else \
+      dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2)
+  ref = spec.spec_policy_loss(h, w, ids, mask, adv, bias=bias, temperature=0.9, old_logps=old, **kw)
+  np.testing.assert_allclose(float(loss), ref.loss, rtol=1e-4, atol=1e-6)
+  for a, b in zip((dh, dw, db), (ref.dhidden, ref.dweight, ref.dbias)):
+    assert _rel(a, b) < GRAD_REL_F64
 
 
 @pytest.mark.parametrize("layout,bias,V,vocab_size,temperature,scale", [

@@ -108,12 +108,14 @@ class MosaicGpuBackend:
   workspace_bytes bounds the temporaries of one vocabulary window of the gradient pass: the 16-bit
   ``dz [rows, window]``, the weight slice and the float32 dW block (one window is live at a time).
   save_logits: let ``logprobs_for_grads`` keep the logits (all, or the leading vocabulary tiles that fit
-  its budget) for the gradient pass (False: always recompute them).
+  its budget) for the gradient pass (False: always recompute them), for hidden sizes
+  ``H >= save_min_hidden`` (``tuning.SAVED_LOGITS_MIN_H``: below it keeping was measured no faster).
   """
 
   interpret: bool = False
   workspace_bytes: int = 256 * 2**20
   save_logits: bool = True
+  save_min_hidden: int = tuning.SAVED_LOGITS_MIN_H
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
@@ -155,12 +157,13 @@ class MosaicGpuBackend:
 
   def save_plan(self, *, rows: int, H: int, V: int, budget_bytes: int) -> int:
     """How many leading vocabulary tiles of the logits ``logprobs_for_grads`` keeps (0: none): the most
-    whose peak extra memory (:meth:`saved_bytes`) fits ``budget_bytes``; 0 without ``save_logits``, or
-    when the log-prob kernel's saved tiles and the dz kernel's tiles differ in shape (table entries)."""
+    whose peak extra memory (:meth:`saved_bytes`) fits ``budget_bytes``; 0 without ``save_logits``, for
+    ``H < save_min_hidden``, or when the log-prob kernel's saved tiles and the dz kernel's tiles differ in
+    shape (table entries)."""
     from gmpo_jax.kernels import _common as C
     cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
     grad = block_config(rows=rows, H=H, V=V, kind="grad", interpret=self.interpret)
-    if not self.save_logits or (cfg.block_m, cfg.block_n) != (grad.block_m, grad.block_n):
+    if not self.save_logits or H < self.save_min_hidden or (cfg.block_m, cfg.block_n) != (grad.block_m, grad.block_n):
       return 0
     Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
     n_tiles = C.cdiv(V, cfg.block_n)
