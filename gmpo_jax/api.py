@@ -146,10 +146,12 @@ def fused_linear_policy_loss(
     ``SPEC.md`` (e.g. GMPO: :math:`\frac1B\sum_b -A_b \exp(\mathrm{mean}_t\,\mathrm{clip}(\log\pi -
     \log\pi_{old}))`). The ``[B, T, V]`` logits are never materialised in float32: memory beyond the
     inputs is one float32 copy of the weight (gradient accumulator), the ``[B, T, H]`` hidden gradient
-    and one chunk's vocabulary block. A call of one chunk needs no accumulator; there the Mosaic GPU
-    kernels (for ``H >= 3584``) keep as much of the chunk's logits in float16 as fits that copy's memory
-    plus 384 MiB, and the gradient pass reads them instead of computing them again (Llama-3-8B's head:
-    1.3x faster at 8192 tokens, all kept; 1.1x at 16384, half kept). Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the
+    and one chunk's vocabulary block. A call of one chunk needs no accumulation across chunks; there the
+    Mosaic GPU kernels (a bfloat16 weight, ``H >= 3584``) keep the weight gradient in bfloat16 and, in
+    the memory that saves plus 384 MiB, as much of the chunk's logits in float16 as fits with the
+    gradient pass's own temporaries; that pass reads them instead of computing them again (Llama-3-8B's
+    head: 1.3x faster at 8192 tokens, all kept; 1.1x at 16384, half kept). The weight gradient is then
+    rounded to bfloat16 before the cotangent scales it (a double rounding; bfloat16 has float32's range). Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the
     gradients are computed in the forward pass and scaled by the cotangent); evaluation without
     differentiation does no gradient work.
 
@@ -199,7 +201,8 @@ def fused_linear_policy_loss(
         ``gmpo_jax.sharding``; gradients come back sharded like the primals.
 
     Returns:
-      ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars.
+      ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars. Their
+      gradients w.r.t. ``hidden``, ``weight`` and ``bias`` come in those arguments' dtypes.
 
     Gradients and what cannot be checked under ``jit``: reverse mode only (a ``jax.custom_vjp``:
     ``jax.grad`` / ``vjp`` work, ``jax.jvp`` / ``jacfwd`` do not). Only ``hidden``, ``weight`` and ``bias`` receive

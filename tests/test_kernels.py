@@ -183,7 +183,7 @@ def test_interpret_gradient_windows(layout, bias, V):
 
 @pytest.mark.parametrize("R,H,V,layout,dtype,bias,T,scale,workspace,saved", [
     pytest.param(100, 128, 192, "hv", jnp.bfloat16, True, 0.7, 1.0, None, "all", id="hv-bf16-bias-T0.7-tail64"),
-    pytest.param(70, 192, 200, "vh", jnp.float16, False, 1.3, 1.0, None, "all", id="vh-f16-T1.3-tail72"),
+    pytest.param(70, 192, 200, "vh", jnp.float16, False, 1.3, 1.0, None, 1, id="vh-f16-T1.3-tail72-keep1of2"),
     pytest.param(64, 64, 256, "hv", jnp.bfloat16, False, 1.0, 30.0, None, "all", id="hv-bf16-logits30"),
     pytest.param(100, 64, 330, "hv", jnp.bfloat16, True, 0.9, 1.0, 128 * 128 * 2, "all", id="hv-V330-windows"),
     pytest.param(100, 64, 328, "vh", jnp.bfloat16, False, 0.9, 1.0, 128 * 128 * 2, "all", id="vh-V328-windows"),
@@ -197,6 +197,32 @@ def test_interpret_saved_logits_match_oracle(R, H, V, layout, dtype, bias, T, sc
   per window; with a one-tile workspace the windows run in the scans, with partial tails)."""
   be = KEEP if workspace is None else MosaicGpuBackend(interpret=True, workspace_bytes=workspace, save_min_hidden=0)
   _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed=R + V + 1, bad_ids=(layout == "vh"), saved=saved)
+
+
+def test_kept_logits_only_for_bfloat16_weights():
+  """A float16 weight keeps no logits (its gradient would be returned in float16 before the cotangent
+  scales it: a loss times 1e-3 overflowed to inf; fresh-user review, 2026-11-30); there the kept-logits
+  backend gives the recompute path's finite gradient."""
+  import gmpo_jax
+  rng = np.random.default_rng(0)
+  B, T, H, V = 1, 8, 64, 200
+  h = jnp.asarray(rng.standard_normal((B, T, H)) * 20, jnp.float16)
+  w = jnp.asarray(rng.standard_normal((H, V)) * 0.01, jnp.float16)
+  ids = jnp.full((B, T), 5, jnp.int32)
+  assert KEEP.logprobs_for_grads(h[0], w, None, ids[0], 1.0, weight_layout="hv", budget_bytes=2**40)[2] is None
+  assert KEEP.logprobs_for_grads(h[0].astype(jnp.bfloat16), w.astype(jnp.bfloat16), None, ids[0], 1.0,
+                                 weight_layout="hv", budget_bytes=2**40)[2] is not None
+  mask = jnp.ones((B, T), bool)
+  adv = jnp.array([3e3], jnp.float32)
+
+  def grad(impl):
+    f = lambda w: 1e-3 * gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, objective=gmpo_jax.GMPO(),
+                                                           implementation=impl)[0]
+    return np.asarray(jax.jit(jax.grad(f))(w), np.float64)
+
+  g, g0 = grad(KEEP), grad("xla_chunked")
+  assert np.all(np.isfinite(g)) and g.dtype == np.float64
+  np.testing.assert_allclose(g, g0, rtol=0, atol=1e-2 * np.abs(g0).max())
 
 
 def test_save_plan():

@@ -107,6 +107,8 @@ class MosaicGpuBackend:
 
   workspace_bytes bounds the temporaries of one vocabulary window of the gradient pass: the 16-bit
   ``dz [rows, window]``, the weight slice and the float32 dW block (one window is live at a time).
+  When the whole ``dz`` fits it, one window covers the vocabulary (no weight slice) and its float32
+  dW block is ``[H, V]``: the float32 weight copy the memory target allows.
   save_logits: let ``logprobs_for_grads`` keep the logits (all, or the leading vocabulary tiles that fit
   its budget) for the gradient pass (False: always recompute them), for hidden sizes
   ``H >= save_min_hidden`` (``tuning.SAVED_LOGITS_MIN_H``: below it keeping was measured no faster).
@@ -204,12 +206,20 @@ class MosaicGpuBackend:
 
   def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
     """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
-    tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes)."""
+    tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes).
+
+    Only for a bfloat16 weight: with ``saved``, ``grads`` returns the weight gradient in the weight's
+    dtype, and the custom VJP multiplies it by the loss's cotangent afterwards. bfloat16 has float32's
+    range, so a scaled loss (a loss weight, microbatch averaging, loss scaling) cannot overflow or
+    underflow there as float16 could (a 1e-3-scaled loss gave inf in float16); a float16 weight keeps
+    the float32 accumulator and recomputes."""
     R, H = hidden.shape
     V = _vocab(weight, weight_layout)
     self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
                          weight_layout=weight_layout, has_bias=bias is not None)
-    save_tiles = self.save_plan(rows=R, H=H, V=V, budget_bytes=budget_bytes)
+    save_tiles = 0
+    if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
+      save_tiles = self.save_plan(rows=R, H=H, V=V, budget_bytes=budget_bytes)
     with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
       (logp, lse), saved = self._logprobs(hidden, weight, bias, ids, temperature, weight_layout=weight_layout,
                                           with_entropy=False, save_tiles=save_tiles)
