@@ -151,9 +151,10 @@ def fused_linear_policy_loss(
     the memory that saves plus 384 MiB, as much of the chunk's logits in float16 as fits with the
     gradient pass's own temporaries; that pass reads them instead of computing them again (Llama-3-8B's
     head: 1.3x faster at 8192 tokens, all kept; 1.1x at 16384, half kept). The weight gradient is then
-    rounded to bfloat16 before the cotangent scales it (a double rounding; bfloat16 has float32's range). Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the
-    gradients are computed in the forward pass and scaled by the cotangent); evaluation without
-    differentiation does no gradient work.
+    rounded to bfloat16 before the cotangent scales it (a double rounding; bfloat16 has float32's
+    range). Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the gradients are
+    computed in the forward pass and scaled by the cotangent); evaluation without differentiation does
+    no gradient work.
 
     Args:
       hidden: ``[B, T, H]`` bf16 / f16 / f32 final hidden states of the completion positions, already
