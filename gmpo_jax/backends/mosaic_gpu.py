@@ -71,11 +71,9 @@ def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = Fals
 
 def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
   """Shared memory of a kernel's epilogue beyond its operand ring (``kind`` as in :func:`block_config`)."""
-  from gmpo_jax.kernels.lm_head_logprob_mgpu import saved_epilogue_bytes
-  if kind == "logprob":
-    return 2 * 4 * cfg.block_m * 4          # up to four statistics per row, two warpgroups
-  if kind == "logprob_saved":
-    return saved_epilogue_bytes(cfg)
+  from gmpo_jax.kernels.lm_head_logprob_mgpu import epilogue_bytes as logprob_epilogue_bytes
+  if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
+    return logprob_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
   return 2 * cfg.block_m * cfg.block_n * itemsize  # the dz kernel's two output tiles
 
 
@@ -186,23 +184,18 @@ class MosaicGpuBackend:
 
   def _saved_bytes(self, Rp: int, H: int, n_tiles: int, bn: int, save_tiles: int) -> int:
     per_column = _per_column(Rp, H, 2)
-    kept = Rp * save_tiles * (bn * 2 + 4) + self._saved_window_tiles(Rp, H, save_tiles, bn, 2) * bn * per_column
+    kept = Rp * save_tiles * (bn * 2 + 4) + self._window_tiles(Rp, H, save_tiles, bn, 2, kept=True) * bn * per_column
     rest = self._window_tiles(Rp, H, n_tiles - save_tiles, bn, 2) * bn * per_column if save_tiles < n_tiles else 0
     return Rp * H * 4 + max(kept, rest)
 
-  def _window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int) -> int:
-    """Vocabulary tiles per window of the recompute path: all when their dz fits ``workspace_bytes``
-    (no weight slice, few rows: N = 512), else as many as the workspace holds (dz, weight slice, dW)."""
+  def _window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int, *, kept: bool = False) -> int:
+    """Vocabulary tiles per gradient window over ``n_tiles`` tiles: all when their dz fits
+    ``workspace_bytes`` (no weight slice, few rows: N = 512), else as many as the workspace holds (dz,
+    weight slice, dW), or half of it for the kept tiles (room for the kept logits: Llama-3 at 8192 rows)."""
     if self.workspace_bytes >= Rp * n_tiles * bn * item:
       return n_tiles
-    return max(1, min(n_tiles, self.workspace_bytes // (_per_column(Rp, H, item) * bn)))
-
-  def _saved_window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int) -> int:
-    """Vocabulary tiles per window of the saved part: all when their dz fits ``workspace_bytes``, else
-    windows of half the workspace (room for the kept logits: Llama-3 at 8192 rows)."""
-    if self.workspace_bytes >= Rp * n_tiles * bn * item:
-      return n_tiles
-    return max(1, min(n_tiles, self.workspace_bytes // 2 // (_per_column(Rp, H, item) * bn)))
+    workspace = self.workspace_bytes // 2 if kept else self.workspace_bytes
+    return max(1, min(n_tiles, workspace // (_per_column(Rp, H, item) * bn)))
 
   def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
     """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
@@ -335,7 +328,7 @@ class MosaicGpuBackend:
 
       carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc)
       if save_tiles:
-        carry = windows(carry, 0, save_tiles, self._saved_window_tiles(Rp, H, save_tiles, bn, item), True)
+        carry = windows(carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, item, kept=True), True)
       if save_tiles < n_tiles:
         carry = windows(carry, save_tiles, n_tiles,
                         self._window_tiles(Rp, H, n_tiles - save_tiles, bn, item), False)

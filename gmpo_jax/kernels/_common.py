@@ -270,7 +270,7 @@ def snap_tolerance(lse2):
   that is a relative error of ~1e-7 in one probability; at tiny temperatures (``|z| / T ~ 1e7``) an
   ulp of ``lse2`` is ~1, so the argmax of a one-hot softmax got ``p = 2**(+-0.5)`` and a gradient of
   ``~0.4 / T`` instead of 0 (measured on an H200 at ``T = 1e-6``, 2026-11-30). Snapping
-  ``|z2 - lse2| <= 2**-22 |lse2|`` to 0 restores ``p = 1`` there; the XLA paths get the same by
+  ``|z2 - lse2| <= SNAP_RELATIVE |lse2| = 3 * 2**-23 |lse2|`` to 0 restores ``p = 1`` there; the XLA paths get the same by
   setting ``z - ref`` to exactly 0 where ``z == ref`` (``gmpo_jax.backends.xla_chunked.shifted``).
 
   Limit: a logit whose probability differs from 1 by less than the snap (``|log2 p| <= 3 * 2**-23

@@ -149,7 +149,7 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
 
   stat = jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)
   out_type = (stat,) * n_stats
-  epilogue_smem = plgpu.SMEM((2, n_stats + save_logits, bm), jnp.float32)
+  epilogue_smem = plgpu.SMEM((2, n_stats + save_logits, bm), jnp.float32)  # sized in epilogue_bytes
   if save_logits:
     out_type += (jax.ShapeDtypeStruct((rows, save_tiles * bn), jnp.float16),
                  jax.ShapeDtypeStruct((save_tiles, rows), jnp.float32))
@@ -160,10 +160,10 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
       num_splits=num_splits, interpret=interpret)
 
 
-def saved_epilogue_bytes(cfg: C.BlockConfig, n_stats: int = 3) -> int:
-  """Shared memory of the log-prob kernel's epilogue: the statistics' staging, plus with ``save_tiles``
-  (``n_stats + 1`` rows of it and) the two float16 logits tiles."""
-  return 2 * (n_stats + 1) * cfg.block_m * 4 + 2 * cfg.block_m * cfg.block_n * 2
+def epilogue_bytes(cfg: C.BlockConfig, *, n_stats: int, save: bool) -> int:
+  """Shared memory of :func:`lse_partials`' epilogue: the ``n_stats`` statistics' staging per warpgroup,
+  plus with ``save_tiles`` one more row of it (the running maxima) and the two float16 logits tiles."""
+  return 2 * (n_stats + save) * cfg.block_m * 4 + save * 2 * cfg.block_m * cfg.block_n * 2
 
 
 def combine_splits(m2, l, t2, e2=None):
