@@ -358,3 +358,183 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bo
   # The interpreter needs the Ref in GMEM, and a Ref with a memory space exists only under jit (inlined
   # into an enclosing one); the device path is the plain Ref, measured that way.
   return (jax.jit(run) if interpret else run)(ids, k_rows, lse2_rows, c_rows, x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two passes over a row in one CTA: the forward of a token-local objective writes dlogits
+# ------------------------------------------------------------------------------------------------
+ROW_DATA = ("k", "target", "old", "ref", "adv", "ris", "scale")  # the first columns of ``row_data``
+ROW_WIDTH = 32  # floats per row of ``row_data`` / ``stats``: a bulk copy moves a multiple of 128 bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+  """Blocks of :func:`lse_and_dlogits` (hashable; a static argument).
+
+  block_rows: slab rows per tile (a multiple of 64, at most 256: one TMA box); a tile is
+    ``[block_rows, w]`` where ``w`` is the slab width of the logits' ``[R, V / w, w]`` view.
+  stages: depth of the input ring (the output ring has ``out_stages``).
+  ctas_per_sm: persistent CTAs per SM; each walks rows ``cta, cta + G, ...``.
+  """
+
+  block_rows: int = 256
+  stages: int = 4
+  out_stages: int = 2
+  ctas_per_sm: int = 2
+
+  def __post_init__(self):
+    if self.block_rows % BLOCK_ROWS or not BLOCK_ROWS <= self.block_rows <= 256:
+      raise ValueError(f"{self.block_rows=} must be a multiple of {BLOCK_ROWS} in [{BLOCK_ROWS}, 256]")
+    if self.stages < 1 or self.out_stages < 1 or self.ctas_per_sm < 1:
+      raise ValueError(f"stages, out_stages and ctas_per_sm must be >= 1, got {self}")
+
+
+def slab_width(V: int, dtype) -> int | None:
+  """Columns ``w`` of the ``[R, V / w, w]`` view: the widest with ``w`` of 32, 64 or 128 bytes and
+  ``V / w`` a multiple of 8 (the 8-row tiling of the bulk copies); None when none divides."""
+  itemsize = jnp.dtype(dtype).itemsize
+  for nbytes in (128, 64, 32):
+    w = nbytes // itemsize
+    if V % (8 * w) == 0:
+      return w
+  return None
+
+
+def _slab_transforms(w, dtype):
+  nbytes = w * jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, w)), plgpu.SwizzleTransform(nbytes))
+
+
+def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int = 132, interpret=None):
+  """Per row of ``x``: log-sum-exp, log-prob, ``d loss / d logp`` and the row's ``dlogits``, in one CTA.
+
+  Args:
+    x: ``[R, S, w]`` logits (``S * w = V``; a free reshape of ``[R, V]``, see :func:`slab_width`).
+    row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``; ``target = z[id] / T``;
+      the objective's per-token data (old / reference log-prob, advantage, rollout IS ratio); ``scale``
+      = the token's weight in the loss divided by ``T`` (0: the row carries no gradient).
+    token_grad: ``f(logp, old, ref, adv, ris) -> d ptl / d logp``, elementwise jnp on scalars (traced in
+      the kernel).
+
+  Returns:
+    ``(dz [R, S, w] x.dtype, stats [R, ROW_WIDTH] float32)``: ``dz = c (onehot - softmax)`` without the
+    one-hot (the caller sets the target's element) with ``c = scale * token_grad(logp, ...)``;
+    ``stats[:, 0] = logp``, ``stats[:, 1] = lse2`` (base-2 log-sum-exp of ``z * k``), ``stats[:, 2] = c``.
+  """
+  R, S, w = x.shape
+  bs, stages, ost = cfg.block_rows, cfg.stages, cfg.out_stages
+  assert S >= bs and S % 8 == 0, (S, bs)
+  n_t = _cdiv(S, bs)
+  G = min(R, num_sms * cfg.ctas_per_sm)
+  dtype = x.dtype
+  shape = (bs, w)
+  steps_per_row = 2 * n_t
+
+  def kernel(x_ref, rd_ref, o_ref, st_ref, x_smem, o_smem, loaded, rd_smem, rd_bar, st_smem):
+    cta = lax.axis_index("cta")
+    n_rows = (R - 1 - cta) // G + 1
+    n_steps = n_rows * steps_per_row
+
+    def tile_start(t):
+      return jnp.minimum(t * bs, S - bs)
+
+    def fetch(f, slot):
+      i = f // steps_per_row
+      j = lax.rem(f, steps_per_row)
+      t = jnp.where(j >= n_t, j - n_t, j)
+      plgpu.copy_gmem_to_smem(x_ref.at[cta + i * G, pl.ds(tile_start(t), bs)], x_smem.at[slot],
+                              loaded.at[slot])
+
+    for s in range(stages):
+
+      @pl.when(s < n_steps)
+      def _():
+        fetch(s, s)
+
+    neg_inf = layout_cast(jnp.full((bs,), -jnp.inf, jnp.float32), _ROW, interpret)
+    zero = layout_cast(jnp.full((bs,), 0.0, jnp.float32), _ROW, interpret)
+
+    @pl.loop(0, n_rows)
+    def _row(i):
+      row = cta + i * G
+      f0 = i * steps_per_row
+      plgpu.copy_gmem_to_smem(rd_ref.at[row], rd_smem, rd_bar.at[0])
+      plgpu.barrier_wait(rd_bar.at[0])
+      k = rd_smem[0]
+
+      def pass_a(t, carry):
+        m, l = carry
+        f = f0 + t
+        slot = lax.rem(f, stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        srow = iota(jnp.int32, shape, 0, plgpu.Layout.WGMMA, interpret)
+        xr = x_smem.at[slot][...].astype(jnp.float32)
+        xr = jnp.where(srow >= t * bs - tile_start(t), xr, -jnp.inf)  # rows a slid-back tile already saw
+        m_new = jnp.maximum(m, xr.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(xr * k - _bcast(m_safe * k, shape))
+        l = l * jnp.exp2((m - m_safe) * k) + p.sum(axis=1)
+        plgpu.commit_smem()  # every thread has read x_smem[slot] before it is refilled
+
+        @pl.when(f + stages < n_steps)
+        def _():
+          fetch(f + stages, slot)
+
+        return m_new, l
+
+      m, l = lax.fori_loop(0, n_t, pass_a, (neg_inf, zero))
+      m_all = m.max()
+      m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+      l_all = (l * jnp.exp2((m - m_all) * k)).sum()
+      lse2 = m_all * k + jnp.log2(l_all)
+      logp = jnp.minimum(rd_smem[1] - lse2 * LN2, 0.0)
+      scale = rd_smem[6]
+      g = token_grad(logp, rd_smem[2], rd_smem[3], rd_smem[4], rd_smem[5])
+      c = jnp.where(scale != 0.0, scale * g, 0.0)
+      neg_c = -c
+      tol = snap_tolerance(lse2)
+
+      @pl.loop(0, n_t)
+      def _pass_b(t):
+        f = f0 + n_t + t
+        slot = lax.rem(f, stages)
+        oslot = lax.rem(f, ost)
+        plgpu.barrier_wait(loaded.at[slot])
+        z2 = x_smem.at[slot][...].astype(jnp.float32) * k - lse2
+        p = jnp.exp2(jnp.where(jnp.abs(z2) <= tol, 0.0, z2))
+        dz = jnp.where(c != 0.0, neg_c * p, 0.0).astype(dtype)
+        plgpu.wait_smem_to_gmem(ost - 1, wait_read_only=True)
+        o_smem.at[oslot][...] = dz
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[oslot], o_ref.at[row, pl.ds(tile_start(t), bs)])
+
+        @pl.when(f + stages < n_steps)
+        def _():
+          fetch(f + stages, slot)
+
+      st = jnp.where(iota(jnp.int32, (bs,), 0, _ROW, interpret) == 0, logp,
+                     jnp.where(iota(jnp.int32, (bs,), 0, _ROW, interpret) == 1, lse2, c))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous row's stats left st_smem
+      st_smem[...] = st
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(st_smem.at[pl.ds(0, ROW_WIDTH)], st_ref.at[row])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  call = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((R, S, w), dtype), jax.ShapeDtypeStruct((R, ROW_WIDTH), jnp.float32)),
+      scratch_types=[
+          plgpu.SMEM((stages, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
+          plgpu.SMEM((ost, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.SMEM((ROW_WIDTH,), jnp.float32),
+          plgpu.Barrier(num_arrivals=1, num_barriers=1),
+          plgpu.SMEM((bs,), jnp.float32),
+      ],
+      grid=(G,),
+      grid_names=("cta",),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  return call(x, row_data)
