@@ -375,12 +375,18 @@ class FusedConfig:
     ``[block_rows, w]`` where ``w`` is the slab width of the logits' ``[R, V / w, w]`` view.
   stages: depth of the input ring (the output ring has ``out_stages``).
   ctas_per_sm: persistent CTAs per SM; each walks rows ``cta, cta + G, ...``.
+  num_ctas: the grid ``G`` (overrides ``ctas_per_sm``): fewer rows in flight keep more of each row in
+    L2 between its two passes.
+  reverse: the second pass walks the row's tiles backwards, so that it starts on the tiles the first
+    pass read last (the likeliest still in L2).
   """
 
   block_rows: int = 256
   stages: int = 4
   out_stages: int = 2
-  ctas_per_sm: int = 2
+  ctas_per_sm: int = 1
+  num_ctas: int | None = None
+  reverse: bool = True
 
   def __post_init__(self):
     if self.block_rows % BLOCK_ROWS or not BLOCK_ROWS <= self.block_rows <= 256:
@@ -408,40 +414,51 @@ def _slab_transforms(w, dtype):
 def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int = 132, interpret=None):
   """Per row of ``x``: log-sum-exp, log-prob, ``d loss / d logp`` and the row's ``dlogits``, in one CTA.
 
+  Pass A streams the row's tiles (online max / sum of ``exp2((x - m) k)`` per slab row, merged at the
+  end); the token's ``logp`` and gradient scale ``c`` follow in registers; pass B streams the same
+  tiles again (from L2 if they are still there) and writes ``dz = -c exp2((x - m) k - log2 l)``. The
+  softmax is formed relative to the row's maximum ``m`` (``x - m`` is exact), so the maximum's
+  probability is exactly ``1 / l`` at any temperature (no tolerance is needed).
+
   Args:
     x: ``[R, S, w]`` logits (``S * w = V``; a free reshape of ``[R, V]``, see :func:`slab_width`).
-    row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``; ``target = z[id] / T``;
-      the objective's per-token data (old / reference log-prob, advantage, rollout IS ratio); ``scale``
-      = the token's weight in the loss divided by ``T`` (0: the row carries no gradient).
-    token_grad: ``f(logp, old, ref, adv, ris) -> d ptl / d logp``, elementwise jnp on scalars (traced in
-      the kernel).
+    row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``;
+      ``target = z[id] / T``; the objective's per-token data (old / reference log-prob, advantage,
+      rollout IS ratio); ``scale`` = the token's weight in the loss divided by ``T`` (0: the row
+      carries no gradient and its ``dz`` is exactly 0).
+    token_grad: ``f(logp, old, ref, adv, ris) -> d ptl / d logp``, elementwise jnp on scalars (traced
+      in the kernel).
 
   Returns:
-    ``(dz [R, S, w] x.dtype, stats [R, ROW_WIDTH] float32)``: ``dz = c (onehot - softmax)`` without the
-    one-hot (the caller sets the target's element) with ``c = scale * token_grad(logp, ...)``;
-    ``stats[:, 0] = logp``, ``stats[:, 1] = lse2`` (base-2 log-sum-exp of ``z * k``), ``stats[:, 2] = c``.
+    ``(dz [R, S, w] x.dtype, stats [R, ROW_WIDTH] float32)``: ``dz = -c softmax`` (the caller adds the
+    one-hot's ``c`` at the target) with ``c = scale * token_grad(logp, ...)``; ``stats[:, 0] = logp``,
+    ``stats[:, 1] = lse`` (natural units of ``z / T``), ``stats[:, 2] = c``.
   """
   R, S, w = x.shape
   bs, stages, ost = cfg.block_rows, cfg.stages, cfg.out_stages
   assert S >= bs and S % 8 == 0, (S, bs)
   n_t = _cdiv(S, bs)
-  G = min(R, num_sms * cfg.ctas_per_sm)
+  G = min(R, cfg.num_ctas or num_sms * cfg.ctas_per_sm)
   dtype = x.dtype
   shape = (bs, w)
   steps_per_row = 2 * n_t
+  tail_seen = n_t * bs - S  # slab rows of the last (slid-back) tile that the previous tile covered
+
+  def tile_start(t):
+    return jnp.minimum(t * bs, S - bs)
+
+  def tile_b(t):  # the tile of pass B's step t
+    return n_t - 1 - t if cfg.reverse else t
 
   def kernel(x_ref, rd_ref, o_ref, st_ref, x_smem, o_smem, loaded, rd_smem, rd_bar, st_smem):
     cta = lax.axis_index("cta")
     n_rows = (R - 1 - cta) // G + 1
     n_steps = n_rows * steps_per_row
 
-    def tile_start(t):
-      return jnp.minimum(t * bs, S - bs)
-
     def fetch(f, slot):
       i = f // steps_per_row
       j = lax.rem(f, steps_per_row)
-      t = jnp.where(j >= n_t, j - n_t, j)
+      t = jnp.where(j >= n_t, tile_b(j - n_t), j)
       plgpu.copy_gmem_to_smem(x_ref.at[cta + i * G, pl.ds(tile_start(t), bs)], x_smem.at[slot],
                               loaded.at[slot])
 
@@ -462,16 +479,17 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       plgpu.barrier_wait(rd_bar.at[0])
       k = rd_smem[0]
 
-      def pass_a(t, carry):
+      def pass_a(t, carry, masked=False):
         m, l = carry
         f = f0 + t
         slot = lax.rem(f, stages)
         plgpu.barrier_wait(loaded.at[slot])
-        srow = iota(jnp.int32, shape, 0, plgpu.Layout.WGMMA, interpret)
         xr = x_smem.at[slot][...].astype(jnp.float32)
-        xr = jnp.where(srow >= t * bs - tile_start(t), xr, -jnp.inf)  # rows a slid-back tile already saw
+        if masked:  # the slid-back last tile: rows the previous tile already saw
+          srow = iota(jnp.int32, shape, 0, plgpu.Layout.WGMMA, interpret)
+          xr = jnp.where(srow >= tail_seen, xr, -jnp.inf)
         m_new = jnp.maximum(m, xr.max(axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf slab row so far: no NaN
         p = jnp.exp2(xr * k - _bcast(m_safe * k, shape))
         l = l * jnp.exp2((m - m_safe) * k) + p.sum(axis=1)
         plgpu.commit_smem()  # every thread has read x_smem[slot] before it is refilled
@@ -482,17 +500,19 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
 
         return m_new, l
 
-      m, l = lax.fori_loop(0, n_t, pass_a, (neg_inf, zero))
+      carry = lax.fori_loop(0, n_t - 1, pass_a, (neg_inf, zero))
+      m, l = pass_a(n_t - 1, carry, masked=tail_seen > 0)
       m_all = m.max()
       m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
       l_all = (l * jnp.exp2((m - m_all) * k)).sum()
-      lse2 = m_all * k + jnp.log2(l_all)
-      logp = jnp.minimum(rd_smem[1] - lse2 * LN2, 0.0)
+      log2_l = jnp.log2(l_all)
+      lse = (m_all * k + log2_l) * LN2
+      logp = jnp.minimum(rd_smem[1] - lse, 0.0)
       scale = rd_smem[6]
       g = token_grad(logp, rd_smem[2], rd_smem[3], rd_smem[4], rd_smem[5])
       c = jnp.where(scale != 0.0, scale * g, 0.0)
       neg_c = -c
-      tol = snap_tolerance(lse2)
+      live = jnp.broadcast_to(c != 0.0, shape)  # rows without gradient: exactly 0, whatever x holds
 
       @pl.loop(0, n_t)
       def _pass_b(t):
@@ -500,21 +520,20 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
         slot = lax.rem(f, stages)
         oslot = lax.rem(f, ost)
         plgpu.barrier_wait(loaded.at[slot])
-        z2 = x_smem.at[slot][...].astype(jnp.float32) * k - lse2
-        p = jnp.exp2(jnp.where(jnp.abs(z2) <= tol, 0.0, z2))
-        dz = jnp.where(c != 0.0, neg_c * p, 0.0).astype(dtype)
+        z2 = (x_smem.at[slot][...].astype(jnp.float32) - m_all) * k - log2_l
+        dz = jnp.where(live, neg_c * jnp.exp2(z2), 0.0).astype(dtype)
         plgpu.wait_smem_to_gmem(ost - 1, wait_read_only=True)
         o_smem.at[oslot][...] = dz
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[oslot], o_ref.at[row, pl.ds(tile_start(t), bs)])
+        plgpu.copy_smem_to_gmem(o_smem.at[oslot], o_ref.at[row, pl.ds(tile_start(tile_b(t)), bs)])
 
         @pl.when(f + stages < n_steps)
         def _():
           fetch(f + stages, slot)
 
-      st = jnp.where(iota(jnp.int32, (bs,), 0, _ROW, interpret) == 0, logp,
-                     jnp.where(iota(jnp.int32, (bs,), 0, _ROW, interpret) == 1, lse2, c))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous row's stats left st_smem
+      idx = iota(jnp.int32, (bs,), 0, _ROW, interpret)
+      st = jnp.where(idx == 0, logp, jnp.where(idx == 1, lse, c))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous row's stats have left st_smem
       st_smem[...] = st
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(st_smem.at[pl.ds(0, ROW_WIDTH)], st_ref.at[row])
