@@ -364,6 +364,7 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bo
 # Two passes over a row in one CTA: the forward of a token-local objective writes dlogits
 # ------------------------------------------------------------------------------------------------
 ROW_DATA = ("k", "target", "old", "ref", "adv", "ris", "scale")  # the first columns of ``row_data``
+_PROBE = None  # device probe only: "a_only" / "b_copy"
 ROW_WIDTH = 32  # floats per row of ``row_data`` / ``stats``: a bulk copy moves a multiple of 128 bytes
 
 
@@ -377,6 +378,8 @@ class FusedConfig:
   ctas_per_sm: persistent CTAs per SM; each walks rows ``cta, cta + G, ...``.
   num_ctas: the grid ``G`` (overrides ``ctas_per_sm``): fewer rows in flight keep more of each row in
     L2 between its two passes.
+  cluster: CTAs that share a row (a thread-block cluster; they merge their statistics through
+    distributed shared memory), so that ``num_ctas / cluster`` rows are in flight.
   reverse: the second pass walks the row's tiles backwards, so that it starts on the tiles the first
     pass read last (the likeliest still in L2).
   """
@@ -387,6 +390,7 @@ class FusedConfig:
   ctas_per_sm: int = 1
   num_ctas: int | None = None
   reverse: bool = True
+  cluster: int = 1
 
   def __post_init__(self):
     if self.block_rows % BLOCK_ROWS or not BLOCK_ROWS <= self.block_rows <= 256:
@@ -435,31 +439,37 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
     ``stats[:, 1] = lse`` (natural units of ``z / T``), ``stats[:, 2] = c``.
   """
   R, S, w = x.shape
-  bs, stages, ost = cfg.block_rows, cfg.stages, cfg.out_stages
+  bs, stages, ost, C = cfg.block_rows, cfg.stages, cfg.out_stages, cfg.cluster
   assert S >= bs and S % 8 == 0, (S, bs)
   n_t = _cdiv(S, bs)
-  G = min(R, cfg.num_ctas or num_sms * cfg.ctas_per_sm)
+  tpc = _cdiv(n_t, C)  # tiles per CTA of a cluster (the last CTA may have fewer)
+  assert (C - 1) * tpc < n_t, (n_t, C)
+  G = cfg.num_ctas or num_sms * cfg.ctas_per_sm
+  NC = max(1, min(R, G // C))  # clusters: rows in flight
   dtype = x.dtype
   shape = (bs, w)
-  steps_per_row = 2 * n_t
   tail_seen = n_t * bs - S  # slab rows of the last (slid-back) tile that the previous tile covered
 
   def tile_start(t):
     return jnp.minimum(t * bs, S - bs)
 
-  def tile_b(t):  # the tile of pass B's step t
-    return n_t - 1 - t if cfg.reverse else t
-
-  def kernel(x_ref, rd_ref, o_ref, st_ref, x_smem, o_smem, loaded, rd_smem, rd_bar, st_smem):
-    cta = lax.axis_index("cta")
-    n_rows = (R - 1 - cta) // G + 1
+  def kernel(x_ref, rd_ref, o_ref, st_ref, x_smem, o_smem, loaded, rd_smem, rd_bar, st_smem, *xchg):
+    cid = lax.axis_index("cta")
+    rank = lax.axis_index("cl") if C > 1 else 0
+    t0 = rank * tpc
+    n_loc = jnp.minimum(tpc, n_t - t0)  # this CTA's tiles of every row: t0 .. t0 + n_loc - 1
+    steps_per_row = 2 * n_loc
+    n_rows = (R - 1 - cid) // NC + 1
     n_steps = n_rows * steps_per_row
+
+    def tile_b(t):  # the tile of pass B's step t: backwards, so that it starts on the freshest in L2
+      return t0 + (n_loc - 1 - t if cfg.reverse else t)
 
     def fetch(f, slot):
       i = f // steps_per_row
       j = lax.rem(f, steps_per_row)
-      t = jnp.where(j >= n_t, tile_b(j - n_t), j)
-      plgpu.copy_gmem_to_smem(x_ref.at[cta + i * G, pl.ds(tile_start(t), bs)], x_smem.at[slot],
+      t = jnp.where(j >= n_loc, tile_b(j - n_loc), t0 + j)
+      plgpu.copy_gmem_to_smem(x_ref.at[cid + i * NC, pl.ds(tile_start(t), bs)], x_smem.at[slot],
                               loaded.at[slot])
 
     for s in range(stages):
@@ -473,7 +483,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
 
     @pl.loop(0, n_rows)
     def _row(i):
-      row = cta + i * G
+      row = cid + i * NC
       f0 = i * steps_per_row
       plgpu.copy_gmem_to_smem(rd_ref.at[row], rd_smem, rd_bar.at[0])
       plgpu.barrier_wait(rd_bar.at[0])
@@ -485,9 +495,9 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
         slot = lax.rem(f, stages)
         plgpu.barrier_wait(loaded.at[slot])
         xr = x_smem.at[slot][...].astype(jnp.float32)
-        if masked:  # the slid-back last tile: rows the previous tile already saw
-          srow = iota(jnp.int32, shape, 0, plgpu.Layout.WGMMA, interpret)
-          xr = jnp.where(srow >= tail_seen, xr, -jnp.inf)
+        if masked:  # the row's slid-back last tile: its first rows the previous tile already saw
+          seen = jnp.where(t0 + t == n_t - 1, tail_seen, 0)
+          xr = jnp.where(iota(jnp.int32, shape, 0, plgpu.Layout.WGMMA, interpret) >= seen, xr, -jnp.inf)
         m_new = jnp.maximum(m, xr.max(axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf slab row so far: no NaN
         p = jnp.exp2(xr * k - _bcast(m_safe * k, shape))
@@ -500,11 +510,22 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
 
         return m_new, l
 
-      carry = lax.fori_loop(0, n_t - 1, pass_a, (neg_inf, zero))
-      m, l = pass_a(n_t - 1, carry, masked=tail_seen > 0)
+      carry = lax.fori_loop(0, n_loc - 1, pass_a, (neg_inf, zero))
+      m, l = pass_a(n_loc - 1, carry, masked=tail_seen > 0)
       m_all = m.max()
       m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
       l_all = (l * jnp.exp2((m - m_all) * k)).sum()
+      if C > 1:  # merge the cluster's partial statistics through distributed shared memory
+        part, arrived = xchg
+        par = lax.rem(i, 2)  # a CTA can be at most one row ahead of its peers: two slots suffice
+        part[par, 0] = m_all
+        part[par, 1] = l_all
+        plgpu.barrier_arrive(arrived.at[par])
+        plgpu.barrier_wait(arrived.at[par])
+        ms = [plgpu.cluster_ref(part, {"cl": j})[par, 0] for j in range(C)]
+        ls = [plgpu.cluster_ref(part, {"cl": j})[par, 1] for j in range(C)]
+        m_all = functools.reduce(jnp.maximum, ms)
+        l_all = sum(lj * jnp.exp2((mj - m_all) * k) for mj, lj in zip(ms, ls))
       log2_l = jnp.log2(l_all)
       lse = (m_all * k + log2_l) * LN2
       logp = jnp.minimum(rd_smem[1] - lse, 0.0)
@@ -514,14 +535,16 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       neg_c = -c
       live = jnp.broadcast_to(c != 0.0, shape)  # rows without gradient: exactly 0, whatever x holds
 
-      @pl.loop(0, n_t)
+      @pl.loop(0, 0 if _PROBE == "a_only" else n_loc)
       def _pass_b(t):
-        f = f0 + n_t + t
+        f = f0 + n_loc + t
         slot = lax.rem(f, stages)
         oslot = lax.rem(f, ost)
         plgpu.barrier_wait(loaded.at[slot])
         z2 = (x_smem.at[slot][...].astype(jnp.float32) - m_all) * k - log2_l
         dz = jnp.where(live, neg_c * jnp.exp2(z2), 0.0).astype(dtype)
+        if _PROBE == "b_copy":
+          dz = x_smem.at[slot][...]
         plgpu.wait_smem_to_gmem(ost - 1, wait_read_only=True)
         o_smem.at[oslot][...] = dz
         plgpu.commit_smem()
@@ -531,29 +554,38 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
         def _():
           fetch(f + stages, slot)
 
-      idx = iota(jnp.int32, (bs,), 0, _ROW, interpret)
-      st = jnp.where(idx == 0, logp, jnp.where(idx == 1, lse, c))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous row's stats have left st_smem
-      st_smem[...] = st
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(st_smem.at[pl.ds(0, ROW_WIDTH)], st_ref.at[row])
+      @pl.when(rank == 0)
+      def _():
+        idx = iota(jnp.int32, (bs,), 0, _ROW, interpret)
+        st = jnp.where(idx == 0, logp, jnp.where(idx == 1, lse, c))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous row's stats have left st_smem
+        st_smem[...] = st
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_smem.at[pl.ds(0, ROW_WIDTH)], st_ref.at[row])
 
     plgpu.wait_smem_to_gmem(0)
 
+  scratch = [
+      plgpu.SMEM((stages, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
+      plgpu.SMEM((ost, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.SMEM((ROW_WIDTH,), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=1),
+      plgpu.SMEM((bs,), jnp.float32),
+  ]
+  cluster = {}
+  if C > 1:
+    scratch += [plgpu.SMEM((2, 2), jnp.float32),
+                plgpu.ClusterBarrier(collective_axes=("cl",), num_barriers=2, num_arrivals=1)]
+    cluster = dict(cluster=(C,), cluster_names=("cl",))
   call = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((R, S, w), dtype), jax.ShapeDtypeStruct((R, ROW_WIDTH), jnp.float32)),
-      scratch_types=[
-          plgpu.SMEM((stages, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
-          plgpu.SMEM((ost, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.SMEM((ROW_WIDTH,), jnp.float32),
-          plgpu.Barrier(num_arrivals=1, num_barriers=1),
-          plgpu.SMEM((bs,), jnp.float32),
-      ],
-      grid=(G,),
+      scratch_types=scratch,
+      grid=(NC,),
       grid_names=("cta",),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
+      **cluster,
   )
   return call(x, row_data)
