@@ -512,20 +512,28 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
 
       carry = lax.fori_loop(0, n_loc - 1, pass_a, (neg_inf, zero))
       m, l = pass_a(n_loc - 1, carry, masked=tail_seen > 0)
+      if C > 1:  # merge the cluster's per-slab-row statistics through distributed shared memory
+        m_part, l_part, bars = xchg
+        ready, read = bars.at[0], bars.at[1]  # (num_barriers=1 is a 0-d ref on jax 0.11)
+
+        @pl.when(i > 0)
+        def _():
+          plgpu.barrier_wait(read)  # every peer has read this CTA's previous row
+
+        m_part[...] = m
+        l_part[...] = l
+        plgpu.barrier_arrive(ready)
+        plgpu.barrier_wait(ready)
+        # whole-reference loads (a scalar load of a peer's reference does not lower on jax 0.11)
+        ms = [load_vector(plgpu.cluster_ref(m_part, {"cl": j}), _ROW, interpret) for j in range(C)]
+        ls = [load_vector(plgpu.cluster_ref(l_part, {"cl": j}), _ROW, interpret) for j in range(C)]
+        plgpu.barrier_arrive(read)
+        m = functools.reduce(jnp.maximum, ms)
+        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+        l = sum(lj * jnp.exp2((mj - m_safe) * k) for mj, lj in zip(ms, ls))
       m_all = m.max()
       m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
       l_all = (l * jnp.exp2((m - m_all) * k)).sum()
-      if C > 1:  # merge the cluster's partial statistics through distributed shared memory
-        part, arrived = xchg
-        par = lax.rem(i, 2)  # a CTA can be at most one row ahead of its peers: two slots suffice
-        part[par, 0] = m_all
-        part[par, 1] = l_all
-        plgpu.barrier_arrive(arrived.at[par])
-        plgpu.barrier_wait(arrived.at[par])
-        ms = [plgpu.cluster_ref(part, {"cl": j})[par, 0] for j in range(C)]
-        ls = [plgpu.cluster_ref(part, {"cl": j})[par, 1] for j in range(C)]
-        m_all = functools.reduce(jnp.maximum, ms)
-        l_all = sum(lj * jnp.exp2((mj - m_all) * k) for mj, lj in zip(ms, ls))
       log2_l = jnp.log2(l_all)
       lse = (m_all * k + log2_l) * LN2
       logp = jnp.minimum(rd_smem[1] - lse, 0.0)
@@ -575,7 +583,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   ]
   cluster = {}
   if C > 1:
-    scratch += [plgpu.SMEM((2, 2), jnp.float32),
+    scratch += [plgpu.SMEM((bs,), jnp.float32), plgpu.SMEM((bs,), jnp.float32),
                 plgpu.ClusterBarrier(collective_axes=("cl",), num_barriers=2, num_arrivals=1)]
     cluster = dict(cluster=(C,), cluster_names=("cl",))
   call = plgpu.kernel(
