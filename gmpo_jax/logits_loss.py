@@ -39,7 +39,7 @@ from jaxtyping import Array, Bool, Float, Int, Num
 from gmpo_jax import _validation as V_
 from gmpo_jax import logits_backends
 from gmpo_jax.api import LossAux, _as_ids, _as_mask, _f32, _rollout_is_ratio
-from gmpo_jax.objectives import ChunkData, Objective, finalize_metrics
+from gmpo_jax.objectives import ChunkData, Objective, _concrete_value as _concrete_float, finalize_metrics
 
 __all__ = ["policy_loss_from_logits"]
 
@@ -121,7 +121,39 @@ def _policy_loss(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_item
     return loss, aux
 
 
+def _fused(cfg: _Config, objective: Objective, logits) -> bool:
+    """Whether the forward of the VJP writes ``dlogits`` itself (token-local objective, concrete
+    hyper-parameters, a backend with ``logprobs_and_dlogits`` whose ``fused_plan`` accepts the shape)."""
+    plan = getattr(cfg.backend, "fused_plan", None)
+    if plan is None or not objective.token_local:
+        return False
+    if any(_concrete_float(leaf) is None for leaf in jax.tree.leaves(objective)):
+        return False
+    B, Tl, V = logits.shape
+    return plan(dtype=logits.dtype, R=B * Tl, V=V) is not None
+
+
+def _run_fused(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_items, temperature):
+    V = logits.shape[-1]
+    safe_ids = jnp.where(mask, ids, 0)
+    id_ok = (safe_ids >= 0) & (safe_ids < V)
+    weights = objective.token_weights(mask, num_items)
+    logp, dlogits = cfg.backend.logprobs_and_dlogits(
+        logits, safe_ids, T=cfg.T, temperature=temperature, objective=objective, old_logps=old, ref_logps=ref,
+        advantages=adv, rollout_is_ratio=ris, weights=weights, id_ok=id_ok)
+    logp = jnp.where(id_ok, logp, jnp.nan)
+    denom = objective.denominator(mask, num_items).astype(jnp.float32)
+    with jax.named_scope("gmpo_jax/objective"):
+        num, sums = objective.chunk_numerator(logp, ChunkData(mask, adv, old, ref, ris))
+    aux = dict(loss_numerator=num, loss_denominator=denom, **finalize_metrics(sums, mask))
+    return num / denom, aux, dlogits
+
+
 def _policy_loss_fwd(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_items, temperature):
+    if _fused(cfg, objective, logits):
+        loss, aux, dlogits = _run_fused(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_items,
+                                        temperature)
+        return (loss, aux), (dlogits,)
     loss, aux, (safe_ids, residual, dlogp) = _run(cfg, objective, logits, ids, mask, adv, old, ref, ris,
                                                   num_items, temperature, with_grads=True)
     return (loss, aux), (logits, safe_ids, residual, dlogp, temperature)
@@ -129,6 +161,10 @@ def _policy_loss_fwd(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_
 
 def _policy_loss_bwd(cfg, res, cotangents):
     g, _ = cotangents  # the metrics carry no gradient
+    if len(res) == 1:  # fused: dlogits of a unit cotangent (XLA drops the multiply when g is the constant 1)
+        (unit,) = res
+        dlogits = (unit.astype(jnp.float32) * g.astype(jnp.float32)).astype(unit.dtype)
+        return (None, dlogits, None, None, None, None, None, None, None, None)
     logits, safe_ids, residual, dlogp, temperature = res
     dlogits = cfg.backend.dlogits(logits, safe_ids, residual, dlogp * g.astype(jnp.float32), T=cfg.T,
                                   temperature=temperature)

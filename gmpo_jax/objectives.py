@@ -168,6 +168,25 @@ class Objective:
         """Global loss normaliser (float32 scalar) from the whole call's ``[B, T]`` mask."""
         raise NotImplementedError
 
+    # --- token-local objectives (optional) ---------------------------------------------------
+    @property
+    def token_local(self) -> bool:
+        """True iff ``d loss / d logp`` of a token depends only on that token's own data, its weight
+        (:meth:`token_weights`) and ``logp``: then :meth:`token_loss` is defined and a kernel may write
+        the gradient while it first reads the logits. False for GMPO and sequence-level (GSPO) ratios."""
+        return False
+
+    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio):
+        """Loss of one *unmasked* token, elementwise on arrays of any one shape (or scalars):
+        ``loss = sum_{b,t} token_weights[b, t] * token_loss(logp[b, t], ...)``. ``old_logps``,
+        ``ref_logps`` and ``rollout_is_ratio`` may be None (on-policy / no KL / no correction), as in
+        :class:`ChunkData`. Only for :attr:`token_local` objectives."""
+        raise NotImplementedError(f"{type(self).__name__} is not token-local")
+
+    def token_weights(self, mask, num_items_in_batch):
+        """``[B, T]`` float32 weight of each token's :meth:`token_loss` in the loss (0 where masked)."""
+        raise NotImplementedError(f"{type(self).__name__} is not token-local")
+
     # --- shared ---------------------------------------------------------------------------
     @property
     def requires_reference(self) -> bool:
@@ -185,12 +204,16 @@ class Objective:
         beta != 0). A traced beta that is 0 selects the KL away before it is formed, so an overflowing
         ``exp(ref - logp)`` cannot turn into ``0 * inf``.
         """
+        return self._kl_values(logp, data.ref_logps, data.mask, log_weight)
+
+    def _kl_values(self, logp, ref, mask, log_weight) -> Optional[jax.Array]:
+        """:meth:`_kl_term` on plain arrays (``mask`` may be the scalar True)."""
         beta = getattr(self, "beta", 0.0)
         v = _concrete_value(beta)
-        if data.ref_logps is None or v == 0:
+        if ref is None or v == 0:
             return None
-        live = data.mask if v is not None else data.mask & (jnp.asarray(beta) != 0)
-        kl = _k3_kl(logp, data.ref_logps, live)
+        live = mask if v is not None else mask & (jnp.asarray(beta) != 0)
+        kl = _k3_kl(logp, ref, live)
         if getattr(self, "use_bias_correction_kl", False):
             kl = kl * jnp.exp(jnp.where(live, log_weight, 0.0))
         return kl
@@ -331,15 +354,31 @@ def _denominator(loss_type, mask, num_items_in_batch, max_completion_length):
     return jnp.maximum(jnp.asarray(n, jnp.float32), 1.0)
 
 
+def _token_tail(self_, ptl, logp, ref, ris, log_weight, mask):
+    """Per token: the rollout IS correction and the KL term; returns (loss, kl or None)."""
+    if ris is not None:
+        ptl = ptl * ris.astype(jnp.float32)
+    kl = self_._kl_values(logp, ref, mask, log_weight)
+    if kl is not None:
+        ptl = ptl + jnp.asarray(self_.beta, jnp.float32) * kl
+    return ptl, kl
+
+
+def _token_weights(loss_type, mask, num_items_in_batch, max_completion_length):
+    """``[B, T]`` weights ``w`` with ``loss = sum w * ptl`` (SPEC.md "Reductions")."""
+    m = mask.astype(jnp.float32)
+    w = m / _denominator(loss_type, mask, num_items_in_batch, max_completion_length)
+    if loss_type in ("grpo", "sapo"):
+        w = w / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
+    return w
+
+
 def _finish(self_, ptl, logp, r, log_weight, data, clipped_low, clipped_high):
     """Shared tail: rollout IS correction, KL, reduction, metrics."""
     m = data.mask
-    if data.rollout_is_ratio is not None:
-        ptl = ptl * data.rollout_is_ratio.astype(jnp.float32)
-    kl = self_._kl_term(logp, data, log_weight)
+    ptl, kl = _token_tail(self_, ptl, logp, data.ref_logps, data.rollout_is_ratio, log_weight, m)
     kl_sum = jnp.zeros((), jnp.float32)
     if kl is not None:
-        ptl = ptl + jnp.asarray(self_.beta, jnp.float32) * kl
         kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
     numerator = _reduce(self_.loss_type, ptl, m)
     cl = m & clipped_low
@@ -432,11 +471,23 @@ class GRPO(Objective):
     def denominator(self, mask, num_items_in_batch):
         return _denominator(self.loss_type, mask, num_items_in_batch, self.max_completion_length)
 
-    def chunk_numerator(self, logp, data):
-        m = data.mask
-        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
-        r = _log_ratio(logp, data)
-        w = _sequence_log_weight(r, m) if self.importance_sampling_level == "sequence" else r
+    @property
+    def token_local(self) -> bool:
+        return self.importance_sampling_level == "token"
+
+    def token_weights(self, mask, num_items_in_batch):
+        return _token_weights(self.loss_type, mask, num_items_in_batch, self.max_completion_length)
+
+    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio):
+        if not self.token_local:
+            return super().token_loss(logp, old_logps, ref_logps, advantages, rollout_is_ratio)
+        old = jax.lax.stop_gradient(logp) if old_logps is None else old_logps
+        r = logp - old
+        ptl, _, _ = self._surrogate(r, advantages, True)
+        return _token_tail(self, ptl, logp, ref_logps, rollout_is_ratio, r, True)[0]
+
+    def _surrogate(self, w, a, m):
+        """Per token: ``-min(rho A, clip(rho) A)`` of the log weight ``w`` (+ delta), and the clip flags."""
         # branch decisions on values (no gradient)
         w_v = jax.lax.stop_gradient(w)
         coef_v = jnp.exp(w_v)
@@ -463,8 +514,15 @@ class GRPO(Objective):
         active = m & nonzero & passes
         const = jnp.where(nonzero, jnp.where(use_unclipped, t1, t2), 0.0)
         surrogate = jnp.where(active, a * jnp.exp(jnp.where(active, w, 0.0)), const)
-        ptl = -surrogate
-        return _finish(self, ptl, logp, r, w, data, low & (a < 0), high & (a > 0))
+        return -surrogate, low & (a < 0), high & (a > 0)
+
+    def chunk_numerator(self, logp, data):
+        m = data.mask
+        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        r = _log_ratio(logp, data)
+        w = _sequence_log_weight(r, m) if self.importance_sampling_level == "sequence" else r
+        ptl, clipped_low, clipped_high = self._surrogate(w, a, m)
+        return _finish(self, ptl, logp, r, w, data, clipped_low, clipped_high)
 
 
 GRPO = _register(
@@ -520,15 +578,29 @@ class CISPO(Objective):
     def denominator(self, mask, num_items_in_batch):
         return _denominator("cispo", mask, num_items_in_batch, None)
 
-    def chunk_numerator(self, logp, data):
-        m = data.mask
-        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
-        r = _log_ratio(logp, data)
+    token_local = True
+
+    def token_weights(self, mask, num_items_in_batch):
+        return _token_weights("cispo", mask, num_items_in_batch, None)
+
+    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio):
+        old = jax.lax.stop_gradient(logp) if old_logps is None else old_logps
+        r = logp - old
+        ptl, _ = self._surrogate(logp, r, advantages, True)
+        return _token_tail(self, ptl, logp, ref_logps, rollout_is_ratio, r, True)[0]
+
+    def _surrogate(self, logp, r, a, m):
         coef_v = jnp.exp(jax.lax.stop_gradient(r))
         eh = jnp.asarray(self.epsilon_high, jnp.float32)
         high = coef_v > eh
         weight = jnp.where(high, eh, coef_v)
-        ptl = jnp.where(a != 0, -(weight * a) * jnp.where(m, logp, 0.0), 0.0)
+        return jnp.where(a != 0, -(weight * a) * jnp.where(m, logp, 0.0), 0.0), high
+
+    def chunk_numerator(self, logp, data):
+        m = data.mask
+        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        r = _log_ratio(logp, data)
+        ptl, high = self._surrogate(logp, r, a, m)
         return _finish(self, ptl, logp, r, r, data, jnp.zeros_like(high), high & (a > 0))
 
 
@@ -580,19 +652,31 @@ class SAPO(Objective):
     def denominator(self, mask, num_items_in_batch):
         return _denominator("sapo", mask, num_items_in_batch, None)
 
-    def chunk_numerator(self, logp, data):
-        m = data.mask
-        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
-        r = _log_ratio(logp, data)
+    token_local = True
+
+    def token_weights(self, mask, num_items_in_batch):
+        return _token_weights("sapo", mask, num_items_in_batch, None)
+
+    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio):
+        old = jax.lax.stop_gradient(logp) if old_logps is None else old_logps
+        r = logp - old
+        return _token_tail(self, self._surrogate(r, advantages), logp, ref_logps, rollout_is_ratio, r, True)[0]
+
+    def _surrogate(self, r, a):
         tau = jnp.where(
             a > 0, jnp.asarray(self.temperature_pos, jnp.float32), jnp.asarray(self.temperature_neg, jnp.float32)
         )
         capped = jax.lax.stop_gradient(r) > _SAPO_LOG_RATIO_CAP
         w = jnp.where(capped, _SAPO_LOG_RATIO_CAP, r)
         gate = jax.nn.sigmoid(tau * (jnp.exp(w) - 1.0)) * (4.0 / tau)
-        ptl = jnp.where(a != 0, -a * gate, 0.0)
+        return jnp.where(a != 0, -a * gate, 0.0)
+
+    def chunk_numerator(self, logp, data):
+        m = data.mask
+        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        r = _log_ratio(logp, data)
         no = jnp.zeros_like(m)
-        return _finish(self, ptl, logp, r, r, data, no, no)
+        return _finish(self, self._surrogate(r, a), logp, r, r, data, no, no)
 
 
 SAPO = _register(SAPO, ["temperature_pos", "temperature_neg", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])

@@ -363,8 +363,7 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bo
 # ------------------------------------------------------------------------------------------------
 # Two passes over a row in one CTA: the forward of a token-local objective writes dlogits
 # ------------------------------------------------------------------------------------------------
-ROW_DATA = ("k", "target", "old", "ref", "adv", "ris", "scale")  # the first columns of ``row_data``
-_PROBE = None  # device probe only: "a_only" / "b_copy"
+ROW_DATA = ("k", "target_logit", "old", "ref", "adv", "ris", "scale")  # the first columns of ``row_data``
 ROW_WIDTH = 32  # floats per row of ``row_data`` / ``stats``: a bulk copy moves a multiple of 128 bytes
 
 
@@ -426,8 +425,8 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
 
   Args:
     x: ``[R, S, w]`` logits (``S * w = V``; a free reshape of ``[R, V]``, see :func:`slab_width`).
-    row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``;
-      ``target = z[id] / T``; the objective's per-token data (old / reference log-prob, advantage,
+    row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``; the
+      target's raw logit ``x[id]`` (NaN: the row's log-prob is NaN); the objective's per-token data (old / reference log-prob, advantage,
       rollout IS ratio); ``scale`` = the token's weight in the loss divided by ``T`` (0: the row
       carries no gradient and its ``dz`` is exactly 0).
     token_grad: ``f(logp, old, ref, adv, ris) -> d ptl / d logp``, elementwise jnp on scalars (traced
@@ -536,14 +535,15 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       l_all = (l * jnp.exp2((m - m_all) * k)).sum()
       log2_l = jnp.log2(l_all)
       lse = (m_all * k + log2_l) * LN2
-      logp = jnp.minimum(rd_smem[1] - lse, 0.0)
+      # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
+      logp = jnp.minimum(((rd_smem[1] - m_all) * k - log2_l) * LN2, 0.0)
       scale = rd_smem[6]
       g = token_grad(logp, rd_smem[2], rd_smem[3], rd_smem[4], rd_smem[5])
       c = jnp.where(scale != 0.0, scale * g, 0.0)
       neg_c = -c
       live = jnp.broadcast_to(c != 0.0, shape)  # rows without gradient: exactly 0, whatever x holds
 
-      @pl.loop(0, 0 if _PROBE == "a_only" else n_loc)
+      @pl.loop(0, n_loc)
       def _pass_b(t):
         f = f0 + n_loc + t
         slot = lax.rem(f, stages)
@@ -551,8 +551,6 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
         plgpu.barrier_wait(loaded.at[slot])
         z2 = (x_smem.at[slot][...].astype(jnp.float32) - m_all) * k - log2_l
         dz = jnp.where(live, neg_c * jnp.exp2(z2), 0.0).astype(dtype)
-        if _PROBE == "b_copy":
-          dz = x_smem.at[slot][...]
         plgpu.wait_smem_to_gmem(ost - 1, wait_read_only=True)
         o_smem.at[oslot][...] = dz
         plgpu.commit_smem()

@@ -10,6 +10,7 @@ blocks at sequence ends; their statistics are dropped. The backward kernel write
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,11 @@ class MosaicGpuLogitsBackend:
 
     ``fwd`` / ``bwd``: block configurations of the two kernels; ``num_splits``: vocabulary splits of
     the forward (None: enough CTAs for about four waves, see ``logits_mgpu.pick_splits``).
+    ``fused``: for token-local objectives (``objective.token_local``: the GRPO family at token level,
+    CISPO, SAPO), the forward of ``jax.grad`` / ``jax.value_and_grad`` writes ``dlogits`` in the same
+    kernel that computes the log-sum-exp (``logits_mgpu.lse_and_dlogits``: two reads of each row, the
+    second mostly from L2, and one write), and the backward only scales it by the cotangent; see
+    :meth:`fused_plan` for when it applies (not with ``inplace``).
     ``inplace``: the backward writes ``dlogits`` into the logits' buffer (Liger's ``inplace``): one
     ``[B, T(+1), V]`` buffer instead of two when the logits are dead after the loss (donated to the jit,
     or an intermediate of the same jit, as in a training step); otherwise XLA copies them first, which
@@ -67,6 +73,7 @@ class MosaicGpuLogitsBackend:
     bwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=3, tiles_per_cta=32)
     num_splits: int | None = None
     inplace: bool = False
+    fused: bool = True
     interpret: bool = False
     name: str = "mosaic_gpu"
 
@@ -161,6 +168,79 @@ class MosaicGpuLogitsBackend:
             dz = K.dlogits(x, ids_r, kk, rep(lse2), c, cfg=cfg, inplace=self.inplace,
                            interpret=self._interpret_params())
         return dz.reshape(B, Tl, V)
+
+
+    def fused_plan(self, *, dtype, R: int, V: int) -> Optional[tuple[int, K.FusedConfig]]:
+        """``(w, config)`` of the fused kernel for ``R`` rows of ``V`` logits, or None (then the three-pass
+        path runs): the rows must view as ``[R, V / w, w]`` slabs (``V`` a multiple of 128 bf16 / 64 f32
+        columns, see ``logits_mgpu.slab_width``) at least 64 slab rows long, and ``inplace`` off.
+
+        Blocks (H200 sweep of benchmarks/LOGITS_NOTES.md, 2026-11-30): 16 KB tiles, 4 input and 2 output
+        stages (96 KB of shared memory: two CTAs per SM), clusters of 4 CTAs per row, 60 clusters on 132
+        SMs (64 do not all fit at once and the last ones run in a second wave: 1.5x slower). Only 60-ish
+        rows are in flight, so that the second read of each row mostly hits L2 (measured 4.4 GB read from
+        DRAM for 4.2 GB of logits, against 6.4-7.3 GB with a row in flight per SM). The interpreter has no
+        clusters: there each CTA owns its rows (``cluster=1``).
+        """
+        if self.inplace or not self.fused:
+            return None
+        w = K.slab_width(V, dtype)
+        if w is None:
+            return None
+        S = V // w
+        itemsize = jnp.dtype(dtype).itemsize
+        bs = min(256, 16384 // (w * itemsize), S) // K.BLOCK_ROWS * K.BLOCK_ROWS
+        if bs < K.BLOCK_ROWS:
+            return None
+        n_t = -(-S // bs)
+        cluster = 1 if self.interpret else max(c for c in (1, 2, 4) if c <= n_t and (c - 1) * -(-n_t // c) < n_t)
+        if self.interpret:
+            num_ctas = 3
+        else:
+            sms = _num_sms()
+            clusters = {4: sms * 5 // 11, 2: sms, 1: 2 * sms}[cluster]
+            num_ctas = cluster * clusters
+        return w, K.FusedConfig(block_rows=bs, stages=4, out_stages=2, cluster=cluster, num_ctas=num_ctas)
+
+    def logprobs_and_dlogits(self, logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
+                             rollout_is_ratio, weights, id_ok):
+        """Log-probs and, for a unit cotangent, ``dlogits`` of a token-local objective in one kernel.
+
+        ``weights``: ``[B, T]`` token weights of the loss (``objective.token_weights``; 0 = no gradient);
+        ``id_ok``: ``[B, T]`` bool, False where an unmasked id is out of range (its log-prob is NaN).
+        Returns ``(logp [B, T] f32, dlogits [B, Tl, V] logits.dtype)`` with
+        ``dlogits = w / tau * d token_loss / d logp * (onehot - softmax(z / tau))``.
+        """
+        B, Tl, V = logits.shape
+        R = B * Tl
+        w, cfg = self.fused_plan(dtype=logits.dtype, R=R, V=V)
+        pad = lambda a: jnp.pad(jnp.broadcast_to(a, (B, T)).astype(jnp.float32), ((0, 0), (0, Tl - T))).reshape(R)
+        safe = jnp.clip(ids, 0, V - 1)
+        x_t = logits[jnp.arange(B)[:, None], jnp.arange(T)[None, :], safe].astype(jnp.float32)
+        x_t = jnp.where(id_ok, x_t, jnp.nan)
+        zeros = jnp.zeros((R,), jnp.float32)
+        cols = [jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), pad(x_t),
+                zeros if old_logps is None else pad(old_logps), zeros if ref_logps is None else pad(ref_logps),
+                pad(advantages[:, None]), zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
+                pad(weights) / temperature]
+        row_data = jnp.stack(cols + [zeros] * (K.ROW_WIDTH - len(cols)), axis=1)
+        # hyper-parameters enter the kernel as constants (the caller checked they are concrete)
+        obj = jax.tree.map(float, objective)
+        has = (old_logps is not None, ref_logps is not None, rollout_is_ratio is not None)
+
+        def token_grad(logp, old, ref, adv, ris):
+            args = [v if h else None for v, h in zip((old, ref, ris), has)]
+            return jax.grad(lambda lp: obj.token_loss(lp, args[0], args[1], adv, args[2]))(logp)
+
+        with jax.named_scope("gmpo_jax/mosaic_gpu/lse_and_dlogits"):
+            dz, stats = K.lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_grad, cfg=cfg,
+                                          num_sms=_num_sms(), interpret=self._interpret_params())
+            logp, c = stats[:, 0], stats[:, 2]
+            # the one-hot's term at the target: c (1 - p) with p = exp(logp), in float32 (the kernel wrote -c p)
+            hit = jnp.where(c != 0.0, c * -jnp.expm1(logp), 0.0).astype(logits.dtype)
+            tgt = jnp.pad(safe, ((0, 0), (0, Tl - T))).reshape(R)
+            dz = dz.reshape(R, V).at[jnp.arange(R), tgt].set(hit, unique_indices=True)
+        return logp.reshape(B, Tl)[:, :T], dz.reshape(B, Tl, V)
 
 
 def make_backend(**kw) -> MosaicGpuLogitsBackend:
