@@ -212,10 +212,23 @@ def naive_gmpo_from_logits(logits, ids, mask, adv, old, eps_low: float = 0.4, ep
     return jnp.sum(jnp.where(cnt > 0, -adv * jnp.exp(s), 0.0)) / B
 
 
+def naive_grpo_from_logits(logits, ids, mask, adv, old, eps_low: float = 0.2, eps_high: float = 0.2):
+    """Plain jnp GRPO (``loss_type="grpo"``) from logits [B, T+1, V]: full float32 log_softmax."""
+    B, T = ids.shape
+    logp_all = jax.nn.log_softmax(logits[:, :T].astype(jnp.float32), axis=-1)
+    logp = jnp.take_along_axis(logp_all, ids[..., None], axis=-1)[..., 0]
+    ratio = jnp.exp(logp - old)
+    a = adv[:, None]
+    ptl = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - eps_low, 1 + eps_high) * a)
+    m = mask.astype(jnp.float32)
+    return jnp.sum((m * ptl).sum(-1) / jnp.maximum(m.sum(-1), 1.0)) / B
+
+
 def logits_loss(impl: str, opts: dict[str, Any]) -> tuple[Callable, str | None]:
     import gmpo_jax
 
-    objective = gmpo_jax.GMPO()
+    grpo = opts.get("objective", "gmpo") == "grpo"
+    objective = gmpo_jax.GRPO(loss_type="grpo") if grpo else gmpo_jax.GMPO()
     if impl in ("mosaic_gpu", "xla"):
 
         def loss(logits, ids, mask, adv, old):
@@ -231,6 +244,8 @@ def logits_loss(impl: str, opts: dict[str, Any]) -> tuple[Callable, str | None]:
                 return _loss_only(ref(logits, ids, mask, adv, objective=objective, old_logps=old))
 
             return loss, "gmpo_jax.reference.policy_loss_from_logits"
+        if grpo:
+            return naive_grpo_from_logits, "naive jnp GRPO (benchmarks.jax_impls)"
         return naive_gmpo_from_logits, "naive jnp (benchmarks.jax_impls)"
     raise ValueError(f"unknown logits implementation {impl!r}")
 

@@ -40,11 +40,12 @@ MODES = ("fwd+bwd", "fwd")
 DEFAULT_OPTS: dict[str, Any] = dict(
     seed=0, logit_scale=1.0, logits_std=1.0, ratio_noise=0.2, mask="full", weight_layout="hv",
     chunk_size=None, iters=10, warmup=2, min_time_s=0.3, liger_chunk_size=1, cce_no_filter=True,
-    liger_inplace=True,
+    liger_inplace=True, objective="gmpo",
 )
 
 # options that change what is computed: a non-default value is recorded in the variant
-LABELLED_OPTS = ("logit_scale", "logits_std", "ratio_noise", "mask", "weight_layout", "liger_chunk_size")
+LABELLED_OPTS = ("logit_scale", "logits_std", "ratio_noise", "mask", "weight_layout", "liger_chunk_size",
+                 "objective")
 
 # ----------------------------------------------------------------------------------------------------
 # Suites
@@ -372,8 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
         if isinstance(v, bool):
             p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=v,
                            help=f"(default {v})")
-        elif k in ("mask", "weight_layout"):
-            p.add_argument(flag, default=v, choices=("full", "ragged") if k == "mask" else ("hv", "vh"))
+        elif k in ("mask", "weight_layout", "objective"):
+            choices = {"mask": ("full", "ragged"), "weight_layout": ("hv", "vh"), "objective": ("gmpo", "grpo")}[k]
+            p.add_argument(flag, default=v, choices=choices,
+                           help="logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)" if k == "objective" else None)
         else:
             p.add_argument(flag, type=float if isinstance(v, float) else int, default=v, help=f"(default {v})")
     p.add_argument("--tuning", action="append", metavar="NAME=VALUE",

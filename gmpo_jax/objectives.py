@@ -145,8 +145,13 @@ def _k3_kl(logp: jax.Array, ref: jax.Array, mask: jax.Array) -> jax.Array:
 
 def _log_ratio(logp: jax.Array, data: ChunkData) -> jax.Array:
     """Per-token log importance ratio ``r = logp - old`` (0 on masked tokens; on-policy: value 0, slope 1)."""
-    old = jax.lax.stop_gradient(logp) if data.old_logps is None else data.old_logps
-    return jnp.where(data.mask, logp - old, 0.0)
+    return _token_log_ratio(logp, data.old_logps, data.mask)
+
+
+def _token_log_ratio(logp, old_logps, mask):
+    """:func:`_log_ratio` of plain arrays (``old_logps`` None: on-policy)."""
+    old = jax.lax.stop_gradient(logp) if old_logps is None else old_logps
+    return jnp.where(mask, logp - old, 0.0)
 
 
 def _log_ratio_range(r: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -176,11 +181,12 @@ class Objective:
         the gradient while it first reads the logits. False for GMPO and sequence-level (GSPO) ratios."""
         return False
 
-    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio):
-        """Loss of one *unmasked* token, elementwise on arrays of any one shape (or scalars):
+    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask=True):
+        """Loss of one token, elementwise on arrays of any one shape (or scalars):
         ``loss = sum_{b,t} token_weights[b, t] * token_loss(logp[b, t], ...)``. ``old_logps``,
         ``ref_logps`` and ``rollout_is_ratio`` may be None (on-policy / no KL / no correction), as in
-        :class:`ChunkData`. Only for :attr:`token_local` objectives."""
+        :class:`ChunkData`; ``mask`` (bool, default True) is the token's mask: a masked token has no
+        gradient whatever its values (its loss is weighted by 0). Only for :attr:`token_local` objectives."""
         raise NotImplementedError(f"{type(self).__name__} is not token-local")
 
     def token_weights(self, mask, num_items_in_batch):
@@ -478,13 +484,12 @@ class GRPO(Objective):
     def token_weights(self, mask, num_items_in_batch):
         return _token_weights(self.loss_type, mask, num_items_in_batch, self.max_completion_length)
 
-    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio):
+    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask=True):
         if not self.token_local:
-            return super().token_loss(logp, old_logps, ref_logps, advantages, rollout_is_ratio)
-        old = jax.lax.stop_gradient(logp) if old_logps is None else old_logps
-        r = logp - old
-        ptl, _, _ = self._surrogate(r, advantages, True)
-        return _token_tail(self, ptl, logp, ref_logps, rollout_is_ratio, r, True)[0]
+            return super().token_loss(logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask)
+        r = _token_log_ratio(logp, old_logps, mask)
+        ptl, _, _ = self._surrogate(r, advantages, mask)
+        return _token_tail(self, ptl, logp, ref_logps, rollout_is_ratio, r, mask)[0]
 
     def _surrogate(self, w, a, m):
         """Per token: ``-min(rho A, clip(rho) A)`` of the log weight ``w`` (+ delta), and the clip flags."""
@@ -496,21 +501,25 @@ class GRPO(Objective):
         low = coef_v < lo
         high = coef_v > hi
         coef2_v = jnp.where(low, lo, jnp.where(high, hi, coef_v))
+        delta_clipped = None
+        coef1_v = coef_v
         if self.delta is not None:
             delta = jnp.asarray(self.delta, jnp.float32)
             delta_clipped = coef_v > delta
             coef1_v = jnp.where(delta_clipped, delta, coef_v)
-        else:
-            delta_clipped = jnp.zeros_like(low)
-            coef1_v = coef_v
         t1 = coef1_v * a
         t2 = coef2_v * a
         nonzero = a != 0
         use_unclipped = t1 <= t2  # ties -> first branch (the gradient passes at the exact bound)
         # A token has a gradient (slope A e^w) when the selected branch is the ratio itself: the first
         # branch unless delta clipped it, or the second one when the ratio lies inside its clip range
-        # (possible only with delta < 1 + epsilon_high, where min picks coef2 = coef).
-        passes = jnp.where(use_unclipped, ~delta_clipped, ~low & ~high)
+        # (possible only with delta < 1 + epsilon_high, where min picks coef2 = coef). (No boolean
+        # constants: the kernels' lowering takes none.)
+        inside = ~low & ~high
+        if delta_clipped is None:
+            passes = use_unclipped | inside
+        else:
+            passes = jnp.where(use_unclipped, ~delta_clipped, inside)
         active = m & nonzero & passes
         const = jnp.where(nonzero, jnp.where(use_unclipped, t1, t2), 0.0)
         surrogate = jnp.where(active, a * jnp.exp(jnp.where(active, w, 0.0)), const)
@@ -583,11 +592,10 @@ class CISPO(Objective):
     def token_weights(self, mask, num_items_in_batch):
         return _token_weights("cispo", mask, num_items_in_batch, None)
 
-    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio):
-        old = jax.lax.stop_gradient(logp) if old_logps is None else old_logps
-        r = logp - old
-        ptl, _ = self._surrogate(logp, r, advantages, True)
-        return _token_tail(self, ptl, logp, ref_logps, rollout_is_ratio, r, True)[0]
+    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask=True):
+        r = _token_log_ratio(logp, old_logps, mask)
+        ptl, _ = self._surrogate(logp, r, advantages, mask)
+        return _token_tail(self, ptl, logp, ref_logps, rollout_is_ratio, r, mask)[0]
 
     def _surrogate(self, logp, r, a, m):
         coef_v = jnp.exp(jax.lax.stop_gradient(r))
@@ -657,10 +665,10 @@ class SAPO(Objective):
     def token_weights(self, mask, num_items_in_batch):
         return _token_weights("sapo", mask, num_items_in_batch, None)
 
-    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio):
-        old = jax.lax.stop_gradient(logp) if old_logps is None else old_logps
-        r = logp - old
-        return _token_tail(self, self._surrogate(r, advantages), logp, ref_logps, rollout_is_ratio, r, True)[0]
+    def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask=True):
+        r = _token_log_ratio(logp, old_logps, mask)
+        ptl = jnp.where(mask, self._surrogate(r, advantages), 0.0)
+        return _token_tail(self, ptl, logp, ref_logps, rollout_is_ratio, r, mask)[0]
 
     def _surrogate(self, r, a):
         tau = jnp.where(

@@ -40,7 +40,10 @@ INTERPRET = MosaicGpuLogitsBackend(
     fwd=K.KernelConfig(block_v=128, stages=2),
     bwd=K.KernelConfig(block_v=128, stages=2, tiles_per_cta=2),
     num_splits=2,
+    fused=False,
 )
+# The fused forward (token-local objectives write dlogits in the forward of the VJP), cluster-free there.
+FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.KernelConfig(block_v=128, stages=2), num_splits=2)
 INTERPRET_LEAN = dataclasses.replace(INTERPRET, fwd=K.KernelConfig(block_v=128, stages=2, pick_target=False))
 
 
@@ -427,6 +430,125 @@ def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean, dtype):
 
 
 # --------------------------------------------------------------------------------------------------
+# The fused path: token-local objectives, dlogits written by the forward (``lse_and_dlogits``)
+# --------------------------------------------------------------------------------------------------
+TOKEN_LOCAL = [
+    Obj("grpo", beta=0.04),
+    Obj("dapo", epsilon_low=0.2, epsilon_high=0.28, delta=1.5),
+    Obj("bnpo", beta=0.04, bias_kl=True),
+    Obj("dr_grpo", max_completion_length=17),
+    Obj("cispo", epsilon_high=1.3, beta=0.04, bias_kl=True),
+    Obj("sapo", tau_pos=0.5, tau_neg=2.0, beta=0.04),
+]
+
+
+def _uses_fused(backend, obj, case) -> bool:
+    from gmpo_jax.logits_loss import _Config, _fused
+
+    B, T = case["ids"].shape
+    return _fused(_Config(backend=backend, T=T), obj, jnp.asarray(case["logits"]))
+
+
+@pytest.mark.parametrize("obj", TOKEN_LOCAL, ids=str)
+def test_fused_interpret(obj):
+    """Every token-local objective through the fused kernel (interpreter) against float64: bf16 with
+    [B, T + 1, V] (64 rows of 1152 = 72 slabs of 16 columns: a slid-back last tile) and float32 with
+    [B, T, V] (576 = 72 slabs of 8), ragged masks with an empty row and padding ids, temperature 0.7, a
+    rollout IS ratio, on- and off-policy."""
+    i = TOKEN_LOCAL.index(obj)
+    dtype, T, V, extra = (("bfloat16", 15, 1152, True), ("float32", 16, 576, False))[i % 2]
+    ris = (None, "bt", "b1")[i % 3]
+    case = make_inputs(30 + i, B=4, T=T, V=V, dtype=dtype, extra=extra, empty_row=2, ris=ris, temperature=0.7,
+                       off_policy=i != 3)
+    assert _uses_fused(FUSED, obj.lib(), case)
+    num_items = 29 if obj.loss_type in ("dapo", "cispo") else None
+    (loss, aux), g = check(case, obj, FUSED, temperature=0.7, num_items=num_items)
+    (l_3, a_3), g_3 = value_and_grad(case, obj, INTERPRET, temperature=0.7, num_items=num_items)
+    assert float(loss) == pytest.approx(float(l_3), rel=1e-5, abs=1e-7)
+    assert float(aux.clip_fraction) == float(a_3.clip_fraction)
+
+
+def test_fused_only_where_it_applies():
+    """GMPO and GSPO (sequence-level) keep the three passes, and so do traced hyper-parameters, in place,
+    ``fused=False`` and vocabularies that do not view as slabs; the primal (no gradient) never fuses."""
+    case = make_inputs(1, B=4, T=15, V=1152, dtype="bfloat16")
+    assert _uses_fused(FUSED, gmpo_jax.GRPO(), case)
+    for obj in (gmpo_jax.GMPO(), gmpo_jax.GRPO(importance_sampling_level="sequence")):
+        assert not obj.token_local and not _uses_fused(FUSED, obj, case)
+    for backend in (dataclasses.replace(FUSED, inplace=True), dataclasses.replace(FUSED, fused=False)):
+        assert not _uses_fused(backend, gmpo_jax.GRPO(), case)
+    assert not _uses_fused(FUSED, gmpo_jax.GRPO(), make_inputs(1, B=4, T=15, V=1088, dtype="bfloat16"))
+    traced = []
+    jax.jit(lambda e: traced.append(_uses_fused(FUSED, gmpo_jax.GRPO(epsilon_high=e), case)) or e)(jnp.float32(0.3))
+    assert traced == [False]
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Spy(MosaicGpuLogitsBackend):
+        def logprobs_and_dlogits(self, *a, **kw):
+            calls.append("fused")
+            return super().logprobs_and_dlogits(*a, **kw)
+
+    spy = Spy(interpret=True, fwd=FUSED.fwd, num_splits=2)
+    args = _args(case, 1.0, None)
+    jax.eval_shape(lambda z: _call(gmpo_jax.GRPO(), spy, z, *args[1:]), args[0])
+    assert calls == []
+    jax.eval_shape(jax.grad(lambda z: _call(gmpo_jax.GRPO(), spy, z, *args[1:])[0]), args[0])
+    assert calls == ["fused"]
+
+
+def test_fused_token_loss_is_chunk_numerator():
+    """``sum(token_weights * token_loss)`` has the gradient of ``chunk_numerator / denominator`` for every
+    token-local objective, on- and off-policy, with ratios at and around the clip bounds."""
+    from gmpo_jax.objectives import ChunkData
+
+    rng = np.random.default_rng(5)
+    B, T = 6, 7
+    mask = jnp.asarray(ragged_mask(B, T, rng, empty_row=1))
+    logp = jnp.asarray(-rng.uniform(0.1, 4.0, (B, T)), jnp.float32)
+    bounds = np.log(np.array([0.8, 1.2, 1.28, 1.5, 1.3]))
+    lr = np.where(rng.random((B, T)) < 0.3, rng.choice(bounds, (B, T)), rng.normal(0, 0.4, (B, T)))
+    old = logp - jnp.asarray(lr, jnp.float32)
+    ref = logp + jnp.asarray(rng.uniform(-0.5, 0.5, (B, T)), jnp.float32)
+    ris = jnp.asarray(rng.uniform(0.5, 1.5, (B, T)), jnp.float32)
+    adv = jnp.asarray([1.0, -0.5, 0.0, 2.0, -1.5, 0.3], jnp.float32)
+    adv_bt = jnp.broadcast_to(adv[:, None], (B, T))
+    for obj in TOKEN_LOCAL:
+        o = obj.lib()
+        for old_ in (old, None):
+            data = ChunkData(mask, adv, old_, ref if obj.beta else None, ris)
+            want = jax.grad(lambda lp: o.chunk_numerator(lp, data)[0] / o.denominator(mask, None))(logp)
+            got = jax.grad(lambda lp: jnp.sum(o.token_weights(mask, None) * jnp.where(
+                mask, o.token_loss(lp, old_, data.ref_logps, adv_bt, ris), 0.0)))(logp)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9,
+                                       err_msg=f"{obj} old={'given' if old_ is not None else 'None'}")
+            assert np.any(np.asarray(want) != 0)
+
+
+@pytest.mark.parametrize("V, dtype", [(128256, jnp.bfloat16), (151936, jnp.bfloat16), (128256, jnp.float32)],
+                         ids=["llama3-bf16", "qwen2-bf16", "llama3-f32"])
+@pytest.mark.parametrize("obj", [Obj("grpo", beta=0.04), Obj("cispo", beta=0.04, bias_kl=True), Obj("sapo")],
+                         ids=str)
+def test_fused_lowers_for_cuda(V, dtype, obj):
+    """The fused kernel with the device's plan (clusters of CTAs that merge statistics through distributed
+    shared memory, which the interpreter lacks) lowers for CUDA, with each objective's gradient inside."""
+    backend = MosaicGpuLogitsBackend()
+    B, T = 2, 1024
+    assert backend.fused_plan(dtype=dtype, R=B * (T + 1), V=V)[1].cluster == 4
+    o = obj.lib()
+    z = jax.ShapeDtypeStruct((B, T + 1, V), dtype)
+    f = jax.ShapeDtypeStruct((B, T), jnp.float32)
+    i = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    b = jax.ShapeDtypeStruct((B,), jnp.float32)
+    mask = jnp.ones((B, T), bool)
+    fused = jax.jit(lambda z, i, a, old, ref: backend.logprobs_and_dlogits(
+        z, i, T=T, temperature=jnp.float32(0.9), objective=o, old_logps=old, ref_logps=ref if obj.beta else None,
+        advantages=a, rollout_is_ratio=None, weights=o.token_weights(mask, None), id_ok=mask))
+    text = jax.export.export(fused, platforms=["cuda"])(z, i, b, f, f).mlir_module()
+    assert "lse_and_dlogits" in text
+
+
+# --------------------------------------------------------------------------------------------------
 # On the device (Hopper): the real vocabulary, both kernels, against float64 and the xla path
 # --------------------------------------------------------------------------------------------------
 @gpu
@@ -441,6 +563,49 @@ def test_mosaic_gpu_real_vocab(extra, obj, dtype):
     assert float(loss) == pytest.approx(float(l_x), rel=1e-4)
     (loss2, _), g2 = value_and_grad(case, obj, "mosaic_gpu", temperature=0.9)
     assert float(loss2) == float(loss) and np.array_equal(np.asarray(g2), np.asarray(g)), "not deterministic"
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("extra, obj, dtype", [
+    (True, Obj("grpo", beta=0.04), "bfloat16"), (False, Obj("dapo", delta=1.5), "bfloat16"),
+    (True, Obj("cispo", beta=0.04, bias_kl=True), "float32"), (True, Obj("sapo", beta=0.04), "bfloat16")], ids=str)
+def test_fused_real_vocab(extra, obj, dtype):
+    """The fused kernel on the device (clusters of 4 CTAs per row) against float64 and the xla path, at the
+    real vocabulary; bitwise repeatable."""
+    backend = MosaicGpuLogitsBackend()
+    case = make_inputs(23, B=2, T=96, V=128256, dtype=dtype, extra=extra, temperature=0.9, scale=3.0, ris="bt")
+    assert _uses_fused(backend, obj.lib(), case)
+    (loss, aux), g = check(case, obj, backend, temperature=0.9)
+    (l_x, _), g_x = value_and_grad(case, obj, "xla", temperature=0.9)
+    assert float(loss) == pytest.approx(float(l_x), rel=1e-4)
+    (loss2, _), g2 = value_and_grad(case, obj, backend, temperature=0.9)
+    assert float(loss2) == float(loss) and np.array_equal(np.asarray(g2), np.asarray(g)), "not deterministic"
+
+
+@gpu
+@needs_hopper
+def test_fused_full_shape_and_tiny_temperature():
+    """B = 2, T = 1024, Llama-3 vocabulary, GRPO (the public benchmark's objective) through the default
+    dispatch: the fused path, same loss and dlogits as xla; then argmax targets at T = 1e-6 (p = 1: zero
+    gradient up to 1e-2 of its scale)."""
+    case = make_inputs(24, B=2, T=1024, V=128256, dtype="bfloat16", with_ref=False, scale=1.0)
+    obj = gmpo_jax.GRPO(loss_type="grpo")
+    assert _uses_fused(MosaicGpuLogitsBackend(), obj, case)
+    args = _args(case, 1.0, None)
+    (l_m, _), g_m = _VG(obj, None, *args)
+    (l_x, _), g_x = _VG(obj, "xla", *args)
+    assert float(l_m) == pytest.approx(float(l_x), rel=1e-5)
+    gm, gx = _f64(g_m).ravel(), _f64(g_x).ravel()
+    assert gm @ gx / np.linalg.norm(gm) / np.linalg.norm(gx) > 0.9999
+    np.testing.assert_allclose(gm, gx, rtol=0, atol=2e-2 * np.abs(gx).max())
+    z = jnp.asarray(case["logits"])
+    ids = np.asarray(z[:, :1024]).argmax(-1).astype(np.int32)
+    tau = 1e-6
+    g = jax.jit(jax.grad(lambda zl: gmpo_jax.policy_loss_from_logits(
+        zl, ids, np.ones((2, 1024)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0), temperature=tau)[0]))(z)
+    assert np.all(np.isfinite(_f64(g)))
+    assert np.abs(_f64(g)).max() < 1e-2 / tau / 2048
 
 
 @gpu

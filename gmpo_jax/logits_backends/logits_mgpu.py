@@ -429,8 +429,9 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       target's raw logit ``x[id]`` (NaN: the row's log-prob is NaN); the objective's per-token data (old / reference log-prob, advantage,
       rollout IS ratio); ``scale`` = the token's weight in the loss divided by ``T`` (0: the row
       carries no gradient and its ``dz`` is exactly 0).
-    token_grad: ``f(logp, old, ref, adv, ris) -> d ptl / d logp``, elementwise jnp on scalars (traced
-      in the kernel).
+    token_grad: ``f(logp, old, ref, adv, ris, live) -> d ptl / d logp``, elementwise jnp on scalars
+      (traced in the kernel; ``live`` is ``scale != 0``, a traced bool: the lowering takes no boolean
+      constants).
 
   Returns:
     ``(dz [R, S, w] x.dtype, stats [R, ROW_WIDTH] float32)``: ``dz = -c softmax`` (the caller adds the
@@ -538,7 +539,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
       logp = jnp.minimum(((rd_smem[1] - m_all) * k - log2_l) * LN2, 0.0)
       scale = rd_smem[6]
-      g = token_grad(logp, rd_smem[2], rd_smem[3], rd_smem[4], rd_smem[5])
+      g = token_grad(logp, rd_smem[2], rd_smem[3], rd_smem[4], rd_smem[5], scale != 0.0)
       c = jnp.where(scale != 0.0, scale * g, 0.0)
       neg_c = -c
       live = jnp.broadcast_to(c != 0.0, shape)  # rows without gradient: exactly 0, whatever x holds

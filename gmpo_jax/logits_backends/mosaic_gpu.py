@@ -14,6 +14,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 
 from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.logits_backends import logits_mgpu as K
@@ -228,9 +229,10 @@ class MosaicGpuLogitsBackend:
         obj = jax.tree.map(float, objective)
         has = (old_logps is not None, ref_logps is not None, rollout_is_ratio is not None)
 
-        def token_grad(logp, old, ref, adv, ris):
+        def token_grad(logp, old, ref, adv, ris, live):
             args = [v if h else None for v, h in zip((old, ref, ris), has)]
-            return jax.grad(lambda lp: obj.token_loss(lp, args[0], args[1], adv, args[2]))(logp)
+            grad = jax.grad(lambda lp: obj.token_loss(lp, args[0], args[1], adv, args[2], mask=live))
+            return _inline(jax.make_jaxpr(grad)(logp), logp)[0]
 
         with jax.named_scope("gmpo_jax/mosaic_gpu/lse_and_dlogits"):
             dz, stats = K.lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_grad, cfg=cfg,
@@ -241,6 +243,32 @@ class MosaicGpuLogitsBackend:
             tgt = jnp.pad(safe, ((0, 0), (0, Tl - T))).reshape(R)
             dz = dz.reshape(R, V).at[jnp.arange(R), tgt].set(hit, unique_indices=True)
         return logp.reshape(B, Tl)[:, :T], dz.reshape(B, Tl, V)
+
+
+def _inline(closed, *args):
+    """Evaluates a closed jaxpr (a list of its outputs) for tracing inside a kernel: nested ``jit`` calls
+    inlined, ``stop_gradient`` as the identity and ``add_any`` as ``add`` (what they are on values; the
+    Mosaic GPU lowering implements neither)."""
+    env = {}
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+    for var, val in zip(closed.jaxpr.constvars, closed.consts):
+        env[var] = val
+    for var, val in zip(closed.jaxpr.invars, args):
+        env[var] = val
+    for eqn in closed.jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name == "stop_gradient":
+            outs = vals
+        elif eqn.primitive.name == "add_any":  # the adjoint's accumulation: a plain add
+            outs = [jax.lax.add(*vals)]
+        elif "jaxpr" in eqn.params and isinstance(eqn.params["jaxpr"], jex_core.ClosedJaxpr):
+            outs = _inline(eqn.params["jaxpr"], *vals)
+        else:
+            outs = eqn.primitive.bind(*vals, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, val in zip(eqn.outvars, outs):
+            env[var] = val
+    return [read(v) for v in closed.jaxpr.outvars]
 
 
 def make_backend(**kw) -> MosaicGpuLogitsBackend:
