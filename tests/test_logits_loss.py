@@ -587,8 +587,8 @@ def test_fused_real_vocab(extra, obj, dtype):
 @needs_hopper
 def test_fused_full_shape_and_tiny_temperature():
     """B = 2, T = 1024, Llama-3 vocabulary, GRPO (the public benchmark's objective) through the default
-    dispatch: the fused path, same loss and dlogits as xla; then argmax targets at T = 1e-6 (p = 1: zero
-    gradient up to 1e-2 of its scale)."""
+    dispatch: the fused path, same loss and dlogits as xla; then targets at each row's unique maximum at
+    T = 1e-6 (p = 1: a zero gradient, up to 1e-2 of its scale)."""
     case = make_inputs(24, B=2, T=1024, V=128256, dtype="bfloat16", with_ref=False, scale=1.0)
     obj = gmpo_jax.GRPO(loss_type="grpo")
     assert _uses_fused(MosaicGpuLogitsBackend(), obj, case)
@@ -599,8 +599,8 @@ def test_fused_full_shape_and_tiny_temperature():
     gm, gx = _f64(g_m).ravel(), _f64(g_x).ravel()
     assert gm @ gx / np.linalg.norm(gm) / np.linalg.norm(gx) > 0.9999
     np.testing.assert_allclose(gm, gx, rtol=0, atol=2e-2 * np.abs(gx).max())
-    z = jnp.asarray(case["logits"])
-    ids = np.asarray(z[:, :1024]).argmax(-1).astype(np.int32)
+    ids = jnp.asarray(case["ids"]).clip(0)
+    z = jnp.asarray(case["logits"]).at[jnp.arange(2)[:, None], jnp.arange(1024)[None], ids].set(8.0)  # unique max
     tau = 1e-6
     g = jax.jit(jax.grad(lambda zl: gmpo_jax.policy_loss_from_logits(
         zl, ids, np.ones((2, 1024)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0), temperature=tau)[0]))(z)
