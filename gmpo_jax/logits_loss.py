@@ -2,20 +2,28 @@
 
 Design decisions of the custom VJP (and why):
 
-* **Two memory-bound passes, no more.** The forward reads the logits once (online log-sum-exp and the
-  target logit per row, in float32), then runs the objective on the ``[B, T]`` log-probs. The backward
-  reads them once more and writes ``dlogits`` once. The gradient cannot be written during the first
-  read: its per-row scale ``d loss / d logp`` depends on sequence-level reductions of *all* the
-  sequence's log-probs (GMPO's geometric mean, GSPO's sequence ratio, the token normalisers), and one
-  row of Llama-3 logits (250 KB) does not stay on chip until they are known.
-* **Gradient scale in the forward, logits pass in the backward.** The forward of the VJP computes the
-  loss and ``d loss / d logp`` (``jax.grad`` of the objective's numerator over the whole batch, whose
-  selects implement SPEC.md's strict boundary rule) and keeps as residuals only ``[B, T]``-sized arrays
-  plus a reference to the logits (no copy). The backward multiplies ``d loss / d logp`` by the
-  cotangent and writes ``dlogits = dlogp * (onehot - softmax(z / tau)) / tau`` in the logits' dtype in
-  one pass; for ``[B, T + 1, V]`` logits the last position's gradient is written as zeros by the same
-  pass (no padding or concatenation of a ``[B, T, V]`` array). Plain evaluation runs only the forward
-  read and the objective.
+* **One memory-bound pass forward, one backward.** The forward reads the
+  logits once (online log-sum-exp and the target logit per row, in float32), then runs the objective on
+  the ``[B, T]`` log-probs. The backward reads them once more and writes ``dlogits`` once. For GMPO and
+  GSPO the gradient cannot be written during the first read: a token's ``d loss / d logp`` depends on
+  reductions over its whole sequence (the geometric mean, the sequence ratio), and one row of Llama-3
+  logits (250 KB) does not stay on chip until they are known.
+* **Token-local objectives fuse.** For the GRPO family at token level, CISPO and SAPO, a token's
+  ``d loss / d logp`` is a function of its own log-prob and of data known beforehand
+  (``objective.token_local``; its ``token_loss`` and ``token_weights``). A backend with
+  ``logprobs_and_dlogits`` (``mosaic_gpu``) then writes ``dlogits`` for a unit cotangent in the forward of
+  the VJP, in the same kernel that computes each row's log-sum-exp (each row read twice, the second time
+  mostly from L2, and written once); the residual is that array and the backward multiplies it by the
+  cotangent (with ``jax.grad``'s constant 1 XLA drops the multiply). The hyper-parameters must be
+  concrete (they are compiled into the kernel); traced ones take the general path.
+* **Gradient scale in the forward, logits pass in the backward** (the general path). The forward of the
+  VJP computes the loss and ``d loss / d logp`` (``jax.grad`` of the objective's numerator over the whole
+  batch, whose selects implement SPEC.md's strict boundary rule) and keeps as residuals only
+  ``[B, T]``-sized arrays plus a reference to the logits (no copy). The backward multiplies
+  ``d loss / d logp`` by the cotangent and writes ``dlogits = dlogp * (onehot - softmax(z / tau)) / tau``
+  in the logits' dtype in one pass; for ``[B, T + 1, V]`` logits the last position's gradient is written
+  as zeros by the same pass (no padding or concatenation of a ``[B, T, V]`` array). Plain evaluation
+  (no gradient) runs only the forward read and the objective, on every path.
 * **Masked tokens.** Their ids are replaced by 0 before the logits pass (any id, e.g. -100 or >= V, is
   allowed under the mask); the objective selects them out and their ``dlogits`` rows are selected to
   exactly zero, whatever the logits hold there. An *unmasked* id outside ``[0, V)`` raises when the
@@ -199,8 +207,9 @@ def policy_loss_from_logits(
     with the objective's loss of ``SPEC.md`` on :math:`\log\pi` (e.g. GMPO:
     :math:`\frac1B\sum_b -A_b \exp(\mathrm{mean}_t\,\mathrm{clip}(\log\pi - \log\pi_{old}))`), log-probs and
     loss in float32 whatever the logits' dtype. Memory-bound: the forward reads the logits once, the
-    backward reads them once and writes ``dlogits`` once; beyond the logits and their gradient only
-    ``[B, T]``-sized arrays are allocated (never a float32 or sliced copy of the logits).
+    backward reads them once and writes ``dlogits`` once (for token-local objectives on ``"mosaic_gpu"``
+    one kernel in the forward does both, re-reading each row from L2); beyond the logits and their
+    gradient only ``[B, T]``-sized arrays are allocated (never a float32 or sliced copy of the logits).
 
     Args:
       logits: ``[B, T + 1, V]`` (the usual causal-LM output over prompt-end + completion: position ``t``

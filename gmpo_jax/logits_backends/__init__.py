@@ -9,6 +9,12 @@ count), the two memory-bound passes of the loss; the objective math lives in ``g
         # dlogp / temperature * (onehot(id) - softmax(z)); rows t >= T and rows with dlogp == 0 are 0
     check_supported(*, dtype, B, T, Tl, V)   # raises UnsupportedConfigError / BackendUnavailableError
 
+Optional (``mosaic_gpu``), for token-local objectives under differentiation::
+
+    fused_plan(*, dtype, R, V) -> plan or None       # None: use the two methods above
+    logprobs_and_dlogits(logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
+                         rollout_is_ratio, weights, id_ok) -> (logp [B, T] f32, dlogits for a unit cotangent)
+
 Dispatch as in ``gmpo_jax.backends.base``: ``implementation=None`` tries ``"mosaic_gpu"`` (Hopper GPUs)
 then ``"xla"``; an explicit name never falls back. A backend *instance* may be passed too (e.g.
 ``MosaicGpuLogitsBackend(interpret=True)`` to run the kernels in the Pallas interpreter on CPU).
