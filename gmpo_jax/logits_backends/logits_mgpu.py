@@ -1,4 +1,4 @@
-"""Pallas Mosaic GPU kernels over logits that already exist: online log-sum-exp, and dlogits.
+"""Pallas Mosaic GPU kernels over logits that already exist: online log-sum-exp, dlogits, and both fused.
 
 Memory-bound by design: each kernel streams ``[64, block_v]`` tiles of the logits (viewed as ``[R, W]``,
 a free reshape of ``[B, T(+1), V]``, see ``mosaic_gpu._split``) from device memory into shared memory
@@ -17,9 +17,14 @@ two shuffles) and never writes anything of size ``[R, W]`` except ``dlogits`` it
   ring, as the pipeline helper's predicated stores do not run in the interpreter):
   ``dz = c_r * (onehot(id_r) - exp2(z2 - lse2_r))`` with ``c_r = dloss/dlogp_r / T`` (0 on rows that
   carry no gradient, selected, never multiplied, so garbage logits there cannot leak NaN).
+* :func:`lse_and_dlogits` (the forward of a token-local objective under differentiation): both passes
+  over a row back to back in one CTA, or in a cluster of CTAs that merge their statistics through
+  distributed shared memory; the row's second read mostly hits L2 because only a few dozen rows are in
+  flight. Rows are viewed as ``[V / w, w]`` slabs (``slab_width``), so that a tile is a TMA box of whole
+  slab rows and a reduction over a tile's columns stays within a quad of threads.
 
 No padding, no copies: a row range or vocabulary range that does not fill the last block is handled
-by sliding that block back to end at ``R`` (resp. ``W``). The forward masks the columns a slid-back
+by sliding that block back to end at ``R`` (resp. ``W``; the fused kernel: the last slab tile of a row). The forward masks the columns a slid-back
 tile has already seen (``-inf``: nothing added to the sum, never picked as the target); the
 backward writes the overlapping rows / columns twice with bitwise identical values. Every copy is in
 bounds, and the result does not depend on the grid.
@@ -43,7 +48,8 @@ import jax.experimental.pallas as pl
 from gmpo_jax.kernels._common import snap_tolerance
 from gmpo_jax.kernels._compat import iota, layout_cast, load_vector, plgpu
 
-__all__ = ["KernelConfig", "lse_partials", "combine_partials", "dlogits", "pick_splits"]
+__all__ = ["KernelConfig", "lse_partials", "combine_partials", "dlogits", "pick_splits", "FusedConfig",
+           "slab_width", "lse_and_dlogits"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -415,20 +421,22 @@ def _slab_transforms(w, dtype):
 
 
 def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int = 132, interpret=None):
-  """Per row of ``x``: log-sum-exp, log-prob, ``d loss / d logp`` and the row's ``dlogits``, in one CTA.
+  """Per row of ``x``: log-sum-exp, log-prob, ``d loss / d logp`` and the row's ``dlogits``, in one kernel.
 
   Pass A streams the row's tiles (online max / sum of ``exp2((x - m) k)`` per slab row, merged at the
   end); the token's ``logp`` and gradient scale ``c`` follow in registers; pass B streams the same
-  tiles again (from L2 if they are still there) and writes ``dz = -c exp2((x - m) k - log2 l)``. The
+  tiles again (from L2 if they are still there) and writes ``dz = -c exp2((x - m) k - log2 l)``. With
+  ``cfg.cluster > 1`` the row's tiles are split among the CTAs of a cluster, which merge their per-slab-row
+  ``(m, l)`` through distributed shared memory between the passes (not in the interpreter). The
   softmax is formed relative to the row's maximum ``m`` (``x - m`` is exact), so the maximum's
   probability is exactly ``1 / l`` at any temperature (no tolerance is needed).
 
   Args:
     x: ``[R, S, w]`` logits (``S * w = V``; a free reshape of ``[R, V]``, see :func:`slab_width`).
     row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``; the
-      target's raw logit ``x[id]`` (NaN: the row's log-prob is NaN); the objective's per-token data (old / reference log-prob, advantage,
-      rollout IS ratio); ``scale`` = the token's weight in the loss divided by ``T`` (0: the row
-      carries no gradient and its ``dz`` is exactly 0).
+      target's raw logit ``x[id]`` (NaN: the row's log-prob is NaN); the objective's per-token data
+      (old / reference log-prob, advantage, rollout IS ratio); ``scale`` = the token's weight in the
+      loss divided by ``T`` (0: the row carries no gradient and its ``dz`` is exactly 0).
     token_grad: ``f(logp, old, ref, adv, ris, live) -> d ptl / d logp``, elementwise jnp on scalars
       (traced in the kernel; ``live`` is ``scale != 0``, a traced bool: the lowering takes no boolean
       constants).
