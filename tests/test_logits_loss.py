@@ -478,6 +478,9 @@ def test_fused_only_where_it_applies():
     for backend in (dataclasses.replace(FUSED, inplace=True), dataclasses.replace(FUSED, fused=False)):
         assert not _uses_fused(backend, gmpo_jax.GRPO(), case)
     assert not _uses_fused(FUSED, gmpo_jax.GRPO(), make_inputs(1, B=4, T=15, V=1088, dtype="bfloat16"))
+    # float16: the stored unit-cotangent dlogits would lose small entries before a loss scale lifts them
+    assert not _uses_fused(FUSED, gmpo_jax.GRPO(), make_inputs(1, B=4, T=15, V=1152, dtype="float16"))
+    assert _uses_fused(FUSED, gmpo_jax.GRPO(), make_inputs(1, B=4, T=15, V=2048, dtype="bfloat16"))  # w = 32
     traced = []
     jax.jit(lambda e: traced.append(_uses_fused(FUSED, gmpo_jax.GRPO(epsilon_high=e), case)) or e)(jnp.float32(0.3))
     assert traced == [False]
@@ -495,6 +498,33 @@ def test_fused_only_where_it_applies():
     assert calls == []
     jax.eval_shape(jax.grad(lambda z: _call(gmpo_jax.GRPO(), spy, z, *args[1:])[0]), args[0])
     assert calls == ["fused"]
+
+
+@pytest.mark.parametrize("obj", [gmpo_jax.GRPO(loss_type="dapo"), gmpo_jax.CISPO(epsilon_high=5.0)], ids=str)
+def test_fused_interpret_tiny_temperature_unique_max(obj):
+    """Targets at each row's unique maximum (6.90625: its product with log2(e) / tau is not exact), tau =
+    1e-6, old = 0 (true ratio 1): logp = 0, the same loss and metrics as xla, a zero gradient. Failed
+    before pass A formed (x - m) k instead of x k - m k, which the compiler contracts into a multiply-add
+    that left the maximum 2**+-0.5 (found by a review: loss 0.0051 instead of 3e-8, |dlogits| 2784)."""
+    rng = np.random.default_rng(0)
+    B, T, V, tau = 4, 15, 1152, 1e-6
+    z = np.clip(rng.normal(size=(B, T + 1, V)) * 2, -6, 6).astype(np.float32)
+    ids = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    z[np.arange(B)[:, None], np.arange(T)[None], ids] = 6.90625
+    logits = jnp.asarray(z, jnp.bfloat16)
+    mask, adv, old = np.ones((B, T), bool), np.asarray([1.0, -0.5, 0.7, -1.2], np.float32), np.zeros((B, T))
+    out = {}
+    for name, impl in (("fused", FUSED), ("xla", "xla")):
+        assert name != "fused" or _uses_fused(FUSED, obj, dict(ids=ids, logits=logits))
+        out[name] = jax.jit(jax.value_and_grad(lambda l: gmpo_jax.policy_loss_from_logits(
+            l, ids, mask, adv, objective=obj, old_logps=old, temperature=tau, implementation=impl),
+            has_aux=True))(logits)
+    ((loss, aux), g), ((l_x, a_x), _) = out["fused"], out["xla"]
+    assert float(loss) == pytest.approx(float(l_x), rel=1e-6, abs=1e-6)
+    assert float(aux.log_ratio_min) == float(a_x.log_ratio_min) == 0.0
+    assert float(aux.clip_fraction) == float(a_x.clip_fraction)
+    scale = 1.0 / tau / (B * T)  # the gradient's scale: 1 / (tau N)
+    assert np.abs(_f64(g)).max() <= 1e-6 * scale
 
 
 def test_fused_token_loss_is_chunk_numerator():
@@ -600,7 +630,8 @@ def test_fused_full_shape_and_tiny_temperature():
     assert gm @ gx / np.linalg.norm(gm) / np.linalg.norm(gx) > 0.9999
     np.testing.assert_allclose(gm, gx, rtol=0, atol=2e-2 * np.abs(gx).max())
     ids = jnp.asarray(np.where(case["mask"], case["ids"], 0))
-    z = jnp.asarray(case["logits"]).at[jnp.arange(2)[:, None], jnp.arange(1024)[None], ids].set(8.0)  # unique max
+    # a unique maximum whose product with log2(e) / tau is not exact (8.0 would hide a rounding of m k)
+    z = jnp.asarray(case["logits"]).at[jnp.arange(2)[:, None], jnp.arange(1024)[None], ids].set(6.90625)
     tau = 1e-6
     g = jax.jit(jax.grad(lambda zl: gmpo_jax.policy_loss_from_logits(
         zl, ids, np.ones((2, 1024)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0), temperature=tau)[0]))(z)

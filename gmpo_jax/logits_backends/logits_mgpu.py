@@ -404,13 +404,14 @@ class FusedConfig:
       raise ValueError(f"stages, out_stages and ctas_per_sm must be >= 1, got {self}")
 
 
-def slab_width(V: int, dtype) -> int | None:
-  """Columns ``w`` of the ``[R, V / w, w]`` view: the widest with ``w`` of 32, 64 or 128 bytes and
-  ``V / w`` a multiple of 8 (the 8-row tiling of the bulk copies); None when none divides."""
+def slab_width(V: int, dtype, min_rows: int = BLOCK_ROWS) -> int | None:
+  """Columns ``w`` of the ``[R, V / w, w]`` view: the widest with ``w`` of 32, 64 or 128 bytes, ``V / w``
+  a multiple of 8 (the 8-row tiling of the bulk copies) and at least ``min_rows`` (one tile); None when
+  none fits."""
   itemsize = jnp.dtype(dtype).itemsize
   for nbytes in (128, 64, 32):
     w = nbytes // itemsize
-    if V % (8 * w) == 0:
+    if V % (8 * w) == 0 and V // w >= min_rows:
       return w
   return None
 
@@ -508,7 +509,9 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
           xr = jnp.where(iota(jnp.int32, shape, 0, plgpu.Layout.WGMMA, interpret) >= seen, xr, -jnp.inf)
         m_new = jnp.maximum(m, xr.max(axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf slab row so far: no NaN
-        p = jnp.exp2(xr * k - _bcast(m_safe * k, shape))
+        # (x - m) k, not x k - m k: the compiler contracts the latter into a multiply-add, which leaves the
+        # maximum the rounding error of m k (2**+-0.5 when m k ~ 1e7, i.e. tiny temperatures)
+        p = jnp.exp2((xr - _bcast(m_safe, shape)) * k)
         l = l * jnp.exp2((m - m_safe) * k) + p.sum(axis=1)
         plgpu.commit_smem()  # every thread has read x_smem[slot] before it is refilled
 

@@ -174,7 +174,10 @@ class MosaicGpuLogitsBackend:
     def fused_plan(self, *, dtype, R: int, V: int) -> Optional[tuple[int, K.FusedConfig]]:
         """``(w, config)`` of the fused kernel for ``R`` rows of ``V`` logits, or None (then the three-pass
         path runs): the rows must view as ``[R, V / w, w]`` slabs (``V`` a multiple of 128 bf16 / 64 f32
-        columns, see ``logits_mgpu.slab_width``) at least 64 slab rows long, and ``inplace`` off.
+        columns, see ``logits_mgpu.slab_width``) at least 64 slab rows long (bf16 ``V = 2048``: 64 rows
+        of 32 columns; ``V = 1088``: none), ``inplace`` off, and bf16 or f32 logits:
+        the kernel stores ``dlogits`` of a unit cotangent, which the backward then scales, and float16
+        would round its small entries to subnormals or zero before a loss scale could lift them.
 
         Blocks (H200 sweep of benchmarks/LOGITS_NOTES.md, 2026-11-30): 16 KB tiles, 4 input and 2 output
         stages (96 KB of shared memory: two CTAs per SM), clusters of 4 CTAs per row, 62 clusters on 132
@@ -184,7 +187,7 @@ class MosaicGpuLogitsBackend:
         DRAM for 4.2 GB of logits, against 6.4-7.3 GB with a row in flight per SM). The interpreter has no
         clusters: there each CTA owns its rows (``cluster=1``).
         """
-        if self.inplace or not self.fused:
+        if self.inplace or not self.fused or jnp.dtype(dtype) == jnp.float16:
             return None
         w = K.slab_width(V, dtype)
         if w is None:
