@@ -14,8 +14,11 @@ Design decisions of the custom VJP (and why):
   ``logprobs_and_dlogits`` (``mosaic_gpu``) then writes ``dlogits`` for a unit cotangent in the forward of
   the VJP, in the same kernel that computes each row's log-sum-exp (each row read twice, the second time
   mostly from L2, and written once); the residual is that array and the backward multiplies it by the
-  cotangent (with ``jax.grad``'s constant 1 XLA drops the multiply). The hyper-parameters must be
-  concrete (they are compiled into the kernel); traced ones take the general path.
+  cotangent (with ``jax.grad``'s constant 1 XLA drops the multiply; another cotangent, e.g. a scaled
+  loss, rounds the bf16 gradient twice: about one ulp instead of half an ulp). The hyper-parameters must
+  be concrete (they are compiled into the kernel); traced ones take the general path. Float16 logits
+  keep the general path: their stored unit-cotangent gradient would lose small entries to subnormals
+  before a loss scale could lift them.
 * **Gradient scale in the forward, logits pass in the backward** (the general path). The forward of the
   VJP computes the loss and ``d loss / d logp`` (``jax.grad`` of the objective's numerator over the whole
   batch, whose selects implement SPEC.md's strict boundary rule) and keeps as residuals only
@@ -220,7 +223,8 @@ def policy_loss_from_logits(
         or ``>= V``); an unmasked id outside ``[0, V)`` raises ValueError when the ids and the mask are
         concrete; traced (under jit) it has a NaN log-prob,
         which makes the loss NaN unless the objective ignores that token's value (e.g. a zero advantage
-        and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too.
+        and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too, and that row of
+        the gradient may be NaN even when the loss is not (CISPO and SAPO with a zero advantage).
       completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
       advantages: ``[B]`` float, one per completion (group-normalised by the caller).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.

@@ -54,8 +54,9 @@ class MosaicGpuLogitsBackend:
     ``fused``: for token-local objectives (``objective.token_local``: the GRPO family at token level,
     CISPO, SAPO), the forward of ``jax.grad`` / ``jax.value_and_grad`` writes ``dlogits`` in the same
     kernel that computes the log-sum-exp (``logits_mgpu.lse_and_dlogits``: two reads of each row, the
-    second mostly from L2, and one write), and the backward only scales it by the cotangent; see
-    :meth:`fused_plan` for when it applies (not with ``inplace``).
+    second mostly from L2, and one write), and the backward only scales it by the cotangent (a cotangent
+    other than 1 rounds a bf16 gradient twice, about one ulp); see :meth:`fused_plan` for when it
+    applies (bf16 / f32, not with ``inplace``).
     ``inplace``: the backward writes ``dlogits`` into the logits' buffer (Liger's ``inplace``): one
     ``[B, T(+1), V]`` buffer instead of two when the logits are dead after the loss (donated to the jit,
     or an intermediate of the same jit, as in a training step); otherwise XLA copies them first, which
