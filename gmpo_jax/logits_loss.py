@@ -106,13 +106,15 @@ class _Config:
     T: int
 
 
-def _run(cfg: _Config, objective: Objective, logits, ids, mask, adv, old, ref, ris, num_items, temperature, *,
-         with_grads: bool):
-    V = logits.shape[-1]
+def _safe_ids(ids, mask, V: int):
+    """Ids with the masked positions set to 0, and where they lie in ``[0, V)`` (elsewhere logp is NaN)."""
     safe_ids = jnp.where(mask, ids, 0)
-    logp, residual = cfg.backend.logprobs(logits, safe_ids, T=cfg.T, temperature=temperature)
-    logp = jnp.where((safe_ids >= 0) & (safe_ids < V), logp, jnp.nan)
-    data = ChunkData(mask, adv, old, ref, ris)
+    return safe_ids, (safe_ids >= 0) & (safe_ids < V)
+
+
+def _objective(objective: Objective, logp, data: ChunkData, num_items, *, with_grads: bool):
+    """Loss, metrics and (``with_grads``) ``d loss / d logp`` of the objective on the ``[B, T]`` log-probs."""
+    mask = data.mask
     denom = objective.denominator(mask, num_items).astype(jnp.float32)
     with jax.named_scope("gmpo_jax/objective"):
         if with_grads:
@@ -122,7 +124,17 @@ def _run(cfg: _Config, objective: Objective, logits, ids, mask, adv, old, ref, r
             num, sums = objective.chunk_numerator(logp, data)
             dlogp = None
     aux = dict(loss_numerator=num, loss_denominator=denom, **finalize_metrics(sums, mask))
-    return num / denom, aux, (safe_ids, residual, dlogp)
+    return num / denom, aux, dlogp
+
+
+def _run(cfg: _Config, objective: Objective, logits, ids, mask, adv, old, ref, ris, num_items, temperature, *,
+         with_grads: bool):
+    safe_ids, id_ok = _safe_ids(ids, mask, logits.shape[-1])
+    logp, residual = cfg.backend.logprobs(logits, safe_ids, T=cfg.T, temperature=temperature)
+    logp = jnp.where(id_ok, logp, jnp.nan)
+    loss, aux, dlogp = _objective(objective, logp, ChunkData(mask, adv, old, ref, ris), num_items,
+                                  with_grads=with_grads)
+    return loss, aux, (safe_ids, residual, dlogp)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -145,19 +157,13 @@ def _fused(cfg: _Config, objective: Objective, logits) -> bool:
 
 
 def _run_fused(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_items, temperature):
-    V = logits.shape[-1]
-    safe_ids = jnp.where(mask, ids, 0)
-    id_ok = (safe_ids >= 0) & (safe_ids < V)
-    weights = objective.token_weights(mask, num_items)
+    safe_ids, id_ok = _safe_ids(ids, mask, logits.shape[-1])
     logp, dlogits = cfg.backend.logprobs_and_dlogits(
         logits, safe_ids, T=cfg.T, temperature=temperature, objective=objective, old_logps=old, ref_logps=ref,
-        advantages=adv, rollout_is_ratio=ris, weights=weights, id_ok=id_ok)
+        advantages=adv, rollout_is_ratio=ris, weights=objective.token_weights(mask, num_items), id_ok=id_ok)
     logp = jnp.where(id_ok, logp, jnp.nan)
-    denom = objective.denominator(mask, num_items).astype(jnp.float32)
-    with jax.named_scope("gmpo_jax/objective"):
-        num, sums = objective.chunk_numerator(logp, ChunkData(mask, adv, old, ref, ris))
-    aux = dict(loss_numerator=num, loss_denominator=denom, **finalize_metrics(sums, mask))
-    return num / denom, aux, dlogits
+    loss, aux, _ = _objective(objective, logp, ChunkData(mask, adv, old, ref, ris), num_items, with_grads=False)
+    return loss, aux, dlogits
 
 
 def _policy_loss_fwd(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_items, temperature):

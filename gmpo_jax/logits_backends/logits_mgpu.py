@@ -380,9 +380,8 @@ class FusedConfig:
   block_rows: slab rows per tile (a multiple of 64, at most 256: one TMA box); a tile is
     ``[block_rows, w]`` where ``w`` is the slab width of the logits' ``[R, V / w, w]`` view.
   stages: depth of the input ring (the output ring has ``out_stages``).
-  ctas_per_sm: persistent CTAs per SM; each walks rows ``cta, cta + G, ...``.
-  num_ctas: the grid ``G`` (overrides ``ctas_per_sm``): fewer rows in flight keep more of each row in
-    L2 between its two passes.
+  num_ctas: the persistent grid ``G`` (None: one CTA per SM); cluster ``c`` walks rows ``c, c + G /
+    cluster, ...``: fewer rows in flight keep more of each row in L2 between its two passes.
   cluster: CTAs that share a row (a thread-block cluster; they merge their statistics through
     distributed shared memory), so that ``num_ctas / cluster`` rows are in flight.
   reverse: the second pass walks the row's tiles backwards, so that it starts on the tiles the first
@@ -392,7 +391,6 @@ class FusedConfig:
   block_rows: int = 256
   stages: int = 4
   out_stages: int = 2
-  ctas_per_sm: int = 1
   num_ctas: int | None = None
   reverse: bool = True
   cluster: int = 1
@@ -400,8 +398,8 @@ class FusedConfig:
   def __post_init__(self):
     if self.block_rows % BLOCK_ROWS or not BLOCK_ROWS <= self.block_rows <= 256:
       raise ValueError(f"{self.block_rows=} must be a multiple of {BLOCK_ROWS} in [{BLOCK_ROWS}, 256]")
-    if self.stages < 1 or self.out_stages < 1 or self.ctas_per_sm < 1:
-      raise ValueError(f"stages, out_stages and ctas_per_sm must be >= 1, got {self}")
+    if self.stages < 1 or self.out_stages < 1 or self.cluster < 1:
+      raise ValueError(f"stages, out_stages and cluster must be >= 1, got {self}")
 
 
 def slab_width(V: int, dtype, min_rows: int = BLOCK_ROWS) -> int | None:
@@ -453,7 +451,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   n_t = _cdiv(S, bs)
   tpc = _cdiv(n_t, C)  # tiles per CTA of a cluster (the last CTA may have fewer)
   assert (C - 1) * tpc < n_t, (n_t, C)
-  G = cfg.num_ctas or num_sms * cfg.ctas_per_sm
+  G = cfg.num_ctas or num_sms
   NC = max(1, min(R, G // C))  # clusters: rows in flight
   dtype = x.dtype
   shape = (bs, w)

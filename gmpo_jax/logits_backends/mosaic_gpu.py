@@ -183,9 +183,9 @@ class MosaicGpuLogitsBackend:
         Blocks (H200 sweep of benchmarks/LOGITS_NOTES.md, 2026-11-30): 16 KB tiles, 4 input and 2 output
         stages (96 KB of shared memory: two CTAs per SM), clusters of 4 CTAs per row, 62 clusters on 132
         SMs (2.547 ms at 16 x 1025 rows; 60: 2.605, 58: 2.672; 64 do not all fit at once and the last
-        ones run in a second wave: 4.0 ms). Only 60-ish
-        rows are in flight, so that the second read of each row mostly hits L2 (measured 4.4 GB read from
-        DRAM for 4.2 GB of logits, against 6.4-7.3 GB with a row in flight per SM). The interpreter has no
+        ones run in a second wave: 4.0 ms). So only 62 rows are in flight, and the second read of each
+        row mostly hits L2 (measured 4.4 GB read from DRAM for 4.2 GB of logits, against 6.4-7.3 GB with
+        a row in flight per SM). The interpreter has no
         clusters: there each CTA owns its rows (``cluster=1``).
         """
         if self.inplace or not self.fused or jnp.dtype(dtype) == jnp.float16:
