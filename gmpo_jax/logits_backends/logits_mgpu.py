@@ -451,6 +451,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   n_t = _cdiv(S, bs)
   tpc = _cdiv(n_t, C)  # tiles per CTA of a cluster (the last CTA may have fewer)
   assert (C - 1) * tpc < n_t, (n_t, C)
+  n_loc_min = n_t - (C - 1) * tpc  # the fewest tiles a CTA of a cluster has per row (the last CTA's)
   G = cfg.num_ctas or num_sms
   NC = max(1, min(R, G // C))  # clusters: rows in flight
   dtype = x.dtype
@@ -485,6 +486,8 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       def _():
         fetch(s, s)
 
+    # the row data runs one row ahead (double-buffered), so that no row waits on its own copy
+    plgpu.copy_gmem_to_smem(rd_ref.at[cid], rd_smem.at[0], rd_bar.at[0])
     neg_inf = layout_cast(jnp.full((bs,), -jnp.inf, jnp.float32), _ROW, interpret)
     zero = layout_cast(jnp.full((bs,), 0.0, jnp.float32), _ROW, interpret)
 
@@ -492,9 +495,16 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
     def _row(i):
       row = cid + i * NC
       f0 = i * steps_per_row
-      plgpu.copy_gmem_to_smem(rd_ref.at[row], rd_smem, rd_bar.at[0])
-      plgpu.barrier_wait(rd_bar.at[0])
-      k = rd_smem[0]
+      rs = lax.rem(i, 2)
+      plgpu.barrier_wait(rd_bar.at[rs])
+
+      # slot 1 - rs was last read by row i - 1, before the warpgroup barriers of its pass B
+      @pl.when(i + 1 < n_rows)
+      def _():
+        plgpu.copy_gmem_to_smem(rd_ref.at[row + NC], rd_smem.at[1 - rs], rd_bar.at[1 - rs])
+
+      rd = rd_smem.at[rs]
+      k = rd[0]
 
       def pass_a(t, carry, masked=False):
         m, l = carry
@@ -546,9 +556,9 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       log2_l = jnp.log2(l_all)
       lse = (m_all * k + log2_l) * LN2
       # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
-      logp = jnp.minimum(((rd_smem[1] - m_all) * k - log2_l) * LN2, 0.0)
-      scale = rd_smem[6]
-      g = token_grad(logp, rd_smem[2], rd_smem[3], rd_smem[4], rd_smem[5], scale != 0.0)
+      logp = jnp.minimum(((rd[1] - m_all) * k - log2_l) * LN2, 0.0)
+      scale = rd[6]
+      g = token_grad(logp, rd[2], rd[3], rd[4], rd[5], scale != 0.0)
       c = jnp.where(scale != 0.0, scale * g, 0.0)
       neg_c = -c
       live = jnp.broadcast_to(c != 0.0, shape)  # rows without gradient: exactly 0, whatever x holds
@@ -574,7 +584,9 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       def _():
         idx = iota(jnp.int32, (bs,), 0, _ROW, interpret)
         st = jnp.where(idx == 0, logp, jnp.where(idx == 1, lse, c))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous row's stats have left st_smem
+        # the previous row's stats have left st_smem: at most the n_loc_min copies of this row's pass B,
+        # which came after them, are still reading (waiting for all of them would stall the next row)
+        plgpu.wait_smem_to_gmem(n_loc_min, wait_read_only=True)
         st_smem[...] = st
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(st_smem.at[pl.ds(0, ROW_WIDTH)], st_ref.at[row])
@@ -585,8 +597,8 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       plgpu.SMEM((stages, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.SMEM((ost, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.Barrier(num_barriers=stages),
-      plgpu.SMEM((ROW_WIDTH,), jnp.float32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=1),
+      plgpu.SMEM((2, ROW_WIDTH), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),
       plgpu.SMEM((bs,), jnp.float32),
   ]
   cluster = {}
