@@ -113,18 +113,41 @@ def _safe_ids(ids, mask, V: int):
 
 
 def _objective(objective: Objective, logp, data: ChunkData, num_items, *, with_grads: bool):
-    """Loss, metrics and (``with_grads``) ``d loss / d logp`` of the objective on the ``[B, T]`` log-probs."""
+    """Loss, metrics and (``with_grads``) ``d loss / d logp`` of the objective on the ``[B, T]`` log-probs.
+
+    A token-local objective's loss is one weighted sum, ``sum_{b,t} token_weights * token_loss`` (the
+    function whose gradient the fused kernel writes): a single reduction after the logits pass instead
+    of the per-sequence and batch reductions and the division of ``chunk_numerator / denominator``
+    (measured on the H200: four small kernels become one). Its ``loss_numerator`` is ``loss *
+    loss_denominator``; the metrics come from ``chunk_numerator``'s sums (XLA drops them when unused).
+    """
     mask = data.mask
     denom = objective.denominator(mask, num_items).astype(jnp.float32)
     with jax.named_scope("gmpo_jax/objective"):
-        if with_grads:
+        if objective.token_local:
+            weights = objective.token_weights(mask, num_items)
+            adv = data.advantages.astype(jnp.float32)[:, None]
+
+            def total(lp):
+                tl = objective.token_loss(lp, data.old_logps, data.ref_logps, adv, data.rollout_is_ratio, mask=mask)
+                return jnp.sum(jnp.where(mask, weights * tl, 0.0))
+
+            if with_grads:
+                loss, g = jax.value_and_grad(total)(logp)
+                dlogp = jnp.where(mask, g, 0.0)
+            else:
+                loss, dlogp = total(logp), None
+            _, sums = objective.chunk_numerator(jax.lax.stop_gradient(logp), data)
+            num = loss * denom
+        elif with_grads:
             (num, sums), g = jax.value_and_grad(lambda lp: objective.chunk_numerator(lp, data), has_aux=True)(logp)
             dlogp = jnp.where(mask, g / denom, 0.0)
+            loss = num / denom
         else:
             num, sums = objective.chunk_numerator(logp, data)
-            dlogp = None
+            dlogp, loss = None, num / denom
     aux = dict(loss_numerator=num, loss_denominator=denom, **finalize_metrics(sums, mask))
-    return num / denom, aux, dlogp
+    return loss, aux, dlogp
 
 
 def _run(cfg: _Config, objective: Objective, logits, ids, mask, adv, old, ref, ris, num_items, temperature, *,
