@@ -130,3 +130,15 @@ def test_kernels_bench_table_entries():
     assert table_entries(recs, "NVIDIA H200") == {
         ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)},
         ("NVIDIA H200", 4096, 128256): {"logprob": (128, 128, 64, 4)}}
+
+
+def test_logits_profile_times_on_cpu(capsys):
+    """benchmarks.logits_profile --time on a tiny batch with the xla backend: one JSON line with one positive
+    per-call time per repeat, from this checkout's gmpo_jax."""
+    from benchmarks import logits_profile
+
+    logits_profile.main(["--B", "1", "--T", "8", "--impl", "xla", "--time", "--calls", "2", "--repeats", "2"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["B"] == 1 and rec["impl"] == "xla" and rec["objective"] == "grpo"
+    assert len(rec["queued_ms"]) == 2 and all(t > 0 for t in rec["queued_ms"])
+    assert rec["gmpo_jax"].startswith(ROOT)
