@@ -1,1 +1,0 @@
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=$PWD; timeout 120 python3 scratch/s6_copy.py 2>&1 | grep -E "COPY|rror"
