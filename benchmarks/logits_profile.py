@@ -31,6 +31,8 @@ def main(argv=None) -> None:
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--impl", default="mosaic_gpu")
     p.add_argument("--objective", default="grpo", choices=("grpo", "gmpo"))
+    p.add_argument("--mask", default="full", choices=("full", "ragged"),
+                   help="the suite's completion masks: full, or lengths uniform in [3T/4, T]")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3)
     mode = p.add_mutually_exclusive_group(required=True)
@@ -43,7 +45,7 @@ def main(argv=None) -> None:
     from benchmarks.run import DEFAULT_OPTS
     from benchmarks.shapes import select
 
-    opts = dict(DEFAULT_OPTS, objective=a.objective)
+    opts = dict(DEFAULT_OPTS, objective=a.objective, mask=a.mask)
     args = logits_inputs(select("logits-llama3", B=a.B, T=a.T), opts)
     loss, _ = logits_loss(a.impl, opts)
     step = jax.jit(jax.value_and_grad(loss))
@@ -62,8 +64,8 @@ def main(argv=None) -> None:
             out = step(*args)
         jax.block_until_ready(out)
         per_call.append(round((time.perf_counter() - t0) / a.calls * 1e3, 4))
-    print(json.dumps(dict(B=a.B, T=a.T, impl=a.impl, objective=a.objective, gmpo_jax=gmpo_jax.__file__,
-                          queued_ms=per_call)))
+    print(json.dumps(dict(B=a.B, T=a.T, impl=a.impl, objective=a.objective, mask=a.mask,
+                          gmpo_jax=gmpo_jax.__file__, queued_ms=per_call)))
 
 
 if __name__ == "__main__":

@@ -183,7 +183,8 @@ def _run_fused(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_items,
     safe_ids, id_ok = _safe_ids(ids, mask, logits.shape[-1])
     logp, dlogits = cfg.backend.logprobs_and_dlogits(
         logits, safe_ids, T=cfg.T, temperature=temperature, objective=objective, old_logps=old, ref_logps=ref,
-        advantages=adv, rollout_is_ratio=ris, weights=objective.token_weights(mask, num_items), id_ok=id_ok)
+        advantages=adv, rollout_is_ratio=ris, weights=objective.token_weights(mask, num_items), mask=mask,
+        id_ok=id_ok)
     logp = jnp.where(id_ok, logp, jnp.nan)
     loss, aux, _ = _objective(objective, logp, ChunkData(mask, adv, old, ref, ris), num_items, with_grads=False)
     return loss, aux, dlogits

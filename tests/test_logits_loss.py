@@ -573,7 +573,7 @@ def test_fused_lowers_for_cuda(V, dtype, obj):
     mask = jnp.ones((B, T), bool)
     fused = jax.jit(lambda z, i, a, old, ref: backend.logprobs_and_dlogits(
         z, i, T=T, temperature=jnp.float32(0.9), objective=o, old_logps=old, ref_logps=ref if obj.beta else None,
-        advantages=a, rollout_is_ratio=None, weights=o.token_weights(mask, None), id_ok=mask))
+        advantages=a, rollout_is_ratio=None, weights=o.token_weights(mask, None), mask=mask, id_ok=mask))
     text = jax.export.export(fused, platforms=["cuda"])(z, i, b, f, f).mlir_module()
     assert "lse_and_dlogits" in text
 
@@ -727,3 +727,51 @@ def test_mosaic_gpu_inplace_interpret_eager():
     logits, *rest = _args(case, 1.0, None)
     f = lambda z: _call(Obj("grpo").lib(), inplace, z, *rest)[0]
     np.testing.assert_allclose(_f64(jax.grad(f)(logits)), _f64(jax.jit(jax.grad(f))(logits)), rtol=2.0**-7, atol=0)
+
+
+@pytest.mark.parametrize("stages", [2, 3], ids=["skip", "no-skip"])
+def test_fused_kernel_dead_rows(stages):
+    """``lse_and_dlogits`` (interpreter, 3 CTAs of 5-6 rows, 2 tiles per row) on rows marked dead (``live =
+    0``: runs of them, the first and the last row, whole CTAs' first rows) whose logits are NaN: with 2
+    stages (<= tiles per row) a dead row is not read: its dz is zeros and its logp 0 (any read would make
+    them NaN); with 3 stages every row is read (its logp is NaN there, its dz still zeros). Live rows'
+    log-probs and dz equal float64 to 2e-6 relative, and the same with every row live."""
+    rng = np.random.default_rng(3)
+    R, V, w, tau = 16, 2048, 16, 0.8
+    z = rng.normal(size=(R, V)).astype(np.float32) * 2
+    ids = rng.integers(0, V, size=R)
+    live = np.ones(R, bool)
+    live[[0, 1, 2, 5, 9, 10, 15]] = False
+    z[~live] = np.nan
+    adv = rng.normal(size=R).astype(np.float32)
+    old = -np.abs(rng.normal(size=R)).astype(np.float32) - 7.0
+    scale = np.where(live, 0.5 / tau, 0.0).astype(np.float32)
+
+    def token_grad(logp, old, ref, adv, ris, alive):
+        return -adv * jnp.exp(logp - old)
+
+    def run(live_col):
+        cols = [np.full(R, K.LOG2E / tau), z[np.arange(R), ids], old, np.zeros(R), adv, np.ones(R), scale, live_col]
+        rd = np.stack([np.asarray(c, np.float32) for c in cols] + [np.zeros(R, np.float32)] * (K.ROW_WIDTH - 8), 1)
+        cfg = K.FusedConfig(block_rows=64, stages=stages, out_stages=2, num_ctas=3)
+        x = jnp.asarray(np.nan_to_num(z, nan=0.0) if live_col.all() else z)
+        dz, st = jax.jit(lambda x, rd: K.lse_and_dlogits(x.reshape(R, V // w, w), rd, token_grad, cfg=cfg,
+                                                          interpret=FUSED._interpret_params()))(x, jnp.asarray(rd))
+        return np.asarray(dz, np.float64).reshape(R, V), np.asarray(st, np.float64)
+
+    dz, st = run(live.astype(np.float32))
+    assert not np.any(dz[~live]) and not np.isnan(dz).any()
+    if stages == 2:
+        assert np.all(st[~live, 0] == 0.0)
+    else:
+        assert np.all(np.isnan(st[~live, 0]))
+    zl = z[live].astype(np.float64) / tau
+    lse = np.log(np.exp(zl - zl.max(1, keepdims=True)).sum(1)) + zl.max(1)
+    logp = zl[np.arange(live.sum()), ids[live]] - lse
+    c = scale[live] * -adv[live] * np.exp(logp - old[live])
+    want = -c[:, None] * np.exp(zl - lse[:, None])
+    np.testing.assert_allclose(st[live, 0], logp, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(dz[live], want, rtol=0, atol=2e-6 * np.abs(want).max())
+    dz_all, st_all = run(np.ones(R, np.float32))  # every row live: the live rows' results are the same
+    np.testing.assert_array_equal(dz_all[live], dz[live])
+    np.testing.assert_array_equal(st_all[live, :3], st[live, :3])

@@ -369,7 +369,7 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bo
 # ------------------------------------------------------------------------------------------------
 # Two passes over a row in one CTA: the forward of a token-local objective writes dlogits
 # ------------------------------------------------------------------------------------------------
-ROW_DATA = ("k", "target_logit", "old", "ref", "adv", "ris", "scale")  # the first columns of ``row_data``
+ROW_DATA = ("k", "target_logit", "old", "ref", "adv", "ris", "scale", "live")  # first columns of ``row_data``
 ROW_WIDTH = 32  # floats per row of ``row_data`` / ``stats``: a bulk copy moves a multiple of 128 bytes
 
 
@@ -452,6 +452,12 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   tpc = _cdiv(n_t, C)  # tiles per CTA of a cluster (the last CTA may have fewer)
   assert (C - 1) * tpc < n_t, (n_t, C)
   n_loc_min = n_t - (C - 1) * tpc  # the fewest tiles a CTA of a cluster has per row (the last CTA's)
+  # Dead rows (``live == 0``: masked tokens, the dropped last position) are not read, only written with
+  # zeros. The ring's fetches then depend on the rows' liveness; a fetch runs at most ``stages`` steps
+  # ahead, i.e. within the row's own pass B or, from its pass B, into the next row's pass A, whose
+  # liveness is known once that row's data has arrived (waited for at the end of pass A). That needs
+  # ``stages <= n_loc_min``; otherwise (vocabularies of a few tiles) every row is read.
+  skip = stages <= n_loc_min
   G = cfg.num_ctas or num_sms
   NC = max(1, min(R, G // C))  # clusters: rows in flight
   dtype = x.dtype
@@ -480,14 +486,24 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       plgpu.copy_gmem_to_smem(x_ref.at[cid + i * NC, pl.ds(tile_start(t), bs)], x_smem.at[slot],
                               loaded.at[slot])
 
-    for s in range(stages):
+    # the row data runs one row ahead (double-buffered), so that no row waits on its own copy
+    plgpu.copy_gmem_to_smem(rd_ref.at[cid], rd_smem.at[0], rd_bar.at[0])
+    if skip:
+      plgpu.barrier_wait(rd_bar.at[0])
 
-      @pl.when(s < n_steps)
+    def row_live(rd):  # a traced bool, or None: every row is read
+      return rd[7] != 0.0 if skip else None
+
+    def both(live, x):  # x where live (every row without skipping), else 0
+      return x if live is None else jnp.where(live, x, 0)
+
+    live0 = row_live(rd_smem.at[0])
+    for s in range(stages):  # with skipping, all of them are row 0's pass A (stages <= n_loc)
+
+      @pl.when(s < n_steps if live0 is None else (s < n_steps) & live0)
       def _():
         fetch(s, s)
 
-    # the row data runs one row ahead (double-buffered), so that no row waits on its own copy
-    plgpu.copy_gmem_to_smem(rd_ref.at[cid], rd_smem.at[0], rd_bar.at[0])
     neg_inf = layout_cast(jnp.full((bs,), -jnp.inf, jnp.float32), _ROW, interpret)
     zero = layout_cast(jnp.full((bs,), 0.0, jnp.float32), _ROW, interpret)
 
@@ -496,7 +512,8 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       row = cid + i * NC
       f0 = i * steps_per_row
       rs = lax.rem(i, 2)
-      plgpu.barrier_wait(rd_bar.at[rs])
+      if not skip:
+        plgpu.barrier_wait(rd_bar.at[rs])
 
       # slot 1 - rs was last read by row i - 1, before the warpgroup barriers of its pass B
       @pl.when(i + 1 < n_rows)
@@ -505,6 +522,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
 
       rd = rd_smem.at[rs]
       k = rd[0]
+      live = row_live(rd)
 
       def pass_a(t, carry, masked=False):
         m, l = carry
@@ -529,8 +547,20 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
 
         return m_new, l
 
-      carry = lax.fori_loop(0, n_loc - 1, pass_a, (neg_inf, zero))
-      m, l = pass_a(n_loc - 1, carry, masked=tail_seen > 0)
+      if live is None:
+        carry = lax.fori_loop(0, n_loc - 1, pass_a, (neg_inf, zero))
+        m, l = pass_a(n_loc - 1, carry, masked=tail_seen > 0)
+      else:  # a dead row reads nothing: m = -inf, l = 0 (its log-prob is reported as 0)
+        n_a = both(live, n_loc)
+        n_a1 = jnp.maximum(n_a - 1, 0)  # the unmasked tiles; then the last tile, if the row is live
+        carry = lax.fori_loop(0, n_a1, pass_a, (neg_inf, zero))
+        m, l = lax.fori_loop(n_a1, n_a, lambda t, c: pass_a(t, c, masked=tail_seen > 0), carry)
+
+        @pl.when(i + 1 < n_rows)
+        def _():
+          plgpu.barrier_wait(rd_bar.at[1 - rs])  # the next row's data, for its liveness
+
+      live_next = row_live(rd_smem.at[1 - rs])  # (stale after the last row, whose fetches all stop)
       if C > 1:  # merge the cluster's per-slab-row statistics through distributed shared memory
         m_part, l_part, bars = xchg
         ready, read = bars.at[0], bars.at[1]  # (num_barriers=1 is a 0-d ref on jax 0.11)
@@ -561,24 +591,38 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       g = token_grad(logp, rd[2], rd[3], rd[4], rd[5], scale != 0.0)
       c = jnp.where(scale != 0.0, scale * g, 0.0)
       neg_c = -c
-      live = jnp.broadcast_to(c != 0.0, shape)  # rows without gradient: exactly 0, whatever x holds
+      dz_live = jnp.broadcast_to(c != 0.0, shape)  # rows without gradient: exactly 0, whatever x holds
+      if live is not None:
+        logp = jnp.where(live, logp, 0.0)
 
-      @pl.loop(0, n_loc)
-      def _pass_b(t):
+      def store_and_fetch(t, dz):  # pass B's step t: store its tile, refill its slot
         f = f0 + n_loc + t
         slot = lax.rem(f, stages)
         oslot = lax.rem(f, ost)
-        plgpu.barrier_wait(loaded.at[slot])
-        z2 = (x_smem.at[slot][...].astype(jnp.float32) - m_all) * k - log2_l
-        dz = jnp.where(live, neg_c * jnp.exp2(z2), 0.0).astype(dtype)
         plgpu.wait_smem_to_gmem(ost - 1, wait_read_only=True)
         o_smem.at[oslot][...] = dz
-        plgpu.commit_smem()
+        plgpu.commit_smem()  # also: every thread has read x_smem[slot]
         plgpu.copy_smem_to_gmem(o_smem.at[oslot], o_ref.at[row, pl.ds(tile_start(tile_b(t)), bs)])
+        ahead = f + stages < n_steps
+        if live is not None:  # the step ahead is in this row's pass B, or in the next row's pass A
+          ahead &= jnp.where(t + stages < n_loc, live, live_next)
 
-        @pl.when(f + stages < n_steps)
+        @pl.when(ahead)
         def _():
           fetch(f + stages, slot)
+
+      @pl.loop(0, n_loc if live is None else both(live, n_loc))
+      def _pass_b(t):
+        slot = lax.rem(f0 + n_loc + t, stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        z2 = (x_smem.at[slot][...].astype(jnp.float32) - m_all) * k - log2_l
+        store_and_fetch(t, jnp.where(dz_live, neg_c * jnp.exp2(z2), 0.0).astype(dtype))
+
+      if live is not None:
+
+        @pl.loop(0, n_loc - both(live, n_loc))
+        def _dead_b(t):  # a dead row: zeros, nothing read
+          store_and_fetch(t, layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA, interpret))
 
       @pl.when(rank == 0)
       def _():

@@ -200,19 +200,23 @@ class MosaicGpuLogitsBackend:
             return None
         n_t = -(-S // bs)
         cluster = 1 if self.interpret else max(c for c in (1, 2, 4) if c <= n_t and (c - 1) * -(-n_t // c) < n_t)
-        if self.interpret:
-            num_ctas = 3
+        stages = 4
+        if self.interpret:  # 3 CTAs, each walking several rows; 2 stages, so that the tests' rows of 2
+            num_ctas, stages = 3, 2  # tiles skip masked rows (which needs stages <= tiles per CTA)
         else:
             sms = _num_sms()
             clusters = {4: sms * 31 // 66, 2: sms, 1: 2 * sms}[cluster]
             num_ctas = cluster * clusters
-        return w, K.FusedConfig(block_rows=bs, stages=4, out_stages=2, cluster=cluster, num_ctas=num_ctas)
+        return w, K.FusedConfig(block_rows=bs, stages=stages, out_stages=2, cluster=cluster, num_ctas=num_ctas)
 
     def logprobs_and_dlogits(self, logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
-                             rollout_is_ratio, weights, id_ok):
+                             rollout_is_ratio, weights, mask, id_ok):
         """Log-probs and, for a unit cotangent, ``dlogits`` of a token-local objective in one kernel.
 
         ``weights``: ``[B, T]`` token weights of the loss (``objective.token_weights``; 0 = no gradient);
+        ``mask``: ``[B, T]`` bool completion mask: the kernel does not read a masked token's row (its
+        ``dlogits`` are zeros, its log-prob is reported as 0), nor the dropped last position of
+        ``[B, T + 1, V]`` logits;
         ``id_ok``: ``[B, T]`` bool, False where an unmasked id is out of range (its log-prob is NaN).
         Returns ``(logp [B, T] f32, dlogits [B, Tl, V] logits.dtype)`` with
         ``dlogits = w / tau * d token_loss / d logp * (onehot - softmax(z / tau))``.
@@ -228,7 +232,7 @@ class MosaicGpuLogitsBackend:
         cols = [jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), pad(x_t),
                 zeros if old_logps is None else pad(old_logps), zeros if ref_logps is None else pad(ref_logps),
                 pad(advantages[:, None]), zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
-                pad(weights) / temperature]
+                pad(weights) / temperature, pad(mask)]
         row_data = jnp.stack(cols + [zeros] * (K.ROW_WIDTH - len(cols)), axis=1)
         # hyper-parameters enter the kernel as constants (the caller checked they are concrete)
         obj = jax.tree.map(float, objective)
