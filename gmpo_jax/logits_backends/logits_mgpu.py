@@ -386,6 +386,10 @@ class FusedConfig:
     distributed shared memory), so that ``num_ctas / cluster`` rows are in flight.
   reverse: the second pass walks the row's tiles backwards, so that it starts on the tiles the first
     pass read last (the likeliest still in L2).
+  skip_dead_rows: rows with ``live == 0`` in the row data (masked tokens, the dropped last position) are
+    not read, only written with zeros, and their log-prob is reported as 0 (it applies when ``stages``
+    is at most the tiles a CTA has of each row). H200, 2026-11-30: 7 % / 4 % faster at B = 2 / 16
+    with 12 % of the rows masked, 2 % slower with none.
   """
 
   block_rows: int = 256
@@ -394,6 +398,7 @@ class FusedConfig:
   num_ctas: int | None = None
   reverse: bool = True
   cluster: int = 1
+  skip_dead_rows: bool = False
 
   def __post_init__(self):
     if self.block_rows % BLOCK_ROWS or not BLOCK_ROWS <= self.block_rows <= 256:
@@ -452,12 +457,12 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   tpc = _cdiv(n_t, C)  # tiles per CTA of a cluster (the last CTA may have fewer)
   assert (C - 1) * tpc < n_t, (n_t, C)
   n_loc_min = n_t - (C - 1) * tpc  # the fewest tiles a CTA of a cluster has per row (the last CTA's)
-  # Dead rows (``live == 0``: masked tokens, the dropped last position) are not read, only written with
-  # zeros. The ring's fetches then depend on the rows' liveness; a fetch runs at most ``stages`` steps
+  # With ``skip_dead_rows``, dead rows (``live == 0``: masked tokens, the dropped last position) are not
+  # read, only written with zeros. The ring's fetches then depend on the rows' liveness; a fetch runs at most ``stages`` steps
   # ahead, i.e. within the row's own pass B or, from its pass B, into the next row's pass A, whose
   # liveness is known once that row's data has arrived (waited for at the end of pass A). That needs
   # ``stages <= n_loc_min``; otherwise (vocabularies of a few tiles) every row is read.
-  skip = stages <= n_loc_min
+  skip = cfg.skip_dead_rows and stages <= n_loc_min
   G = cfg.num_ctas or num_sms
   NC = max(1, min(R, G // C))  # clusters: rows in flight
   dtype = x.dtype
