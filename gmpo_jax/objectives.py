@@ -26,6 +26,7 @@ MiniMax-M1, arXiv 2506.13585 (CISPO); Gao et al., arXiv 2511.20347 (SAPO).
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, ClassVar, NamedTuple, Optional, Union
 
@@ -138,9 +139,18 @@ def _masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
 
 
 def _k3_kl(logp: jax.Array, ref: jax.Array, mask: jax.Array) -> jax.Array:
-    """Schulman's k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (0 on masked tokens)."""
+    """Schulman's k3 estimator ``exp(d) - d - 1`` with ``d = ref - logp`` (0 on masked tokens).
+
+    For ``|d| < 1/2`` it is the Taylor series ``sum_{n=2..8} d**n / n!`` (truncation below 5e-8 of the
+    value): the plain form cancels there (float32 loses ``2**-24 / (d**2 / 2)`` of it: 1 % at
+    ``d = 3e-3``, a typical KL). Elementwise jnp only (the fused kernel traces its gradient)."""
     d = jnp.where(mask, ref - logp, 0.0)
-    return jnp.exp(d) - d - 1.0
+    near = (d > -0.5) & (d < 0.5)
+    y = jnp.where(near, d, 0.0)
+    series = 1.0 / 40320.0
+    for n in range(7, 1, -1):
+        series = 1.0 / math.factorial(n) + y * series
+    return jnp.where(near, y * y * series, jnp.exp(d) - d - 1.0)
 
 
 def _log_ratio(logp: jax.Array, data: ChunkData) -> jax.Array:
