@@ -10,9 +10,10 @@ The suite's inputs and loss (``benchmarks.jax_impls.logits_inputs`` / ``logits_l
   ``ncu --profile-from-start off --metrics gpu__time_duration.sum python3 -m benchmarks.logits_profile
   --profile`` (the duration of every kernel of one step).
 
-Which ``gmpo_jax`` runs is whatever ``PYTHONPATH`` finds first, so two checkouts (e.g. ``git archive``
-of two commits) compare in alternating processes. Example (sixth session, 2026-11-30):
-``PYTHONPATH=old:. python3 -m benchmarks.logits_profile --B 2 --time``.
+Run it as a script so that ``PYTHONPATH`` decides which ``gmpo_jax`` runs (``python -m`` would put the
+checkout first), e.g. two commits (``git archive``) in alternating processes (sixth session,
+2026-11-30): ``PYTHONPATH=old:. python3 benchmarks/logits_profile.py --B 2 --mask ragged --time``.
+The record names the ``gmpo_jax`` it ran.
 """
 
 from __future__ import annotations
