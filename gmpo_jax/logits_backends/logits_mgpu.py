@@ -458,10 +458,10 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   assert (C - 1) * tpc < n_t, (n_t, C)
   n_loc_min = n_t - (C - 1) * tpc  # the fewest tiles a CTA of a cluster has per row (the last CTA's)
   # With ``skip_dead_rows``, dead rows (``live == 0``: masked tokens, the dropped last position) are not
-  # read, only written with zeros. The ring's fetches then depend on the rows' liveness; a fetch runs at most ``stages`` steps
-  # ahead, i.e. within the row's own pass B or, from its pass B, into the next row's pass A, whose
-  # liveness is known once that row's data has arrived (waited for at the end of pass A). That needs
-  # ``stages <= n_loc_min``; otherwise (vocabularies of a few tiles) every row is read.
+  # read, only written with zeros. The ring's fetches then depend on the rows' liveness: a fetch runs at
+  # most ``stages`` steps ahead, i.e. within the row's own pass B or, from its pass B, into the next
+  # row's pass A, whose liveness is known once that row's data has arrived (waited for at the end of
+  # pass A). That needs ``stages <= n_loc_min``; otherwise (vocabularies of a few tiles) every row is read.
   skip = cfg.skip_dead_rows and stages <= n_loc_min
   G = cfg.num_ctas or num_sms
   NC = max(1, min(R, G // C))  # clusters: rows in flight

@@ -221,9 +221,9 @@ class MosaicGpuLogitsBackend:
         """Log-probs and, for a unit cotangent, ``dlogits`` of a token-local objective in one kernel.
 
         ``weights``: ``[B, T]`` token weights of the loss (``objective.token_weights``; 0 = no gradient);
-        ``mask``: ``[B, T]`` bool completion mask: the kernel does not read a masked token's row (its
-        ``dlogits`` are zeros, its log-prob is reported as 0), nor the dropped last position of
-        ``[B, T + 1, V]`` logits;
+        ``mask``: ``[B, T]`` bool completion mask: a masked token's ``dlogits`` are zeros; with
+        ``skip_masked_rows`` the kernel does not read its row (its log-prob is reported as 0), nor the
+        dropped last position of ``[B, T + 1, V]`` logits;
         ``id_ok``: ``[B, T]`` bool, False where an unmasked id is out of range (its log-prob is NaN).
         Returns ``(logp [B, T] f32, dlogits [B, Tl, V] logits.dtype)`` with
         ``dlogits = w / tau * d token_loss / d logp * (onehot - softmax(z / tau))``.
