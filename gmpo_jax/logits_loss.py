@@ -118,8 +118,9 @@ def _objective(objective: Objective, logp, data: ChunkData, num_items, *, with_g
     A token-local objective's loss is one weighted sum, ``sum_{b,t} token_weights * token_loss`` (the
     function whose gradient the fused kernel writes): a single reduction after the logits pass instead
     of the per-sequence and batch reductions and the division of ``chunk_numerator / denominator``
-    (measured on the H200: four small kernels after the fused one become two). Its ``loss_numerator`` is ``loss *
-    loss_denominator``; the metrics come from ``chunk_numerator``'s sums (XLA drops them when unused).
+    (measured on the H200: four small kernels after the fused one become two). Its ``loss_numerator``
+    is ``loss * loss_denominator``; the metrics come from ``chunk_numerator``'s sums (XLA drops them
+    when unused).
     """
     mask = data.mask
     denom = objective.denominator(mask, num_items).astype(jnp.float32)

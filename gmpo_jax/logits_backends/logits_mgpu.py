@@ -440,7 +440,8 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
     row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``; the
       target's raw logit ``x[id]`` (NaN: the row's log-prob is NaN); the objective's per-token data
       (old / reference log-prob, advantage, rollout IS ratio); ``scale`` = the token's weight in the
-      loss divided by ``T`` (0: the row carries no gradient and its ``dz`` is exactly 0).
+      loss divided by ``T`` (0: the row carries no gradient and its ``dz`` is exactly 0); ``live``, 0 for
+      a masked token or the dropped last position (with ``cfg.skip_dead_rows`` such a row is not read).
     token_grad: ``f(logp, old, ref, adv, ris, live) -> d ptl / d logp``, elementwise jnp on scalars
       (traced in the kernel; ``live`` is ``scale != 0``, a traced bool: the lowering takes no boolean
       constants).
@@ -616,7 +617,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
         def _():
           fetch(f + stages, slot)
 
-      @pl.loop(0, n_loc if live is None else both(live, n_loc))
+      @pl.loop(0, both(live, n_loc))
       def _pass_b(t):
         slot = lax.rem(f0 + n_loc + t, stages)
         plgpu.barrier_wait(loaded.at[slot])
