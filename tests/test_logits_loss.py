@@ -45,6 +45,9 @@ INTERPRET = MosaicGpuLogitsBackend(
 # The fused forward (token-local objectives write dlogits in the forward of the VJP), cluster-free there.
 FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.KernelConfig(block_v=128, stages=2), num_splits=2)
 FUSED_SKIP = dataclasses.replace(FUSED, skip_masked_rows=True)  # masked rows not read (2 stages: it applies)
+# The second pass fetches each row again (the tests' rows of 2 tiles are otherwise resident in the ring)
+FUSED_REREAD = dataclasses.replace(FUSED, resident_rows=False)
+FUSED_REREAD_SKIP = dataclasses.replace(FUSED_SKIP, resident_rows=False)
 INTERPRET_LEAN = dataclasses.replace(INTERPRET, fwd=K.KernelConfig(block_v=128, stages=2, pick_target=False))
 
 
@@ -455,9 +458,10 @@ def test_fused_interpret(obj):
     """Every token-local objective through the fused kernel (interpreter) against float64: bf16 with
     [B, T + 1, V] (64 rows of 1152 = 72 slabs of 16 columns: a slid-back last tile) and float32 with
     [B, T, V] (576 = 72 slabs of 8), ragged masks with an empty row and padding ids, temperature 0.7, a
-    rollout IS ratio, on- and off-policy; every other objective with ``skip_masked_rows``."""
+    rollout IS ratio, on- and off-policy; in turn with rows resident in the ring or read twice, with and
+    without ``skip_masked_rows``."""
     i = TOKEN_LOCAL.index(obj)
-    backend = FUSED_SKIP if i % 2 else FUSED
+    backend = (FUSED, FUSED_SKIP, FUSED_REREAD_SKIP, FUSED_REREAD)[i % 4]
     dtype, T, V, extra = (("bfloat16", 15, 1152, True), ("float32", 16, 576, False))[i % 2]
     ris = (None, "bt", "b1")[i % 3]
     case = make_inputs(30 + i, B=4, T=T, V=V, dtype=dtype, extra=extra, empty_row=2, ris=ris, temperature=0.7,
@@ -731,13 +735,16 @@ def test_mosaic_gpu_inplace_interpret_eager():
     np.testing.assert_allclose(_f64(jax.grad(f)(logits)), _f64(jax.jit(jax.grad(f))(logits)), rtol=2.0**-7, atol=0)
 
 
-@pytest.mark.parametrize("stages, skip", [(2, True), (3, True), (2, False)], ids=["skip", "too-few-tiles", "off"])
-def test_fused_kernel_dead_rows(stages, skip):
+@pytest.mark.parametrize("stages, skip, resident", [
+    (2, True, True), (3, True, True), (2, False, True), (2, True, False), (3, True, False), (2, False, False)],
+    ids=["resident-skip", "resident-3-stages-skip", "resident", "reread-skip", "reread-too-few-tiles", "reread"])
+def test_fused_kernel_dead_rows(stages, skip, resident):
     """``lse_and_dlogits`` (interpreter, 3 CTAs of 5-6 rows, 2 tiles per row) on rows marked dead (``live =
     0``: runs of them, the first and the last row, whole CTAs' first rows) whose logits are NaN: with
-    ``skip_dead_rows`` and 2 stages (<= tiles per row) a dead row is not read: its dz is zeros and its logp
-    0 (any read would make them NaN); with 3 stages, or without the flag, every row is read (its logp is
-    NaN there, its dz still zeros). Live rows' log-probs and dz equal float64 to 2e-6 relative, and the
+    ``skip_dead_rows`` a dead row is not read: its dz is zeros and its logp 0 (any read would make them
+    NaN), when the row is resident in the ring (2 tiles <= stages) or its two passes stream through a ring
+    of at most its tiles (2 stages); a ring of 3 that re-reads rows, or no flag, reads every row (its logp
+    is NaN there, its dz still zeros). Live rows' log-probs and dz equal float64 to 2e-6 relative, and the
     same with every row live."""
     rng = np.random.default_rng(3)
     R, V, w, tau = 16, 2048, 16, 0.8
@@ -756,7 +763,8 @@ def test_fused_kernel_dead_rows(stages, skip):
     def run(live_col):
         cols = [np.full(R, K.LOG2E / tau), z[np.arange(R), ids], old, np.zeros(R), adv, np.ones(R), scale, live_col]
         rd = np.stack([np.asarray(c, np.float32) for c in cols] + [np.zeros(R, np.float32)] * (K.ROW_WIDTH - 8), 1)
-        cfg = K.FusedConfig(block_rows=64, stages=stages, out_stages=2, num_ctas=3, skip_dead_rows=skip)
+        cfg = K.FusedConfig(block_rows=64, stages=stages, out_stages=2, num_ctas=3, skip_dead_rows=skip,
+                            resident=resident)
         x = jnp.asarray(np.nan_to_num(z, nan=0.0) if live_col.all() else z)
         dz, st = jax.jit(lambda x, rd: K.lse_and_dlogits(x.reshape(R, V // w, w), rd, token_grad, cfg=cfg,
                                                           interpret=FUSED._interpret_params()))(x, jnp.asarray(rd))
@@ -764,7 +772,7 @@ def test_fused_kernel_dead_rows(stages, skip):
 
     dz, st = run(live.astype(np.float32))
     assert not np.any(dz[~live]) and not np.isnan(dz).any()
-    if skip and stages == 2:
+    if skip and (resident or stages == 2):
         assert np.all(st[~live, 0] == 0.0)
     else:
         assert np.all(np.isnan(st[~live, 0]))

@@ -387,9 +387,13 @@ class FusedConfig:
   reverse: the second pass walks the row's tiles backwards, so that it starts on the tiles the first
     pass read last (the likeliest still in L2).
   skip_dead_rows: rows with ``live == 0`` in the row data (masked tokens, the dropped last position) are
-    not read, only written with zeros, and their log-prob is reported as 0 (it applies when ``stages``
-    is at most the tiles a CTA has of each row). H200, 2026-11-30: 7 % / 4 % faster at B = 2 / 16
-    with 12 % of the rows masked, 2 % slower with none.
+    not read, only written with zeros, and their log-prob is reported as 0 (it applies when the row is
+    resident, or ``stages`` is at most the tiles a CTA has of each row). H200, 2026-11-30 (re-read
+    rows): 7 % / 4 % faster at B = 2 / 16 with 12 % of the rows masked, 2 % slower with none.
+  resident: when a CTA's share of a row fits in the ring (``ceil(tiles / cluster) <= stages``), pass B
+    reads the tiles pass A left in shared memory (slot ``t`` holds the CTA's tile ``t``, refilled with the
+    next row's tile once pass B has written it) instead of fetching them again from L2; False re-reads
+    them (the ring streams both passes; ``reverse`` applies).
   """
 
   block_rows: int = 256
@@ -399,6 +403,7 @@ class FusedConfig:
   reverse: bool = True
   cluster: int = 1
   skip_dead_rows: bool = False
+  resident: bool = True
 
   def __post_init__(self):
     if self.block_rows % BLOCK_ROWS or not BLOCK_ROWS <= self.block_rows <= 256:
@@ -458,12 +463,17 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   tpc = _cdiv(n_t, C)  # tiles per CTA of a cluster (the last CTA may have fewer)
   assert (C - 1) * tpc < n_t, (n_t, C)
   n_loc_min = n_t - (C - 1) * tpc  # the fewest tiles a CTA of a cluster has per row (the last CTA's)
+  # Resident rows: a CTA's share of a row fits in the ring, so slot t holds the CTA's tile t from pass A
+  # to pass B (no second read) and is refilled with the next row's tile t right after pass B wrote it.
+  resident = cfg.resident and tpc <= stages
+  n_slots = tpc if resident else stages
   # With ``skip_dead_rows``, dead rows (``live == 0``: masked tokens, the dropped last position) are not
-  # read, only written with zeros. The ring's fetches then depend on the rows' liveness: a fetch runs at
-  # most ``stages`` steps ahead, i.e. within the row's own pass B or, from its pass B, into the next
-  # row's pass A, whose liveness is known once that row's data has arrived (waited for at the end of
-  # pass A). That needs ``stages <= n_loc_min``; otherwise (vocabularies of a few tiles) every row is read.
-  skip = cfg.skip_dead_rows and stages <= n_loc_min
+  # read, only written with zeros. The ring's fetches then depend on the rows' liveness. Resident rows
+  # fetch exactly one row ahead, from pass B. Re-read rows fetch at most ``stages`` steps ahead, i.e.
+  # within the row's own pass B or, from its pass B, into the next row's pass A; that needs ``stages <=
+  # n_loc_min`` (otherwise every row is read). Either way the next row's liveness is known once its data
+  # has arrived, which is waited for at the end of pass A.
+  skip = cfg.skip_dead_rows and (resident or stages <= n_loc_min)
   G = cfg.num_ctas or num_sms
   NC = max(1, min(R, G // C))  # clusters: rows in flight
   dtype = x.dtype
@@ -478,19 +488,25 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
     rank = lax.axis_index("cl") if C > 1 else 0
     t0 = rank * tpc
     n_loc = jnp.minimum(tpc, n_t - t0)  # this CTA's tiles of every row: t0 .. t0 + n_loc - 1
-    steps_per_row = 2 * n_loc
     n_rows = (R - 1 - cid) // NC + 1
+    # the ring's steps: re-read rows take 2 n_loc per row (both passes fetch), resident rows n_loc
+    steps_per_row = n_loc if resident else 2 * n_loc
     n_steps = n_rows * steps_per_row
 
-    def tile_b(t):  # the tile of pass B's step t: backwards, so that it starts on the freshest in L2
+    def tile_b(t):  # re-read rows: pass B's step t walks backwards, starting on the freshest tile in L2
       return t0 + (n_loc - 1 - t if cfg.reverse else t)
 
-    def fetch(f, slot):
+    def copy_tile(i, t, slot):  # the CTA's local tile t of its row i
+      plgpu.copy_gmem_to_smem(x_ref.at[cid + i * NC, pl.ds(tile_start(t0 + t), bs)], x_smem.at[slot],
+                              loaded.at[slot])
+
+    def fetch(f, slot):  # the ring's step f
       i = f // steps_per_row
       j = lax.rem(f, steps_per_row)
-      t = jnp.where(j >= n_loc, tile_b(j - n_loc), t0 + j)
-      plgpu.copy_gmem_to_smem(x_ref.at[cid + i * NC, pl.ds(tile_start(t), bs)], x_smem.at[slot],
-                              loaded.at[slot])
+      if resident:
+        copy_tile(i, j, slot)
+      else:
+        copy_tile(i, jnp.where(j >= n_loc, tile_b(j - n_loc) - t0, j), slot)
 
     # the row data runs one row ahead (double-buffered), so that no row waits on its own copy
     plgpu.copy_gmem_to_smem(rd_ref.at[cid], rd_smem.at[0], rd_bar.at[0])
@@ -504,9 +520,10 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       return x if live is None else jnp.where(live, x, 0)
 
     live0 = row_live(rd_smem.at[0])
-    for s in range(stages):  # with skipping, all of them are row 0's pass A (stages <= n_loc)
+    for s in range(n_slots):  # prologue: row 0's first tiles (with skipping, all of them are row 0's)
+      first = s < n_loc if resident else s < n_steps
 
-      @pl.when(s < n_steps if live0 is None else (s < n_steps) & live0)
+      @pl.when(first if live0 is None else first & live0)
       def _():
         fetch(s, s)
 
@@ -532,8 +549,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
 
       def pass_a(t, carry, masked=False):
         m, l = carry
-        f = f0 + t
-        slot = lax.rem(f, stages)
+        slot = t if resident else lax.rem(f0 + t, stages)
         plgpu.barrier_wait(loaded.at[slot])
         xr = x_smem.at[slot][...].astype(jnp.float32)
         if masked:  # the row's slid-back last tile: its first rows the previous tile already saw
@@ -545,11 +561,12 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
         # maximum the rounding error of m k (2**+-0.5 when m k ~ 1e7, i.e. tiny temperatures)
         p = jnp.exp2((xr - _bcast(m_safe, shape)) * k)
         l = l * jnp.exp2((m - m_safe) * k) + p.sum(axis=1)
-        plgpu.commit_smem()  # every thread has read x_smem[slot] before it is refilled
+        if not resident:  # refill the slot (resident: pass B reads it again, and refills it)
+          plgpu.commit_smem()  # every thread has read x_smem[slot] before it is refilled
 
-        @pl.when(f + stages < n_steps)
-        def _():
-          fetch(f + stages, slot)
+          @pl.when(f0 + t + stages < n_steps)
+          def _():
+            fetch(f0 + t + stages, slot)
 
         return m_new, l
 
@@ -602,25 +619,36 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
         logp = jnp.where(live, logp, 0.0)
 
       def store_and_fetch(t, dz):  # pass B's step t: store its tile, refill its slot
-        f = f0 + n_loc + t
-        slot = lax.rem(f, stages)
-        oslot = lax.rem(f, ost)
+        fo = i * n_loc + t  # the output ring's step
+        oslot = lax.rem(fo, ost)
         plgpu.wait_smem_to_gmem(ost - 1, wait_read_only=True)
         o_smem.at[oslot][...] = dz
         plgpu.commit_smem()  # also: every thread has read x_smem[slot]
-        plgpu.copy_smem_to_gmem(o_smem.at[oslot], o_ref.at[row, pl.ds(tile_start(tile_b(t)), bs)])
+        plgpu.copy_smem_to_gmem(o_smem.at[oslot], o_ref.at[row, pl.ds(tile_start(t0 + t if resident else tile_b(t)), bs)])
+        if resident:  # the next row's tile t into slot t
+          ahead = i + 1 < n_rows
+          if live is not None:
+            ahead &= live_next
+
+          @pl.when(ahead)
+          def _():
+            copy_tile(i + 1, t, t)
+
+          return
+        f = f0 + n_loc + t
         ahead = f + stages < n_steps
         if live is not None:  # the step ahead is in this row's pass B, or in the next row's pass A
           ahead &= jnp.where(t + stages < n_loc, live, live_next)
 
         @pl.when(ahead)
         def _():
-          fetch(f + stages, slot)
+          fetch(f + stages, lax.rem(f, stages))
 
       @pl.loop(0, both(live, n_loc))
       def _pass_b(t):
-        slot = lax.rem(f0 + n_loc + t, stages)
-        plgpu.barrier_wait(loaded.at[slot])
+        slot = t if resident else lax.rem(f0 + n_loc + t, stages)
+        if not resident:
+          plgpu.barrier_wait(loaded.at[slot])
         z2 = (x_smem.at[slot][...].astype(jnp.float32) - m_all) * k - log2_l
         store_and_fetch(t, jnp.where(dz_live, neg_c * jnp.exp2(z2), 0.0).astype(dtype))
 
@@ -644,9 +672,9 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
     plgpu.wait_smem_to_gmem(0)
 
   scratch = [
-      plgpu.SMEM((stages, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
+      plgpu.SMEM((n_slots, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.SMEM((ost, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
-      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=n_slots),
       plgpu.SMEM((2, ROW_WIDTH), jnp.float32),
       plgpu.Barrier(num_arrivals=1, num_barriers=2),
       plgpu.SMEM((bs,), jnp.float32),

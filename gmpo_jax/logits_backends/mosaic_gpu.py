@@ -62,6 +62,10 @@ class MosaicGpuLogitsBackend:
     default: measured on the H200 (2026-11-30, GRPO, Llama-3 vocabulary, T = 1024) it is 7 % / 4 % faster
     at B = 2 / 16 with the suite's ragged masks (12 % of the tokens masked) and 2 % slower with a full
     mask, which the benchmarks use. Turn it on for batches with padding.
+    ``resident_rows`` (fused path only): when a CTA's share of a row fits in its shared-memory ring (the
+    device plan: a quarter of a Llama-3 or Qwen row per CTA of a cluster), the kernel's second pass reads
+    the row from shared memory instead of fetching it again; False re-reads it (mostly from L2), the
+    kernel measured before 2026-11-30's seventh session (kept for A / B runs and the tests).
     ``inplace``: the backward writes ``dlogits`` into the logits' buffer (Liger's ``inplace``): one
     ``[B, T(+1), V]`` buffer instead of two when the logits are dead after the loss (donated to the jit,
     or an intermediate of the same jit, as in a training step); otherwise XLA copies them first, which
@@ -82,6 +86,7 @@ class MosaicGpuLogitsBackend:
     inplace: bool = False
     fused: bool = True
     skip_masked_rows: bool = False
+    resident_rows: bool = True
     interpret: bool = False
     name: str = "mosaic_gpu"
 
@@ -214,7 +219,7 @@ class MosaicGpuLogitsBackend:
             clusters = {4: sms * 31 // 66, 2: sms, 1: 2 * sms}[cluster]
             num_ctas = cluster * clusters
         return w, K.FusedConfig(block_rows=bs, stages=stages, out_stages=2, cluster=cluster, num_ctas=num_ctas,
-                                skip_dead_rows=self.skip_masked_rows)
+                                skip_dead_rows=self.skip_masked_rows, resident=self.resident_rows)
 
     def logprobs_and_dlogits(self, logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
                              rollout_is_ratio, weights, mask, id_ok):
