@@ -112,7 +112,7 @@ def _safe_ids(ids, mask, V: int):
     return safe_ids, (safe_ids >= 0) & (safe_ids < V)
 
 
-def _objective(objective: Objective, logp, data: ChunkData, num_items, *, with_grads: bool):
+def _objective(objective: Objective, logp, data: ChunkData, num_items, *, with_grads: bool, loss=None):
     """Loss, metrics and (``with_grads``) ``d loss / d logp`` of the objective on the ``[B, T]`` log-probs.
 
     A token-local objective's loss is one weighted sum, ``sum_{b,t} token_weights * token_loss`` (the
@@ -120,7 +120,8 @@ def _objective(objective: Objective, logp, data: ChunkData, num_items, *, with_g
     of the per-sequence and batch reductions and the division of ``chunk_numerator / denominator``
     (measured on the H200: four small kernels after the fused one become two). Its ``loss_numerator``
     is ``loss * loss_denominator``; the metrics come from ``chunk_numerator``'s sums (XLA drops them
-    when unused).
+    when unused). ``loss``: that sum, already formed (the fused kernel writes each token's term), so
+    that no ``[B, T]`` pass recomputes it (token-local objectives, ``with_grads=False`` only).
     """
     mask = data.mask
     denom = objective.denominator(mask, num_items).astype(jnp.float32)
@@ -134,10 +135,11 @@ def _objective(objective: Objective, logp, data: ChunkData, num_items, *, with_g
                 return jnp.sum(jnp.where(mask, weights * tl, 0.0))
 
             if with_grads:
+                assert loss is None
                 loss, g = jax.value_and_grad(total)(logp)
                 dlogp = jnp.where(mask, g, 0.0)
             else:
-                loss, dlogp = total(logp), None
+                loss, dlogp = total(logp) if loss is None else loss, None
             _, sums = objective.chunk_numerator(jax.lax.stop_gradient(logp), data)
             num = loss * denom
         elif with_grads:
@@ -182,12 +184,13 @@ def _fused(cfg: _Config, objective: Objective, logits) -> bool:
 
 def _run_fused(cfg, objective, logits, ids, mask, adv, old, ref, ris, num_items, temperature):
     safe_ids, id_ok = _safe_ids(ids, mask, logits.shape[-1])
-    logp, dlogits = cfg.backend.logprobs_and_dlogits(
+    logp, loss, dlogits = cfg.backend.logprobs_and_dlogits(
         logits, safe_ids, T=cfg.T, temperature=temperature, objective=objective, old_logps=old, ref_logps=ref,
         advantages=adv, rollout_is_ratio=ris, weights=objective.token_weights(mask, num_items), mask=mask,
         id_ok=id_ok)
     logp = jnp.where(id_ok, logp, jnp.nan)
-    loss, aux, _ = _objective(objective, logp, ChunkData(mask, adv, old, ref, ris), num_items, with_grads=False)
+    loss, aux, _ = _objective(objective, logp, ChunkData(mask, adv, old, ref, ris), num_items, with_grads=False,
+                              loss=loss)
     return loss, aux, dlogits
 
 

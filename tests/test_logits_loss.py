@@ -757,21 +757,22 @@ def test_fused_kernel_dead_rows(stages, skip, resident):
     old = -np.abs(rng.normal(size=R)).astype(np.float32) - 7.0
     scale = np.where(live, 0.5 / tau, 0.0).astype(np.float32)
 
-    def token_grad(logp, old, ref, adv, ris, alive):
-        return -adv * jnp.exp(logp - old)
+    def token_fn(logp, old, ref, adv, ris, alive):  # ptl = -A exp(logp - old), its own derivative
+        ptl = -adv * jnp.exp(logp - old)
+        return ptl, ptl
 
     def run(live_col):
-        cols = [np.full(R, K.LOG2E / tau), z[np.arange(R), ids], old, np.zeros(R), adv, np.ones(R), scale, live_col]
-        rd = np.stack([np.asarray(c, np.float32) for c in cols] + [np.zeros(R, np.float32)] * (K.ROW_WIDTH - 8), 1)
+        cols = [np.full(R, K.LOG2E / tau), ids, old, np.zeros(R), adv, np.ones(R), scale, live_col, scale * tau]
+        rd = np.stack([np.asarray(c, np.float32) for c in cols] + [np.zeros(R, np.float32)] * (K.ROW_WIDTH - 9), 1)
         cfg = K.FusedConfig(block_rows=64, stages=stages, out_stages=2, num_ctas=3, skip_dead_rows=skip,
                             resident=resident)
         x = jnp.asarray(np.nan_to_num(z, nan=0.0) if live_col.all() else z)
-        dz, st = jax.jit(lambda x, rd: K.lse_and_dlogits(x.reshape(R, V // w, w), rd, token_grad, cfg=cfg,
+        dz, st = jax.jit(lambda x, rd: K.lse_and_dlogits(x.reshape(R, V // w, w), rd, token_fn, cfg=cfg,
                                                           interpret=FUSED._interpret_params()))(x, jnp.asarray(rd))
         return np.asarray(dz, np.float64).reshape(R, V), np.asarray(st, np.float64)
 
     dz, st = run(live.astype(np.float32))
-    assert not np.any(dz[~live]) and not np.isnan(dz).any()
+    assert not np.any(dz[~live]) and not np.isnan(dz).any() and not np.any(st[~live, 3])
     if skip and (resident or stages == 2):
         assert np.all(st[~live, 0] == 0.0)
     else:
@@ -782,7 +783,9 @@ def test_fused_kernel_dead_rows(stages, skip, resident):
     c = scale[live] * -adv[live] * np.exp(logp - old[live])
     want = -c[:, None] * np.exp(zl - lse[:, None])
     np.testing.assert_allclose(st[live, 0], logp, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(st[live, 2], c, rtol=2e-6)  # the gradient scale, and each token's loss term
+    np.testing.assert_allclose(st[live, 3], c * tau, rtol=2e-6)
     np.testing.assert_allclose(dz[live], want, rtol=0, atol=2e-6 * np.abs(want).max())
     dz_all, st_all = run(np.ones(R, np.float32))  # every row live: the live rows' results are the same
     np.testing.assert_array_equal(dz_all[live], dz[live])
-    np.testing.assert_array_equal(st_all[live, :3], st[live, :3])
+    np.testing.assert_array_equal(st_all[live, :4], st[live, :4])

@@ -13,7 +13,8 @@ Optional (``mosaic_gpu``), for token-local objectives under differentiation::
 
     fused_plan(*, dtype, R, V) -> plan or None       # None: use the two methods above
     logprobs_and_dlogits(logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
-                         rollout_is_ratio, weights, mask, id_ok) -> (logp [B, T] f32, dlogits for a unit cotangent)
+                         rollout_is_ratio, weights, mask, id_ok)
+        -> (logp [B, T] f32, loss f32 scalar, dlogits for a unit cotangent)
 
 Dispatch as in ``gmpo_jax.backends.base``: ``implementation=None`` tries ``"mosaic_gpu"`` (Hopper GPUs)
 then ``"xla"``; an explicit name never falls back. A backend *instance* may be passed too (e.g.

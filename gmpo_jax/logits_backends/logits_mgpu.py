@@ -369,7 +369,8 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bo
 # ------------------------------------------------------------------------------------------------
 # Two passes over a row in one CTA: the forward of a token-local objective writes dlogits
 # ------------------------------------------------------------------------------------------------
-ROW_DATA = ("k", "target_logit", "old", "ref", "adv", "ris", "scale", "live")  # first columns of ``row_data``
+ROW_DATA = ("k", "target", "old", "ref", "adv", "ris", "scale", "live", "weight")  # first columns of ``row_data``
+MAX_VOCAB = 1 << 24  # ``target`` holds a vocabulary id as a float32: exact below 2**24
 ROW_WIDTH = 32  # floats per row of ``row_data`` / ``stats``: a bulk copy moves a multiple of 128 bytes
 
 
@@ -429,12 +430,14 @@ def _slab_transforms(w, dtype):
   return (plgpu.TilingTransform((8, w)), plgpu.SwizzleTransform(nbytes))
 
 
-def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int = 132, interpret=None):
+def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 132, interpret=None):
   """Per row of ``x``: log-sum-exp, log-prob, ``d loss / d logp`` and the row's ``dlogits``, in one kernel.
 
   Pass A streams the row's tiles (online max / sum of ``exp2((x - m) k)`` per slab row, merged at the
-  end); the token's ``logp`` and gradient scale ``c`` follow in registers; pass B streams the same
-  tiles again (from L2 if they are still there) and writes ``dz = -c exp2((x - m) k - log2 l)``. With
+  end); the token's ``logp`` (from the target's slab row, fetched on its own when the row starts), its
+  weighted loss and gradient scale ``c`` follow in registers; pass B reads the same tiles again (from
+  shared memory when the row is resident in the ring, see :class:`FusedConfig`, else from L2 if they are
+  still there) and writes ``dz = -c exp2((x - m) k - log2 l)``. With
   ``cfg.cluster > 1`` the row's tiles are split among the CTAs of a cluster, which merge their per-slab-row
   ``(m, l)`` through distributed shared memory between the passes (not in the interpreter). The
   softmax is formed relative to the row's maximum ``m`` (``x - m`` is exact), so the maximum's
@@ -443,18 +446,21 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   Args:
     x: ``[R, S, w]`` logits (``S * w = V``; a free reshape of ``[R, V]``, see :func:`slab_width`).
     row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``; the
-      target's raw logit ``x[id]`` (NaN: the row's log-prob is NaN); the objective's per-token data
-      (old / reference log-prob, advantage, rollout IS ratio); ``scale`` = the token's weight in the
-      loss divided by ``T`` (0: the row carries no gradient and its ``dz`` is exactly 0); ``live``, 0 for
-      a masked token or the dropped last position (with ``cfg.skip_dead_rows`` such a row is not read).
-    token_grad: ``f(logp, old, ref, adv, ris, live) -> d ptl / d logp``, elementwise jnp on scalars
-      (traced in the kernel; ``live`` is ``scale != 0``, a traced bool: the lowering takes no boolean
-      constants).
+      target's id in ``[0, V)`` as a float (``V <`` :data:`MAX_VOCAB`; NaN: the row's log-prob is NaN);
+      the objective's per-token data (old / reference log-prob, advantage, rollout IS ratio); ``scale`` =
+      the token's weight in the loss divided by ``T`` (0: the row carries no gradient and its ``dz`` is
+      exactly 0); ``live``, 0 for a masked token or the dropped last position (with
+      ``cfg.skip_dead_rows`` such a row is not read, except its target's slab row); ``weight``, the
+      token's weight in the loss.
+    token_fn: ``f(logp, old, ref, adv, ris, live) -> (ptl, d ptl / d logp)``, the per-token loss and its
+      derivative, elementwise jnp on scalars (traced in the kernel; ``live`` is ``scale != 0``, a traced
+      bool: the lowering takes no boolean constants).
 
   Returns:
     ``(dz [R, S, w] x.dtype, stats [R, ROW_WIDTH] float32)``: ``dz = -c softmax`` (the caller adds the
-    one-hot's ``c`` at the target) with ``c = scale * token_grad(logp, ...)``; ``stats[:, 0] = logp``,
-    ``stats[:, 1] = lse`` (natural units of ``z / T``), ``stats[:, 2] = c``.
+    one-hot's ``c`` at the target) with ``c = scale * d ptl / d logp``; ``stats[:, 0] = logp``,
+    ``stats[:, 1] = lse`` (natural units of ``z / T``), ``stats[:, 2] = c``, ``stats[:, 3] = weight *
+    ptl`` (0 where ``live == 0``: the loss is their sum).
   """
   R, S, w = x.shape
   bs, stages, ost, C = cfg.block_rows, cfg.stages, cfg.out_stages, cfg.cluster
@@ -479,11 +485,13 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
   dtype = x.dtype
   shape = (bs, w)
   tail_seen = n_t * bs - S  # slab rows of the last (slid-back) tile that the previous tile covered
+  tg_rows = max(1, 128 // (w * jnp.dtype(dtype).itemsize))  # a copy moves a multiple of 128 bytes
 
   def tile_start(t):
     return jnp.minimum(t * bs, S - bs)
 
-  def kernel(x_ref, rd_ref, o_ref, st_ref, x_smem, o_smem, loaded, rd_smem, rd_bar, st_smem, *xchg):
+  def kernel(x_ref, rd_ref, o_ref, st_ref, x_smem, o_smem, loaded, rd_smem, rd_bar, st_smem, tg_smem, tg_bar,
+             *xchg):
     cid = lax.axis_index("cta")
     rank = lax.axis_index("cl") if C > 1 else 0
     t0 = rank * tpc
@@ -546,6 +554,13 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       rd = rd_smem.at[rs]
       k = rd[0]
       live = row_live(rd)
+      # the 128 bytes of slab rows around the target, in flight during pass A (a dead row's too, so that
+      # the barrier keeps one phase per row)
+      target = rd[1]
+      no_target = target != target  # NaN: an unmasked id outside [0, V)
+      tid = jnp.where(no_target, 0.0, target).astype(jnp.int32)
+      tg0 = jnp.minimum(tid // w, S - tg_rows)
+      plgpu.copy_gmem_to_smem(x_ref.at[row, pl.ds(tg0, tg_rows)], tg_smem.at[rs], tg_bar.at[rs])
 
       def pass_a(t, carry, masked=False):
         m, l = carry
@@ -609,10 +624,14 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       log2_l = jnp.log2(l_all)
       lse = (m_all * k + log2_l) * LN2
       # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
-      logp = jnp.minimum(((rd[1] - m_all) * k - log2_l) * LN2, 0.0)
+      plgpu.barrier_wait(tg_bar.at[rs])
+      x_t = tg_smem.at[rs][tid // w - tg0, lax.rem(tid, w)].astype(jnp.float32)
+      x_t = jnp.where(no_target, jnp.nan, x_t)
+      logp = jnp.minimum(((x_t - m_all) * k - log2_l) * LN2, 0.0)
       scale = rd[6]
-      g = token_grad(logp, rd[2], rd[3], rd[4], rd[5], scale != 0.0)
+      ptl, g = token_fn(logp, rd[2], rd[3], rd[4], rd[5], scale != 0.0)
       c = jnp.where(scale != 0.0, scale * g, 0.0)
+      loss_term = jnp.where(rd[7] != 0.0, rd[8] * ptl, 0.0)
       neg_c = -c
       dz_live = jnp.broadcast_to(c != 0.0, shape)  # rows without gradient: exactly 0, whatever x holds
       if live is not None:
@@ -661,7 +680,7 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       @pl.when(rank == 0)
       def _():
         idx = iota(jnp.int32, (bs,), 0, _ROW, interpret)
-        st = jnp.where(idx == 0, logp, jnp.where(idx == 1, lse, c))
+        st = jnp.where(idx == 0, logp, jnp.where(idx == 1, lse, jnp.where(idx == 2, c, jnp.where(idx == 3, loss_term, 0.0))))
         # the previous row's stats have left st_smem: at most the n_loc_min copies of this row's pass B,
         # which came after them, are still reading (waiting for all of them would stall the next row)
         plgpu.wait_smem_to_gmem(n_loc_min, wait_read_only=True)
@@ -678,6 +697,8 @@ def lse_and_dlogits(x, row_data, token_grad, *, cfg: FusedConfig, num_sms: int =
       plgpu.SMEM((2, ROW_WIDTH), jnp.float32),
       plgpu.Barrier(num_arrivals=1, num_barriers=2),
       plgpu.SMEM((bs,), jnp.float32),
+      plgpu.SMEM((2, tg_rows, w), dtype),  # the target's slab rows (double-buffered like the row data)
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),
   ]
   cluster = {}
   if C > 1:

@@ -199,7 +199,7 @@ class MosaicGpuLogitsBackend:
         a row in flight per SM). The interpreter has no
         clusters: there each CTA owns its rows (``cluster=1``).
         """
-        if self.inplace or not self.fused or jnp.dtype(dtype) == jnp.float16:
+        if self.inplace or not self.fused or jnp.dtype(dtype) == jnp.float16 or V >= K.MAX_VOCAB:
             return None
         w = K.slab_width(V, dtype)
         if w is None:
@@ -230,7 +230,8 @@ class MosaicGpuLogitsBackend:
         ``skip_masked_rows`` the kernel does not read its row (its log-prob is reported as 0), nor the
         dropped last position of ``[B, T + 1, V]`` logits;
         ``id_ok``: ``[B, T]`` bool, False where an unmasked id is out of range (its log-prob is NaN).
-        Returns ``(logp [B, T] f32, dlogits [B, Tl, V] logits.dtype)`` with
+        Returns ``(logp [B, T] f32, loss f32 scalar, dlogits [B, Tl, V] logits.dtype)`` with
+        ``loss = sum(where(mask, w * token_loss, 0))`` (each token's term formed in the kernel) and
         ``dlogits = w / tau * d token_loss / d logp * (onehot - softmax(z / tau))``.
         """
         B, Tl, V = logits.shape
@@ -238,32 +239,31 @@ class MosaicGpuLogitsBackend:
         w, cfg = self.fused_plan(dtype=logits.dtype, R=R, V=V)
         pad = lambda a: jnp.pad(jnp.broadcast_to(a, (B, T)).astype(jnp.float32), ((0, 0), (0, Tl - T))).reshape(R)
         safe = jnp.clip(ids, 0, V - 1)
-        x_t = logits[jnp.arange(B)[:, None], jnp.arange(T)[None, :], safe].astype(jnp.float32)
-        x_t = jnp.where(id_ok, x_t, jnp.nan)
         zeros = jnp.zeros((R,), jnp.float32)
-        cols = [jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), pad(x_t),
+        # the kernel picks the target logit itself: its id, NaN where it is out of range
+        cols = [jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), pad(jnp.where(id_ok, safe, jnp.nan)),
                 zeros if old_logps is None else pad(old_logps), zeros if ref_logps is None else pad(ref_logps),
                 pad(advantages[:, None]), zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
-                pad(weights) / temperature, pad(mask)]
+                pad(weights) / temperature, pad(mask), pad(weights)]
         row_data = jnp.stack(cols + [zeros] * (K.ROW_WIDTH - len(cols)), axis=1)
         # hyper-parameters enter the kernel as constants (the caller checked they are concrete)
         obj = jax.tree.map(float, objective)
         has = (old_logps is not None, ref_logps is not None, rollout_is_ratio is not None)
 
-        def token_grad(logp, old, ref, adv, ris, live):
+        def token_fn(logp, old, ref, adv, ris, live):
             args = [v if h else None for v, h in zip((old, ref, ris), has)]
-            grad = jax.grad(lambda lp: obj.token_loss(lp, args[0], args[1], adv, args[2], mask=live))
-            return _inline(jax.make_jaxpr(grad)(logp), logp)[0]
+            fn = jax.value_and_grad(lambda lp: obj.token_loss(lp, args[0], args[1], adv, args[2], mask=live))
+            return tuple(_inline(jax.make_jaxpr(fn)(logp), logp))
 
         with jax.named_scope("gmpo_jax/mosaic_gpu/lse_and_dlogits"):
-            dz, stats = K.lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_grad, cfg=cfg,
+            dz, stats = K.lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_fn, cfg=cfg,
                                           num_sms=_num_sms(), interpret=self._interpret_params())
-            logp, c = stats[:, 0], stats[:, 2]
+            logp, c, loss = stats[:, 0], stats[:, 2], jnp.sum(stats[:, 3])
             # the one-hot's term at the target: c (1 - p) with p = exp(logp), in float32 (the kernel wrote -c p)
             hit = jnp.where(c != 0.0, c * -jnp.expm1(logp), 0.0).astype(logits.dtype)
             tgt = jnp.pad(safe, ((0, 0), (0, Tl - T))).reshape(R)
             dz = dz.reshape(R, V).at[jnp.arange(R), tgt].set(hit, unique_indices=True)
-        return logp.reshape(B, Tl)[:, :T], dz.reshape(B, Tl, V)
+        return logp.reshape(B, Tl)[:, :T], loss, dz.reshape(B, Tl, V)
 
 
 def _inline(closed, *args):
