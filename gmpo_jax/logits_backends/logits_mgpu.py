@@ -516,10 +516,24 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       else:
         copy_tile(i, jnp.where(j >= n_loc, tile_b(j - n_loc) - t0, j), slot)
 
-    # the row data runs one row ahead (double-buffered), so that no row waits on its own copy
-    plgpu.copy_gmem_to_smem(rd_ref.at[cid], rd_smem.at[0], rd_bar.at[0])
-    if skip:
-      plgpu.barrier_wait(rd_bar.at[0])
+    # The row data is copied two rows ahead (three buffers) and waited for one row ahead, at the end of
+    # the previous row's pass A (which also gives the next row's liveness). The 128 bytes of slab rows
+    # around the row's target are then copied (two buffers), so that they are in flight during that
+    # row's pass B and the next row's pass A: no row waits on its own copies.
+    def copy_row_data(i):
+      plgpu.copy_gmem_to_smem(rd_ref.at[cid + i * NC], rd_smem.at[lax.rem(i, 3)], rd_bar.at[lax.rem(i, 3)])
+
+    def target_of(i):  # (id, 0 or its first slab row in the copy, NaN id) from row i's data
+      target = rd_smem.at[lax.rem(i, 3)][1]
+      no_target = target != target  # NaN: an unmasked id outside [0, V)
+      tid = jnp.where(no_target, 0.0, target).astype(jnp.int32)
+      return tid, jnp.minimum(tid // w, S - tg_rows), no_target
+
+    def next_row_data(i):  # wait for row i's data, copy its target's slab rows (a dead row's too)
+      plgpu.barrier_wait(rd_bar.at[lax.rem(i, 3)])
+      _, tg0, _ = target_of(i)
+      plgpu.copy_gmem_to_smem(x_ref.at[cid + i * NC, pl.ds(tg0, tg_rows)], tg_smem.at[lax.rem(i, 2)],
+                              tg_bar.at[lax.rem(i, 2)])
 
     def row_live(rd):  # a traced bool, or None: every row is read
       return rd[7] != 0.0 if skip else None
@@ -527,13 +541,26 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
     def both(live, x):  # x where live (every row without skipping), else 0
       return x if live is None else jnp.where(live, x, 0)
 
-    live0 = row_live(rd_smem.at[0])
-    for s in range(n_slots):  # prologue: row 0's first tiles (with skipping, all of them are row 0's)
-      first = s < n_loc if resident else s < n_steps
+    def prologue():  # row 0's first tiles (with skipping, all of them are row 0's, if it is live)
+      live0 = row_live(rd_smem.at[0])
+      for s in range(n_slots):
+        first = s < n_loc if resident else s < n_steps
 
-      @pl.when(first if live0 is None else first & live0)
-      def _():
-        fetch(s, s)
+        @pl.when(first if live0 is None else first & live0)
+        def _():
+          fetch(s, s)
+
+    copy_row_data(0)
+
+    @pl.when(n_rows > 1)
+    def _():
+      copy_row_data(1)
+
+    if not skip:  # the first tiles need no row data
+      prologue()
+    next_row_data(0)
+    if skip:
+      prologue()
 
     neg_inf = layout_cast(jnp.full((bs,), -jnp.inf, jnp.float32), _ROW, interpret)
     zero = layout_cast(jnp.full((bs,), 0.0, jnp.float32), _ROW, interpret)
@@ -542,25 +569,15 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
     def _row(i):
       row = cid + i * NC
       f0 = i * steps_per_row
-      rs = lax.rem(i, 2)
-      if not skip:
-        plgpu.barrier_wait(rd_bar.at[rs])
 
-      # slot 1 - rs was last read by row i - 1, before the warpgroup barriers of its pass B
-      @pl.when(i + 1 < n_rows)
+      # row data buffer (i + 2) % 3 was last read by row i - 1, before the warpgroup barriers of its pass B
+      @pl.when(i + 2 < n_rows)
       def _():
-        plgpu.copy_gmem_to_smem(rd_ref.at[row + NC], rd_smem.at[1 - rs], rd_bar.at[1 - rs])
+        copy_row_data(i + 2)
 
-      rd = rd_smem.at[rs]
+      rd = rd_smem.at[lax.rem(i, 3)]
       k = rd[0]
       live = row_live(rd)
-      # the 128 bytes of slab rows around the target, in flight during pass A (a dead row's too, so that
-      # the barrier keeps one phase per row)
-      target = rd[1]
-      no_target = target != target  # NaN: an unmasked id outside [0, V)
-      tid = jnp.where(no_target, 0.0, target).astype(jnp.int32)
-      tg0 = jnp.minimum(tid // w, S - tg_rows)
-      plgpu.copy_gmem_to_smem(x_ref.at[row, pl.ds(tg0, tg_rows)], tg_smem.at[rs], tg_bar.at[rs])
 
       def pass_a(t, carry, masked=False):
         m, l = carry
@@ -594,11 +611,11 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
         carry = lax.fori_loop(0, n_a1, pass_a, (neg_inf, zero))
         m, l = lax.fori_loop(n_a1, n_a, lambda t, c: pass_a(t, c, masked=tail_seen > 0), carry)
 
-        @pl.when(i + 1 < n_rows)
-        def _():
-          plgpu.barrier_wait(rd_bar.at[1 - rs])  # the next row's data, for its liveness
+      @pl.when(i + 1 < n_rows)
+      def _():
+        next_row_data(i + 1)  # (tg buffer (i + 1) % 2 was last read by row i - 1)
 
-      live_next = row_live(rd_smem.at[1 - rs])  # (stale after the last row, whose fetches all stop)
+      live_next = row_live(rd_smem.at[lax.rem(i + 1, 3)])  # (stale after the last row, whose fetches all stop)
       if C > 1:  # merge the cluster's per-slab-row statistics through distributed shared memory
         m_part, l_part, bars = xchg
         ready, read = bars.at[0], bars.at[1]  # (num_barriers=1 is a 0-d ref on jax 0.11)
@@ -624,8 +641,9 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       log2_l = jnp.log2(l_all)
       lse = (m_all * k + log2_l) * LN2
       # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
-      plgpu.barrier_wait(tg_bar.at[rs])
-      x_t = tg_smem.at[rs][tid // w - tg0, lax.rem(tid, w)].astype(jnp.float32)
+      tid, tg0, no_target = target_of(i)
+      plgpu.barrier_wait(tg_bar.at[lax.rem(i, 2)])
+      x_t = tg_smem.at[lax.rem(i, 2)][tid // w - tg0, lax.rem(tid, w)].astype(jnp.float32)
       x_t = jnp.where(no_target, jnp.nan, x_t)
       logp = jnp.minimum(((x_t - m_all) * k - log2_l) * LN2, 0.0)
       scale = rd[6]
@@ -694,8 +712,8 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       plgpu.SMEM((n_slots, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.SMEM((ost, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.Barrier(num_barriers=n_slots),
-      plgpu.SMEM((2, ROW_WIDTH), jnp.float32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      plgpu.SMEM((3, ROW_WIDTH), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=3),
       plgpu.SMEM((bs,), jnp.float32),
       plgpu.SMEM((2, tg_rows, w), dtype),  # the target's slab rows (double-buffered like the row data)
       plgpu.Barrier(num_arrivals=1, num_barriers=2),
