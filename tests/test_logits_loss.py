@@ -762,7 +762,8 @@ def test_fused_kernel_dead_rows(stages, skip, resident):
         return ptl, ptl
 
     def run(live_col):
-        cols = [np.full(R, K.LOG2E / tau), ids, old, np.zeros(R), adv, np.ones(R), scale, live_col, scale * tau]
+        cols = [np.full(R, K.LOG2E / tau), z[np.arange(R), ids], old, np.zeros(R), adv, np.ones(R), scale, live_col,
+                scale * tau]
         rd = np.stack([np.asarray(c, np.float32) for c in cols] + [np.zeros(R, np.float32)] * (K.ROW_WIDTH - 9), 1)
         cfg = K.FusedConfig(block_rows=64, stages=stages, out_stages=2, num_ctas=3, skip_dead_rows=skip,
                             resident=resident)

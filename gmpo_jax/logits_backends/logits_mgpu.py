@@ -369,8 +369,7 @@ def dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: KernelConfig, inplace: bo
 # ------------------------------------------------------------------------------------------------
 # Two passes over a row in one CTA: the forward of a token-local objective writes dlogits
 # ------------------------------------------------------------------------------------------------
-ROW_DATA = ("k", "target", "old", "ref", "adv", "ris", "scale", "live", "weight")  # first columns of ``row_data``
-MAX_VOCAB = 1 << 24  # ``target`` holds a vocabulary id as a float32: exact below 2**24
+ROW_DATA = ("k", "target_logit", "old", "ref", "adv", "ris", "scale", "live", "weight")  # first columns of ``row_data``
 ROW_WIDTH = 32  # floats per row of ``row_data`` / ``stats``: a bulk copy moves a multiple of 128 bytes
 
 
@@ -434,10 +433,10 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
   """Per row of ``x``: log-sum-exp, log-prob, ``d loss / d logp`` and the row's ``dlogits``, in one kernel.
 
   Pass A streams the row's tiles (online max / sum of ``exp2((x - m) k)`` per slab row, merged at the
-  end); the token's ``logp`` (from the target's slab row, fetched on its own when the row starts), its
-  weighted loss and gradient scale ``c`` follow in registers; pass B reads the same tiles again (from
-  shared memory when the row is resident in the ring, see :class:`FusedConfig`, else from L2 if they are
-  still there) and writes ``dz = -c exp2((x - m) k - log2 l)``. With
+  end); the token's ``logp``, weighted loss and gradient scale ``c`` follow in registers; pass B reads
+  the same tiles again (from shared memory when the row is resident in the ring, see
+  :class:`FusedConfig`, else from L2 if they are still there) and writes
+  ``dz = -c exp2((x - m) k - log2 l)``. With
   ``cfg.cluster > 1`` the row's tiles are split among the CTAs of a cluster, which merge their per-slab-row
   ``(m, l)`` through distributed shared memory between the passes (not in the interpreter). The
   softmax is formed relative to the row's maximum ``m`` (``x - m`` is exact), so the maximum's
@@ -446,12 +445,11 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
   Args:
     x: ``[R, S, w]`` logits (``S * w = V``; a free reshape of ``[R, V]``, see :func:`slab_width`).
     row_data: ``[R, ROW_WIDTH]`` float32, first columns :data:`ROW_DATA`: ``k = log2(e) / T``; the
-      target's id in ``[0, V)`` as a float (``V <`` :data:`MAX_VOCAB`; NaN: the row's log-prob is NaN);
-      the objective's per-token data (old / reference log-prob, advantage, rollout IS ratio); ``scale`` =
-      the token's weight in the loss divided by ``T`` (0: the row carries no gradient and its ``dz`` is
-      exactly 0); ``live``, 0 for a masked token or the dropped last position (with
-      ``cfg.skip_dead_rows`` such a row is not read, except its target's slab row); ``weight``, the
-      token's weight in the loss.
+      target's raw logit ``x[id]`` (NaN: the row's log-prob is NaN); the objective's per-token data
+      (old / reference log-prob, advantage, rollout IS ratio); ``scale`` = the token's weight in the
+      loss divided by ``T`` (0: the row carries no gradient and its ``dz`` is exactly 0); ``live``, 0 for
+      a masked token or the dropped last position (with ``cfg.skip_dead_rows`` such a row is not read);
+      ``weight``, the token's weight in the loss.
     token_fn: ``f(logp, old, ref, adv, ris, live) -> (ptl, d ptl / d logp)``, the per-token loss and its
       derivative, elementwise jnp on scalars (traced in the kernel; ``live`` is ``scale != 0``, a traced
       bool: the lowering takes no boolean constants).
@@ -485,13 +483,11 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
   dtype = x.dtype
   shape = (bs, w)
   tail_seen = n_t * bs - S  # slab rows of the last (slid-back) tile that the previous tile covered
-  tg_rows = max(1, 128 // (w * jnp.dtype(dtype).itemsize))  # a copy moves a multiple of 128 bytes
 
   def tile_start(t):
     return jnp.minimum(t * bs, S - bs)
 
-  def kernel(x_ref, rd_ref, o_ref, st_ref, x_smem, o_smem, loaded, rd_smem, rd_bar, st_smem, tg_smem, tg_bar,
-             *xchg):
+  def kernel(x_ref, rd_ref, o_ref, st_ref, x_smem, o_smem, loaded, rd_smem, rd_bar, st_smem, *xchg):
     cid = lax.axis_index("cta")
     rank = lax.axis_index("cl") if C > 1 else 0
     t0 = rank * tpc
@@ -516,24 +512,10 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       else:
         copy_tile(i, jnp.where(j >= n_loc, tile_b(j - n_loc) - t0, j), slot)
 
-    # The row data is copied two rows ahead (three buffers) and waited for one row ahead, at the end of
-    # the previous row's pass A (which also gives the next row's liveness). The 128 bytes of slab rows
-    # around the row's target are then copied (two buffers), so that they are in flight during that
-    # row's pass B and the next row's pass A: no row waits on its own copies.
-    def copy_row_data(i):
-      plgpu.copy_gmem_to_smem(rd_ref.at[cid + i * NC], rd_smem.at[lax.rem(i, 3)], rd_bar.at[lax.rem(i, 3)])
-
-    def target_of(i):  # (id, 0 or its first slab row in the copy, NaN id) from row i's data
-      target = rd_smem.at[lax.rem(i, 3)][1]
-      no_target = target != target  # NaN: an unmasked id outside [0, V)
-      tid = jnp.where(no_target, 0.0, target).astype(jnp.int32)
-      return tid, jnp.minimum(tid // w, S - tg_rows), no_target
-
-    def next_row_data(i):  # wait for row i's data, copy its target's slab rows (a dead row's too)
-      plgpu.barrier_wait(rd_bar.at[lax.rem(i, 3)])
-      _, tg0, _ = target_of(i)
-      plgpu.copy_gmem_to_smem(x_ref.at[cid + i * NC, pl.ds(tg0, tg_rows)], tg_smem.at[lax.rem(i, 2)],
-                              tg_bar.at[lax.rem(i, 2)])
+    # the row data runs one row ahead (double-buffered), so that no row waits on its own copy
+    plgpu.copy_gmem_to_smem(rd_ref.at[cid], rd_smem.at[0], rd_bar.at[0])
+    if skip:
+      plgpu.barrier_wait(rd_bar.at[0])
 
     def row_live(rd):  # a traced bool, or None: every row is read
       return rd[7] != 0.0 if skip else None
@@ -541,26 +523,13 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
     def both(live, x):  # x where live (every row without skipping), else 0
       return x if live is None else jnp.where(live, x, 0)
 
-    def prologue():  # row 0's first tiles (with skipping, all of them are row 0's, if it is live)
-      live0 = row_live(rd_smem.at[0])
-      for s in range(n_slots):
-        first = s < n_loc if resident else s < n_steps
+    live0 = row_live(rd_smem.at[0])
+    for s in range(n_slots):  # prologue: row 0's first tiles (with skipping, all of them are row 0's)
+      first = s < n_loc if resident else s < n_steps
 
-        @pl.when(first if live0 is None else first & live0)
-        def _():
-          fetch(s, s)
-
-    copy_row_data(0)
-
-    @pl.when(n_rows > 1)
-    def _():
-      copy_row_data(1)
-
-    if not skip:  # the first tiles need no row data
-      prologue()
-    next_row_data(0)
-    if skip:
-      prologue()
+      @pl.when(first if live0 is None else first & live0)
+      def _():
+        fetch(s, s)
 
     neg_inf = layout_cast(jnp.full((bs,), -jnp.inf, jnp.float32), _ROW, interpret)
     zero = layout_cast(jnp.full((bs,), 0.0, jnp.float32), _ROW, interpret)
@@ -569,13 +538,16 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
     def _row(i):
       row = cid + i * NC
       f0 = i * steps_per_row
+      rs = lax.rem(i, 2)
+      if not skip:
+        plgpu.barrier_wait(rd_bar.at[rs])
 
-      # row data buffer (i + 2) % 3 was last read by row i - 1, before the warpgroup barriers of its pass B
-      @pl.when(i + 2 < n_rows)
+      # slot 1 - rs was last read by row i - 1, before the warpgroup barriers of its pass B
+      @pl.when(i + 1 < n_rows)
       def _():
-        copy_row_data(i + 2)
+        plgpu.copy_gmem_to_smem(rd_ref.at[row + NC], rd_smem.at[1 - rs], rd_bar.at[1 - rs])
 
-      rd = rd_smem.at[lax.rem(i, 3)]
+      rd = rd_smem.at[rs]
       k = rd[0]
       live = row_live(rd)
 
@@ -611,11 +583,11 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
         carry = lax.fori_loop(0, n_a1, pass_a, (neg_inf, zero))
         m, l = lax.fori_loop(n_a1, n_a, lambda t, c: pass_a(t, c, masked=tail_seen > 0), carry)
 
-      @pl.when(i + 1 < n_rows)
-      def _():
-        next_row_data(i + 1)  # (tg buffer (i + 1) % 2 was last read by row i - 1)
+        @pl.when(i + 1 < n_rows)
+        def _():
+          plgpu.barrier_wait(rd_bar.at[1 - rs])  # the next row's data, for its liveness
 
-      live_next = row_live(rd_smem.at[lax.rem(i + 1, 3)])  # (stale after the last row, whose fetches all stop)
+      live_next = row_live(rd_smem.at[1 - rs])  # (stale after the last row, whose fetches all stop)
       if C > 1:  # merge the cluster's per-slab-row statistics through distributed shared memory
         m_part, l_part, bars = xchg
         ready, read = bars.at[0], bars.at[1]  # (num_barriers=1 is a 0-d ref on jax 0.11)
@@ -641,11 +613,7 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       log2_l = jnp.log2(l_all)
       lse = (m_all * k + log2_l) * LN2
       # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
-      tid, tg0, no_target = target_of(i)
-      plgpu.barrier_wait(tg_bar.at[lax.rem(i, 2)])
-      x_t = tg_smem.at[lax.rem(i, 2)][tid // w - tg0, lax.rem(tid, w)].astype(jnp.float32)
-      x_t = jnp.where(no_target, jnp.nan, x_t)
-      logp = jnp.minimum(((x_t - m_all) * k - log2_l) * LN2, 0.0)
+      logp = jnp.minimum(((rd[1] - m_all) * k - log2_l) * LN2, 0.0)
       scale = rd[6]
       ptl, g = token_fn(logp, rd[2], rd[3], rd[4], rd[5], scale != 0.0)
       c = jnp.where(scale != 0.0, scale * g, 0.0)
@@ -712,11 +680,9 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       plgpu.SMEM((n_slots, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.SMEM((ost, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.Barrier(num_barriers=n_slots),
-      plgpu.SMEM((3, ROW_WIDTH), jnp.float32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=3),
-      plgpu.SMEM((bs,), jnp.float32),
-      plgpu.SMEM((2, tg_rows, w), dtype),  # the target's slab rows (double-buffered like the row data)
+      plgpu.SMEM((2, ROW_WIDTH), jnp.float32),
       plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      plgpu.SMEM((bs,), jnp.float32),
   ]
   cluster = {}
   if C > 1:

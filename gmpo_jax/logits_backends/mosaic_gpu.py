@@ -199,7 +199,7 @@ class MosaicGpuLogitsBackend:
         a row in flight per SM). The interpreter has no
         clusters: there each CTA owns its rows (``cluster=1``).
         """
-        if self.inplace or not self.fused or jnp.dtype(dtype) == jnp.float16 or V >= K.MAX_VOCAB:
+        if self.inplace or not self.fused or jnp.dtype(dtype) == jnp.float16:
             return None
         w = K.slab_width(V, dtype)
         if w is None:
@@ -239,9 +239,10 @@ class MosaicGpuLogitsBackend:
         w, cfg = self.fused_plan(dtype=logits.dtype, R=R, V=V)
         pad = lambda a: jnp.pad(jnp.broadcast_to(a, (B, T)).astype(jnp.float32), ((0, 0), (0, Tl - T))).reshape(R)
         safe = jnp.clip(ids, 0, V - 1)
+        x_t = logits[jnp.arange(B)[:, None], jnp.arange(T)[None, :], safe].astype(jnp.float32)
+        x_t = jnp.where(id_ok, x_t, jnp.nan)
         zeros = jnp.zeros((R,), jnp.float32)
-        # the kernel picks the target logit itself: its id, NaN where it is out of range
-        cols = [jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), pad(jnp.where(id_ok, safe, jnp.nan)),
+        cols = [jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), pad(x_t),
                 zeros if old_logps is None else pad(old_logps), zeros if ref_logps is None else pad(ref_logps),
                 pad(advantages[:, None]), zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
                 pad(weights) / temperature, pad(mask), pad(weights)]
