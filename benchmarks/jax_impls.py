@@ -229,7 +229,7 @@ def logits_loss(impl: str, opts: dict[str, Any]) -> tuple[Callable, str | None]:
 
     grpo = opts.get("objective", "gmpo") == "grpo"
     objective = gmpo_jax.GRPO(loss_type="grpo") if grpo else gmpo_jax.GMPO()
-    if impl in ("mosaic_gpu", "xla"):
+    if impl in ("mosaic_gpu", "xla") or not isinstance(impl, str):  # a name or a backend instance
 
         def loss(logits, ids, mask, adv, old):
             return _loss_only(gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=objective,

@@ -34,6 +34,8 @@ def main(argv=None) -> None:
     p.add_argument("--objective", default="grpo", choices=("grpo", "gmpo"))
     p.add_argument("--mask", default="full", choices=("full", "ragged"),
                    help="the suite's completion masks: full, or lengths uniform in [3T/4, T]")
+    p.add_argument("--skip-masked-rows", action="store_true",
+                   help="mosaic_gpu only: MosaicGpuLogitsBackend(skip_masked_rows=True)")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3)
     mode = p.add_mutually_exclusive_group(required=True)
@@ -48,7 +50,13 @@ def main(argv=None) -> None:
 
     opts = dict(DEFAULT_OPTS, objective=a.objective, mask=a.mask)
     args = logits_inputs(select("logits-llama3", B=a.B, T=a.T), opts)
-    loss, _ = logits_loss(a.impl, opts)
+    impl = a.impl
+    if a.skip_masked_rows:
+        from gmpo_jax.logits_backends.mosaic_gpu import MosaicGpuLogitsBackend
+
+        assert impl == "mosaic_gpu", impl
+        impl = MosaicGpuLogitsBackend(skip_masked_rows=True)
+    loss, _ = logits_loss(impl, opts)
     step = jax.jit(jax.value_and_grad(loss))
     for _ in range(2):  # compile, then one warm call
         jax.block_until_ready(step(*args))
@@ -65,7 +73,8 @@ def main(argv=None) -> None:
             out = step(*args)
         jax.block_until_ready(out)
         per_call.append(round((time.perf_counter() - t0) / a.calls * 1e3, 4))
-    print(json.dumps(dict(B=a.B, T=a.T, impl=a.impl, objective=a.objective, mask=a.mask,
+    print(json.dumps(dict(B=a.B, T=a.T, impl=a.impl, skip_masked_rows=a.skip_masked_rows, objective=a.objective,
+                          mask=a.mask,
                           gmpo_jax=gmpo_jax.__file__, queued_ms=per_call)))
 
 

@@ -478,6 +478,7 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
   # n_loc_min`` (otherwise every row is read). Either way the next row's liveness is known once its data
   # has arrived, which is waited for at the end of pass A.
   skip = cfg.skip_dead_rows and (resident or stages <= n_loc_min)
+  n_rd = 3 if skip else 2  # row data buffers
   G = cfg.num_ctas or num_sms
   NC = max(1, min(R, G // C))  # clusters: rows in flight
   dtype = x.dtype
@@ -512,9 +513,20 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       else:
         copy_tile(i, jnp.where(j >= n_loc, tile_b(j - n_loc) - t0, j), slot)
 
-    # the row data runs one row ahead (double-buffered), so that no row waits on its own copy
-    plgpu.copy_gmem_to_smem(rd_ref.at[cid], rd_smem.at[0], rd_bar.at[0])
+    # The row data is copied one row ahead (two buffers), so that no row waits on its own copy. With
+    # skipping, the next row's data is also waited for at the end of a row's pass A (for its liveness),
+    # so it is copied two rows ahead (three buffers).
+    def copy_row_data(i):
+      b = lax.rem(i, n_rd)
+      plgpu.copy_gmem_to_smem(rd_ref.at[cid + i * NC], rd_smem.at[b], rd_bar.at[b])
+
+    copy_row_data(0)
     if skip:
+
+      @pl.when(n_rows > 1)
+      def _():
+        copy_row_data(1)
+
       plgpu.barrier_wait(rd_bar.at[0])
 
     def row_live(rd):  # a traced bool, or None: every row is read
@@ -538,16 +550,15 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
     def _row(i):
       row = cid + i * NC
       f0 = i * steps_per_row
-      rs = lax.rem(i, 2)
+      ahead = n_rd - 1  # the row whose data is copied now: its buffer was last read by row i - 1
       if not skip:
-        plgpu.barrier_wait(rd_bar.at[rs])
+        plgpu.barrier_wait(rd_bar.at[lax.rem(i, n_rd)])
 
-      # slot 1 - rs was last read by row i - 1, before the warpgroup barriers of its pass B
-      @pl.when(i + 1 < n_rows)
+      @pl.when(i + ahead < n_rows)
       def _():
-        plgpu.copy_gmem_to_smem(rd_ref.at[row + NC], rd_smem.at[1 - rs], rd_bar.at[1 - rs])
+        copy_row_data(i + ahead)
 
-      rd = rd_smem.at[rs]
+      rd = rd_smem.at[lax.rem(i, n_rd)]
       k = rd[0]
       live = row_live(rd)
 
@@ -585,9 +596,9 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
 
         @pl.when(i + 1 < n_rows)
         def _():
-          plgpu.barrier_wait(rd_bar.at[1 - rs])  # the next row's data, for its liveness
+          plgpu.barrier_wait(rd_bar.at[lax.rem(i + 1, n_rd)])  # the next row's data, for its liveness
 
-      live_next = row_live(rd_smem.at[1 - rs])  # (stale after the last row, whose fetches all stop)
+      live_next = row_live(rd_smem.at[lax.rem(i + 1, n_rd)])  # (stale after the last row: no fetch uses it)
       if C > 1:  # merge the cluster's per-slab-row statistics through distributed shared memory
         m_part, l_part, bars = xchg
         ready, read = bars.at[0], bars.at[1]  # (num_barriers=1 is a 0-d ref on jax 0.11)
@@ -680,8 +691,8 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       plgpu.SMEM((n_slots, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.SMEM((ost, bs, w), dtype, transforms=_slab_transforms(w, dtype)),
       plgpu.Barrier(num_barriers=n_slots),
-      plgpu.SMEM((2, ROW_WIDTH), jnp.float32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      plgpu.SMEM((n_rd, ROW_WIDTH), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=n_rd),
       plgpu.SMEM((bs,), jnp.float32),
   ]
   cluster = {}
