@@ -12,8 +12,8 @@ Design decisions of the custom VJP (and why):
   ``d loss / d logp`` is a function of its own log-prob and of data known beforehand
   (``objective.token_local``; its ``token_loss`` and ``token_weights``). A backend with
   ``logprobs_and_dlogits`` (``mosaic_gpu``) then writes ``dlogits`` for a unit cotangent in the forward of
-  the VJP, in the same kernel that computes each row's log-sum-exp (each row read twice, the second time
-  mostly from L2, and written once); the residual is that array and the backward multiplies it by the
+  the VJP, in the same kernel that computes each row's log-sum-exp and each token's weighted loss (each
+  row read from device memory once, kept on chip for the second pass, and written once); the residual is that array and the backward multiplies it by the
   cotangent (with ``jax.grad``'s constant 1 XLA drops the multiply; another cotangent, e.g. a scaled
   loss, rounds the bf16 gradient twice: about one ulp instead of half an ulp). The hyper-parameters must
   be concrete (they are compiled into the kernel); traced ones take the general path. Float16 logits
@@ -245,7 +245,7 @@ def policy_loss_from_logits(
     :math:`\frac1B\sum_b -A_b \exp(\mathrm{mean}_t\,\mathrm{clip}(\log\pi - \log\pi_{old}))`), log-probs and
     loss in float32 whatever the logits' dtype. Memory-bound: the forward reads the logits once, the
     backward reads them once and writes ``dlogits`` once (for token-local objectives on ``"mosaic_gpu"``
-    one kernel in the forward does both, re-reading each row from L2); beyond the logits and their
+    one kernel in the forward does both, keeping each row on chip between its two passes); beyond the logits and their
     gradient only ``[B, T]``-sized arrays are allocated (never a float32 or sliced copy of the logits).
 
     Args:

@@ -53,19 +53,19 @@ class MosaicGpuLogitsBackend:
     the forward (None: enough CTAs for about four waves, see ``logits_mgpu.pick_splits``).
     ``fused``: for token-local objectives (``objective.token_local``: the GRPO family at token level,
     CISPO, SAPO), the forward of ``jax.grad`` / ``jax.value_and_grad`` writes ``dlogits`` in the same
-    kernel that computes the log-sum-exp (``logits_mgpu.lse_and_dlogits``: two reads of each row, the
-    second mostly from L2, and one write), and the backward only scales it by the cotangent (a cotangent
+    kernel that computes the log-sum-exp (``logits_mgpu.lse_and_dlogits``: two passes over each row,
+    the second from shared memory, so one read and one write of the logits), and the backward only scales it by the cotangent (a cotangent
     other than 1 rounds a bf16 gradient twice, about one ulp); see :meth:`fused_plan` for when it
     applies (bf16 / f32, not with ``inplace``).
     ``skip_masked_rows`` (fused path only): the kernel does not read the rows of masked tokens (nor the
     dropped last position of ``[B, T + 1, V]`` logits), it only writes their zero gradient. Off by
-    default: measured on the H200 (2026-11-30, GRPO, Llama-3 vocabulary, T = 1024) it is 7 % / 4 % faster
-    at B = 2 / 16 with the suite's ragged masks (12 % of the tokens masked) and 2 % slower with a full
-    mask, which the benchmarks use. Turn it on for batches with padding.
+    default: measured on the H200 (2026-11-30, GRPO, Llama-3 vocabulary, T = 1024) it is 6 % / 3.5 %
+    faster at B = 2 / 16 with the suite's ragged masks (12 % of the tokens masked) and 2 % slower with a
+    full mask, which the benchmarks use. Turn it on for batches with padding.
     ``resident_rows`` (fused path only): when a CTA's share of a row fits in its shared-memory ring (the
     device plan: a quarter of a Llama-3 or Qwen row per CTA of a cluster), the kernel's second pass reads
-    the row from shared memory instead of fetching it again; False re-reads it (mostly from L2), the
-    kernel measured before 2026-11-30's seventh session (kept for A / B runs and the tests).
+    the row from shared memory instead of fetching it again (H200: 5 % faster); False re-reads it (mostly
+    from L2), the kernel measured before 2026-11-30's seventh session (kept for A / B runs and the tests).
     ``inplace``: the backward writes ``dlogits`` into the logits' buffer (Liger's ``inplace``): one
     ``[B, T(+1), V]`` buffer instead of two when the logits are dead after the loss (donated to the jit,
     or an intermediate of the same jit, as in a training step); otherwise XLA copies them first, which
@@ -194,9 +194,9 @@ class MosaicGpuLogitsBackend:
         Blocks (H200 sweep of benchmarks/LOGITS_NOTES.md, 2026-11-30): 16 KB tiles, 4 input and 2 output
         stages (96 KB of shared memory: two CTAs per SM), clusters of 4 CTAs per row, 62 clusters on 132
         SMs (2.547 ms at 16 x 1025 rows; 60: 2.605, 58: 2.672; 64 do not all fit at once and the last
-        ones run in a second wave: 4.0 ms). So only 62 rows are in flight, and the second read of each
-        row mostly hits L2 (measured 4.4 GB read from DRAM for 4.2 GB of logits, against 6.4-7.3 GB with
-        a row in flight per SM). The interpreter has no
+        ones run in a second wave: 4.0 ms; these were measured with rows re-read from L2). A CTA's share
+        of a row is 4 tiles, so the row stays in its 4-slot ring between the two passes (``resident``:
+        2.34 ms at 16 x 1025 rows, 0.317 ms at 2 x 1025, end to end). The interpreter has no
         clusters: there each CTA owns its rows (``cluster=1``).
         """
         if self.inplace or not self.fused or jnp.dtype(dtype) == jnp.float16:
