@@ -235,7 +235,10 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
                 out.append("| " + " | ".join(row) + " |")
             out.append("")
         out.append("Floor = bytes of the logits (read once) + bytes of dlogits (written once, fwd+bwd only) over "
-                   "the device copy rate measured in the same run. Memory target = logits + dlogits + 64 MiB.\n")
+                   "the device copy rate measured in the same run. Memory target = logits + dlogits + 64 MiB. "
+                   "Peaks are JAX's default (BFC) allocator's, which counts unsplit chunks whole: on the H200 "
+                   "(2026-11-30) an exact allocator measured logits + dlogits + 0.5 / 4.1 MiB at B = 2 / 16 "
+                   "(RESULTS.md, issue 5, seventh session).\n")
     return out
 
 
