@@ -13,10 +13,10 @@ Design decisions of the custom VJP (and why):
   (``objective.token_local``; its ``token_loss`` and ``token_weights``). A backend with
   ``logprobs_and_dlogits`` (``mosaic_gpu``) then writes ``dlogits`` for a unit cotangent in the forward of
   the VJP, in the same kernel that computes each row's log-sum-exp and each token's weighted loss (each
-  row read from device memory once, kept on chip for the second pass, and written once); the residual is that array and the backward multiplies it by the
-  cotangent (with ``jax.grad``'s constant 1 XLA drops the multiply; another cotangent, e.g. a scaled
-  loss, rounds the bf16 gradient twice: about one ulp instead of half an ulp). The hyper-parameters must
-  be concrete (they are compiled into the kernel); traced ones take the general path. Float16 logits
+  row read from device memory once, kept on chip for the second pass, and written once); the residual
+  is that array and the backward multiplies it by the cotangent (with ``jax.grad``'s constant 1 XLA
+  drops the multiply; another cotangent, e.g. a scaled loss, rounds the bf16 gradient twice: about one
+  ulp instead of half an ulp). The hyper-parameters must be concrete (they are compiled into the kernel); traced ones take the general path. Float16 logits
   keep the general path: their stored unit-cotangent gradient would lose small entries to subnormals
   before a loss scale could lift them.
 * **Gradient scale in the forward, logits pass in the backward** (the general path). The forward of the

@@ -553,13 +553,13 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
     def _row(i):
       row = cid + i * NC
       f0 = i * steps_per_row
-      ahead = n_rd - 1  # the row whose data is copied now: its buffer was last read by row i - 1
+      rd_ahead = n_rd - 1  # the row whose data is copied now: its buffer was last read by row i - 1
       if not skip:
         plgpu.barrier_wait(rd_bar.at[lax.rem(i, n_rd)])
 
-      @pl.when(i + ahead < n_rows)
+      @pl.when(i + rd_ahead < n_rows)
       def _():
-        copy_row_data(i + ahead)
+        copy_row_data(i + rd_ahead)
 
       rd = rd_smem.at[lax.rem(i, n_rd)]
       k = rd[0]
@@ -643,7 +643,8 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
         plgpu.wait_smem_to_gmem(ost - 1, wait_read_only=True)
         o_smem.at[oslot][...] = dz
         plgpu.commit_smem()  # also: every thread has read x_smem[slot]
-        plgpu.copy_smem_to_gmem(o_smem.at[oslot], o_ref.at[row, pl.ds(tile_start(t0 + t if resident else tile_b(t)), bs)])
+        dst = tile_start(t0 + t if resident else tile_b(t))
+        plgpu.copy_smem_to_gmem(o_smem.at[oslot], o_ref.at[row, pl.ds(dst, bs)])
         if resident:  # the next row's tile t into slot t
           ahead = i + 1 < n_rows
           if live is not None:
@@ -680,7 +681,8 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
       @pl.when(rank == 0)
       def _():
         idx = iota(jnp.int32, (bs,), 0, _ROW, interpret)
-        st = jnp.where(idx == 0, logp, jnp.where(idx == 1, lse, jnp.where(idx == 2, c, jnp.where(idx == 3, loss_term, 0.0))))
+        st = jnp.where(idx == 3, loss_term, 0.0)
+        st = jnp.where(idx == 0, logp, jnp.where(idx == 1, lse, jnp.where(idx == 2, c, st)))
         # the previous row's stats have left st_smem: at most the n_loc_min copies of this row's pass B,
         # which came after them, are still reading (waiting for all of them would stall the next row)
         plgpu.wait_smem_to_gmem(n_loc_min, wait_read_only=True)

@@ -54,8 +54,9 @@ class MosaicGpuLogitsBackend:
     ``fused``: for token-local objectives (``objective.token_local``: the GRPO family at token level,
     CISPO, SAPO), the forward of ``jax.grad`` / ``jax.value_and_grad`` writes ``dlogits`` in the same
     kernel that computes the log-sum-exp (``logits_mgpu.lse_and_dlogits``: two passes over each row,
-    the second from shared memory, so one read and one write of the logits), and the backward only scales it by the cotangent (a cotangent
-    other than 1 rounds a bf16 gradient twice, about one ulp); see :meth:`fused_plan` for when it
+    the second from shared memory, so one read and one write of the logits), and the backward only
+    scales it by the cotangent (a cotangent other than 1 rounds a bf16 gradient twice, about one ulp);
+    see :meth:`fused_plan` for when it
     applies (bf16 / f32, not with ``inplace``).
     ``skip_masked_rows`` (fused path only): the kernel does not read the rows of masked tokens (nor the
     dropped last position of ``[B, T + 1, V]`` logits), it only writes their zero gradient. Off by
