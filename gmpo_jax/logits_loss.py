@@ -16,9 +16,9 @@ Design decisions of the custom VJP (and why):
   row read from device memory once, kept on chip for the second pass, and written once); the residual
   is that array and the backward multiplies it by the cotangent (with ``jax.grad``'s constant 1 XLA
   drops the multiply; another cotangent, e.g. a scaled loss, rounds the bf16 gradient twice: about one
-  ulp instead of half an ulp). The hyper-parameters must be concrete (they are compiled into the kernel); traced ones take the general path. Float16 logits
-  keep the general path: their stored unit-cotangent gradient would lose small entries to subnormals
-  before a loss scale could lift them.
+  ulp instead of half an ulp). The hyper-parameters must be concrete (they are compiled into the
+  kernel); traced ones take the general path. Float16 logits keep the general path: their stored
+  unit-cotangent gradient would lose small entries to subnormals before a loss scale could lift them.
 * **Gradient scale in the forward, logits pass in the backward** (the general path). The forward of the
   VJP computes the loss and ``d loss / d logp`` (``jax.grad`` of the objective's numerator over the whole
   batch, whose selects implement SPEC.md's strict boundary rule) and keeps as residuals only
