@@ -224,7 +224,7 @@ def naive_grpo_from_logits(logits, ids, mask, adv, old, eps_low: float = 0.2, ep
     return jnp.sum((m * ptl).sum(-1) / jnp.maximum(m.sum(-1), 1.0)) / B
 
 
-def logits_loss(impl: str, opts: dict[str, Any]) -> tuple[Callable, str | None]:
+def logits_loss(impl: Any, opts: dict[str, Any]) -> tuple[Callable, str | None]:
     import gmpo_jax
 
     grpo = opts.get("objective", "gmpo") == "grpo"

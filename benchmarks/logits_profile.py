@@ -74,8 +74,7 @@ def main(argv=None) -> None:
         jax.block_until_ready(out)
         per_call.append(round((time.perf_counter() - t0) / a.calls * 1e3, 4))
     print(json.dumps(dict(B=a.B, T=a.T, impl=a.impl, skip_masked_rows=a.skip_masked_rows, objective=a.objective,
-                          mask=a.mask,
-                          gmpo_jax=gmpo_jax.__file__, queued_ms=per_call)))
+                          mask=a.mask, gmpo_jax=gmpo_jax.__file__, queued_ms=per_call)))
 
 
 if __name__ == "__main__":

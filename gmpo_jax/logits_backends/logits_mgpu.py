@@ -649,20 +649,14 @@ def lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedConfig, num_sms: int = 1
           ahead = i + 1 < n_rows
           if live is not None:
             ahead &= live_next
-
-          @pl.when(ahead)
-          def _():
-            copy_tile(i + 1, t, t)
-
-          return
-        f = f0 + n_loc + t
-        ahead = f + stages < n_steps
-        if live is not None:  # the step ahead is in this row's pass B, or in the next row's pass A
-          ahead &= jnp.where(t + stages < n_loc, live, live_next)
-
-        @pl.when(ahead)
-        def _():
-          fetch(f + stages, lax.rem(f, stages))
+          refill = lambda: copy_tile(i + 1, t, t)
+        else:  # the ring's step stages ahead into this step's slot
+          f = f0 + n_loc + t
+          ahead = f + stages < n_steps
+          if live is not None:  # the step ahead is in this row's pass B, or in the next row's pass A
+            ahead &= jnp.where(t + stages < n_loc, live, live_next)
+          refill = lambda: fetch(f + stages, lax.rem(f, stages))
+        pl.when(ahead)(refill)
 
       @pl.loop(0, both(live, n_loc))
       def _pass_b(t):
