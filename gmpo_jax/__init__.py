@@ -3,14 +3,17 @@
 The ``[tokens, vocab]`` logits are never materialised: a custom VJP scans over chunks of sequences,
 computes log-probs with a vocabulary-blocked online log-sum-exp (Pallas Mosaic GPU kernels on Hopper
 GPUs, portable XLA elsewhere) and stores the hidden-state and weight gradients as residuals.
+
+Layout: ``objectives.py`` (the losses on per-token log-probs), ``lm_head/`` and ``logits/`` (the two ops,
+built alike), ``kernels/`` (their Pallas kernels), ``reference.py`` (dense oracles), ``train/`` (the demo).
 """
 
-from gmpo_jax.api import LossAux, fused_linear_logprobs, fused_linear_policy_loss
-from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax import _moved, reference
+from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.flax_utils import lm_head_weight
-from gmpo_jax.logits_loss import policy_loss_from_logits
-from gmpo_jax.objectives import CISPO, GMPO, GRPO, SAPO
-from gmpo_jax import reference
+from gmpo_jax.lm_head import fused_linear_logprobs, fused_linear_policy_loss
+from gmpo_jax.logits import policy_loss_from_logits
+from gmpo_jax.objectives import CISPO, GMPO, GRPO, SAPO, LossAux
 
 __version__ = "0.1.0"
 
@@ -28,3 +31,5 @@ __all__ = [
     "UnsupportedConfigError",
     "BackendUnavailableError",
 ]
+
+_moved.install()

@@ -1,14 +1,16 @@
-"""Trace-time input checks: every error names the argument and what was expected."""
+"""Trace-time input checks (every error names the argument and what was expected), and the checked
+arguments normalised into the one pytree the custom VJPs take (:func:`policy_inputs`)."""
 
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmpo_jax.objectives import Objective
+from gmpo_jax.objectives import GMPO, Objective, PolicyInputs
 
 WEIGHT_LAYOUTS = ("hv", "vh")
 
@@ -153,13 +155,12 @@ def check_mask(mask, B: int, T: int) -> None:
                              f"them), got values such as {bad}")
 
 
-def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, advantages, objective, old_logps,
-                        ref_logps, ref_hidden, ref_weight, bias, ref_bias, rollout_is_ratio, num_items_in_batch,
-                        temperature, weight_layout, chunk_size) -> tuple[int, int, int, int]:
-    """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
+def check_token_inputs(*, B: int, T: int, V: int, completion_ids, completion_mask, advantages, objective,
+                       old_logps, ref_logps, rollout_is_ratio, num_items_in_batch, temperature) -> None:
+    """The checks both ops share: the objective, the ``[B, T]`` / ``[B]`` per-token inputs, the scalars, and
+    (when concrete) that every unmasked id lies in ``[0, V)``."""
     if not isinstance(objective, Objective):
         raise TypeError(f"objective must be a GMPO, GRPO, CISPO or SAPO instance, got objective={objective!r}")
-    B, T, H, V = check_lm_head(hidden, weight, bias, weight_layout)
     check_ids(completion_ids, B, T)
     check_mask(completion_mask, B, T)
     _dtype(advantages, "advantages")
@@ -175,6 +176,28 @@ def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, adva
                 f"rollout_is_ratio must have shape [B, T], [B, 1] or [B] = {(B, T)}, {(B, 1)} or {(B,)}, "
                 f"got rollout_is_ratio.shape={_shape(rollout_is_ratio)}")
         require_float("rollout_is_ratio", rollout_is_ratio)
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, bool) or not (isinstance(num_items_in_batch, numbers.Real)
+                                                        or _shape(num_items_in_batch) == ()):
+            raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
+        if isinstance(num_items_in_batch, numbers.Real) and num_items_in_batch < 0:
+            raise ValueError(f"num_items_in_batch must be >= 0, got num_items_in_batch={num_items_in_batch!r}")
+    check_temperature(temperature)
+    check_ids_in_range(completion_ids, completion_mask, V)
+
+
+def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, advantages, objective, old_logps,
+                        ref_logps, ref_hidden, ref_weight, bias, ref_bias, rollout_is_ratio, num_items_in_batch,
+                        temperature, weight_layout, chunk_size, vocab_size=None) -> tuple[int, int, int, int]:
+    """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
+    if not isinstance(objective, Objective):
+        raise TypeError(f"objective must be a GMPO, GRPO, CISPO or SAPO instance, got objective={objective!r}")
+    B, T, H, V = check_lm_head(hidden, weight, bias, weight_layout)
+    check_vocab_size(vocab_size, V)
+    check_token_inputs(B=B, T=T, V=vocab_size or V, completion_ids=completion_ids, completion_mask=completion_mask,
+                       advantages=advantages, objective=objective, old_logps=old_logps, ref_logps=ref_logps,
+                       rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch,
+                       temperature=temperature)
     if ref_logps is not None and ref_hidden is not None:
         raise ValueError("give either ref_logps or ref_hidden (+ ref_weight), not both")
     if ref_hidden is None and (ref_weight is not None or ref_bias is not None):
@@ -193,12 +216,48 @@ def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, adva
     if objective.requires_reference and not has_ref:
         raise ValueError(f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps, or "
                          "ref_hidden and ref_weight")
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, bool) or not (isinstance(num_items_in_batch, numbers.Real)
-                                                        or _shape(num_items_in_batch) == ()):
-            raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
-        if isinstance(num_items_in_batch, numbers.Real) and num_items_in_batch < 0:
-            raise ValueError(f"num_items_in_batch must be >= 0, got num_items_in_batch={num_items_in_batch!r}")
-    check_temperature(temperature)
     check_chunk_size(chunk_size)
     return B, T, H, V
+
+
+# ------------------------------------------------------------------------------------------------
+# Normalisation: the checked arguments as the one pytree the custom VJPs take
+# ------------------------------------------------------------------------------------------------
+def as_mask(completion_mask) -> jax.Array:
+    """``[B, T]`` bool (a {0, 1} mask compared with 0)."""
+    m = jnp.asarray(completion_mask)
+    return m if m.dtype == jnp.bool_ else m != 0
+
+
+def as_ids(completion_ids) -> jax.Array:
+    """int32 ids; a wider id outside the int32 range becomes -1 (out of range: NaN if unmasked) rather
+    than wrapping around onto a valid id."""
+    ids = jnp.asarray(completion_ids)
+    if jnp.iinfo(ids.dtype).bits > 32:
+        info = jnp.iinfo(jnp.int32)
+        ids = jnp.where((ids < info.min) | (ids > info.max), -1, ids)
+    return ids.astype(jnp.int32)
+
+
+def _f32(x):
+    return None if x is None else jnp.asarray(x).astype(jnp.float32)
+
+
+def policy_inputs(objective, completion_ids, completion_mask, advantages, *, old_logps=None, ref_logps=None,
+                  rollout_is_ratio=None, num_items_in_batch=None, temperature=1.0, warn: bool = True):
+    """The checked per-token arguments as one :class:`~gmpo_jax.objectives.PolicyInputs`: bool mask, int32
+    ids (0 under the mask), float32 advantages / log-probs / ratio / scalars. ``rollout_is_ratio`` ``[B]``
+    becomes ``[B, 1]``; for GMPO, to which it does not apply (SPEC.md), it is dropped, with a warning when
+    ``warn``."""
+    mask = as_mask(completion_mask)
+    ris = None
+    if rollout_is_ratio is not None and isinstance(objective, GMPO):
+        if warn:
+            warnings.warn("rollout_is_ratio does not apply to GMPO (SPEC.md); it is ignored", stacklevel=3)
+    elif rollout_is_ratio is not None:
+        ris = _f32(rollout_is_ratio)
+        ris = ris[:, None] if ris.ndim == 1 else ris
+    return PolicyInputs(mask=mask, advantages=_f32(advantages), old_logps=_f32(old_logps),
+                        ref_logps=_f32(ref_logps), rollout_is_ratio=ris,
+                        ids=jnp.where(mask, as_ids(completion_ids), 0), num_items=_f32(num_items_in_batch),
+                        temperature=jnp.asarray(temperature, jnp.float32))

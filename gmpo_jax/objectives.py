@@ -36,22 +36,31 @@ import numpy as np
 
 Scalar = Union[float, jax.Array]
 
-__all__ = ["GMPO", "GRPO", "CISPO", "SAPO", "Objective", "ChunkData", "MetricSums"]
+__all__ = ["GMPO", "GRPO", "CISPO", "SAPO", "Objective", "PolicyInputs", "MetricSums", "LossAux", "evaluate",
+           "loss_and_aux"]
 
 # Above this log-ratio exp() is ~5.5e34: every sigmoid(tau * (e^w - 1)) with tau >= 1e-33 is exactly 1
 # in float32 and its derivative exactly 0, so clamping there changes no representable value.
 _SAPO_LOG_RATIO_CAP = 80.0
 
 
-class ChunkData(NamedTuple):
-    """Per-sequence data of one chunk of whole sequences (``C`` sequences of ``T`` tokens).
+class PolicyInputs(NamedTuple):
+    """The per-token inputs of one policy-loss call, built once by the public function (a pytree).
+
+    The objectives read ``mask``, ``advantages``, ``old_logps``, ``ref_logps`` and ``rollout_is_ratio``;
+    the LM-head and logits passes read ``ids`` and ``temperature``; ``num_items`` feeds the normaliser.
+    A chunk of whole sequences is the same pytree over ``C`` rows (:meth:`rows`).
 
     Attributes:
-      mask: ``[C, T]`` bool; False for padding, masked tokens and sequences outside the chunk.
-      advantages: ``[C]`` float32.
-      old_logps: ``[C, T]`` float32 or None (on-policy: ``old = stop_gradient(logp)``).
-      ref_logps: ``[C, T]`` float32 or None (no KL term).
-      rollout_is_ratio: ``[C, T]`` or ``[C, 1]`` float32 or None.
+      mask: ``[B, T]`` bool; False for padding, masked tokens and sequences outside a chunk.
+      advantages: ``[B]`` float32.
+      old_logps: ``[B, T]`` float32 or None (on-policy: ``old = stop_gradient(logp)``).
+      ref_logps: ``[B, T]`` float32 or None (no KL term).
+      rollout_is_ratio: ``[B, T]`` or ``[B, 1]`` float32 or None.
+      ids: ``[B, T]`` int32 target ids, 0 at masked positions (any id may sit under the mask); None
+        where only the objective is evaluated.
+      num_items: float32 scalar or None: the dapo / cispo normaliser override.
+      temperature: float32 scalar (``> 0``) dividing the logits, or None where only the objective runs.
     """
 
     mask: jax.Array
@@ -59,6 +68,25 @@ class ChunkData(NamedTuple):
     old_logps: Optional[jax.Array] = None
     ref_logps: Optional[jax.Array] = None
     rollout_is_ratio: Optional[jax.Array] = None
+    ids: Optional[jax.Array] = None
+    num_items: Optional[jax.Array] = None
+    temperature: Optional[jax.Array] = None
+
+    def rows(self, start, size: int, live=None) -> "PolicyInputs":
+        """Sequences ``[start, start + size)`` (``start`` may be traced); ``live`` (``[size]`` bool) masks
+        sequences out of the slice (those another chunk owns)."""
+        def cut(x):
+            return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
+
+        mask = cut(self.mask) if live is None else cut(self.mask) & live[:, None]
+        return self._replace(mask=mask, advantages=cut(self.advantages), old_logps=cut(self.old_logps),
+                             ref_logps=cut(self.ref_logps), rollout_is_ratio=cut(self.rollout_is_ratio),
+                             ids=cut(self.ids))
+
+    def specs(self, rows, scalar) -> "PolicyInputs":
+        """The same pytree holding ``rows`` for every per-sequence field and ``scalar`` for the scalars
+        (e.g. the ``jax.shard_map`` partition specs of a data-parallel call)."""
+        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar)
 
 
 class MetricSums(NamedTuple):
@@ -85,6 +113,12 @@ class MetricSums(NamedTuple):
             jnp.minimum(self.log_ratio_min, other.log_ratio_min),
             jnp.maximum(self.log_ratio_max, other.log_ratio_max),
         )
+
+    def all_reduce(self, axis) -> "MetricSums":
+        """The sums over the devices of the mesh axis ``axis`` (inside ``jax.shard_map``)."""
+        lax = jax.lax
+        return MetricSums(*(lax.psum(x, axis) for x in self[:4]), lax.pmin(self.log_ratio_min, axis),
+                          lax.pmax(self.log_ratio_max, axis))
 
 
 def _concrete_value(x: Any) -> Optional[float]:
@@ -153,7 +187,7 @@ def _k3_kl(logp: jax.Array, ref: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(near, y * y * series, jnp.exp(d) - d - 1.0)
 
 
-def _log_ratio(logp: jax.Array, data: ChunkData) -> jax.Array:
+def _log_ratio(logp: jax.Array, data: PolicyInputs) -> jax.Array:
     """Per-token log importance ratio ``r = logp - old`` (0 on masked tokens; on-policy: value 0, slope 1)."""
     return _token_log_ratio(logp, data.old_logps, data.mask)
 
@@ -175,7 +209,7 @@ class Objective:
     name: ClassVar[str]
 
     # --- to be provided by subclasses -------------------------------------------------------
-    def chunk_numerator(self, logp: jax.Array, data: ChunkData) -> tuple[jax.Array, MetricSums]:
+    def chunk_numerator(self, logp: jax.Array, data: PolicyInputs) -> tuple[jax.Array, MetricSums]:
         """Loss numerator of a chunk (float32 scalar) and its metric sums; differentiable in ``logp``."""
         raise NotImplementedError
 
@@ -195,7 +229,7 @@ class Objective:
         """Loss of one token, elementwise on arrays of any one shape (or scalars):
         ``loss = sum_{b,t} token_weights[b, t] * token_loss(logp[b, t], ...)``. ``old_logps``,
         ``ref_logps`` and ``rollout_is_ratio`` may be None (on-policy / no KL / no correction), as in
-        :class:`ChunkData`; ``mask`` (bool, default True) is the token's mask: a masked token has no
+        :class:`PolicyInputs`; ``mask`` (bool, default True) is the token's mask: a masked token has no
         gradient whatever its values (its loss is weighted by 0). Only for :attr:`token_local` objectives."""
         raise NotImplementedError(f"{type(self).__name__} is not token-local")
 
@@ -213,7 +247,7 @@ class Objective:
         v = _concrete_value(getattr(self, "beta", 0.0))
         return v is not None and v != 0
 
-    def _kl_term(self, logp, data: ChunkData, log_weight) -> Optional[jax.Array]:
+    def _kl_term(self, logp, data: PolicyInputs, log_weight) -> Optional[jax.Array]:
         """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``.
 
         None without a reference or with a Python-number ``beta == 0`` (SPEC: the KL term exists only if
@@ -700,15 +734,65 @@ class SAPO(Objective):
 SAPO = _register(SAPO, ["temperature_pos", "temperature_neg", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
 
 
-def finalize_metrics(sums: MetricSums, mask: jax.Array) -> dict:
-    """Turn global metric sums into the reported fractions (SPEC.md "Metrics")."""
+class LossAux(NamedTuple):
+    """Metrics returned beside the loss; float32 scalars, no gradient (SPEC.md "Metrics").
+
+    Attributes:
+      kl: ``sum m kl / max(sum m, 1)``: mean per-token k3 KL to the reference (0 without a reference).
+      clip_fraction: fraction of unmasked tokens clipped on the side that matters for their advantage
+        (low-clipped with ``A < 0`` or high-clipped with ``A > 0``; CISPO: high only; SAPO: 0).
+      clip_fraction_low: the low-clipped part of ``clip_fraction``.
+      clip_fraction_high: the high-clipped part of ``clip_fraction``.
+      loss_numerator: the loss before normalisation; ``loss == loss_numerator / loss_denominator``.
+        Sum numerators and denominators over micro-batches to re-normalise exactly. Like every field
+        here it carries no gradient: to train on a re-normalised loss, differentiate
+        ``loss * loss_denominator / global_denominator`` (``loss`` does carry the gradient).
+      loss_denominator: the loss type's normaliser for this call (``B`` for grpo / sapo / gmpo, the token
+        count for bnpo / dapo / cispo, ``B * max_completion_length`` for dr_grpo).
+      log_ratio_min: smallest unmasked token log importance ratio ``logp - old`` (0 if all masked).
+      log_ratio_max: largest unmasked token log importance ratio (0 if all masked).
+    """
+
+    kl: jax.Array
+    clip_fraction: jax.Array
+    clip_fraction_low: jax.Array
+    clip_fraction_high: jax.Array
+    loss_numerator: jax.Array
+    loss_denominator: jax.Array
+    log_ratio_min: jax.Array
+    log_ratio_max: jax.Array
+
+
+def evaluate(objective: Objective, logp: jax.Array, inputs: PolicyInputs, denominator: jax.Array, *,
+             with_grads: bool) -> tuple[jax.Array, MetricSums, Optional[jax.Array]]:
+    """The objective on the log-probs ``[C, T]`` of whole sequences: ``(numerator, sums, dlogp)``.
+
+    ``dlogp = d (numerator / denominator) / d logp`` (``jax.grad`` of :meth:`Objective.chunk_numerator`,
+    whose selects implement SPEC.md's strict boundary rule), exactly 0 at masked tokens; None without
+    ``with_grads``. ``denominator`` is the whole call's (global) normaliser, so chunks and shards give
+    final per-token gradients. Shared by the LM-head scan, the logits VJP and the dense reference.
+    """
+    with jax.named_scope("gmpo_jax/objective"):
+        if not with_grads:
+            num, sums = objective.chunk_numerator(logp, inputs)
+            return num, sums, None
+        (num, sums), g = jax.value_and_grad(lambda lp: objective.chunk_numerator(lp, inputs), has_aux=True)(logp)
+        return num, sums, jnp.where(inputs.mask, g / denominator, 0.0)
+
+
+def loss_and_aux(numerator: jax.Array, denominator: jax.Array, sums: MetricSums,
+                 mask: jax.Array) -> tuple[jax.Array, LossAux]:
+    """``(numerator / denominator, LossAux)`` from the global sums and the whole call's mask (SPEC.md "Metrics")."""
     n = jnp.maximum(jnp.sum(mask).astype(jnp.float32), 1.0)
     any_tok = jnp.any(mask)
-    return dict(
+    aux = LossAux(
         kl=sums.kl / n,
         clip_fraction=sums.clipped / n,
         clip_fraction_low=sums.clipped_low / n,
         clip_fraction_high=sums.clipped_high / n,
+        loss_numerator=jax.lax.stop_gradient(numerator),
+        loss_denominator=denominator,
         log_ratio_min=jnp.where(any_tok, sums.log_ratio_min, 0.0),
         log_ratio_max=jnp.where(any_tok, sums.log_ratio_max, 0.0),
     )
+    return numerator / denominator, aux

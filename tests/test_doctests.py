@@ -4,11 +4,11 @@ import doctest
 
 import pytest
 
-import gmpo_jax.api
+import gmpo_jax.lm_head.api
 import gmpo_jax.flax_utils
 
 
-@pytest.mark.parametrize("module", [gmpo_jax.api, gmpo_jax.flax_utils], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [gmpo_jax.lm_head.api, gmpo_jax.flax_utils], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0, f"{module.__name__} has no docstring example"

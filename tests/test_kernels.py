@@ -27,9 +27,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.backends.mosaic_gpu import MosaicGpuBackend, supported_on
-from gmpo_jax.backends.xla_chunked import XlaChunkedBackend
+from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend, supported_on
+from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
 from gmpo_jax.kernels import _common as C
 
 import spec_numpy as spec
@@ -231,7 +231,7 @@ def test_save_plan():
   ``save_logits`` or below ``save_min_hidden``; at the real heads with the fused loss's budget (4 H V +
   384 MiB): all of Llama-3's tiles at 8192 rows, half at 16384; none of Qwen2.5-0.5B's (H 896: measured
   no faster), which would be 15 % at 16384 rows."""
-  from gmpo_jax.fused_vjp import SAVED_LOGITS_SLACK
+  from gmpo_jax.lm_head.vjp import SAVED_LOGITS_SLACK
   be = MosaicGpuBackend(save_min_hidden=0)
   for rows, H, V in [(8192, 4096, 128256), (16384, 4096, 128256), (16384, 896, 151936), (512, 896, 151936)]:
     budget = 4 * H * V + SAVED_LOGITS_SLACK
@@ -252,7 +252,7 @@ def test_interpret_saved_logits_kernel_tiles():
   """The kernel's saved tiles: ``d + m`` is ``z2 = z log2(e) / T`` to float16's precision (``|d| 2**-11``),
   ``d <= 0``, ``-inf`` past V; the statistics are bitwise those of the kernel without ``save_tiles``
   (two vocabulary splits: each has its own running max)."""
-  from gmpo_jax.backends.mosaic_gpu import _prepare, block_config
+  from gmpo_jax.lm_head.mosaic_gpu import _prepare, block_config
   from gmpo_jax.kernels._compat import interpret_params
   from gmpo_jax.kernels.lm_head_logprob_mgpu import lse_partials
   R, H, V, T = 100, 128, 700, 0.7
@@ -335,7 +335,7 @@ def test_block_table():
   """block_config reads the reviewed table (gmpo_jax.tuning.MOSAIC_BLOCKS) for a listed GPU and head,
   the default elsewhere, 64-row gradient blocks for <= 128 rows, and every entry fits shared memory."""
   from gmpo_jax import tuning
-  from gmpo_jax.backends.mosaic_gpu import block_config, epilogue_bytes
+  from gmpo_jax.lm_head.mosaic_gpu import block_config, epilogue_bytes
   cfg = block_config(rows=8192, H=896, V=151936, kind="logprob", device_kind="NVIDIA H200")
   assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) == tuning.MOSAIC_BLOCKS[
       ("NVIDIA H200", 896, 151936)]["logprob"]
@@ -509,7 +509,7 @@ def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop
   row padding, tails), lower to Mosaic GPU for
   CUDA with jax.export on the CPU (no GPU needed): shared-memory budgets, tiled bulk-copy rules and the
   scan over windows are checked before any device time is spent."""
-  from gmpo_jax.backends import mosaic_gpu
+  from gmpo_jax.lm_head import mosaic_gpu
   monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
   be = MosaicGpuBackend(save_min_hidden=0)
   h = jax.ShapeDtypeStruct((R, H), jnp.bfloat16)
@@ -528,7 +528,7 @@ def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop
   exp = jax.export.export(bwd, platforms=["cuda"])(h, w, b, i, f, f, acc)
   assert ("stablehlo.while" in exp.mlir_module()) == loop
 
-  from gmpo_jax.fused_vjp import SAVED_LOGITS_SLACK
+  from gmpo_jax.lm_head.vjp import SAVED_LOGITS_SLACK
 
   def saved_path(h, w, b, i, d, budget):  # the log-prob kernel keeping tiles, dz from what it kept
     logp, lse, kept = be.logprobs_for_grads(h, w, b, i, jnp.float32(0.9), weight_layout=layout, budget_bytes=budget)
@@ -545,7 +545,7 @@ def test_interpret_split_of_masked_vocabulary_is_not_nan():
   whole split without a finite logit: its statistics must stay (m = -inf, l = 0), not NaN, and the merged
   log-sum-exp must equal the float64 one over the finite columns. Rows with every column masked give
   lse = -inf. (Was NaN: exp2(-inf - -inf).)"""
-  from gmpo_jax.backends.mosaic_gpu import _prepare, block_config
+  from gmpo_jax.lm_head.mosaic_gpu import _prepare, block_config
   from gmpo_jax.kernels._compat import interpret_params
   from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
   R, H, V = 128, 64, 384
@@ -660,7 +660,7 @@ def test_interpret_entropy_matches_float64(layout, bias, V, vocab_size, temperat
 def test_interpret_entropy_split_merge(num_splits):
   """The entropy's per-split sums re-based to the global maximum (``combine_splits``), with one split
   whose columns are all masked (a ``-inf`` bias): equal to the float64 entropy over the finite columns."""
-  from gmpo_jax.backends.mosaic_gpu import _prepare, block_config
+  from gmpo_jax.lm_head.mosaic_gpu import _prepare, block_config
   from gmpo_jax.kernels._compat import interpret_params
   from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
   R, H, V = 128, 64, 384

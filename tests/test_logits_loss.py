@@ -26,9 +26,9 @@ import pytest
 import gmpo_jax
 import spec_numpy as spec
 from conftest import R_GRID, Obj, assert_fraction_close, assert_grad_close, assert_loss_close, ragged_mask
-from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.logits_backends import logits_mgpu as K
-from gmpo_jax.logits_backends.mosaic_gpu import MosaicGpuLogitsBackend
+from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -447,10 +447,10 @@ TOKEN_LOCAL = [
 
 
 def _uses_fused(backend, obj, case) -> bool:
-    from gmpo_jax.logits_loss import _Config, _fused
+    from gmpo_jax.logits.vjp import LogitsConfig, _fused
 
     B, T = case["ids"].shape
-    return _fused(_Config(backend=backend, T=T), obj, jnp.asarray(case["logits"]))
+    return _fused(LogitsConfig(backend=backend, T=T), obj, jnp.asarray(case["logits"]))
 
 
 @pytest.mark.parametrize("obj", TOKEN_LOCAL, ids=str)
@@ -536,7 +536,7 @@ def test_fused_interpret_tiny_temperature_unique_max(obj):
 def test_fused_token_loss_is_chunk_numerator():
     """``sum(token_weights * token_loss)`` has the gradient of ``chunk_numerator / denominator`` for every
     token-local objective, on- and off-policy, with ratios at and around the clip bounds."""
-    from gmpo_jax.objectives import ChunkData
+    from gmpo_jax.objectives import PolicyInputs
 
     rng = np.random.default_rng(5)
     B, T = 6, 7
@@ -552,7 +552,7 @@ def test_fused_token_loss_is_chunk_numerator():
     for obj in TOKEN_LOCAL:
         o = obj.lib()
         for old_ in (old, None):
-            data = ChunkData(mask, adv, old_, ref if obj.beta else None, ris)
+            data = PolicyInputs(mask, adv, old_, ref if obj.beta else None, ris)
             want = jax.grad(lambda lp: o.chunk_numerator(lp, data)[0] / o.denominator(mask, None))(logp)
             got = jax.grad(lambda lp: jnp.sum(o.token_weights(mask, None) * jnp.where(
                 mask, o.token_loss(lp, old_, data.ref_logps, adv_bt, ris), 0.0)))(logp)
@@ -662,9 +662,9 @@ def test_mosaic_gpu_default_dispatch_and_full_shape():
 def test_docstring_example():
     import doctest
 
-    import gmpo_jax.logits_loss
+    import gmpo_jax.logits.api
 
-    result = doctest.testmod(gmpo_jax.logits_loss, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(gmpo_jax.logits.api, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

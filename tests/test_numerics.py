@@ -650,7 +650,7 @@ def test_logprobs_entropy(dtype, layout, with_bias, temperature, chunk_size, log
     the online sum of ``p (z - m)`` in float32, several vocabulary blocks), is 0 at masked positions, lies
     in ``[0, log V]``; the log-probs and their gradient are those of ``return_entropy=False``; the entropy
     itself carries no gradient. A padded vocabulary (``vocab_size``) is left out of the softmax."""
-    from gmpo_jax.backends.xla_chunked import XlaChunkedBackend
+    from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
     case = make_case(27, dtype=DTYPES[dtype], layout=layout, with_bias=with_bias, temperature=temperature)
     w = np.asarray(case.weight) * logit_scale
     backend = XlaChunkedBackend(vocab_block=16)  # several blocks: exercises the rescaled running sums

@@ -1,4 +1,4 @@
-"""Sharded fused losses (``gmpo_jax.sharding``): the 8-device suite in a subprocess, plus the
+"""Sharded fused losses (``gmpo_jax.lm_head.sharding``): the 8-device suite in a subprocess, plus the
 single-device parts of the contract (``vocab_size``) in this process.
 
 The meshes need 8 CPU devices, i.e. ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before
@@ -39,9 +39,9 @@ def test_sharded_cases_on_8_cpu_devices():
 def test_docstring_example():
     import doctest
 
-    import gmpo_jax.sharding
+    import gmpo_jax.lm_head.sharding
 
-    result = doctest.testmod(gmpo_jax.sharding, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(gmpo_jax.lm_head.sharding, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

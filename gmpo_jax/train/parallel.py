@@ -5,7 +5,7 @@
   ``jax.jit``'s partitioner all-reduces the gradients of the replicated parameters.
 * **model** (``M``): the LM head's vocabulary is split over ``M`` devices inside the fused loss and log-
   probs (``gmpo_jax.fused_linear_policy_loss`` / ``fused_linear_logprobs`` with ``vocab_axis="model"``:
-  per-shard log-sum-exps combined with collectives, see ``gmpo_jax.sharding``). The rest of the policy is
+  per-shard log-sum-exps combined with collectives, see ``gmpo_jax.lm_head.sharding``). The rest of the policy is
   replicated over ``model``.
 
 Vocabulary padding. ``V`` (the tokenizer's 15, or ``--vocab-size``) need not be a multiple of ``M``: the

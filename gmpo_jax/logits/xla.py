@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmpo_jax.backends.base import UnsupportedConfigError
-from gmpo_jax.backends.xla_chunked import shifted
+from gmpo_jax._dispatch import UnsupportedConfigError
+from gmpo_jax.lm_head.xla_chunked import shifted
 
 __all__ = ["XlaLogitsBackend", "make_backend"]
 

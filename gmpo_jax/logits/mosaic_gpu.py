@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.logits_backends import logits_mgpu as K
 
 __all__ = ["MosaicGpuLogitsBackend", "make_backend"]

@@ -1,9 +1,13 @@
-"""Public entry points: validate -> resolve configuration -> dispatch. No math lives here."""
+"""The LM-head op's public functions: check -> build the inputs pytree -> resolve config -> the custom VJP.
+
+No math lives here: the objectives are in ``gmpo_jax.objectives``, the chunk scan and its custom VJPs in
+``gmpo_jax.lm_head.vjp``, the per-chunk LM-head computations in the backends (``xla_chunked.py``,
+``mosaic_gpu.py``), the mesh layout in ``sharding.py``.
+"""
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -12,58 +16,34 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
-from gmpo_jax import fused_vjp, sharding, tuning
-from gmpo_jax.backends.base import resolve_backend
-from gmpo_jax.objectives import GMPO, Objective
+from gmpo_jax import tuning
+from gmpo_jax.lm_head import backend as backend_lib
+from gmpo_jax.lm_head import sharding
+from gmpo_jax.lm_head.vjp import Head, LMHeadConfig, logprobs, policy_loss
+from gmpo_jax.objectives import LossAux, Objective, PolicyInputs
 
-__all__ = ["LossAux", "fused_linear_policy_loss", "fused_linear_logprobs"]
+__all__ = ["fused_linear_policy_loss", "fused_linear_logprobs"]
 
 ScalarLike = Union[float, Float[Array, ""]]
 AxisName = Union[str, tuple[str, ...]]
 
 
-class LossAux(NamedTuple):
-    """Metrics returned beside the loss; float32 scalars, no gradient (SPEC.md "Metrics").
-
-    Attributes:
-      kl: ``sum m kl / max(sum m, 1)``: mean per-token k3 KL to the reference (0 without a reference).
-      clip_fraction: fraction of unmasked tokens clipped on the side that matters for their advantage
-        (low-clipped with ``A < 0`` or high-clipped with ``A > 0``; CISPO: high only; SAPO: 0).
-      clip_fraction_low: the low-clipped part of ``clip_fraction``.
-      clip_fraction_high: the high-clipped part of ``clip_fraction``.
-      loss_numerator: the loss before normalisation; ``loss == loss_numerator / loss_denominator``.
-        Sum numerators and denominators over micro-batches to re-normalise exactly. Like every field
-        here it carries no gradient: to train on a re-normalised loss, differentiate
-        ``loss * loss_denominator / global_denominator`` (``loss`` does carry the gradient).
-      loss_denominator: the loss type's normaliser for this call (``B`` for grpo / sapo / gmpo, the token
-        count for bnpo / dapo / cispo, ``B * max_completion_length`` for dr_grpo).
-      log_ratio_min: smallest unmasked token log importance ratio ``logp - old`` (0 if all masked).
-      log_ratio_max: largest unmasked token log importance ratio (0 if all masked).
-    """
-
-    kl: jax.Array
-    clip_fraction: jax.Array
-    clip_fraction_low: jax.Array
-    clip_fraction_high: jax.Array
-    loss_numerator: jax.Array
-    loss_denominator: jax.Array
-    log_ratio_min: jax.Array
-    log_ratio_max: jax.Array
-
-
-def _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan=None,
-            with_entropy=False):
+def _config(hidden, weight, bias, T: int, V: int, chunk_size, weight_layout: str, implementation, plan,
+            with_entropy: bool = False) -> LMHeadConfig:
+    """The static configuration: the backend resolved for one device's rows and vocabulary shard."""
     B, H = hidden.shape[0], hidden.shape[2]
-    if plan is not None:  # the backend serves one device's rows and vocabulary shard
-        B, V = B // plan.data_shards, V // plan.vocab_shards
+    if plan is not None:
+        B, V_local = B // plan.data_shards, V // plan.vocab_shards
+    else:
+        V_local = V
     chunk = min(chunk_size or tuning.default_chunk_size(B, T), B)
-    backend = resolve_backend(
-        implementation, hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=chunk * T,
+    backend = backend_lib.resolve(
+        implementation, hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V_local, rows=chunk * T,
         weight_layout=weight_layout, has_bias=bias is not None,
         **({"with_entropy": True} if with_entropy else {}))
-    return fused_vjp.FusedConfig(backend=backend, chunk_size=chunk, weight_layout=weight_layout,
-                                 weight_dtype=weight.dtype, bias_dtype=None if bias is None else bias.dtype,
-                                 with_entropy=with_entropy)
+    return LMHeadConfig(backend=sharding.local_backend(backend, plan, V), chunk_size=chunk,
+                        weight_layout=weight_layout, weight_dtype=weight.dtype,
+                        bias_dtype=None if bias is None else bias.dtype, with_entropy=with_entropy, plan=plan)
 
 
 def _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout):
@@ -78,38 +58,6 @@ def _plan_kwargs(plan) -> dict:
     if plan is None:
         return {}
     return dict(mesh=plan.mesh, data_axis=plan.data_axis, vocab_axis=plan.vocab_axis)
-
-
-def _as_mask(completion_mask) -> jax.Array:
-    m = jnp.asarray(completion_mask)
-    return m if m.dtype == jnp.bool_ else m != 0
-
-
-def _as_ids(completion_ids) -> jax.Array:
-    """int32 ids; a wider id outside the int32 range becomes -1 (out of range: NaN if unmasked) rather
-    than wrapping around onto a valid id."""
-    ids = jnp.asarray(completion_ids)
-    if jnp.iinfo(ids.dtype).bits > 32:
-        info = jnp.iinfo(jnp.int32)
-        ids = jnp.where((ids < info.min) | (ids > info.max), -1, ids)
-    return ids.astype(jnp.int32)
-
-
-def _f32(x):
-    return None if x is None else jnp.asarray(x).astype(jnp.float32)
-
-
-def _rollout_is_ratio(objective, rollout_is_ratio, *, warn: bool = True):
-    """``[B, T]`` / ``[B, 1]`` float32 IS correction (``[B]`` becomes ``[B, 1]``); None for GMPO, to which it
-    does not apply (SPEC.md), with a warning when one was given."""
-    if rollout_is_ratio is None:
-        return None
-    if isinstance(objective, GMPO):
-        if warn:
-            warnings.warn("rollout_is_ratio does not apply to GMPO (SPEC.md); it is ignored", stacklevel=3)
-        return None
-    ris = _f32(rollout_is_ratio)
-    return ris[:, None] if ris.ndim == 1 else ris
 
 
 def fused_linear_policy_loss(
@@ -187,7 +135,7 @@ def fused_linear_policy_loss(
       implementation: None (best available: ``"mosaic_gpu"`` on Hopper GPUs, else ``"xla_chunked"``;
         a Mosaic configuration it cannot serve falls back with one warning), an explicit name, which
         never falls back, or a backend instance (e.g.
-        ``gmpo_jax.backends.mosaic_gpu.MosaicGpuBackend(interpret=True)`` for the kernels in the Pallas
+        ``gmpo_jax.lm_head.MosaicGpuBackend(interpret=True)`` for the kernels in the Pallas
         interpreter). Which one ran is logged on the ``gmpo_jax`` logger (INFO).
       vocab_size: the real vocabulary when the LM head is padded to ``V`` (e.g. to a multiple of the
         vocabulary shards): columns ``>= vocab_size`` are left out of the softmax and get zero gradient;
@@ -199,7 +147,7 @@ def fused_linear_policy_loss(
       vocab_axis: mesh axis name(s) the weight's (and bias') vocabulary ``V`` is split over: vocabulary
         parallel, ``V`` a multiple of its size; the weight is never gathered. With neither axis, inputs
         sharded over ``Explicit`` mesh axes have their axes read from ``hidden`` and ``weight``. See
-        ``gmpo_jax.sharding``; gradients come back sharded like the primals.
+        ``gmpo_jax.lm_head.sharding``; gradients come back sharded like the primals.
 
     Returns:
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars. Their
@@ -241,26 +189,20 @@ def fused_linear_policy_loss(
         advantages=advantages, objective=objective, old_logps=old_logps, ref_logps=ref_logps,
         ref_hidden=ref_hidden, ref_weight=ref_weight, bias=bias, ref_bias=ref_bias,
         rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch, temperature=temperature,
-        weight_layout=weight_layout, chunk_size=chunk_size)
-    V_.check_vocab_size(vocab_size, V)
-    V_.check_ids_in_range(completion_ids, completion_mask, vocab_size or V)
+        weight_layout=weight_layout, chunk_size=chunk_size, vocab_size=vocab_size)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
-    mask = _as_mask(completion_mask)
-    ids = _as_ids(completion_ids)
-    f32 = _f32
-    ris = _rollout_is_ratio(objective, rollout_is_ratio)
-    temperature = jnp.asarray(temperature, jnp.float32)
+    inputs = V_.policy_inputs(objective, completion_ids, completion_mask, advantages, old_logps=old_logps,
+                              ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
+                              num_items_in_batch=num_items_in_batch, temperature=temperature)
     if ref_hidden is not None:
-        ref_logps = jax.lax.stop_gradient(fused_linear_logprobs(
-            ref_hidden, ref_weight, ids, completion_mask=mask, bias=ref_bias, temperature=temperature,
-            weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation,
-            vocab_size=vocab_size, **_plan_kwargs(plan)))
-    ids, bias = sharding.mask_padded_vocab(ids, bias, V, vocab_size)
+        ref_logps = lax.stop_gradient(fused_linear_logprobs(
+            ref_hidden, ref_weight, inputs.ids, completion_mask=inputs.mask, bias=ref_bias,
+            temperature=inputs.temperature, weight_layout=weight_layout, chunk_size=chunk_size,
+            implementation=implementation, vocab_size=vocab_size, **_plan_kwargs(plan)))
+        inputs = inputs._replace(ref_logps=ref_logps)
+    ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
-    args = (objective, hidden, weight, bias, ids, mask, f32(advantages), f32(old_logps), f32(ref_logps), ris,
-            f32(num_items_in_batch), temperature)
-    loss, aux = fused_vjp.policy_loss(cfg, *args) if plan is None else sharding.policy_loss(cfg, plan, *args)
-    return loss, LossAux(**aux)
+    return policy_loss(cfg, objective, Head(hidden, weight, bias), inputs._replace(ids=ids))
 
 
 def fused_linear_logprobs(
@@ -327,9 +269,6 @@ def fused_linear_logprobs(
     V_.check_ids(completion_ids, B, T)
     if completion_mask is not None:
         V_.check_mask(completion_mask, B, T)
-        mask = _as_mask(completion_mask)
-    else:
-        mask = jnp.ones((B, T), jnp.bool_)
     V_.check_temperature(temperature)
     V_.check_chunk_size(chunk_size)
     V_.check_vocab_size(vocab_size, V)
@@ -337,12 +276,12 @@ def fused_linear_logprobs(
     if not isinstance(return_entropy, (bool, np.bool_)):
         raise TypeError(f"return_entropy must be a bool, got return_entropy={return_entropy!r}")
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
-    ids = _as_ids(completion_ids)
-    ids, bias = sharding.mask_padded_vocab(ids, bias, V, vocab_size)
+    mask = jnp.ones((B, T), jnp.bool_) if completion_mask is None else V_.as_mask(completion_mask)
+    ids, bias = sharding.mask_padded_vocab(jnp.where(mask, V_.as_ids(completion_ids), 0), bias, V, vocab_size)
+    inputs = PolicyInputs(mask=mask, advantages=None, ids=ids, temperature=jnp.asarray(temperature, jnp.float32))
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan,
                   with_entropy=bool(return_entropy))
-    args = (hidden, weight, bias, ids, mask, jnp.asarray(temperature, jnp.float32))
-    out = fused_vjp.logprobs(cfg, *args) if plan is None else sharding.logprobs(cfg, plan, *args)
+    out = logprobs(cfg, Head(hidden, weight, bias), inputs)
     if return_entropy:
         return out[0], lax.stop_gradient(out[1])
     return out

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax import tuning
-from gmpo_jax.backends.base import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 
 __all__ = ["MosaicGpuBackend", "make_backend", "supported_on", "block_config"]
 

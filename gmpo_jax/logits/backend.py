@@ -1,4 +1,4 @@
-"""Backends of :func:`gmpo_jax.policy_loss_from_logits` and their dispatch.
+"""The logits backend seam: the memory-bound passes of :func:`gmpo_jax.policy_loss_from_logits`, and its registry.
 
 A backend computes, over logits ``[B, Tl, V]`` (``Tl = T`` or ``T + 1``; only the first ``T`` positions
 count), the two memory-bound passes of the loss; the objective math lives in ``gmpo_jax.objectives``::
@@ -16,21 +16,21 @@ Optional (``mosaic_gpu``), for token-local objectives under differentiation::
                          rollout_is_ratio, weights, mask, id_ok)
         -> (logp [B, T] f32, loss f32 scalar, dlogits for a unit cotangent)
 
-Dispatch as in ``gmpo_jax.backends.base``: ``implementation=None`` tries ``"mosaic_gpu"`` (Hopper GPUs)
+Dispatch (``gmpo_jax._dispatch``): ``implementation=None`` tries ``"mosaic_gpu"`` (Hopper GPUs)
 then ``"xla"``; an explicit name never falls back. A backend *instance* may be passed too (e.g.
 ``MosaicGpuLogitsBackend(interpret=True)`` to run the kernels in the Pallas interpreter on CPU).
 """
 
 from __future__ import annotations
 
-from gmpo_jax.backends.base import dispatch
+from gmpo_jax._dispatch import dispatch
 
 __all__ = ["IMPLEMENTATIONS", "resolve"]
 
 # Ordered: the default dispatch tries them in this order. Each module defines ``make_backend()``.
 IMPLEMENTATIONS: dict[str, str] = {
-    "mosaic_gpu": "gmpo_jax.logits_backends.mosaic_gpu",
-    "xla": "gmpo_jax.logits_backends.xla",
+    "mosaic_gpu": "gmpo_jax.logits.mosaic_gpu",
+    "xla": "gmpo_jax.logits.xla",
 }
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmpo_jax.backends.base import UnsupportedConfigError
+from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax import tuning
 
 __all__ = ["XlaChunkedBackend", "make_backend", "shifted"]

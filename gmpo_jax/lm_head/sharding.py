@@ -41,9 +41,10 @@ Design decisions (and why):
   ``data_axis`` / ``vocab_axis`` from ``hidden``'s batch axis and ``weight``'s vocabulary axis when the
   caller gives none. Without axes, inputs placed on ``Auto`` axes run the single-device program and
   XLA's partitioner chooses the communication (correct, not optimised).
-* **Gradients in the forward, as in ``fused_vjp``.** The custom VJP sits *outside* the ``shard_map``:
-  its forward runs ``fused_vjp._scan_policy`` per device (local rows, local vocabulary shard) and
-  returns the loss and the gradients; its backward scales them by the cotangent. Nothing is
+* **One custom VJP, the plan inside it.** ``gmpo_jax.lm_head.vjp`` has one custom VJP per function; a
+  ``ShardingPlan`` in its static configuration runs the same chunk scan per device (local rows, local
+  vocabulary shard) inside a ``jax.shard_map`` (:meth:`ShardingPlan.run`), in the forward of the VJP,
+  which returns the loss and the gradients; the backward scales them by the cotangent. Nothing is
   differentiated through a collective, so there is no transpose of ``psum`` to get right, and
   ``check_vma=False`` is safe (the scan carries need no ``pcast``).
 * **Global normalisers.** The denominator (``B``, token counts, ``num_items_in_batch``) and the
@@ -84,8 +85,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from gmpo_jax import fused_vjp
-from gmpo_jax.objectives import MetricSums, finalize_metrics
 
 __all__ = ["ShardingPlan", "VocabParallelBackend", "make_plan", "infer_axes", "mask_padded_vocab"]
 
@@ -149,6 +148,26 @@ class ShardingPlan:
         if any(types[a] != AxisType.Explicit for a in named):
             return x
         return jax.reshard(x, NamedSharding(self.mesh, spec))
+
+    @property
+    def head(self) -> tuple[P, P, P]:
+        """Specs of ``(hidden, weight, bias)``: rows over the data axis, the vocabulary over the vocabulary axis."""
+        return (self.batch, self.weight, self.vocab)
+
+    def run(self, fn, args: tuple, in_specs: tuple, out_specs):
+        """``fn(*args)`` per device under ``jax.shard_map`` (each argument placed on its spec first).
+
+        ``check_vma=False``: nothing is differentiated through the collectives (the custom VJP's forward
+        computes the gradients), so the scan carries need no ``pcast``."""
+        def place(spec, sub):
+            return jax.tree.map(lambda x: self.place(x, spec) if isinstance(x, jax.Array) and x.ndim else x, sub)
+
+        placed = jax.tree.map(place, tuple(in_specs), tuple(args), is_leaf=lambda x: isinstance(x, P))
+        return shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*placed)
+
+    def sum_data(self, x):
+        """``x`` summed over the data axis (inside :meth:`run`); None and unsharded batches pass through."""
+        return x if (x is None or self.data_axis is None) else lax.psum(x, self.data_axis)
 
 
 def make_plan(mesh, data_axis: Optional[AxisName], vocab_axis: Optional[AxisName], *, B: int, V: int,
@@ -285,134 +304,9 @@ class VocabParallelBackend:
         return dh, dw, db
 
 
-def _local_config(cfg: fused_vjp.FusedConfig, plan: ShardingPlan, weight) -> fused_vjp.FusedConfig:
-    """``cfg`` (resolved for the local shapes) with its backend wrapped for vocabulary parallelism."""
-    if plan.vocab_axis is None:
-        return cfg
-    V = weight.shape[1] if plan.weight_layout == "hv" else weight.shape[0]
-    return dataclasses.replace(cfg, backend=VocabParallelBackend(cfg.backend, plan.vocab_axis, V // plan.vocab_shards))
-
-
-def _psum(x, axis):
-    return x if (x is None or axis is None) else lax.psum(x, axis)
-
-
-def _place_all(plan, args, specs):
-    return tuple(plan.place(x, s) if isinstance(x, jax.Array) and x.ndim else x for x, s in zip(args, specs))
-
-
-# ------------------------------------------------------------------------------------------------
-# The policy loss
-# ------------------------------------------------------------------------------------------------
-def _policy_specs(plan: ShardingPlan):
-    """in_specs of (objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, denom, temperature)."""
-    d = plan.batch
-    return (P(), d, plan.weight, plan.vocab, d, d, d, d, d, d, P(), P())
-
-
-def _run_policy(cfg, plan: ShardingPlan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
-                num_items, temperature, *, with_grads: bool):
-    denom = objective.denominator(mask, num_items).astype(jnp.float32)  # global: the whole mask
-    d, dax = plan.batch, plan.data_axis
-
-    def local(objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, denom, temperature):
-        num, sums, (dh, dw, db) = fused_vjp._scan_policy(cfg, objective, hidden, weight, bias, ids, mask, adv,
-                                                         old, ref, ris, denom, temperature, with_grads=with_grads)
-        if dax is not None:
-            with jax.named_scope("gmpo_jax/data_parallel/reduce"):
-                num = lax.psum(num, dax)
-                sums = MetricSums(*(lax.psum(x, dax) for x in sums[:4]),
-                                  lax.pmin(sums.log_ratio_min, dax), lax.pmax(sums.log_ratio_max, dax))
-                if dw is not None:  # summed in float32 (a single chunk that kept its logits returns 16-bit)
-                    dw = dw.astype(jnp.float32)
-                dw, db = _psum(dw, dax), _psum(db, dax)
-        return num, sums, (dh, dw, db)
-
-    f = shard_map(local, mesh=plan.mesh, in_specs=_policy_specs(plan),
-                  out_specs=(P(), P(), (d, plan.weight, plan.vocab)), check_vma=False)
-    num, sums, grads = f(objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, denom, temperature)
-    loss = num / denom
-    aux = dict(loss_numerator=num, loss_denominator=denom, **finalize_metrics(sums, mask))
-    return loss, aux, grads
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _policy_loss(cfg, plan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, num_items, temperature):
-    loss, aux, _ = _run_policy(cfg, plan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
-                               num_items, temperature, with_grads=False)
-    return loss, aux
-
-
-def _policy_loss_fwd(cfg, plan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris, num_items,
-                     temperature):
-    loss, aux, grads = _run_policy(cfg, plan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
-                                   num_items, temperature, with_grads=True)
-    return (loss, aux), grads
-
-
-def _policy_loss_bwd(cfg, plan, grads, cotangents):
-    return fused_vjp._policy_loss_bwd(cfg, grads, cotangents)  # the same scaling as the single-device VJP
-
-
-_policy_loss.defvjp(_policy_loss_fwd, _policy_loss_bwd)
-
-
-def policy_loss(cfg, plan: ShardingPlan, objective, hidden, weight, bias, ids, mask, adv, old, ref, ris,
-                num_items, temperature):
-    """Sharded ``fused_vjp.policy_loss``: same arguments, ``cfg`` resolved for the local shapes."""
-    args = (objective, hidden, weight, bias, ids, mask, adv, old, ref, ris)
-    args = _place_all(plan, args, _policy_specs(plan)[:len(args)])
-    return _policy_loss(_local_config(cfg, plan, weight), plan, *args, num_items, temperature)
-
-
-# ------------------------------------------------------------------------------------------------
-# Log-probs alone
-# ------------------------------------------------------------------------------------------------
-def _lp_specs(plan):
-    d = plan.batch
-    return (d, plan.weight, plan.vocab, d, d, P())
-
-
-def _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature):
-    def local(hidden, weight, bias, ids, mask, temperature):
-        return fused_vjp._run_logprobs(cfg, hidden, weight, bias, ids, mask, temperature)
-
-    out_specs = (plan.batch,) * (3 if cfg.with_entropy else 2)
-    f = shard_map(local, mesh=plan.mesh, in_specs=_lp_specs(plan), out_specs=out_specs, check_vma=False)
-    return f(hidden, weight, bias, ids, mask, temperature)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature):
-    return fused_vjp.primal_logprobs(cfg, _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature))
-
-
-def _logprobs_fwd(cfg, plan, hidden, weight, bias, ids, mask, temperature):
-    out = _run_logprobs(cfg, plan, hidden, weight, bias, ids, mask, temperature)
-    return fused_vjp.primal_logprobs(cfg, out), (hidden, weight, bias, ids, mask, out[1], temperature)
-
-
-def _logprobs_bwd(cfg, plan, res, g):
-    hidden, weight, bias, ids, mask, lse, temperature = res
-    dax = plan.data_axis
-    g = g[0] if cfg.with_entropy else g  # the entropy is a metric: no gradient
-
-    def local(hidden, weight, bias, ids, mask, temperature, lse, g):
-        dh, dw, db = fused_vjp._logprobs_grads(cfg, (hidden, weight, bias, ids, mask, lse, temperature), g)
-        return dh, _psum(dw, dax), _psum(db, dax)
-
-    specs = _lp_specs(plan) + (plan.batch, plan.batch)
-    f = shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=(plan.batch, plan.weight, plan.vocab),
-                  check_vma=False)
-    dh, dw, db = f(hidden, weight, bias, ids, mask, temperature, lse, plan.place(g, plan.batch))
-    d_bias = None if db is None else db.astype(cfg.bias_dtype)
-    return (dh, dw.astype(cfg.weight_dtype), d_bias, None, None, None)
-
-
-_logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
-
-
-def logprobs(cfg, plan: ShardingPlan, hidden, weight, bias, ids, mask, temperature):
-    """Sharded ``fused_vjp.logprobs``: ``[B, T]`` float32, sharded over the data axis."""
-    hidden, weight, bias, ids, mask = _place_all(plan, (hidden, weight, bias, ids, mask), _lp_specs(plan))
-    return _logprobs(_local_config(cfg, plan, weight), plan, hidden, weight, bias, ids, mask, temperature)
+def local_backend(backend, plan: Optional[ShardingPlan], V: int):
+    """The backend each device runs: ``backend`` itself, or wrapped for vocabulary parallelism over a
+    ``V``-column vocabulary (``V`` the global size)."""
+    if plan is None or plan.vocab_axis is None:
+        return backend
+    return VocabParallelBackend(backend, plan.vocab_axis, V // plan.vocab_shards)

@@ -1,0 +1,85 @@
+"""Implementation dispatch shared by both ops, and its typed errors.
+
+Dispatch follows tokamax: ``implementation=None`` tries an op's registered backends in order (Pallas
+Mosaic GPU first, then the portable XLA path); a backend that cannot serve a call raises a typed
+``NotImplementedError`` subclass and the next one is tried. An explicit ``implementation=`` (a name or a
+backend instance) never falls back. Which implementation ran is logged on the ``gmpo_jax`` logger (INFO)
+and shows in profiles as the ``jax.named_scope`` ``gmpo_jax/<name>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+
+__all__ = ["UnsupportedConfigError", "BackendUnavailableError", "dispatch"]
+
+logger = logging.getLogger("gmpo_jax")
+
+
+class UnsupportedConfigError(NotImplementedError):
+    """The backend runs on this platform but cannot serve this configuration (shape, dtype, budget).
+
+    The default dispatch (``implementation=None``) falls back to the next backend with one warning; an
+    explicit ``implementation=`` re-raises it.
+    """
+
+
+class BackendUnavailableError(NotImplementedError):
+    """The backend cannot run on this platform at all (e.g. Mosaic GPU kernels without a Hopper GPU).
+
+    The default dispatch falls back silently; an explicit ``implementation=`` re-raises it.
+    """
+
+
+def _make(registry: dict[str, str], name: str):
+    module_path = registry[name]
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as e:  # e.g. a jax build without Pallas Mosaic GPU
+        raise BackendUnavailableError(f"implementation={name!r} cannot be imported: {e}") from e
+    return module.make_backend()
+
+
+def dispatch(implementation, registry: dict[str, str], what: str, **config):
+    """Pick a backend from ``registry`` (ordered name -> module path); shared by every op's dispatch.
+
+    ``implementation`` is None (try the registry in order: a ``BackendUnavailableError`` falls through
+    silently, an ``UnsupportedConfigError`` with one warning), a registered name (explicit: never falls
+    back) or a backend instance (explicit, e.g. a kernel backend in interpret mode for tests). ``config``
+    goes to ``check_supported``; ``what`` names the op in logs and errors.
+
+    Raises:
+      ValueError: unknown ``implementation`` name.
+      UnsupportedConfigError / BackendUnavailableError: an explicitly requested backend cannot serve.
+    """
+    if implementation is not None and not isinstance(implementation, str):
+        if not callable(getattr(implementation, "check_supported", None)):
+            raise TypeError(f"implementation must be None, a name in {tuple(registry)} or a backend instance, "
+                            f"got implementation={implementation!r}")
+        implementation.check_supported(**config)
+        logger.info("gmpo_jax: %s implementation=%r (explicit instance)", what, implementation)
+        return implementation
+    if implementation is not None:
+        if implementation not in registry:
+            raise ValueError(f"implementation must be None, one of {tuple(registry)} or a backend instance, "
+                             f"got implementation={implementation!r}")
+        backend = _make(registry, implementation)
+        backend.check_supported(**config)
+        logger.info("gmpo_jax: %s implementation=%s (explicit)", what, implementation)
+        return backend
+    for name in registry:
+        try:
+            backend = _make(registry, name)
+            backend.check_supported(**config)
+        except BackendUnavailableError as e:
+            logger.debug("gmpo_jax: %s %s unavailable: %s", what, name, e)
+            continue
+        except UnsupportedConfigError as e:
+            warnings.warn(f"gmpo_jax: {what} implementation={name!r} cannot serve this call ({e}); "
+                          "falling back.", stacklevel=5)
+            continue
+        logger.info("gmpo_jax: %s implementation=%s", what, name)
+        return backend
+    raise BackendUnavailableError(f"no {what} implementation can serve this call")

@@ -1,0 +1,64 @@
+"""The LM-head backend seam: per-chunk log-probs and gradients of ``z = (h W + c) / tau``, and its registry.
+
+Every LM-head loss shares one fused path (``gmpo_jax.lm_head.vjp``) that works on chunks of whole
+sequences flattened to ``R`` rows. A backend supplies the two LM-head computations on such rows; the
+objective math lives in ``gmpo_jax.objectives``, so a backend never sees a loss. Dispatch:
+``gmpo_jax._dispatch``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from gmpo_jax._dispatch import dispatch
+
+__all__ = ["LMHeadBackend", "IMPLEMENTATIONS", "resolve"]
+
+
+@runtime_checkable
+class LMHeadBackend(Protocol):
+    """Per-chunk LM-head computations (rows = flattened tokens of a chunk).
+
+    ``z = (hidden @ W + bias) / temperature`` in float32, ``W`` being ``[H, V]`` for
+    ``weight_layout="hv"`` and ``[V, H]`` (used as ``W^T``) for ``"vh"``. Implementations must be
+    hashable (they are static arguments of the custom VJP) and bitwise deterministic.
+    """
+
+    name: str
+
+    def check_supported(self, *, hidden_dtype, weight_dtype, H: int, V: int, rows: int,
+                        weight_layout: str, has_bias: bool, with_entropy: bool = False) -> None:
+        """Raise ``UnsupportedConfigError`` / ``BackendUnavailableError`` if this call cannot be served."""
+
+    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
+        """``(logp [R] f32, lse [R] f32)`` with ``logp = z[id] - logsumexp(z)``; NaN for ids outside [0, V).
+
+        With ``with_entropy``, a third output: the softmax entropy ``lse - sum_v p_v z_v`` ``[R]`` f32."""
+
+    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
+        """``(dhidden [R, H] hidden.dtype, dw_acc, db_acc)`` for ``dz = dlogp (onehot(id) - softmax(z)) / T``.
+
+        ``dw_acc`` (float32, ``weight.shape``) and ``db_acc`` (float32 ``[V]`` or None) are accumulated
+        into and returned: ``dw_acc + hidden^T dz`` (laid out like the weight), ``db_acc + sum_rows dz``.
+        ``dw_acc=None`` (a call of one chunk): return ``hidden^T dz`` itself (float32, or the weight's
+        dtype after ``logprobs_for_grads`` kept the logits).
+
+        Optional extension: a backend may also define ``logprobs_for_grads(hidden, weight, bias, ids,
+        temperature, *, weight_layout, budget_bytes) -> (logp, lse, saved)``, keeping what its gradient
+        pass can reuse within ``budget_bytes`` of device memory (``saved`` None when it keeps nothing);
+        ``grads`` then gets ``saved=`` (only when it is not None). ``gmpo_jax.lm_head.mosaic_gpu`` keeps
+        the logits.
+        """
+
+
+# Ordered: the default dispatch tries them in this order. Each module defines ``make_backend(**kw)``.
+IMPLEMENTATIONS: dict[str, str] = {
+    "mosaic_gpu": "gmpo_jax.lm_head.mosaic_gpu",
+    "xla_chunked": "gmpo_jax.lm_head.xla_chunked",
+}
+
+
+def resolve(implementation, **config) -> LMHeadBackend:
+    """The LM-head backend for a call (see :func:`dispatch`); ``config`` goes to ``check_supported``."""
+    return dispatch(implementation, IMPLEMENTATIONS, "fused LM head", **config)
+

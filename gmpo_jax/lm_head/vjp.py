@@ -1,0 +1,325 @@
+"""The LM-head op's custom VJPs: the fused policy loss and the fused log-probs, one each.
+
+Design decisions (and why):
+
+* **Chunks of whole sequences.** ``lax.scan`` walks the batch ``chunk_size`` sequences at a time. A
+  chunk never splits a sequence, so sequence-level quantities (GMPO's geometric mean, GSPO's sequence
+  ratio, per-sequence normalisers) are exact inside the chunk, and the loss is a sum of chunk numerators
+  over a *global* denominator computed once from the whole mask (SPEC.md: B, T and token counts are
+  those of the whole call, never of a chunk).
+* **No padding copies.** When ``chunk_size`` does not divide ``B`` the last chunk slides back to end at
+  ``B`` (overlapping the previous one); the overlapped sequences are masked out of that chunk and their
+  hidden-state gradient is kept from the chunk that owned them.
+* **Gradients in the forward of the VJP.** The backward of a scalar loss is a scaling: the forward of
+  the VJP computes the loss, ``d loss / d logp`` (``jax.grad`` of the objective's chunk numerator, whose
+  selects implement SPEC.md's strict boundary rule), and then the LM-head gradients through the
+  backend: the hidden-state gradient per chunk (in the hidden dtype, written into a ``[B, T, H]`` carry)
+  and the weight / bias gradient accumulated in a float32 carry (never stacked per chunk). The backward
+  multiplies these residuals by the cotangent. A call that is one chunk needs no accumulator: the
+  backend returns that chunk's weight gradient. Plain evaluation (no differentiation) runs the primal,
+  which computes only log-probs and the loss: no gradient work at all.
+* **Memory.** Live at once: the inputs, one float32 copy of the weight (the ``dW`` accumulator), the
+  ``[B, T, H]`` hidden gradient and one chunk's workspace (the backend's vocabulary block). Never a
+  ``[chunk, T, V]`` or ``[B, T, V]`` array in float32. One exception, inside the same bound: a single
+  chunk whose backend can keep its logits for the gradient pass (``logprobs_for_grads``: the Mosaic GPU
+  kernels, in float16) may use the float32 weight copy it does not need plus ``SAVED_LOGITS_SLACK``
+  for them, and then skips the second logits computation (``8 N H V`` -> ``6 N H V`` flops).
+* **Masked tokens.** Their ids are replaced by 0 before the LM head (any id, e.g. -100 or >= V, is
+  allowed under the mask) and every objective selects them out, so they influence nothing. An
+  *unmasked* id outside ``[0, V)`` yields a NaN log-prob and therefore a NaN loss (loud by design).
+* **Cotangents.** Only the :class:`Head` (``hidden``, ``weight``, ``bias``) gets gradients (in its own
+  dtypes); the :class:`~gmpo_jax.objectives.PolicyInputs` (advantages, old / reference log-probs, the IS
+  ratio, temperature) and the objective's hyper-parameters are data and get zero cotangents. The metrics
+  carry no gradient.
+* **Devices.** A :class:`~gmpo_jax.lm_head.sharding.ShardingPlan` in the configuration runs the same
+  scan per device inside ``jax.shard_map`` (data and / or vocabulary parallel); the normaliser comes from
+  the global mask, so every device's per-token gradients are final, and the loss numerator, metric sums
+  and weight gradients are summed over the data axis once. Without a plan nothing changes.
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from gmpo_jax.lm_head.backend import LMHeadBackend
+from gmpo_jax.lm_head.sharding import ShardingPlan
+from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, evaluate, loss_and_aux
+
+# What a single chunk may keep for its gradient pass beyond the float32 weight copy it does not make:
+# the memory target's 512 MiB over the inputs, returned gradients and that copy, less 128 MiB for the rest.
+SAVED_LOGITS_SLACK = 384 * 2**20
+
+__all__ = ["LMHeadConfig", "Head", "policy_loss", "logprobs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LMHeadConfig:
+    """Static configuration of one fused LM-head call (hashable: the custom VJPs' ``nondiff_argnums``).
+
+    Attributes:
+      backend: the :class:`~gmpo_jax.lm_head.backend.LMHeadBackend` each device runs.
+      chunk_size: sequences per chunk of the scan (``>= 1``; the local batch's with a plan).
+      weight_layout: ``"hv"`` or ``"vh"``.
+      weight_dtype, bias_dtype: the dtypes the gradients are returned in.
+      with_entropy: :func:`logprobs` also returns the per-token entropy (a metric).
+      plan: the mesh layout (data / vocabulary parallel), or None on one device.
+    """
+
+    backend: Any
+    chunk_size: int
+    weight_layout: str
+    weight_dtype: Any
+    bias_dtype: Any = None
+    with_entropy: bool = False
+    plan: Optional[ShardingPlan] = None
+
+
+class Head(NamedTuple):
+    """The differentiable inputs: ``hidden [B, T, H]``, ``weight`` (``[H, V]`` / ``[V, H]``), ``bias [V]`` or
+    None. Its gradients come back as a ``Head`` too."""
+
+    hidden: jax.Array
+    weight: jax.Array
+    bias: Optional[jax.Array] = None
+
+
+def _chunk_plan(B: int, c: int):
+    """``(number of chunks, locate)``; ``locate(i) -> (start, fresh)``: the last chunk slides back to end at
+    ``B``, and ``fresh`` marks the sequences it owns (not already done by the previous chunk)."""
+    n = -(-B // c)
+
+    def locate(i):
+        start = jnp.minimum(i * c, B - c)
+        fresh = (start + jnp.arange(c, dtype=jnp.int32)) >= i * c
+        return start, fresh
+
+    return n, locate
+
+
+def _merge_rows(full, start, fresh, new):
+    """Write ``new`` ([c, ...]) into ``full`` at ``start`` for the fresh sequences only."""
+    c = new.shape[0]
+    old = lax.dynamic_slice_in_dim(full, start, c, axis=0)
+    sel = fresh.reshape((c,) + (1,) * (new.ndim - 1))
+    return lax.dynamic_update_slice_in_dim(full, jnp.where(sel, new, old), start, axis=0)
+
+
+def _chunk_rows(cfg: LMHeadConfig, hidden, inputs: PolicyInputs, locate, i):
+    """Chunk ``i``: ``(start, fresh, h [c T, H], ids [c T], the chunk's inputs)``."""
+    c = cfg.chunk_size
+    start, fresh = locate(i)
+    chunk = inputs.rows(start, c, fresh)
+    h = lax.dynamic_slice_in_dim(hidden, start, c, axis=0).reshape(-1, hidden.shape[-1])
+    return start, fresh, h, jnp.where(chunk.mask, chunk.ids, 0).reshape(-1), chunk
+
+
+# ------------------------------------------------------------------------------------------------
+# The policy loss
+# ------------------------------------------------------------------------------------------------
+def _scan_policy(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs, denominator, *,
+                 with_grads: bool):
+    """``(numerator, MetricSums, Head of gradients)`` of these rows over the given (global) denominator.
+
+    The weight gradient is float32, or the weight's dtype when a single chunk's backend kept its logits
+    (``logprobs_for_grads``); without ``with_grads`` the gradients are None."""
+    hidden, weight, bias = head
+    T, H = hidden.shape[1:]
+    backend: LMHeadBackend = cfg.backend
+    lay = cfg.weight_layout
+    n, locate = _chunk_plan(hidden.shape[0], cfg.chunk_size)
+    # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
+    # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
+    single = with_grads and n == 1
+    keep = single and callable(getattr(backend, "logprobs_for_grads", None))
+
+    def body(carry, i):
+        num, sums, dh, dw, db = carry
+        start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
+        saved = None
+        if keep:
+            logp, lse, saved = backend.logprobs_for_grads(h, weight, bias, ids, inputs.temperature, weight_layout=lay,
+                                                          budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK)
+        else:
+            logp, lse = backend.logprobs(h, weight, bias, ids, inputs.temperature, weight_layout=lay)
+        num_c, sums_c, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator,
+                                        with_grads=with_grads)
+        if with_grads:
+            kw = {} if saved is None else {"saved": saved}
+            dh_c, dw, db = backend.grads(h, weight, bias, ids, dlogp.reshape(-1), lse, inputs.temperature,
+                                         weight_layout=lay, dw_acc=dw, db_acc=db, **kw)
+            dh = _merge_rows(dh, start, fresh, dh_c.reshape(cfg.chunk_size, T, H))
+        return (num + num_c, sums.combine(sums_c), dh, dw, db), None
+
+    dh = dw = db = None
+    if with_grads:
+        dh = jnp.zeros_like(hidden)
+        dw = None if single else jnp.zeros(weight.shape, jnp.float32)
+        db = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    init = (jnp.zeros((), jnp.float32), MetricSums.zeros(), dh, dw, db)
+    with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss"):
+        if single:
+            (num, sums, dh, dw, db), _ = body(init, jnp.int32(0))
+        else:
+            (num, sums, dh, dw, db), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+    return num, sums, Head(dh, dw, db) if with_grads else None
+
+
+def _sharded_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInputs, denominator, *, with_grads):
+    """:func:`_scan_policy` per device of ``cfg.plan``, its sums reduced over the data axis."""
+    plan = cfg.plan
+
+    def local(objective, head, inputs, denominator):
+        num, sums, grads = _scan_policy(cfg, objective, head, inputs, denominator, with_grads=with_grads)
+        if plan.data_axis is None:
+            return num, sums, grads
+        with jax.named_scope("gmpo_jax/data_parallel/reduce"):
+            if grads is not None:  # summed in float32 (a single chunk that kept its logits returns 16-bit)
+                dw = None if grads.weight is None else plan.sum_data(grads.weight.astype(jnp.float32))
+                grads = grads._replace(weight=dw, bias=plan.sum_data(grads.bias))
+            return plan.sum_data(num), sums.all_reduce(plan.data_axis), grads
+
+    specs = Head(*plan.head)
+    return plan.run(local, (objective, head, inputs, denominator),
+                    in_specs=(P(), specs, inputs.specs(plan.batch, P()), P()), out_specs=(P(), P(), specs))
+
+
+def _run_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInputs, *, with_grads: bool):
+    denominator = objective.denominator(inputs.mask, inputs.num_items).astype(jnp.float32)  # the whole call's
+    run = _scan_policy if cfg.plan is None else _sharded_policy
+    num, sums, grads = run(cfg, objective, head, inputs, denominator, with_grads=with_grads)
+    loss, aux = loss_and_aux(num, denominator, sums, inputs.mask)
+    return loss, aux, grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def policy_loss(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
+    """Fused loss ``(loss, aux)``; arguments checked and normalised by ``gmpo_jax.lm_head.api``."""
+    loss, aux, _ = _run_policy(cfg, objective, head, inputs, with_grads=False)
+    return loss, aux
+
+
+def _policy_loss_fwd(cfg, objective, head, inputs):
+    loss, aux, grads = _run_policy(cfg, objective, head, inputs, with_grads=True)
+    return (loss, aux), grads
+
+
+def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:
+    """The stored gradients times the cotangent ``g``, in the primal dtypes."""
+    g = g.astype(jnp.float32)
+    return Head((grads.hidden.astype(jnp.float32) * g).astype(grads.hidden.dtype),
+                (grads.weight * g).astype(cfg.weight_dtype),
+                None if grads.bias is None else (grads.bias * g).astype(cfg.bias_dtype))
+
+
+def _policy_loss_bwd(cfg, grads, cotangents):
+    g, _ = cotangents  # the metrics carry no gradient
+    return None, _scaled(cfg, grads, g), None
+
+
+policy_loss.defvjp(_policy_loss_fwd, _policy_loss_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-probs alone (rollout-time old / reference log-probs; composable into any user loss)
+# ------------------------------------------------------------------------------------------------
+def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
+    """``(logp, lse[, entropy])``, each ``[B, T]`` float32 (0 at masked tokens but ``lse``)."""
+    hidden, weight, bias = head
+    B, T = hidden.shape[:2]
+    backend: LMHeadBackend = cfg.backend
+    n, locate = _chunk_plan(B, cfg.chunk_size)
+    kw = {"with_entropy": True} if cfg.with_entropy else {}
+
+    def body(carry, i):
+        start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
+        out = backend.logprobs(h, weight, bias, ids, inputs.temperature, weight_layout=cfg.weight_layout, **kw)
+        m = chunk.mask
+        new = [jnp.where(m, x.reshape(m.shape), 0.0) if k != 1 else x.reshape(m.shape) for k, x in enumerate(out)]
+        return tuple(_merge_rows(a, start, fresh, x) for a, x in zip(carry, new)), None
+
+    init = tuple(jnp.zeros((B, T), jnp.float32) for _ in range(3 if cfg.with_entropy else 2))
+    with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs"):
+        out, _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+    return out
+
+
+def _scan_logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse, g) -> Head:
+    """The float32 gradients (``hidden`` in its dtype) of ``sum(g * logp)``."""
+    hidden, weight, bias = head
+    backend: LMHeadBackend = cfg.backend
+    n, locate = _chunk_plan(hidden.shape[0], cfg.chunk_size)
+    c = cfg.chunk_size
+
+    def body(carry, i):
+        dh, dw, db = carry
+        start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
+        cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=c, axis=0)
+        dlogp = jnp.where(chunk.mask, cut(g).astype(jnp.float32), 0.0).reshape(-1)
+        dh_c, dw, db = backend.grads(h, weight, bias, ids, dlogp, cut(lse).reshape(-1), inputs.temperature,
+                                     weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db)
+        return (_merge_rows(dh, start, fresh, dh_c.reshape(c, *hidden.shape[1:])), dw, db), None
+
+    init = (jnp.zeros_like(hidden), jnp.zeros(weight.shape, jnp.float32),
+            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+    with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs_grad"):
+        grads, _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+    return Head(*grads)
+
+
+def _run_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
+    plan = cfg.plan
+    if plan is None:
+        return _scan_logprobs(cfg, head, inputs)
+    out_specs = (plan.batch,) * (3 if cfg.with_entropy else 2)
+    return plan.run(functools.partial(_scan_logprobs, cfg), (head, inputs),
+                    in_specs=(Head(*plan.head), inputs.specs(plan.batch, P())), out_specs=out_specs)
+
+
+def _logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse, g) -> Head:
+    plan = cfg.plan
+    if plan is None:
+        return _scan_logprob_grads(cfg, head, inputs, lse, g)
+
+    def local(head, inputs, lse, g):
+        grads = _scan_logprob_grads(cfg, head, inputs, lse, g)
+        return grads._replace(weight=plan.sum_data(grads.weight), bias=plan.sum_data(grads.bias))
+
+    specs = Head(*plan.head)
+    return plan.run(local, (head, inputs, lse, g), in_specs=(specs, inputs.specs(plan.batch, P()), plan.batch,
+                                                            plan.batch), out_specs=specs)
+
+
+def _primal(cfg: LMHeadConfig, out):
+    """The custom VJP's output from ``(logp, lse[, entropy])``."""
+    return (out[0], out[2]) if cfg.with_entropy else out[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
+    """Fused per-token log-probs ``[B, T]`` float32 (0 where ``inputs.mask`` is False); with
+    ``cfg.with_entropy`` the pair ``(logp, entropy)`` (the entropy gets no gradient). ``inputs`` needs
+    ``mask``, ``ids`` and ``temperature`` only."""
+    return _primal(cfg, _run_logprobs(cfg, head, inputs))
+
+
+def _logprobs_fwd(cfg, head, inputs):
+    out = _run_logprobs(cfg, head, inputs)
+    return _primal(cfg, out), (head, inputs, out[1])
+
+
+def _logprobs_bwd(cfg, res, g):
+    head, inputs, lse = res
+    g = g[0] if cfg.with_entropy else g  # the entropy is a metric: no gradient
+    grads = _logprob_grads(cfg, head, inputs, lse, g)
+    return _scaled(cfg, grads, jnp.ones((), jnp.float32)), None
+
+
+logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)

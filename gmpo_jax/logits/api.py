@@ -1,0 +1,148 @@
+"""The logits op's public function: check -> build the inputs pytree -> resolve the backend -> the custom VJP.
+
+The custom VJP and its design decisions are in ``gmpo_jax.logits.vjp``; the memory-bound passes in the
+backends (``xla.py``, ``mosaic_gpu.py``); the objectives in ``gmpo_jax.objectives``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, Num
+
+from gmpo_jax import _validation as V_
+from gmpo_jax.logits import backend as backend_lib
+from gmpo_jax.logits.vjp import LogitsConfig, policy_loss
+from gmpo_jax.objectives import LossAux, Objective
+
+__all__ = ["policy_loss_from_logits"]
+
+ScalarLike = Union[float, Float[Array, ""]]
+
+
+def _check_inputs(*, logits, completion_ids, completion_mask, advantages, objective, old_logps, ref_logps,
+                  rollout_is_ratio, num_items_in_batch, temperature) -> tuple[int, int, int, int]:
+    """All argument checks (trace time, named errors); returns (B, T, Tl, V) with ``Tl`` = T or T + 1."""
+    V_.require_rank("logits", logits, 3, "[B, T + 1, V] or [B, T, V]")
+    V_.require_float("logits", logits)
+    V_.require_rank("completion_ids", completion_ids, 2, "[B, T]")
+    B, T = np.shape(completion_ids)
+    _, Tl, V = np.shape(logits)
+    if B < 1 or T < 1 or V < 1:
+        raise ValueError(f"completion_ids [B, T] and logits [B, T(+1), V] must be non-empty, got "
+                         f"completion_ids.shape={np.shape(completion_ids)}, logits.shape={np.shape(logits)}")
+    if np.shape(logits)[0] != B or Tl not in (T, T + 1):
+        raise ValueError(f"logits must have shape [B, T + 1, V] or [B, T, V] with B, T = {(B, T)} (from "
+                         f"completion_ids), got logits.shape={np.shape(logits)}")
+    V_.check_token_inputs(B=B, T=T, V=V, completion_ids=completion_ids, completion_mask=completion_mask,
+                          advantages=advantages, objective=objective, old_logps=old_logps, ref_logps=ref_logps,
+                          rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch,
+                          temperature=temperature)
+    if objective.requires_reference and ref_logps is None:
+        raise ValueError(f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps")
+    return B, T, Tl, V
+
+
+def policy_loss_from_logits(
+    logits: Union[Float[Array, "B T+1 V"], Float[Array, "B T V"]],
+    completion_ids: Int[Array, "B T"],
+    completion_mask: Num[Array, "B T"] | Bool[Array, "B T"],
+    advantages: Float[Array, " B"],
+    *,
+    objective: Objective,
+    old_logps: Optional[Float[Array, "B T"]] = None,
+    ref_logps: Optional[Float[Array, "B T"]] = None,
+    rollout_is_ratio: Optional[Array] = None,
+    num_items_in_batch: Optional[ScalarLike] = None,
+    temperature: ScalarLike = 1.0,
+    implementation: Any = None,
+) -> tuple[Float[Array, ""], LossAux]:
+    r"""Policy-gradient loss (GMPO or the GRPO family) from logits that already exist.
+
+    .. math::
+        \log\pi_{b,t} = \mathrm{log\_softmax}\!\left(\frac{z_{b,t}}{\tau}\right)[y_{b,t}],\qquad
+        \frac{\partial\mathcal{L}}{\partial z_{b,t,v}} = \frac{1}{\tau}
+        \frac{\partial\mathcal{L}}{\partial\log\pi_{b,t}}\left(\mathbb{1}[v = y_{b,t}]
+        - \mathrm{softmax}(z_{b,t}/\tau)_v\right)
+
+    with the objective's loss of ``SPEC.md`` on :math:`\log\pi` (e.g. GMPO:
+    :math:`\frac1B\sum_b -A_b \exp(\mathrm{mean}_t\,\mathrm{clip}(\log\pi - \log\pi_{old}))`), log-probs and
+    loss in float32 whatever the logits' dtype. Memory-bound: the forward reads the logits once, the
+    backward reads them once and writes ``dlogits`` once (for token-local objectives on ``"mosaic_gpu"``
+    one kernel in the forward does both, keeping each row on chip between its two passes); beyond the logits and their
+    gradient only ``[B, T]``-sized arrays are allocated (never a float32 or sliced copy of the logits).
+
+    Args:
+      logits: ``[B, T + 1, V]`` (the usual causal-LM output over prompt-end + completion: position ``t``
+        predicts ``completion_ids[:, t]`` and the last position is dropped, lazily) or ``[B, T, V]``
+        (already aligned); a floating dtype (``"xla"`` computes in float32 from any; the Mosaic kernels
+        take bf16 / f16 / f32).
+      completion_ids: ``[B, T]`` integer sampled tokens. Masked positions may hold any value (e.g. -100
+        or ``>= V``); an unmasked id outside ``[0, V)`` raises ValueError when the ids and the mask are
+        concrete; traced (under jit) it has a NaN log-prob,
+        which makes the loss NaN unless the objective ignores that token's value (e.g. a zero advantage
+        and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too, and that row of
+        the gradient may be NaN even when the loss is not (CISPO and SAPO with a zero advantage).
+      completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
+      advantages: ``[B]`` float, one per completion (group-normalised by the caller).
+      objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
+      old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = sg(logp)``).
+      ref_logps: ``[B, T]`` float reference log-probs for the KL term (needed when ``beta != 0``).
+      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` inference-engine importance-sampling correction
+        (Liger's ``vllm_is_ratio``); multiplies the per-token policy loss. Ignored by GMPO (with a
+        warning), as SPEC.md defines.
+      num_items_in_batch: scalar, total active tokens of the whole generation batch: the dapo / cispo
+        normaliser override. Ignored by the other loss types.
+      temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
+      implementation: None (``"mosaic_gpu"`` on Hopper-or-newer GPUs when it can serve the call, else
+        ``"xla"``), an explicit name (never falls back), or a backend instance such as
+        ``gmpo_jax.logits.MosaicGpuLogitsBackend(interpret=True)``.
+        ``MosaicGpuLogitsBackend(inplace=True)`` writes ``dlogits`` into the logits' buffer (Liger's
+        ``inplace``): half the memory when the logits die with the loss (an intermediate of the same
+        jit, or donated with ``donate_argnums``); if they are still live, XLA copies them first. It
+        does not batch under ``jax.vmap`` (the default backend does).
+
+    Returns:
+      ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`LossAux` of float32 scalars (no
+      gradient). The gradient with respect to ``logits`` has the logits' shape and dtype (zero at the
+      dropped last position). Reverse mode only (a ``jax.custom_vjp``: no ``jax.jvp`` / ``jacfwd``).
+
+    Raises:
+      TypeError: non-floating logits / advantages / log-probs, non-integer ids, a non-objective.
+      ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
+        not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
+        outside ``[0, V)``, a concrete ``beta != 0`` without ``ref_logps``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        ``"mosaic_gpu"``).
+      UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
+        serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /
+        f32, or rows of logits that the kernels' 128-byte tiles cannot cover, see
+        ``MosaicGpuLogitsBackend._split``).
+
+    References: GMPO, arXiv 2507.20673; Liger-Kernel ``triton_grpo_loss``; TRL ``GRPOTrainer``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gmpo_jax
+      >>> logits = jax.random.normal(jax.random.key(0), (2, 4, 11))  # [B, T + 1, V]
+      >>> ids = jnp.array([[1, 2, 3], [4, 5, -100]]); mask = ids >= 0
+      >>> loss, aux = gmpo_jax.policy_loss_from_logits(logits, ids, mask, jnp.array([1.0, -0.5]),
+      ...                                              objective=gmpo_jax.GMPO())
+      >>> float(loss)  # on-policy: -mean_b A_b * exp(0)
+      -0.25
+      >>> jax.grad(lambda z: gmpo_jax.policy_loss_from_logits(
+      ...     z, ids, mask, jnp.array([1.0, -0.5]), objective=gmpo_jax.GMPO())[0])(logits).shape
+      (2, 4, 11)
+    """
+    B, T, Tl, V = _check_inputs(
+        logits=logits, completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages,
+        objective=objective, old_logps=old_logps, ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch, temperature=temperature)
+    inputs = V_.policy_inputs(objective, completion_ids, completion_mask, advantages, old_logps=old_logps,
+                              ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
+                              num_items_in_batch=num_items_in_batch, temperature=temperature)
+    logits = jnp.asarray(logits)
+    backend = backend_lib.resolve(implementation, dtype=logits.dtype, B=B, T=T, Tl=Tl, V=V)
+    with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss_from_logits"):
+        return policy_loss(LogitsConfig(backend=backend, T=T), objective, logits, inputs)

@@ -1,0 +1,161 @@
+"""The logits op's custom VJP: the policy loss from logits that already exist.
+
+Design decisions of the custom VJP (and why):
+
+* **One memory-bound pass forward, one backward.** The forward reads the
+  logits once (online log-sum-exp and the target logit per row, in float32), then runs the objective on
+  the ``[B, T]`` log-probs. The backward reads them once more and writes ``dlogits`` once. For GMPO and
+  GSPO the gradient cannot be written during the first read: a token's ``d loss / d logp`` depends on
+  reductions over its whole sequence (the geometric mean, the sequence ratio), and one row of Llama-3
+  logits (250 KB) does not stay on chip until they are known.
+* **Token-local objectives fuse.** For the GRPO family at token level, CISPO and SAPO, a token's
+  ``d loss / d logp`` is a function of its own log-prob and of data known beforehand
+  (``objective.token_local``; its ``token_loss`` and ``token_weights``). A backend with
+  ``logprobs_and_dlogits`` (``mosaic_gpu``) then writes ``dlogits`` for a unit cotangent in the forward of
+  the VJP, in the same kernel that computes each row's log-sum-exp and each token's weighted loss (each
+  row read from device memory once, kept on chip for the second pass, and written once); the residual
+  is that array and the backward multiplies it by the cotangent (with ``jax.grad``'s constant 1 XLA
+  drops the multiply; another cotangent, e.g. a scaled loss, rounds the bf16 gradient twice: about one
+  ulp instead of half an ulp). The hyper-parameters must be concrete (they are compiled into the
+  kernel); traced ones take the general path. Float16 logits keep the general path: their stored
+  unit-cotangent gradient would lose small entries to subnormals before a loss scale could lift them.
+* **Gradient scale in the forward, logits pass in the backward** (the general path). The forward of the
+  VJP computes the loss and ``d loss / d logp`` (``jax.grad`` of the objective's numerator over the whole
+  batch, whose selects implement SPEC.md's strict boundary rule) and keeps as residuals only
+  ``[B, T]``-sized arrays plus a reference to the logits (no copy). The backward multiplies
+  ``d loss / d logp`` by the cotangent and writes ``dlogits = dlogp * (onehot - softmax(z / tau)) / tau``
+  in the logits' dtype in one pass; for ``[B, T + 1, V]`` logits the last position's gradient is written
+  as zeros by the same pass (no padding or concatenation of a ``[B, T, V]`` array). Plain evaluation
+  (no gradient) runs only the forward read and the objective, on every path.
+* **Masked tokens.** Their ids are replaced by 0 before the logits pass (any id, e.g. -100 or >= V, is
+  allowed under the mask); the objective selects them out and their ``dlogits`` rows are selected to
+  exactly zero, whatever the logits hold there. An *unmasked* id outside ``[0, V)`` raises when the
+  ids and mask are concrete, and gives NaN under jit.
+* **Cotangents.** Only ``logits`` gets a gradient; advantages, old / reference log-probs, the IS ratio,
+  the temperature and the objective's hyper-parameters are data (zero cotangents), as in TRL / Liger.
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, _concrete_value, evaluate, loss_and_aux
+
+__all__ = ["LogitsConfig", "policy_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsConfig:
+    """Static configuration of one call (hashable: the custom VJP's ``nondiff_argnums``): the resolved
+    backend and the completion length ``T`` (the logits have ``T`` or ``T + 1`` positions)."""
+
+    backend: Any
+    T: int
+
+
+def _token_local_loss(objective: Objective, logp, inputs: PolicyInputs, *, with_grads: bool):
+    """``(loss, dlogp or None)`` of a token-local objective as one weighted sum,
+    ``sum_{b,t} token_weights * token_loss``: the function whose gradient the fused kernel writes, and a
+    single reduction after the logits pass instead of the per-sequence and batch reductions of
+    ``chunk_numerator / denominator`` (measured on the H200: four small kernels after the fused one
+    become two)."""
+    mask = inputs.mask
+    weights = objective.token_weights(mask, inputs.num_items)
+    adv = inputs.advantages.astype(jnp.float32)[:, None]
+
+    def total(lp):
+        tl = objective.token_loss(lp, inputs.old_logps, inputs.ref_logps, adv, inputs.rollout_is_ratio, mask=mask)
+        return jnp.sum(jnp.where(mask, weights * tl, 0.0))
+
+    if not with_grads:
+        return total(logp), None
+    loss, g = jax.value_and_grad(total)(logp)
+    return loss, jnp.where(mask, g, 0.0)
+
+
+def _objective(objective: Objective, logp, inputs: PolicyInputs, *, with_grads: bool, loss=None):
+    """``(loss, aux, dlogp or None)`` on the ``[B, T]`` log-probs. ``loss``: a token-local objective's
+    weighted sum already formed (the fused kernel writes each token's term; ``with_grads=False`` only)."""
+    denom = objective.denominator(inputs.mask, inputs.num_items).astype(jnp.float32)
+    if not objective.token_local:
+        num, sums, dlogp = evaluate(objective, logp, inputs, denom, with_grads=with_grads)
+        loss, aux = loss_and_aux(num, denom, sums, inputs.mask)
+        return loss, aux, dlogp
+    with jax.named_scope("gmpo_jax/objective"):
+        if loss is None:
+            loss, dlogp = _token_local_loss(objective, logp, inputs, with_grads=with_grads)
+        else:
+            dlogp = None
+        _, sums, _ = evaluate(objective, jax.lax.stop_gradient(logp), inputs, denom, with_grads=False)
+    _, aux = loss_and_aux(loss * denom, denom, sums, inputs.mask)
+    return loss, aux, dlogp
+
+
+def _id_ok(inputs: PolicyInputs, V: int):
+    """Where the (masked-to-0) ids lie in ``[0, V)``; elsewhere the log-prob is NaN."""
+    return (inputs.ids >= 0) & (inputs.ids < V)
+
+
+def _run(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs, *, with_grads: bool):
+    logp, residual = cfg.backend.logprobs(logits, inputs.ids, T=cfg.T, temperature=inputs.temperature)
+    logp = jnp.where(_id_ok(inputs, logits.shape[-1]), logp, jnp.nan)
+    loss, aux, dlogp = _objective(objective, logp, inputs, with_grads=with_grads)
+    return loss, aux, (residual, dlogp)
+
+
+def _fused(cfg: LogitsConfig, objective: Objective, logits) -> bool:
+    """Whether the forward of the VJP writes ``dlogits`` itself (token-local objective, concrete
+    hyper-parameters, a backend with ``logprobs_and_dlogits`` whose ``fused_plan`` accepts the shape)."""
+    plan = getattr(cfg.backend, "fused_plan", None)
+    if plan is None or not objective.token_local:
+        return False
+    if any(_concrete_value(leaf) is None for leaf in jax.tree.leaves(objective)):
+        return False
+    B, Tl, V = logits.shape
+    return plan(dtype=logits.dtype, R=B * Tl, V=V) is not None
+
+
+def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs):
+    id_ok = _id_ok(inputs, logits.shape[-1])
+    logp, loss, dlogits = cfg.backend.logprobs_and_dlogits(
+        logits, inputs.ids, T=cfg.T, temperature=inputs.temperature, objective=objective,
+        old_logps=inputs.old_logps, ref_logps=inputs.ref_logps, advantages=inputs.advantages,
+        rollout_is_ratio=inputs.rollout_is_ratio, weights=objective.token_weights(inputs.mask, inputs.num_items),
+        mask=inputs.mask, id_ok=id_ok)
+    logp = jnp.where(id_ok, logp, jnp.nan)
+    loss, aux, _ = _objective(objective, logp, inputs, with_grads=False, loss=loss)
+    return loss, aux, dlogits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def policy_loss(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
+    """``(loss, aux)``; arguments checked and normalised by ``gmpo_jax.logits.api``."""
+    loss, aux, _ = _run(cfg, objective, logits, inputs, with_grads=False)
+    return loss, aux
+
+
+def _policy_loss_fwd(cfg, objective, logits, inputs):
+    if _fused(cfg, objective, logits):
+        loss, aux, dlogits = _run_fused(cfg, objective, logits, inputs)
+        return (loss, aux), (dlogits, None, None, None)
+    loss, aux, (residual, dlogp) = _run(cfg, objective, logits, inputs, with_grads=True)
+    return (loss, aux), (logits, inputs, residual, dlogp)
+
+
+def _policy_loss_bwd(cfg, res, cotangents):
+    g, _ = cotangents  # the metrics carry no gradient
+    g = g.astype(jnp.float32)
+    stored, inputs, residual, dlogp = res
+    if dlogp is None:  # fused: dlogits of a unit cotangent (XLA drops the multiply when g is the constant 1)
+        return None, (stored.astype(jnp.float32) * g).astype(stored.dtype), None
+    dlogits = cfg.backend.dlogits(stored, inputs.ids, residual, dlogp * g, T=cfg.T, temperature=inputs.temperature)
+    return None, dlogits, None
+
+
+policy_loss.defvjp(_policy_loss_fwd, _policy_loss_bwd)
