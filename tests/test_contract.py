@@ -1,0 +1,131 @@
+"""One contract, every implementation of both ops: loss, metrics and gradients against the float64 oracle.
+
+The cases are a curated product (objective x mask x dtype x layout, not every combination) run through
+each implementation of each op:
+
+* LM head (``fused_linear_policy_loss``): ``xla_chunked``, and ``mosaic_gpu`` in the Pallas GPU
+  interpreter (``MosaicGpuBackend(interpret=True)``; the kernels take 16-bit inputs only, so their cases
+  are the bf16 / f16 ones);
+* logits (``policy_loss_from_logits``): ``xla``, and ``mosaic_gpu`` in the interpreter, three-pass and
+  fused (token-local objectives write ``dlogits`` in the forward kernel).
+
+JAX's Pallas GPU tests share one test class between the device and the interpreter through an
+``INTERPRET`` class attribute; this file does the same: ``TestContract`` runs on CPU with the kernels
+interpreted, ``TestContractGpu`` (marked ``gpu``) reruns the same cases with the compiled kernels on a
+Hopper GPU. Tolerances: the one table of ``conftest.TOLERANCES`` (with its reasons); the logits of the
+logits-op cases are the LM-head case's logits rounded to the case's dtype, and its oracle is float64 on
+those rounded logits (``test_logits_loss.oracle``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gmpo_jax
+from conftest import DTYPES, Obj, check_against_spec, make_case, spec_for
+from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
+from gmpo_jax.logits.vjp import LogitsConfig, _fused
+from test_logits_loss import check as check_logits
+from test_logits_loss import needs_hopper
+
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """One curated case: objective, dtype, weight layout, mask kind."""
+
+    obj: Obj
+    dtype: str
+    layout: str = "hv"
+    mask: str = "ragged"  # "ragged" (an empty row too), "full"
+
+    def __str__(self):
+        return f"{self.obj}-{self.dtype}-{self.layout}-{self.mask}"
+
+
+CASES = [
+    Contract(Obj("gmpo"), "bfloat16"),
+    Contract(Obj("gmpo", beta=0.04, bias_kl=True), "bfloat16", "vh"),
+    Contract(Obj("gmpo", epsilon_low=0.25, epsilon_high=0.5), "float32", mask="full"),
+    Contract(Obj("grpo", beta=0.04), "bfloat16", "vh", "full"),
+    Contract(Obj("grpo", level="sequence"), "float16"),
+    Contract(Obj("dapo", epsilon_low=0.2, epsilon_high=0.28, delta=1.5), "bfloat16"),
+    Contract(Obj("dr_grpo", max_completion_length=11), "float32", "vh"),
+    Contract(Obj("cispo", epsilon_high=1.3, beta=0.04), "bfloat16"),
+    Contract(Obj("sapo", tau_pos=0.5, tau_neg=2.0), "bfloat16", "vh"),
+]
+
+B, T, H = 4, 9, 64
+V_LM_HEAD = 200  # a partial last tile of the LM-head kernels' 128 vocabulary columns
+V_LOGITS = 2048  # the fused logits kernel's smallest slab view (64 rows of 32 columns); the three-pass
+# kernels view [B (T + 1), V] as [8 B (T + 1), V / 8]: 128-column tiles, 64-row blocks
+
+
+def _case(c: Contract, seed: int, V: int):
+    rng = np.random.default_rng(seed)
+    mask = np.ones((B, T), bool) if c.mask == "full" else (np.arange(T)[None] < rng.integers(1, T + 1, B)[:, None])
+    if c.mask != "full":
+        mask[0], mask[2] = True, False  # one full row, one empty row
+    return make_case(seed, B=B, T=T, H=H, V=V, dtype=DTYPES[c.dtype], layout=c.layout, mask=mask)
+
+
+def _logits_case(case, c: Contract):
+    """The logits op's case: the LM head's ``[B, T + 1, V]`` logits rounded to the case's dtype."""
+    w = np.asarray(case.weight, np.float64)
+    z = np.asarray(case.hidden, np.float64) @ (w if c.layout == "hv" else w.T)
+    z = np.concatenate([z, z[:, :1]], axis=1).astype(DTYPES[c.dtype])
+    return dict(logits=z, ids=case.ids, mask=case.mask, adv=case.adv, old=case.old, ref=case.ref, ris=None)
+
+
+class TestContract:
+    INTERPRET = True
+
+    def lm_head_impls(self, dtype):
+        impls = {"xla_chunked": "xla_chunked"} if self.INTERPRET else {}
+        if dtype != "float32":  # the kernels take 16-bit inputs
+            impls["mosaic_gpu"] = MosaicGpuBackend(interpret=True) if self.INTERPRET else "mosaic_gpu"
+        return impls
+
+    def logits_impls(self, obj: Obj):
+        impls = {"xla": "xla"} if self.INTERPRET else {}
+        impls["mosaic_gpu"] = MosaicGpuLogitsBackend(interpret=self.INTERPRET, fused=False)
+        if obj.lib().token_local:
+            impls["mosaic_gpu_fused"] = MosaicGpuLogitsBackend(interpret=self.INTERPRET)
+        return impls
+
+    @pytest.mark.parametrize("c", CASES, ids=str)
+    def test_lm_head(self, c: Contract):
+        case = _case(c, CASES.index(c), V_LM_HEAD)
+        want = spec_for(case, c.obj)
+        for name, impl in self.lm_head_impls(c.dtype).items():
+            f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
+                h, w, case.ids, case.mask, case.adv, objective=c.obj.lib(), old_logps=case.old,
+                ref_logps=case.ref, weight_layout=c.layout, implementation=impl)
+            (loss, aux), (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
+                jnp.asarray(case.hidden), jnp.asarray(case.weight))
+            try:
+                check_against_spec(loss, aux, (dh, dw, None), want, case, c.obj)
+            except AssertionError as e:
+                raise AssertionError(f"implementation {name}: {e}") from e
+
+    @pytest.mark.parametrize("c", CASES, ids=str)
+    def test_logits(self, c: Contract):
+        case = _logits_case(_case(c, CASES.index(c), V_LOGITS), c)
+        for name, impl in self.logits_impls(c.obj).items():
+            fused = _fused(LogitsConfig(impl, T), c.obj.lib(), jnp.asarray(case["logits"])) if name != "xla" else False
+            assert fused == name.endswith("fused"), f"{name}: the fused kernel {'did not run' if not fused else 'ran'}"
+            try:
+                check_logits(case, c.obj, impl)
+            except AssertionError as e:
+                raise AssertionError(f"implementation {name}: {e}") from e
+
+
+@pytest.mark.gpu
+@needs_hopper
+class TestContractGpu(TestContract):
+    INTERPRET = False
