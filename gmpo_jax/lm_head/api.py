@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
@@ -52,6 +53,13 @@ def _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout):
         if inferred is not None:
             mesh, data_axis, vocab_axis = inferred
     return sharding.make_plan(mesh, data_axis, vocab_axis, B=B, V=V, weight_layout=weight_layout)
+
+
+def _placed(plan, head: Head, inputs: PolicyInputs) -> tuple[Head, PolicyInputs]:
+    """The custom VJP's primals on the plan's layout, so that their gradients come back laid out alike."""
+    if plan is None:
+        return head, inputs
+    return plan.place_all((head, inputs), (Head(*plan.head), inputs.specs(plan.batch, P())))
 
 
 def _plan_kwargs(plan) -> dict:
@@ -202,7 +210,8 @@ def fused_linear_policy_loss(
         inputs = inputs._replace(ref_logps=ref_logps)
     ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
-    return policy_loss(cfg, objective, Head(hidden, weight, bias), inputs._replace(ids=ids))
+    head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
+    return policy_loss(cfg, objective, head, inputs)
 
 
 def fused_linear_logprobs(
@@ -281,7 +290,7 @@ def fused_linear_logprobs(
     inputs = PolicyInputs(mask=mask, advantages=None, ids=ids, temperature=jnp.asarray(temperature, jnp.float32))
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan,
                   with_entropy=bool(return_entropy))
-    out = logprobs(cfg, Head(hidden, weight, bias), inputs)
+    out = logprobs(cfg, *_placed(plan, Head(hidden, weight, bias), inputs))
     if return_entropy:
         return out[0], lax.stop_gradient(out[1])
     return out

@@ -154,16 +154,20 @@ class ShardingPlan:
         """Specs of ``(hidden, weight, bias)``: rows over the data axis, the vocabulary over the vocabulary axis."""
         return (self.batch, self.weight, self.vocab)
 
+    def place_all(self, args: tuple, specs: tuple) -> tuple:
+        """Every array of ``args`` (a tuple of pytrees) placed on its spec (``specs``: a tree prefix)."""
+        def place(spec, sub):
+            return jax.tree.map(lambda x: self.place(x, spec) if isinstance(x, jax.Array) and x.ndim else x, sub)
+
+        return jax.tree.map(place, tuple(specs), tuple(args), is_leaf=lambda x: isinstance(x, P))
+
     def run(self, fn, args: tuple, in_specs: tuple, out_specs):
         """``fn(*args)`` per device under ``jax.shard_map`` (each argument placed on its spec first).
 
         ``check_vma=False``: nothing is differentiated through the collectives (the custom VJP's forward
         computes the gradients), so the scan carries need no ``pcast``."""
-        def place(spec, sub):
-            return jax.tree.map(lambda x: self.place(x, spec) if isinstance(x, jax.Array) and x.ndim else x, sub)
-
-        placed = jax.tree.map(place, tuple(in_specs), tuple(args), is_leaf=lambda x: isinstance(x, P))
-        return shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*placed)
+        return shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*self.place_all(args, in_specs))
 
     def sum_data(self, x):
         """``x`` summed over the data axis (inside :meth:`run`); None and unsharded batches pass through."""

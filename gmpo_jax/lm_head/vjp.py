@@ -188,7 +188,8 @@ def _sharded_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInpu
 
     specs = Head(*plan.head)
     return plan.run(local, (objective, head, inputs, denominator),
-                    in_specs=(P(), specs, inputs.specs(plan.batch, P()), P()), out_specs=(P(), P(), specs))
+                    in_specs=(P(), specs, inputs.specs(plan.batch, P()), P()),
+                    out_specs=(P(), P(), specs if with_grads else P()))
 
 
 def _run_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInputs, *, with_grads: bool):
