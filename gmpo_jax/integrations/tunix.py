@@ -276,7 +276,7 @@ def final_hidden_states(model: Any, prompt_ids: jax.Array, completion_ids: jax.A
     model(tokens, **kwargs)
     sown = nnx.pop(model, nnx.Intermediate)
     x = sown["all_hidden_states"]
-    x = x.value if hasattr(x, "value") else x
+    x = x.get_value() if isinstance(x, nnx.Variable) else x
     x = x[-1] if isinstance(x, (tuple, list)) else x
     T = completion_ids.shape[1]
     return x[:, -T - 1:-1]
