@@ -223,7 +223,9 @@ def test_grpo_learner_trains_with_fused_gmpo():
     function_registry.register_policy_loss_fn("gmpo_jax_learner_test")(counted)
     config = GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl",
                         policy_loss_fn="gmpo_jax_learner_test")
-    rewards = lambda prompts, completions, **kw: list(np.random.default_rng(0).normal(size=len(completions)))  # noqa: E731
+    def rewards(prompts, completions, **kwargs):
+        return list(np.random.default_rng(0).normal(size=len(completions)))
+
     learner = GRPOLearner(rl_cluster=cluster, algo_config=config, reward_fns=rewards)
     model = cluster.actor_trainer.model
     before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
