@@ -29,7 +29,7 @@ Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/K
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -248,7 +248,6 @@ class MosaicGpuBackend:
     ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned (float32, or the weight's
     dtype when ``saved`` is given), each window's block written once."""
     from gmpo_jax.kernels import _common as C
-    from gmpo_jax.kernels.lm_head_grad_mgpu import dlogits_window
     R, H = hidden.shape
     V = _vocab(weight, weight_layout)
     self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
@@ -260,81 +259,24 @@ class MosaicGpuBackend:
       if saved is not None and (saved.block_n != bn or saved.d.shape[0] != Rp):
         raise ValueError(f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
                          f"not match the gradient kernel's {bn} / {Rp} (see save_plan)")
-      pad = Rp - R
       t = jnp.asarray(temperature, jnp.float32)
-      coef = jnp.pad(dlogp.astype(jnp.float32) / t, (0, pad))
-      lse2 = jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, pad))
-      n_tiles = C.cdiv(V, bn)
-      save_tiles = 0 if saved is None else saved.m.shape[0]
-      item = hp.dtype.itemsize
-      axis = 1 if weight_layout == "hv" else 0                       # the weight's vocabulary axis
-      num_sms = _num_sms(self.interpret)
-      w_kernel = _aligned(weight, weight_layout)                     # == weight unless V is unaligned
       fresh = dw_acc is None
       if fresh:
         dw_acc = jnp.zeros(weight.shape, weight.dtype if saved is not None else jnp.float32)
-
-      def dz_of(w_blk, b_blk, ids_w, v0, width, wt, kept):
-        """dz of one window, ``[Rp, wt * bn]`` (its weight columns ``w_blk``, ids relative to it)."""
-        if kept:
-          return _dz_from_saved(saved, v0, wt, ids_w, lse2, coef, width, hp.dtype)
-        splits = C.pick_num_splits(Rp // cfg.rows_per_cta, wt, num_sms)
-        return dlogits_window(hp, w_blk, b_blk, ids_w, scale, lse2, coef,
-                              weight_layout=weight_layout, vocab_size=width, window_start=0,
-                              window_tiles=wt, cfg=cfg, num_splits=splits,
-                              interpret=self._interpret_params())
-
-      def window(carry, v0, width, wt, kept, w_blk=None, b_blk=None):
-        """dz of one window (columns ``[v0, v0 + width)``) and the three GEMMs."""
-        dh, dw_acc, db_acc = carry
-        if w_blk is None:  # a full window inside the loop: dynamic slices of static width
-          w_blk = lax.dynamic_slice_in_dim(w_kernel, v0, wt * bn, axis=axis)
-          b_blk = None if bias_p is None else lax.dynamic_slice_in_dim(bias_p, v0, wt * bn)
-        dz = dz_of(w_blk, b_blk, ids_p - v0, v0, width, wt, kept)
-        if dz.shape[1] != width:
-          dz = dz[:, :width]
-        if w_blk.shape[axis] != width:  # the aligned copy's padding columns
-          w_blk = lax.slice_in_dim(w_blk, 0, width, axis=axis)
-        dh = dh + lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())),
-                                  preferred_element_type=jnp.float32)  # [Rp, H]
-        a, b = (hp, dz) if axis == 1 else (dz, hp)                     # dW block in the weight's layout
-        dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        if not fresh:
-          dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
-        dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
-        if db_acc is not None:
-          db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
-          db_acc = lax.dynamic_update_slice_in_dim(
-              db_acc, lax.dynamic_slice_in_dim(db_acc, v0, width) + db_blk, v0, axis=0)
-        return dh, dw_acc, db_acc
-
-      def windows(carry, tile0, tile1, wt, kept):
-        """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one
-        weight slice alive at a time by construction, accumulators updated in place; a Python loop left
-        the order to XLA's scheduler, which hoisted dz kernels: up to 5.95 GiB at qwen 2 x 32768,
-        KERNELS_NOTES.md), then the partial one, with static shapes (columns past V are masked)."""
-        c0, c1 = tile0 * bn, min(tile1 * bn, V)
-        n_full = (c1 - c0) // (wt * bn) if wt < tile1 - tile0 else 0   # one window: no loop, no slice
-        if n_full:
-          carry, _ = lax.scan(lambda c, k: (window(c, c0 + k * (wt * bn), wt * bn, wt, kept), None),
-                              carry, jnp.arange(n_full, dtype=jnp.int32))
-        v0 = c0 + n_full * wt * bn
-        if v0 < c1:
-          end = min(v0 + C.cdiv(c1 - v0, bn) * bn, w_kernel.shape[axis])
-          w_blk = lax.slice_in_dim(w_kernel, v0, end, axis=axis)
-          b_blk = None if bias_p is None else bias_p[v0:v0 + C.cdiv(c1 - v0, bn) * bn]
-          carry = window(carry, v0, c1 - v0, C.cdiv(c1 - v0, bn), kept, w_blk, b_blk)
-        return carry
-
+      gp = _GradPass(backend=self, cfg=cfg, V=V, layout=weight_layout, hp=hp, ids_p=ids_p, scale=scale,
+                     bias_p=bias_p, w_kernel=_aligned(weight, weight_layout),
+                     coef=jnp.pad(dlogp.astype(jnp.float32) / t, (0, Rp - R)),
+                     lse2=jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, Rp - R)), saved=saved, fresh=fresh)
+      n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
+      item = hp.dtype.itemsize
       carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc)
       if save_tiles:
-        carry = windows(carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, item, kept=True), True)
+        carry = gp.windows(carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, item, kept=True), True)
       if save_tiles < n_tiles:
-        carry = windows(carry, save_tiles, n_tiles,
-                        self._window_tiles(Rp, H, n_tiles - save_tiles, bn, item), False)
+        carry = gp.windows(carry, save_tiles, n_tiles, self._window_tiles(Rp, H, n_tiles - save_tiles, bn, item),
+                           False)
       dh, dw_acc, db_acc = carry
-      dhidden = dh[:R].astype(hidden.dtype)
-    return dhidden, dw_acc, db_acc
+    return dh[:R].astype(hidden.dtype), dw_acc, db_acc
 
   # -- helpers ----------------------------------------------------------------------------------
   def _interpret_params(self):
@@ -342,6 +284,86 @@ class MosaicGpuBackend:
       return None
     from gmpo_jax.kernels._compat import interpret_params
     return interpret_params()
+
+
+@dataclasses.dataclass
+class _GradPass:
+  """One ``grads`` call's vocabulary windows: per window, ``dz`` (the kernel, or the kept logits) and
+  ``dh += dz W^T``, ``dW[:, window] (+)= h^T dz``, ``db[window] += sum_rows dz``. Rows padded to ``Rp``."""
+
+  backend: MosaicGpuBackend
+  cfg: Any            # the gradient kernel's block configuration
+  V: int
+  layout: str
+  hp: jax.Array       # [Rp, H] hidden, row-padded
+  ids_p: jax.Array    # [Rp] int32 (-1 on padding rows)
+  scale: jax.Array    # [Rp] log2(e) / temperature
+  bias_p: Any         # [tiles * block_n] float32 or None
+  w_kernel: jax.Array  # the weight as the bulk copies read it (_aligned)
+  coef: jax.Array     # [Rp] dlogp / temperature
+  lse2: jax.Array     # [Rp] log-sum-exp in base 2
+  saved: Any          # SavedLogits or None
+  fresh: bool         # dW blocks are written, not accumulated (a single chunk)
+
+  @property
+  def axis(self) -> int:
+    return 1 if self.layout == "hv" else 0  # the weight's vocabulary axis
+
+  def dz(self, w_blk, b_blk, ids_w, v0, width, wt, kept):
+    """dz of one window, ``[Rp, wt * block_n]`` (its weight columns ``w_blk``, ids relative to it)."""
+    from gmpo_jax.kernels import _common as C
+    from gmpo_jax.kernels.lm_head_grad_mgpu import dlogits_window
+    if kept:
+      return _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
+    cfg = self.cfg
+    splits = C.pick_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, _num_sms(self.backend.interpret))
+    return dlogits_window(self.hp, w_blk, b_blk, ids_w, self.scale, self.lse2, self.coef,
+                          weight_layout=self.layout, vocab_size=width, window_start=0, window_tiles=wt, cfg=cfg,
+                          num_splits=splits, interpret=self.backend._interpret_params())
+
+  def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
+    """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""
+    dh, dw_acc, db_acc = carry
+    axis, bn = self.axis, self.cfg.block_n
+    if w_blk is None:  # a full window inside the loop: dynamic slices of static width
+      w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
+      b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
+    dz = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
+    if dz.shape[1] != width:
+      dz = dz[:, :width]
+    if w_blk.shape[axis] != width:  # the aligned copy's padding columns
+      w_blk = lax.slice_in_dim(w_blk, 0, width, axis=axis)
+    dh = dh + lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())), preferred_element_type=jnp.float32)
+    a, b = (self.hp, dz) if axis == 1 else (dz, self.hp)          # dW block in the weight's layout
+    dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    if not self.fresh:
+      dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
+    dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
+    if db_acc is not None:
+      db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
+      db_acc = lax.dynamic_update_slice_in_dim(db_acc, lax.dynamic_slice_in_dim(db_acc, v0, width) + db_blk, v0,
+                                               axis=0)
+    return dh, dw_acc, db_acc
+
+  def windows(self, carry, tile0, tile1, wt, kept):
+    """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one
+    weight slice alive at a time by construction, accumulators updated in place; a Python loop left
+    the order to XLA's scheduler, which hoisted dz kernels: up to 5.95 GiB at qwen 2 x 32768,
+    docs/performance.md), then the partial one, with static shapes (columns past V are masked)."""
+    from gmpo_jax.kernels import _common as C
+    bn = self.cfg.block_n
+    c0, c1 = tile0 * bn, min(tile1 * bn, self.V)
+    n_full = (c1 - c0) // (wt * bn) if wt < tile1 - tile0 else 0   # one window: no loop, no slice
+    if n_full:
+      carry, _ = lax.scan(lambda c, k: (self.window(c, c0 + k * (wt * bn), wt * bn, wt, kept), None),
+                          carry, jnp.arange(n_full, dtype=jnp.int32))
+    v0 = c0 + n_full * wt * bn
+    if v0 < c1:
+      end = min(v0 + C.cdiv(c1 - v0, bn) * bn, self.w_kernel.shape[self.axis])
+      w_blk = lax.slice_in_dim(self.w_kernel, v0, end, axis=self.axis)
+      b_blk = None if self.bias_p is None else self.bias_p[v0:v0 + C.cdiv(c1 - v0, bn) * bn]
+      carry = self.window(carry, v0, c1 - v0, C.cdiv(c1 - v0, bn), kept, w_blk, b_blk)
+    return carry
 
 
 def _aligned(weight, weight_layout):
