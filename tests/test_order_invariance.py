@@ -605,7 +605,7 @@ X64_OBJECTIVES = [Obj("gmpo", beta=0.1, bias_kl=True), Obj("dapo", beta=0.05, de
 @pytest.mark.parametrize("obj", X64_OBJECTIVES, ids=str)
 def test_x64_lm_head(x64, obj):
     case = make_case(5, dtype=np.float32, with_bias=True, ris="bt")
-    for impl in ("xla_chunked", "reference"):
+    for impl in ("reference", "xla_chunked"):  # xla_chunked may xfail (see _assert_no_wide): last
         if impl == "reference":
             f = lambda h, w, b: gmpo_jax.reference.policy_loss(  # noqa: E731
                 h, w, case.ids, case.mask, case.adv, bias=b, objective=obj.lib(), old_logps=case.old,
@@ -644,7 +644,7 @@ def test_x64_logits(x64, obj):
 
 def test_x64_logprobs_and_objectives(x64):
     case = make_case(7, dtype=np.float32, with_bias=True)
-    for impl in ("xla_chunked", "reference"):
+    for impl in ("reference", "xla_chunked"):  # xla_chunked may xfail (see _assert_no_wide): last
         if impl == "reference":
             f = lambda h: gmpo_jax.reference.logprobs(h, case.weight, case.ids, completion_mask=case.mask,  # noqa
                                                       bias=case.bias, temperature=0.7)
