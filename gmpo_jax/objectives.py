@@ -340,7 +340,7 @@ class GMPO(Objective):
         low = r_v < -el
         # one-sided log-space clip; jnp.where passes the gradient to the selected branch only
         c = jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r))
-        n_tok = jnp.sum(m, axis=1).astype(jnp.float32)
+        n_tok = jnp.sum(m, axis=1, dtype=jnp.int32).astype(jnp.float32)
         s = _masked_sum(c, m, axis=1) / jnp.maximum(n_tok, 1.0)
         adv = a[:, 0]
         live = (n_tok > 0) & (adv != 0)
@@ -357,9 +357,9 @@ class GMPO(Objective):
         ch = m & high & (a_b > 0)
         sums = MetricSums(
             kl=kl_sum,
-            clipped=jnp.sum(cl | ch).astype(jnp.float32),
-            clipped_low=jnp.sum(cl).astype(jnp.float32),
-            clipped_high=jnp.sum(ch).astype(jnp.float32),
+            clipped=jnp.sum(cl | ch, dtype=jnp.int32).astype(jnp.float32),
+            clipped_low=jnp.sum(cl, dtype=jnp.int32).astype(jnp.float32),
+            clipped_high=jnp.sum(ch, dtype=jnp.int32).astype(jnp.float32),
             log_ratio_min=_log_ratio_range(r, m)[0],
             log_ratio_max=_log_ratio_range(r, m)[1],
         )
@@ -378,7 +378,7 @@ _IS_LEVELS = ("token", "sequence")
 
 def _sequence_log_weight(r, mask):
     """GSPO: the sequence-mean log ratio broadcast over tokens."""
-    n_tok = jnp.sum(mask, axis=1, keepdims=True).astype(jnp.float32)
+    n_tok = jnp.sum(mask, axis=1, keepdims=True, dtype=jnp.int32).astype(jnp.float32)
     w = _masked_sum(r, mask, axis=1)[:, None] / jnp.maximum(n_tok, 1.0)
     return jnp.broadcast_to(w, r.shape)
 
@@ -386,7 +386,7 @@ def _sequence_log_weight(r, mask):
 def _reduce(loss_type, ptl, mask):
     """Numerator of the loss type's reduction (SPEC.md "Reductions")."""
     if loss_type in ("grpo", "sapo"):
-        n_tok = jnp.sum(mask, axis=1).astype(jnp.float32)
+        n_tok = jnp.sum(mask, axis=1, dtype=jnp.int32).astype(jnp.float32)
         return jnp.sum(_masked_sum(ptl, mask, axis=1) / jnp.maximum(n_tok, 1.0))
     return _masked_sum(ptl, mask)
 
@@ -396,11 +396,11 @@ def _denominator(loss_type, mask, num_items_in_batch, max_completion_length):
     if loss_type in ("grpo", "sapo", "gmpo"):
         return jnp.asarray(b, jnp.float32)
     if loss_type == "bnpo":
-        return jnp.maximum(jnp.sum(mask).astype(jnp.float32), 1.0)
+        return jnp.maximum(jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32), 1.0)
     if loss_type == "dr_grpo":
         return jnp.asarray(b * max_completion_length, jnp.float32)
     # dapo, cispo
-    n = jnp.sum(mask).astype(jnp.float32) if num_items_in_batch is None else num_items_in_batch
+    n = jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32) if num_items_in_batch is None else num_items_in_batch
     return jnp.maximum(jnp.asarray(n, jnp.float32), 1.0)
 
 
@@ -436,9 +436,9 @@ def _finish(self_, ptl, logp, r, log_weight, data, clipped_low, clipped_high):
     lo, hi = _log_ratio_range(r, m)
     sums = MetricSums(
         kl=kl_sum,
-        clipped=jnp.sum(cl | ch).astype(jnp.float32),
-        clipped_low=jnp.sum(cl).astype(jnp.float32),
-        clipped_high=jnp.sum(ch).astype(jnp.float32),
+        clipped=jnp.sum(cl | ch, dtype=jnp.int32).astype(jnp.float32),
+        clipped_low=jnp.sum(cl, dtype=jnp.int32).astype(jnp.float32),
+        clipped_high=jnp.sum(ch, dtype=jnp.int32).astype(jnp.float32),
         log_ratio_min=lo,
         log_ratio_max=hi,
     )
@@ -783,7 +783,7 @@ def evaluate(objective: Objective, logp: jax.Array, inputs: PolicyInputs, denomi
 def loss_and_aux(numerator: jax.Array, denominator: jax.Array, sums: MetricSums,
                  mask: jax.Array) -> tuple[jax.Array, LossAux]:
     """``(numerator / denominator, LossAux)`` from the global sums and the whole call's mask (SPEC.md "Metrics")."""
-    n = jnp.maximum(jnp.sum(mask).astype(jnp.float32), 1.0)
+    n = jnp.maximum(jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32), 1.0)
     any_tok = jnp.any(mask)
     aux = LossAux(
         kl=sums.kl / n,

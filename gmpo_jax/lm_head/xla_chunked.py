@@ -6,8 +6,10 @@ multiple of the block is handled without padding or copying the weight: the last
 end at ``V`` (``lax.dynamic_slice`` semantics) and its columns already seen by the previous block are
 masked to ``-inf`` (so they add nothing to the sum-exp and receive exactly zero gradient).
 
-Forward: running max ``m`` and sum-exp ``s`` per row, the target logit picked from the block that holds
-it; ``lse = m + log s``. Gradients: per block, ``p = exp(z - lse)`` (no second max pass),
+Forward: per block and row its maximum ``m_j`` and sum-exp ``s_j = sum exp(z - m_j)`` (scan outputs,
+``[n, R]``), the target logit picked from the block that holds it; after the scan the partials are
+merged at once, ``m = max_j m_j``, ``s = sum_j s_j exp(m_j - m)`` (one tree reduction, not a running
+rescale: order-independent to float32 rounding, issue 16); ``lse = m + log s``. Gradients: per block, ``p = exp(z - lse)`` (no second max pass),
 ``dz = dlogp (onehot - p) / T``, ``dh += dz W_b^T`` and ``dW[:, block] += h^T dz`` in float32 (updated in
 place in the carry). Matmuls take the inputs' dtype with float32 accumulation; float32 inputs use
 ``Precision.HIGHEST`` so GPUs do not silently drop to TF32.
@@ -19,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from gmpo_jax._dispatch import UnsupportedConfigError
@@ -102,32 +105,32 @@ class XlaChunkedBackend:
         size, n = _blocks(V, self._vocab_block(R, V))
         prec = _precision(hidden.dtype, weight.dtype)
 
-        def body(carry, j):
-            m, s, tgt, e = carry
+        def body(tgt, j):
             _, _, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
                                                 layout=weight_layout, precision=prec)
-            m_new = jnp.maximum(m, jnp.max(z, axis=1))
-            # every column so far -inf (a vocabulary shard of padding only): keep s = 0, lse = -inf, not NaN
-            m_ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-            rescale = jnp.exp(m - m_ref)
-            d = shifted(z, m_ref[:, None])
+            # this block's partials, relative to its OWN maximum (merged after the scan, see below)
+            m_j = jnp.max(z, axis=1)
+            d = shifted(z, jnp.where(jnp.isneginf(m_j), 0.0, m_j)[:, None])
             q = jnp.exp(d)
-            if with_entropy:  # e = sum_v q_v (z_v - m): rescaled like s when the maximum moves
-                shift = jnp.where(jnp.isneginf(m), 0.0, m - m_ref)
-                e = rescale * (e + s * shift) + jnp.sum(jnp.where(q > 0, q * d, 0.0), axis=1)
-            s = s * rescale + jnp.sum(q, axis=1)
+            s_j = jnp.sum(q, axis=1)
+            e_j = jnp.sum(jnp.where(q > 0, q * d, 0.0), axis=1) if with_entropy else None
             hit = (cols[None, :] == ids[:, None]) & fresh[None, :]
             tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
-            return (m_new, s, tgt, e), None
+            return tgt, (m_j, s_j, e_j)
 
-        zeros = jnp.zeros((R,), jnp.float32)
-        init = (jnp.full((R,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
         with jax.named_scope("gmpo_jax/xla_chunked/logprobs"):
-            (m, s, tgt, e), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-            # Exactly, s >= 1 (the maximum's own term) and tgt <= lse. XLA may round the logits of the
-            # max, sum and target reductions differently (separate fusions); at |z| ~ 1e10 (tiny
-            # temperatures) that is ~1e3 apart and exp(z - m) of the maximum underflows to 0 (lse = -inf,
-            # logp = +inf) or overflows. Restoring the exact bounds keeps the float32-accurate answer.
+            tgt, (m_b, s_b, e_b) = lax.scan(body, jnp.zeros((R,), jnp.float32), jnp.arange(n, dtype=jnp.int32))
+            # Merge the [n, R] block partials at once (issue 16): a running merge rescales the sum at
+            # every new maximum and adds block sums one after another, an error growing with the number
+            # of blocks and depending on the vocabulary's order; here each partial is rescaled once to
+            # the global maximum and the n terms are summed by one reduction (a tree).
+            m = jnp.max(m_b, axis=0)
+            m_ref = jnp.where(jnp.isneginf(m), 0.0, m)
+            shift = jnp.where(jnp.isneginf(m_b), 0.0, m_b - m_ref)  # 0 where the block is all -inf (s_j = 0)
+            w = jnp.exp(m_b - m_ref)
+            s = jnp.sum(w * s_b, axis=0)
+            if with_entropy:  # e = sum_v q_v (z_v - m): each block's e_j moved from its maximum to m
+                e = jnp.sum(w * (e_b + s_b * shift), axis=0)
             empty = jnp.isneginf(m)
             s = jnp.where(empty, s, jnp.maximum(s, 1.0))
             lse = m + jnp.log(s)
@@ -136,7 +139,7 @@ class XlaChunkedBackend:
             if not with_entropy:
                 return logp, lse
             # H = lse - E[z] = log s - e / s, in [0, log V]
-            ent = jnp.where(empty, 0.0, jnp.clip(jnp.log(s) - e / jnp.where(empty, 1.0, s), 0.0, jnp.log(V)))
+            ent = jnp.where(empty, 0.0, jnp.clip(jnp.log(s) - e / jnp.where(empty, 1.0, s), 0.0, np.float32(np.log(V))))
         return logp, lse, ent
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):

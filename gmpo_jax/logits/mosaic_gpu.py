@@ -163,7 +163,7 @@ class MosaicGpuLogitsBackend:
             tgt, lse, lse2 = K.combine_partials(*parts)
         tgt, lse = tgt.reshape(B, Tl)[:, :T], lse.reshape(B, Tl)[:, :T]
         if not self.fwd.pick_target:  # a [B, T] gather from the full array (no slice of the logits)
-            tgt = logits[jnp.arange(B)[:, None], jnp.arange(T)[None, :], jnp.clip(ids, 0, V - 1)]
+            tgt = logits[jnp.arange(B, dtype=jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[None, :], jnp.clip(ids, 0, V - 1)]
             tgt = tgt.astype(jnp.float32) / temperature
         # logp <= 0 exactly: at tiny temperatures (|z| / T ~ 1e7) the target and the log-sum-exp reach
         # natural units through different roundings and could differ by an ulp (~0.5) the wrong way
@@ -240,7 +240,7 @@ class MosaicGpuLogitsBackend:
         w, cfg = self.fused_plan(dtype=logits.dtype, R=R, V=V)
         pad = lambda a: jnp.pad(jnp.broadcast_to(a, (B, T)).astype(jnp.float32), ((0, 0), (0, Tl - T))).reshape(R)
         safe = jnp.clip(ids, 0, V - 1)
-        x_t = logits[jnp.arange(B)[:, None], jnp.arange(T)[None, :], safe].astype(jnp.float32)
+        x_t = logits[jnp.arange(B, dtype=jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[None, :], safe].astype(jnp.float32)
         x_t = jnp.where(id_ok, x_t, jnp.nan)
         zeros = jnp.zeros((R,), jnp.float32)
         cols = [jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), pad(x_t),
@@ -264,7 +264,7 @@ class MosaicGpuLogitsBackend:
             # the one-hot's term at the target: c (1 - p) with p = exp(logp), in float32 (the kernel wrote -c p)
             hit = jnp.where(c != 0.0, c * -jnp.expm1(logp), 0.0).astype(logits.dtype)
             tgt = jnp.pad(safe, ((0, 0), (0, Tl - T))).reshape(R)
-            dz = dz.reshape(R, V).at[jnp.arange(R), tgt].set(hit, unique_indices=True)
+            dz = dz.reshape(R, V).at[jnp.arange(R, dtype=jnp.int32), tgt].set(hit, unique_indices=True)
         return logp.reshape(B, Tl)[:, :T], loss, dz.reshape(B, Tl, V)
 
 

@@ -1,14 +1,25 @@
 """Portable XLA path of the policy loss from logits: one fused read forward, one fused read+write backward.
 
-Forward: a single *variadic* reduction over the vocabulary carries the pair (running max ``m``, sum of
-``exp(z - m)``) per row, combined with one ``exp`` per element (the smaller maximum is rescaled to the
-larger one), so XLA emits one reduction kernel that reads the logits once; the lazy slice
-``logits[:, :T]`` and the float32 upcast fuse into it (no ``[B, T, V]`` float32 copy, no copy of the
-logits). The target logit is a ``[B, T]`` gather. ``lse="two_pass"`` (max, then sum of exp: two
-reads) is kept for comparison: on an H200 XLA runs the pair combiner at only 1.4 TB/s and the two
-plain reductions are faster (0.32 vs 0.37 ms at 2 x 1025 x 128256 bf16; benchmarks/LOGITS_NOTES.md),
-but on the CPU they materialise a float32 copy of the logits (XLA:CPU does not fuse the upcast into
-both reductions), which the one-read default never does.
+Forward: the log-sum-exp is a two-level reduction that reads the logits once. Level one is a
+*variadic* reduction over windows of ``LSE_WINDOW`` (128) vocabulary columns carrying the pair
+(window max ``m_w``, sum of ``exp(z - m_w)``), combined with one ``exp`` per element (the smaller
+maximum is rescaled to the larger one); the lazy slice ``logits[:, :T]``, the float32 upcast and the
+``-inf`` padding of a partial last window fuse into it (no ``[B, T, V]`` float32 copy, no copy of the
+logits; the partials are ``[B, T, V / 128]``). Level two merges the partials with plain reductions
+(max, then a sum of ``s_w exp(m_w - max)``), which XLA evaluates as a tree.
+
+Why two levels (issue 16): a single online (max, sum) reduction is evaluated left to right on
+XLA:CPU, and once a dominant logit has set the running sum near 1, each later term below ``2^-24``
+of it is dropped: the sum's error grows with ``V`` (sequential summation, ``(V - 1) * 2^-24``
+relative) and depends on where the dominant logit sits (0.6 % of the mass lost on a Qwen-sized row
+with the target 17 above the rest, placed first; correct when placed last). With windows the
+sequential part has at most 127 additions: the error is ``<= 127 * 2^-24`` of the sum whatever ``V``
+and the order (measured: within one ulp of the float64 value for the dominant logit first, last,
+mid-row, or sorted rows at ``V = 151936``). ``lse="two_pass"`` (max, then sum of exp: two reads) is
+kept for comparison: on an H200 XLA runs a pair combiner at only 1.4 TB/s and two plain reductions
+are faster (0.32 vs 0.37 ms at 2 x 1025 x 128256 bf16; benchmarks/LOGITS_NOTES.md), but on the
+CPU they materialise a float32 copy of the logits (XLA:CPU does not fuse the upcast into both
+reductions), which the one-read default never does.
 
 Backward: one elementwise fusion over the full ``[B, T(+1), V]`` writes
 ``dz = c (onehot - exp(z / tau - lse))`` in the logits' dtype, with ``c = dloss/dlogp / tau`` padded
@@ -41,11 +52,26 @@ def _lse_combine(a, b):
     return hi, s_hi + s_lo * e
 
 
+LSE_WINDOW = 128  # columns per first-level partial: the Mosaic kernels' block width
+
+
 def _online_lse(z):
-    """``logsumexp(z, axis=-1)`` for float32 ``z`` in one reduction (one read of ``z``)."""
-    m, s = lax.reduce((z, jnp.ones_like(z)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _lse_combine,
-                      (z.ndim - 1,))
-    return jnp.where(m == -jnp.inf, m, m + jnp.log(s))
+    """``logsumexp(z, axis=-1)`` for float32 ``z`` in one read of ``z``: windowed (max, sum) partials,
+    merged by a tree (see the module docstring for why not one sequential reduction)."""
+    V = z.shape[-1]
+    k = min(LSE_WINDOW, V)
+    nw = -(-V // k)
+    if nw * k != V:  # a partial last window: -inf columns add nothing (fused into the reduction's input)
+        z = jnp.pad(z, [(0, 0)] * (z.ndim - 1) + [(0, nw * k - V)], constant_values=-jnp.inf)
+    zw = z.reshape(z.shape[:-1] + (nw, k))
+    m_w, s_w = lax.reduce((zw, jnp.ones_like(zw)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _lse_combine,
+                          (zw.ndim - 1,))
+    m = jnp.max(m_w, axis=-1)
+    empty = m == -jnp.inf
+    m_safe = jnp.where(empty, 0.0, m)
+    s = jnp.sum(s_w * jnp.exp(m_w - m_safe[..., None]), axis=-1)  # all -inf window: m_w = -inf, term 0
+    # exactly s >= 1 (the maximum's own window contributes exp(0) = 1 times its sum >= 1)
+    return jnp.where(empty, m, m_safe + jnp.log(jnp.maximum(s, 1.0)))
 
 
 def _two_pass_lse(z):
@@ -58,7 +84,8 @@ def _two_pass_lse(z):
 
 @dataclasses.dataclass(frozen=True)
 class XlaLogitsBackend:
-    """Portable backend (any platform). ``lse``: ``"online"`` (default, one read) or ``"two_pass"``."""
+    """Portable backend (any platform). ``lse``: ``"online"`` (default: one read, windowed partials merged by
+    a tree, order-independent to float32 rounding) or ``"two_pass"`` (two reads)."""
 
     lse: str = "online"
     name: str = "xla"
