@@ -134,8 +134,14 @@ def fused_linear_policy_loss(
       rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` inference-engine importance-sampling correction
         (Liger's ``vllm_is_ratio``); multiplies the per-token policy loss (not the KL). Ignored by GMPO
         (with a warning), as SPEC.md defines.
-      num_items_in_batch: scalar, total active tokens of the whole generation batch: the dapo / cispo
-        normaliser override. Ignored by the other loss types.
+      num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
+        completion tokens in ONE optimizer step's accumulation window, i.e. every micro-batch whose
+        gradients are accumulated into one update (under data parallelism: the global count over all
+        devices, since the normalisers are global). Not the token count of a whole generation batch
+        when it spans more micro-steps than one optimizer step accumulates: that scales each update
+        by ``gas / steps_per_generation`` (TRL #5619). With ``optax.MultiSteps`` (which averages the
+        accumulated gradients) multiply each micro-step's loss by the number of accumulation steps.
+        Ignored by the other loss types. README: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
