@@ -36,7 +36,9 @@ Pure JAX (+ NumPy for the statistics), so tests, the JAX worker and the PyTorch 
       masked at the default 0.2).
     * **Group-normalised advantages**: groups of ``group_size`` completions with binary rewards,
       ``round(zero_adv_frac * groups)`` groups all-equal (their advantages are exactly 0), the others
-      with at least one success and one failure, ``(r - mean) / (std + 1e-6)``.
+      with at least one success and one failure, ``(r - mean) / (std + 1e-6)``. ``group_size`` is 2 by
+      default: a benchmark micro-batch holds 2-20 sequences, and what a kernel sees is the fraction of
+      zero-advantage sequences (30 % exactly at B = 20, 25 % at B = 8, none at B = 2).
     * **Old log-probs near the current ones**: exact current log-probs plus noise whose scale grows
       with the token's uncertainty, ``ratio_noise * (1 - p) * N(0, 1)`` (confident tokens barely move,
       as between two nearby policy versions), so a few tokens clip at GMPO's eps 0.4 and more at
@@ -46,7 +48,7 @@ Pure JAX (+ NumPy for the statistics), so tests, the JAX worker and the PyTorch 
 (peaked, peaked-live) shows what masked tokens and zero-advantage sequences save.
 
 Memory: nothing ``[N, V]`` is materialised in float32. Logits are formed ``chunk_rows`` rows at a time
-(at most ``2**26`` float32 elements per chunk) for the bisection sample, the target sampling, the
+(at most ``2**25`` float32 elements per chunk) for the bisection sample, the target sampling, the
 exact log-probs and the entropies; the weight is built in bf16 from a bf16 matmul. At real shapes
 (H = 4096, V = 128256, N = 8192) a batch takes a few seconds on an H200, mostly compilation.
 """
@@ -65,8 +67,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks._common import cache_path  # noqa: F401 - re-exported: where batches are kept
+
 DATA = ("peaked", "flat", "peaked-live")
-CHUNK_ELEMENTS = 2**26  # float32 logits elements per chunk (256 MiB)
+CHUNK_ELEMENTS = 2**25  # float32 logits elements per chunk (128 MiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +84,9 @@ class Workload:
     rank: int = 64                # dimension of the token-embedding subspace
     margin: float = 12.0          # logit margin of a fully confident row (before the temperature)
     min_len_frac: float = 0.2     # completion lengths uniform over [min_len_frac * T, T]
-    group_size: int = 4           # completions per prompt (clipped to B)
+    group_size: int = 2           # completions per prompt (clipped to B); see below
     zero_adv_frac: float = 0.3    # fraction of groups whose rewards are all equal
-    ratio_noise: float = 0.2      # old_logps = logp + ratio_noise * (1 - p) * N(0, 1)   (flat: 0.2 * N(0, 1))
+    ratio_noise: float = 0.2      # old_logps = logp + ratio_noise * (1 - p) * N(0, 1)   (flat: ratio_noise * N(0, 1))
     logit_scale: float = 1.0      # flat only: weight ~ N(0, logit_scale^2 / H)
 
     def __post_init__(self):
@@ -317,7 +321,7 @@ def make_lm_head_batch(B: int, T: int, H: int, V: int, data: str | Workload = "p
         mask = jnp.ones((B, T), jnp.bool_)
         adv = jax.jit(lambda: hashed_normal(wl.seed, 4, (B,), jnp.float32))()
         logp = logp.reshape(B, T)
-        old = jax.jit(lambda lp: lp + 0.2 * hashed_normal(wl.seed, 5, (B, T), jnp.float32))(logp)
+        old = jax.jit(lambda lp: lp + wl.ratio_noise * hashed_normal(wl.seed, 5, (B, T), jnp.float32))(logp)
         return LMHeadBatch(hidden, weight, ids, mask, adv, old, logp, ent.reshape(B, T))
 
     weight, q, E = _peaked_weight(k_w, seed=wl.seed, H=H, V=V, rank=min(wl.rank, H // 2), zipf_s=wl.zipf_s)
@@ -352,7 +356,7 @@ def make_logits_batch(B: int, T: int, V: int, data: str | Workload = "peaked", s
                                          rows=chunk_rows(R, V), sample=False)
         logp, ent = logp.reshape(B, T + 1)[:, :T], ent.reshape(B, T + 1)[:, :T]
         adv = jax.jit(lambda: hashed_normal(wl.seed, 4, (B,), jnp.float32))()
-        old = jax.jit(lambda lp: lp + 0.2 * hashed_normal(wl.seed, 5, (B, T), jnp.float32))(logp)
+        old = jax.jit(lambda lp: lp + wl.ratio_noise * hashed_normal(wl.seed, 5, (B, T), jnp.float32))(logp)
         return LogitsBatch(logits, ids, jnp.ones((B, T), jnp.bool_), adv, old, logp, ent)
     head = make_lm_head_batch(B, T + 1, H, V, dataclasses.replace(wl, data="peaked-live"))
     logits = jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.bfloat16))(head.hidden, head.weight)
@@ -402,22 +406,15 @@ def _bf16_to_np(x) -> np.ndarray:
     return np.asarray(x).view(np.uint16)
 
 
-def save_lm_head_batch(path: str, batch: LMHeadBatch) -> None:
-    arrays = {k: (_bf16_to_np(v) if v.dtype == jnp.bfloat16 else np.asarray(v)) for k, v in batch._asdict().items()}
+LOSS_FIELDS = ("hidden", "weight", "ids", "mask", "advantages", "old_logps")  # the loss's arguments, in order
+
+
+def save_arrays(path: str, arrays: dict[str, Any]) -> None:
+    """Writes ``{name: array}`` to ``path`` (.npz, atomically); bf16 arrays as uint16 bit patterns."""
+    out = {k: (_bf16_to_np(v) if v.dtype == jnp.bfloat16 else np.asarray(v)) for k, v in arrays.items()}
     tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
+    np.savez(tmp, **out)
     os.replace(tmp, path)
-
-
-def load_lm_head_arrays(path: str) -> dict[str, np.ndarray]:
-    """{name: array}; bf16 arrays come back as uint16 bit patterns (``hidden``, ``weight``)."""
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
-
-
-def cache_path(B: int, T: int, H: int, V: int, data: str, seed: int) -> str:
-    root = os.environ.get("GMPO_BENCH_DATA", "/tmp/gmpo_bench_data")
-    return os.path.join(root, f"lm_head_{data}_s{seed}_{B}x{T}_{H}x{V}.npz")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     print(batch_stats(batch), flush=True)
     if args.save:
         os.makedirs(os.path.dirname(os.path.abspath(args.save)) or ".", exist_ok=True)
-        save_lm_head_batch(args.save, batch)
+        save_arrays(args.save, {k: getattr(batch, k) for k in LOSS_FIELDS})
     return 0
 
 
