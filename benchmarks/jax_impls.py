@@ -7,7 +7,7 @@ LM head (issues 2, 3), GMPO objective with its defaults, ``old_logps`` given (of
 * ``xla_chunked``, ``mosaic_gpu``: ``gmpo_jax.fused_linear_policy_loss(..., implementation=name)``.
 * ``dense_jax``: ``gmpo_jax.reference.policy_loss(..., upcast=False)`` under ``jax.jit`` (full ``[N, V]``
   logits, bf16 matmul with f32 accumulation: the naive training step). Records before commit 6bd1818's
-  successor used ``upcast=True`` (the f32 HIGHEST oracle); see RESULTS.md notes.
+  successor used ``upcast=True`` (the f32 HIGHEST oracle); see docs/performance.md.
 
 Logits already computed (issue 5), logits ``[B, T + 1, V]``:
 
@@ -18,15 +18,17 @@ Logits already computed (issue 5), logits ``[B, T + 1, V]``:
 Modes: ``fwd`` = the loss only, jitted, no gradient; ``fwd+bwd`` = ``jax.value_and_grad`` with respect to
 hidden and weight (LM head) or logits.
 
-Inputs are random and never zeros: a counter-based hash of the element index (one fused XLA loop, no
-temporaries, so input creation does not raise the measured peak), hidden ~ N(0, 1), weight ~
-N(0, logit_scale^2 / H) (logits ~ N(0, logit_scale^2)), uniform ids, advantages ~ N(0, 1), and
-``old_logps = logp + ratio_noise * N(0, 1)`` with ``logp`` computed exactly by a row-chunked pass
-(128 rows at a time), so log ratios are small as in real off-policy steps and a few percent are clipped.
+Inputs: ``benchmarks.workloads`` (``opts["data"]``: ``peaked`` trained-LM-like batches, ``peaked-live``,
+or ``flat`` N(0, 1) data with uniform ids), created on the device in chunks (no float32 ``[N, V]``); each
+record carries the batch's statistics (mean entropy, masked / zero-advantage / clipped fractions). With
+``opts["grad_acc"]`` the LM-head records also carry the relative L2 error of both gradients against the
+float32 dense oracle (``grad_accuracy``). Only the public API of gmpo_jax is used (``gmpo_jax.reference``
+included): keep it that way, so that moving gmpo_jax's internals cannot break the benchmarks.
 
 Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (a high-water mark of the whole
 process, inputs included; ``None`` on CPU). JAX cannot reset it, so only the first mode run in a process
-has an exact peak (``peak_exact``); the driver runs ``fwd+bwd`` first.
+has an exact peak (``peak_exact``, and only when the input preparation's own high-water mark
+(``prep_peak_gib``) stayed below it); the driver runs ``fwd+bwd`` first.
 """
 
 from __future__ import annotations

@@ -251,7 +251,7 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
                    "the device copy rate measured in the same run. Memory target = logits + dlogits + 64 MiB. "
                    "Peaks are JAX's default (BFC) allocator's, which counts unsplit chunks whole: on the H200 "
                    "(2026-11-30) an exact allocator measured logits + dlogits + 0.5 / 4.1 MiB at B = 2 / 16 "
-                   "(RESULTS.md, issue 5, seventh session).\n")
+                   "(docs/performance.md).\n")
     return out
 
 
