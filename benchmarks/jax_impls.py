@@ -392,7 +392,8 @@ def grad_accuracy(cfg: Config, fn: Callable, compiled_fwd_bwd, args: tuple, opts
         sub = tuple(a[:, :T2] if a.ndim >= 2 and i != 1 else a for i, a in enumerate(args))
         got = jax.jit(jax.grad(fn, argnums=(0, 1)))(*sub)
         out["grad_acc_note"] = f"oracle on the first {T2} of {cfg.T} positions of each sequence (memory)"
-    ref = _oracle_grad(opts["weight_layout"])(*sub)
+    # float32 leaves: the oracle's gradients stay float32 (a bf16 leaf would round them to bf16)
+    ref = _oracle_grad(opts["weight_layout"])(sub[0].astype(jnp.float32), sub[1].astype(jnp.float32), *sub[2:])
     out["grad_rel_err_hidden"] = round(float(_rel_l2(got[0], ref[0])), 6)
     out["grad_rel_err_weight"] = round(float(_rel_l2(got[1], ref[1])), 6)
     return out
@@ -499,7 +500,7 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
             first = False
             _common.emit(rec)
             records.append(rec)
-        if opts.get("save_batch") and cfg.kind == "lm_head":
+        if opts.get("save_batch") and cfg.kind == "lm_head" and opts["mask"] == "full":
             path = _common.cache_path(cfg.B, cfg.T, cfg.H, cfg.V, data, opts["seed"])
             if not os.path.exists(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -92,6 +92,8 @@ def _lm_head_inputs(torch, cfg: Config, opts: dict[str, Any], device):
     """(hidden [B, T, H] bf16, weight [V, H] bf16, ids (masked: -100), mask, adv, old) on the GPU."""
     import numpy as np
 
+    if opts["mask"] != "full":
+        raise NotImplementedError("the legacy --mask ragged is for the JAX workers; --data peaked has ragged masks")
     with np.load(_batch_file(cfg, opts["data"], opts["seed"])) as f:
         a = {k: f[k] for k in f.files}
     bf16 = lambda x: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).to(device)  # noqa: E731
@@ -131,7 +133,9 @@ def _grad_accuracy(torch, cfg: Config, args, filter_eps) -> dict[str, Any]:
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        ref = torch.autograd.grad(gmpo_from_logp(_dense_logp(torch, h, w, ids2), mask2, adv, old2), (h, w))
+        hf = h.detach().float().requires_grad_(True)  # float32 leaves: float32 gradients
+        wf = w.detach().float().requires_grad_(True)
+        ref = torch.autograd.grad(gmpo_from_logp(_dense_logp(torch, hf, wf, ids2), mask2, adv, old2), (hf, wf))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
 
