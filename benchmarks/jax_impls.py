@@ -352,9 +352,10 @@ def apply_tuning(tuning: dict[str, Any] | None) -> dict[str, Any]:
 GRAD_ORACLE_BYTES = 12 * 2**30  # largest float32 [N, V] logits the dense gradient oracle may form
 
 
-def oracle_T(cfg: Config, budget: int = GRAD_ORACLE_BYTES) -> int:
+def oracle_T(cfg: Config, budget: int | None = None) -> int:
     """Tokens per sequence of the gradient-accuracy check: T, or the longest multiple of 128 whose float32
     logits fit ``budget`` (the check then runs on the first T' positions of every sequence)."""
+    budget = GRAD_ORACLE_BYTES if budget is None else budget
     if cfg.B * cfg.T * cfg.V * 4 <= budget:
         return cfg.T
     return max(128, (budget // (cfg.B * cfg.V * 4)) // 128 * 128)
@@ -415,8 +416,10 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
     records: list[dict[str, Any]] = []
     device = device_kind()
     common: dict[str, Any] = dict(device=_common.device_slug(device), device_name=device, seed=opts["seed"],
-                                  mask=opts["mask"], objective="GMPO()", jaxlib=_common.pkg_version("jaxlib"),
+                                  mask=opts["mask"], jaxlib=_common.pkg_version("jaxlib"),
                                   variant=opts.get("variant"))
+    common["objective"] = ("GRPO(loss_type='grpo')" if cfg.kind == "logits" and opts.get("objective") == "grpo"
+                           else "GMPO()")
     if opts.get("tuning"):
         common["tuning"] = opts["tuning"]
     specs = input_specs(cfg, opts)

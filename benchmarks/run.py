@@ -38,7 +38,8 @@ TORCH_IMPLS = {"lm_head": ("cce_gmpo", "liger_grpo"), "logits": ("liger_triton",
 MODES = ("fwd+bwd", "fwd")
 
 DEFAULT_OPTS: dict[str, Any] = dict(
-    data="peaked", grad_acc=False, seed=0, logit_scale=1.0, logits_std=1.0, ratio_noise=0.2, mask="full", weight_layout="hv",
+    data="peaked", grad_acc=False, seed=0,
+    logit_scale=1.0, logits_std=1.0, ratio_noise=0.2, mask="full", weight_layout="hv",
     chunk_size=None, iters=10, warmup=2, min_time_s=0.3, liger_chunk_size=1, cce_no_filter=True,
     liger_inplace=True, objective="gmpo",
 )
@@ -61,10 +62,11 @@ GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
 SUITE_GROUPS = {
     "realistic": "README main table: mosaic_gpu and CCE (default, filter_eps=None) on peaked then flat data, "
                  "gradient accuracy; then masked / zero-advantage vs fully live (LM head and logits paths)",
-    "kernels": "mosaic_gpu on the LM-head shapes (issue 3)",
-    "core": "xla_chunked and dense_jax on the LM-head shapes (issue 2)",
-    "peers": "cce_gmpo and liger_grpo on the LM-head shapes (PyTorch; skipped when not importable)",
-    "logits": "policy loss from logits: mosaic_gpu, xla, dense_jax, liger_triton (issue 5)",
+    "kernels": "mosaic_gpu on the LM-head shapes (flat data)",
+    "core": "xla_chunked and dense_jax on the LM-head shapes (flat data)",
+    "peers": "cce_gmpo and liger_grpo on the LM-head shapes (flat data; PyTorch, skipped when not importable)",
+    "logits": "policy loss from logits: mosaic_gpu, xla, dense_jax, liger_triton (flat data; GMPO, and GRPO "
+              "for mosaic_gpu and Liger)",
 }
 
 
@@ -112,14 +114,17 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
             for group, kind, impl, modes in plan:
                 if impl == "dense_jax" and (B, T) == (2, 32768):
                     continue  # the dense reference is out of memory at N = 65536: shown once, at 16 x 4096
-                if group in only:
-                    jobs.append(_job(kind, cfg, impl, modes, _gpu_timeout(cfg, impl)))
+                if group in only:  # these groups are the flat-data tables
+                    jobs.append(_job(kind, cfg, impl, modes, _gpu_timeout(cfg, impl), datas=["flat"]))
         if "logits" in only:
             for shape, B, T in GPU_LOGITS_CONFIGS:
                 cfg = select(shape, B=B, T=T)
                 for kind, impl in (("jax", "mosaic_gpu"), ("jax", "xla"), ("jax", "dense_jax"),
                                    ("torch", "liger_triton")):
-                    jobs.append(_job(kind, cfg, impl, MODES, 75.0))
+                    jobs.append(_job(kind, cfg, impl, MODES, 75.0, datas=["flat"]))
+                for kind, impl in (("jax", "mosaic_gpu"), ("torch", "liger_triton")):  # Liger's objective
+                    job = _job(kind, cfg, impl, ["fwd+bwd"], 75.0, datas=["flat"], objective="grpo")
+                    jobs.append(dict(job, variant="objective=grpo"))
     elif suite == "cpu":  # a smoke run of the portable paths (mosaic_gpu needs a Hopper GPU): ~30 s on 2 cores
         datas = ["peaked", "flat"]
         cfg = select("cpu-tiny")
@@ -385,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", action="append", help="fwd and/or fwd+bwd (default both, fwd+bwd first)")
     p.add_argument("--suite", choices=("gpu", "cpu"), help="run a suite instead of one configuration")
     p.add_argument("--only", action="append",
-                   help=f"suite groups: {', '.join(SUITE_GROUPS)}, or all (default: realistic on the GPU, all on the CPU)")
+                   help=f"suite groups: {', '.join(SUITE_GROUPS)}, or all "
+                        "(default: realistic on the GPU, all on the CPU)")
     p.add_argument("--results", help="JSONL to append to (default benchmarks/results/<device>.jsonl)")
     p.add_argument("--log", help="append every job's stderr here")
     p.add_argument("--table", help="also write the final table to this file")
