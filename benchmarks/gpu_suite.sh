@@ -19,8 +19,6 @@ PY="${PYTHON:-python3}"
 OUT="${OUT:-/tmp/gmpo_bench}"
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
-# one compilation cache for all job processes (the workload generator compiles once per shape)
-export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/gmpo_jax_cache}"
 export GMPO_BENCH_DATA="${GMPO_BENCH_DATA:-/tmp/gmpo_bench_data}"   # batches handed to the PyTorch peers
 
 if compgen -G ".whl/*.whl" >/dev/null; then

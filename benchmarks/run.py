@@ -56,7 +56,7 @@ Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
 REALISTIC_CONFIGS = [(Q, 8, 2048), (L, 4, 2048), (Q, 2, 32768)]
 # masked tokens and zero-advantage sequences against the same batch fully live; B = 20 in groups of 2
 # gives 30 % zero-advantage sequences, lengths uniform over 20-100 % of T about 40 % masked tokens
-SPARSITY_CONFIGS = [(Q, 20, 1024), (G, 20, 1024)]
+SPARSITY_CONFIGS = [(Q, 20, 768), (G, 20, 768)]  # 20 x 768: one chunk (16384 // 768 = 21 >= 20)
 GPU_LM_CONFIGS = [(Q, 8, 2048), (Q, 16, 4096), (L, 4, 2048), (Q, 2, 32768), (Q, 1, 512)]
 GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
 SUITE_GROUPS = {
