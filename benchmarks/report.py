@@ -665,10 +665,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", action="append", help="JSONL file(s) (default benchmarks/results/*.jsonl)")
     p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--plot-dir", default=os.path.join(HERE, "results"))
-    p.add_argument("--readme", default=README, help="file whose <!-- bench:NAME:start/end --> blocks are "
-                   "regenerated ('' to skip)")
+    p.add_argument("--readme", default=None, help="file whose <!-- bench:NAME:start/end --> blocks are "
+                   "regenerated (default: the repository's README.md, unless --results is given; '' skips)")
     p.add_argument("--device", default="nvidia-h200", help="device slug of the README tables")
     args = p.parse_args(argv)
+    if args.readme is None:  # tables from other records never overwrite the README by accident
+        args.readme = "" if args.results else README
     paths = args.results or sorted(glob.glob(os.path.join(HERE, "results", "*.jsonl")))
     by_dev = load(paths)
     os.makedirs(args.plot_dir, exist_ok=True)
