@@ -1,6 +1,9 @@
-# Two entry points, each bootstrapping its own virtual environment:
+# Entry points (train and test bootstrap their own virtual environment):
 #   make train   -> the GMPO training demo on its built-in task (CPU by default)
 #   make test    -> the test suite (what .ci/run calls)
+#   make bench   -> on a CUDA machine: the README's main benchmark table (benchmarks/gpu_suite.sh, the
+#                   machine's python3, no venv); elsewhere: a ~30 s CPU smoke run of the drivers.
+#                   ARGS="..." runs `python -m benchmarks.run $(ARGS)` instead (benchmarks/README.md)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -22,8 +25,18 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench:
+ifneq ($(strip $(ARGS)),)
+	$(MAKE) venv
 	$(BIN)/python -m benchmarks.run $(ARGS)
+else
+	@if nvidia-smi -L >/dev/null 2>&1; then \
+	  bash benchmarks/gpu_suite.sh; \
+	else \
+	  $(MAKE) -s venv && JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.run --suite cpu \
+	    --results /tmp/gmpo_bench_cpu.jsonl --iters 3 --warmup 1 --min-time-s 0; \
+	fi
+endif
 
 clean:
 	rm -rf $(VENV) runs

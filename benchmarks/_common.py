@@ -54,6 +54,12 @@ def git_commit() -> str:
     return "unknown"
 
 
+def cache_path(B: int, T: int, H: int, V: int, data: str, seed: int) -> str:
+    """Where a workload's LM-head batch is kept for the PyTorch worker ($GMPO_BENCH_DATA, default /tmp)."""
+    root = os.environ.get("GMPO_BENCH_DATA", "/tmp/gmpo_bench_data")
+    return os.path.join(root, f"lm_head_{data}_s{seed}_{B}x{T}_{H}x{V}.npz")
+
+
 def now_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -7,7 +7,7 @@ LM head (issues 2, 3), GMPO objective with its defaults, ``old_logps`` given (of
 * ``xla_chunked``, ``mosaic_gpu``: ``gmpo_jax.fused_linear_policy_loss(..., implementation=name)``.
 * ``dense_jax``: ``gmpo_jax.reference.policy_loss(..., upcast=False)`` under ``jax.jit`` (full ``[N, V]``
   logits, bf16 matmul with f32 accumulation: the naive training step). Records before commit 6bd1818's
-  successor used ``upcast=True`` (the f32 HIGHEST oracle); see RESULTS.md notes.
+  successor used ``upcast=True`` (the f32 HIGHEST oracle); see docs/performance.md.
 
 Logits already computed (issue 5), logits ``[B, T + 1, V]``:
 
@@ -18,21 +18,24 @@ Logits already computed (issue 5), logits ``[B, T + 1, V]``:
 Modes: ``fwd`` = the loss only, jitted, no gradient; ``fwd+bwd`` = ``jax.value_and_grad`` with respect to
 hidden and weight (LM head) or logits.
 
-Inputs are random and never zeros: a counter-based hash of the element index (one fused XLA loop, no
-temporaries, so input creation does not raise the measured peak), hidden ~ N(0, 1), weight ~
-N(0, logit_scale^2 / H) (logits ~ N(0, logit_scale^2)), uniform ids, advantages ~ N(0, 1), and
-``old_logps = logp + ratio_noise * N(0, 1)`` with ``logp`` computed exactly by a row-chunked pass
-(128 rows at a time), so log ratios are small as in real off-policy steps and a few percent are clipped.
+Inputs: ``benchmarks.workloads`` (``opts["data"]``: ``peaked`` trained-LM-like batches, ``peaked-live``,
+or ``flat`` N(0, 1) data with uniform ids), created on the device in chunks (no float32 ``[N, V]``); each
+record carries the batch's statistics (mean entropy, masked / zero-advantage / clipped fractions). With
+``opts["grad_acc"]`` the LM-head records also carry the relative L2 error of both gradients against the
+float32 dense oracle (``grad_accuracy``). Only the public API of gmpo_jax is used (``gmpo_jax.reference``
+included): keep it that way, so that moving gmpo_jax's internals cannot break the benchmarks.
 
 Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (a high-water mark of the whole
 process, inputs included; ``None`` on CPU). JAX cannot reset it, so only the first mode run in a process
-has an exact peak (``peak_exact``); the driver runs ``fwd+bwd`` first.
+has an exact peak (``peak_exact``, and only when the input preparation's own high-water mark
+(``prep_peak_gib``) stayed below it); the driver runs ``fwd+bwd`` first.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from typing import Any, Callable
 
@@ -41,44 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks import _common
+from benchmarks import _common, workloads
 from benchmarks.shapes import Config
 
 # ----------------------------------------------------------------------------------------------------
 # Random inputs without temporaries
 
 
-def _mix32(x):
-    """lowbias32 integer hash (uint32 -> uint32)."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _hash_bits(seed: int, stream: int, shape: tuple[int, ...]):
-    idx = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for d in reversed(range(len(shape))):
-        idx = idx + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
-        stride *= shape[d]
-    salt = (seed * 0x9E3779B9 + stream * 0x85EBCA6B + 0x68E31DA4) % 2**32
-    return _mix32(_mix32(idx ^ jnp.uint32(salt)) + jnp.uint32(salt))
-
-
-def hashed_normal(seed: int, stream: int, shape: tuple[int, ...], dtype, scale: float = 1.0):
-    """N(0, scale^2) samples (Box-Muller on two hashes), computed elementwise from the index."""
-    a = _hash_bits(seed, stream, shape)
-    b = _mix32(a ^ jnp.uint32(0x5BD1E995))
-    u1 = (a >> 8).astype(jnp.float32) * (1.0 / 2**24) + (0.5 / 2**24)  # (0, 1)
-    u2 = (b >> 8).astype(jnp.float32) * (1.0 / 2**24)
-    z = jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(2.0 * np.pi * u2)
-    return (scale * z).astype(dtype)
-
-
-def hashed_randint(seed: int, stream: int, shape: tuple[int, ...], high: int):
-    return (_hash_bits(seed, stream, shape) % jnp.uint32(high)).astype(jnp.int32)
+# the index-hashed generators live in benchmarks.workloads (one definition for every worker)
+_hash_bits, hashed_normal, hashed_randint = workloads._hash_bits, workloads.hashed_normal, workloads.hashed_randint
 
 
 def _mask(seed: int, B: int, T: int, kind: str):
@@ -88,36 +62,6 @@ def _mask(seed: int, B: int, T: int, kind: str):
         lengths = T - (_hash_bits(seed, 6, (B,)) % jnp.uint32(T // 4 + 1)).astype(jnp.int32)
         return lax.broadcasted_iota(jnp.int32, (B, T), 1) < lengths[:, None]
     raise ValueError(f"unknown mask kind {kind!r}")
-
-
-@functools.partial(jax.jit, static_argnames=("weight_layout",))
-def chunked_logps(hidden, weight, ids, *, weight_layout: str = "hv"):
-    """Exact f32 log-probs, 128 rows at a time (at most a [128, V] float32 block alive)."""
-    H = hidden.shape[-1]
-    spec = "h,hv->v" if weight_layout == "hv" else "h,vh->v"
-
-    def row(args):
-        h, i = args
-        z = jnp.einsum(spec, h, weight, preferred_element_type=jnp.float32)
-        return z[i] - jax.nn.logsumexp(z)
-
-    lp = lax.map(row, (hidden.reshape(-1, H), ids.reshape(-1)), batch_size=128)
-    return lp.reshape(ids.shape)
-
-
-@functools.partial(jax.jit, static_argnames=("T", "rows"))
-def chunked_logps_from_logits(logits, ids, *, T: int, rows: int):
-    """Exact f32 log-probs of logits[:, :T] read ``rows`` positions at a time (no [B, T, V] copy)."""
-    B, _, V = logits.shape
-    per_b = T // rows
-
-    def step(k):
-        b, t0 = k // per_b, (k % per_b) * rows
-        z = lax.dynamic_slice(logits, (b, t0, 0), (1, rows, V))[0].astype(jnp.float32)
-        i = lax.dynamic_slice(ids, (b, t0), (1, rows))[0]
-        return jnp.take_along_axis(z, i[:, None], -1)[:, 0] - jax.nn.logsumexp(z, axis=-1)
-
-    return lax.map(step, jnp.arange(B * per_b)).reshape(B, T)
 
 
 def _largest_divisor(n: int, cap: int) -> int:
@@ -137,18 +81,34 @@ def lm_head_arrays(cfg: Config, opts: dict[str, Any]):
     return hidden, weight, ids, _mask(seed, B, T, opts["mask"]), adv
 
 
+def _workload(opts: dict[str, Any]) -> workloads.Workload:
+    return workloads.Workload(data=opts["data"], seed=opts["seed"], ratio_noise=opts["ratio_noise"],
+                              logit_scale=opts["logit_scale"])
+
+
+def lm_head_batch(cfg: Config, opts: dict[str, Any]) -> workloads.LMHeadBatch:
+    """The workload's batch; the legacy flat options (``--mask ragged``: lengths in [3T/4, T]) applied."""
+    batch = workloads.make_lm_head_batch(cfg.B, cfg.T, cfg.H, cfg.V, _workload(opts))
+    if opts["data"] == "flat" and opts["mask"] != "full":
+        batch = batch._replace(mask=_mask(opts["seed"], cfg.B, cfg.T, opts["mask"]))
+    return batch
+
+
 def lm_head_inputs(cfg: Config, opts: dict[str, Any]):
-    B, T, seed, layout = cfg.B, cfg.T, opts["seed"], opts["weight_layout"]
-    hidden, weight, ids, mask, adv = jax.jit(lambda: lm_head_arrays(cfg, opts))()
-    logp = chunked_logps(hidden, weight, ids, weight_layout=layout)
-    old = jax.jit(lambda lp: lp + opts["ratio_noise"] * hashed_normal(seed, 5, (B, T), jnp.float32))(logp)
-    del logp
-    return hidden, weight, ids, mask, adv, old
+    """``(hidden, weight, ids, mask, adv, old)`` in the call's argument order, and the batch statistics."""
+    batch = lm_head_batch(cfg, opts)
+    stats = workloads.batch_stats(batch)
+    weight = batch.weight if opts["weight_layout"] == "hv" else jax.jit(jnp.transpose)(batch.weight)
+    return (batch.hidden, weight, batch.ids, batch.mask, batch.advantages, batch.old_logps), stats
 
 
 def logits_inputs(cfg: Config, opts: dict[str, Any]):
+    """``(logits, ids, mask, adv, old)`` and the batch statistics (``None`` for the legacy flat options)."""
     B, T, V = cfg.B, cfg.T, cfg.V
     seed = opts["seed"]
+    if opts["data"] != "flat" or (opts["logits_std"] == 1.0 and opts["mask"] == "full"):
+        b = workloads.make_logits_batch(B, T, V, _workload(opts))
+        return (b.logits, b.ids, b.mask, b.advantages, b.old_logps), workloads.batch_stats(b)
 
     @jax.jit
     def make():
@@ -161,7 +121,7 @@ def logits_inputs(cfg: Config, opts: dict[str, Any]):
     logp = chunked_logps_from_logits(logits, ids, T=T, rows=_largest_divisor(T, 64))
     old = jax.jit(lambda lp: lp + opts["ratio_noise"] * hashed_normal(seed, 5, (B, T), jnp.float32))(logp)
     del logp
-    return logits, ids, mask, adv, old
+    return (logits, ids, mask, adv, old), None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -389,16 +349,77 @@ def apply_tuning(tuning: dict[str, Any] | None) -> dict[str, Any]:
     return applied
 
 
+GRAD_ORACLE_BYTES = 12 * 2**30  # largest float32 [N, V] logits the dense gradient oracle may form
+
+
+def oracle_T(cfg: Config, budget: int | None = None) -> int:
+    """Tokens per sequence of the gradient-accuracy check: T, or the longest multiple of 128 whose float32
+    logits fit ``budget`` (the check then runs on the first T' positions of every sequence)."""
+    budget = GRAD_ORACLE_BYTES if budget is None else budget
+    if cfg.B * cfg.T * cfg.V * 4 <= budget:
+        return cfg.T
+    return max(128, (budget // (cfg.B * cfg.V * 4)) // 128 * 128)
+
+
+@jax.jit
+def _rel_l2(g, ref):
+    g, ref = g.astype(jnp.float32), ref.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(jnp.square(g - ref)) / jnp.maximum(jnp.sum(jnp.square(ref)), 1e-30))
+
+
+@functools.cache
+def _oracle_grad(layout: str) -> Callable:
+    from gmpo_jax import reference
+
+    import gmpo_jax
+
+    def oracle(h, w, ids, mask, adv, old):
+        return _loss_only(reference.policy_loss(h, w, ids, mask, adv, objective=gmpo_jax.GMPO(), old_logps=old,
+                                                weight_layout=layout, upcast=True))
+
+    return jax.jit(jax.grad(oracle, argnums=(0, 1)))
+
+
+def grad_accuracy(cfg: Config, fn: Callable, compiled_fwd_bwd, args: tuple, opts: dict[str, Any]) -> dict[str, Any]:
+    """Relative L2 error of d loss / d hidden and d loss / d weight of ``fn`` against the float32 dense
+    oracle (``gmpo_jax.reference.policy_loss(..., upcast=True)``: full float32 logits, HIGHEST precision)
+    on the same bf16 inputs; on the first ``oracle_T`` positions when the full batch's logits do not fit
+    (then ``fn``'s gradient is compiled again at that shape)."""
+    T2 = oracle_T(cfg)
+    out: dict[str, Any] = {"grad_acc_N": cfg.B * T2, "grad_oracle": "gmpo_jax.reference.policy_loss(upcast=True)"}
+    if T2 == cfg.T:
+        sub, got = args, compiled_fwd_bwd(*args)[1]
+    else:
+        sub = tuple(a[:, :T2] if a.ndim >= 2 and i != 1 else a for i, a in enumerate(args))
+        got = jax.jit(jax.grad(fn, argnums=(0, 1)))(*sub)
+        out["grad_acc_note"] = f"oracle on the first {T2} of {cfg.T} positions of each sequence (memory)"
+    # float32 leaves: the oracle's gradients stay float32 (a bf16 leaf would round them to bf16)
+    ref = _oracle_grad(opts["weight_layout"])(sub[0].astype(jnp.float32), sub[1].astype(jnp.float32), *sub[2:])
+    out["grad_rel_err_hidden"] = round(float(_rel_l2(got[0], ref[0])), 6)
+    out["grad_rel_err_weight"] = round(float(_rel_l2(got[1], ref[1])), 6)
+    return out
+
+
+def _datas(opts: dict[str, Any]) -> list[str]:
+    return list(opts.get("datas") or [opts["data"]])
+
+
 def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Times one implementation on one configuration in each mode; emits one record per mode.
+    """Times one implementation on one configuration in each mode and each workload (``opts["datas"]``,
+    default ``[opts["data"]]``); emits one record per (data, mode).
 
     Order: compile every mode (no input on the device yet, so compile-time allocations such as GEMM
-    autotuning do not stack on the inputs), create the inputs, then time the modes in the given order."""
+    autotuning do not stack on the inputs); then per workload: create the inputs (and their statistics),
+    time the modes in the given order, check the gradients against the oracle (``grad_acc``), and save
+    the batch for the PyTorch worker (``save_batch``). Only the first timed mode has an exact peak, and
+    only when the input preparation's own high-water mark stayed below it."""
     records: list[dict[str, Any]] = []
     device = device_kind()
     common: dict[str, Any] = dict(device=_common.device_slug(device), device_name=device, seed=opts["seed"],
-                                  mask=opts["mask"], objective="GMPO()", jaxlib=_common.pkg_version("jaxlib"),
+                                  mask=opts["mask"], jaxlib=_common.pkg_version("jaxlib"),
                                   variant=opts.get("variant"))
+    common["objective"] = ("GRPO(loss_type='grpo')" if cfg.kind == "logits" and opts.get("objective") == "grpo"
+                           else "GMPO()")
     if opts.get("tuning"):
         common["tuning"] = opts["tuning"]
     specs = input_specs(cfg, opts)
@@ -413,8 +434,8 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
         common.update(logits_std=opts["logits_std"], logits_gib=_common.gib(_nbytes(specs[0])))
     common["inputs_gib"] = _common.gib(_nbytes(*specs))
 
-    def fail(mode: str, exc: BaseException, **extra) -> None:
-        rec = _common.base_record(cfg, impl, mode, **common, **extra)
+    def fail(mode: str, data: str, exc: BaseException, **extra) -> None:
+        rec = _common.base_record(cfg, impl, mode, data=data, **common, **extra)
         rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
         _common.emit(rec)
         records.append(rec)
@@ -429,8 +450,9 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
             if source:
                 common["impl_source"] = source
     except Exception as exc:  # noqa: BLE001 - reported, never raised
-        for mode in modes:
-            fail(mode, exc)
+        for data in _datas(opts):
+            for mode in modes:
+                fail(mode, data, exc)
         return records
     failed: dict[str, BaseException] = {}
     for mode in modes:
@@ -438,38 +460,58 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
             compiled[mode] = _compile(fn, mode, argnums, specs)
         except Exception as exc:  # noqa: BLE001
             failed[mode] = exc
-    try:
-        args = lm_head_inputs(cfg, opts) if cfg.kind == "lm_head" else logits_inputs(cfg, opts)
-        jax.block_until_ready(args)
-        common["prep_peak_gib"] = _common.gib(peak_bytes())
-    except Exception as exc:  # noqa: BLE001
-        for mode in modes:
-            fail(mode, exc)
-        return records
 
-    for k, mode in enumerate(modes):
-        if mode in failed:
-            fail(mode, failed[mode])
-            continue
-        f, info = compiled.pop(mode)
-        rec = _common.base_record(cfg, impl, mode, **common)
-        rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
+    first = True
+    for data in _datas(opts):
+        dopts = dict(opts, data=data)
         try:
-            stats = time_fn(f, args, opts)
-            stats.pop("compile_s", None)  # first-call time of an already compiled program
-            rec.update(stats, **info)
-            peak = peak_bytes()
-            rec["peak_exact"] = k == 0
-            rec["peak_gib"] = _common.gib(peak) if k == 0 else None
-            rec["peak_gib_cumulative"] = _common.gib(peak)
-            rec.update(time_pipelined(f, args, stats["median_ms"]))
-            rec["status"] = "ok" if stats.get("finite", True) else "nonfinite"
-            rec.update(_common.throughput(cfg, mode, stats["median_ms"]))
+            make = lm_head_inputs if cfg.kind == "lm_head" else logits_inputs
+            args, stats = make(cfg, dopts)
+            jax.block_until_ready(args)
+            prep_peak = peak_bytes()
         except Exception as exc:  # noqa: BLE001
-            rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
-        del f
-        _common.emit(rec)
-        records.append(rec)
+            for mode in modes:
+                fail(mode, data, exc)
+            continue
+        dcommon = dict(common, data=data, prep_peak_gib=_common.gib(prep_peak), **(stats or {}))
+        for mode in modes:
+            if mode in failed:
+                fail(mode, data, failed[mode])
+                continue
+            f, info = compiled[mode]
+            rec = _common.base_record(cfg, impl, mode, **dcommon)
+            rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
+            try:
+                tstats = time_fn(f, args, opts)
+                tstats.pop("compile_s", None)  # first-call time of an already compiled program
+                rec.update(tstats, **info)
+                peak = peak_bytes()
+                exact = first and (peak is None or prep_peak is None or prep_peak < peak)
+                rec["peak_exact"] = exact
+                rec["peak_gib"] = _common.gib(peak) if exact else None
+                rec["peak_gib_cumulative"] = _common.gib(peak)
+                rec.update(time_pipelined(f, args, tstats["median_ms"]))
+                rec["status"] = "ok" if tstats.get("finite", True) else "nonfinite"
+                rec.update(_common.throughput(cfg, mode, tstats["median_ms"]))
+                if mode == "fwd+bwd" and cfg.kind == "lm_head" and opts.get("grad_acc"):
+                    try:
+                        rec.update(grad_accuracy(cfg, fn, f, args, opts))
+                    except Exception as exc:  # noqa: BLE001 - the timing stands
+                        rec["grad_acc_error"] = _common.short_error(exc)
+            except Exception as exc:  # noqa: BLE001
+                rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+            first = False
+            _common.emit(rec)
+            records.append(rec)
+        if opts.get("save_batch") and cfg.kind == "lm_head" and opts["mask"] == "full":
+            path = _common.cache_path(cfg.B, cfg.T, cfg.H, cfg.V, data, opts["seed"])
+            if not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                arrays = dict(zip(workloads.LOSS_FIELDS, args))
+                if opts["weight_layout"] != "hv":
+                    arrays["weight"] = arrays["weight"].T
+                workloads.save_arrays(path, arrays)
+        del args
     return records
 
 

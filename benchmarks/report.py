@@ -1,7 +1,11 @@
-"""Turns benchmarks/results/*.jsonl into benchmarks/RESULTS.md tables and benchmarks/results/<device>.png.
+"""Turns benchmarks/results/*.jsonl into the README's performance tables, benchmarks/RESULTS.md and plots.
 
     python -m benchmarks.report                      # all devices found in benchmarks/results/
-    python -m benchmarks.report --results a.jsonl --out /tmp/R.md --plot-dir /tmp
+    python -m benchmarks.report --results a.jsonl --out /tmp/R.md --plot-dir /tmp --readme /tmp/README.md
+
+README.md: every ``<!-- bench:NAME:start -->`` ... ``<!-- bench:NAME:end -->`` block (NAME in ``BLOCKS``:
+lm_head, sparsity, lm_head_flat, logits) is regenerated from the H200 records, with date, device,
+versions, commits and the command that reproduces it.
 
 For every (implementation, variant, shape, B, T, mode) the latest record wins. RESULTS.md keeps whatever is
 written outside the ``<!-- BEGIN GENERATED -->`` / ``<!-- END GENERATED -->`` markers (notes, test runs),
@@ -56,13 +60,22 @@ def load(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
 RESULT_STATUSES = ("ok", "oom", "nonfinite")
 
 
+def vkey(r: dict[str, Any]) -> str | None:
+    """The variant as the tables key it: the workload joins the variant unless it is flat (records before
+    2026-12-01 have no ``data`` and are flat), so the flat tables below never mix workloads."""
+    data, var = r.get("data") or "flat", r.get("variant")
+    if data == "flat":
+        return var
+    return ",".join(x for x in (f"data={data}", var) if x)
+
+
 def latest(records: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     """Per key, the latest record that is a result (ok / oom / nonfinite), else the latest failure."""
     out: dict[tuple, dict[str, Any]] = {}
     for r in records:
         if r.get("kind") == "floor":
             continue
-        key = (r["implementation"], r.get("variant"), r["shape"], r["B"], r["T"], r["mode"])
+        key = (r["implementation"], vkey(r), r["shape"], r["B"], r["T"], r["mode"])
         prev = out.get(key)
         rank = (r.get("status") in RESULT_STATUSES, str(r.get("date", "")))
         if prev is None or rank >= (prev.get("status") in RESULT_STATUSES, str(prev.get("date", ""))):
@@ -76,7 +89,7 @@ def newer_failures(records: list[dict[str, Any]], lat: dict[tuple, dict[str, Any
     for r in records:
         if r.get("kind") == "floor" or r.get("status") in RESULT_STATUSES:
             continue
-        shown = lat.get((r["implementation"], r.get("variant"), r["shape"], r["B"], r["T"], r["mode"]))
+        shown = lat.get((r["implementation"], vkey(r), r["shape"], r["B"], r["T"], r["mode"]))
         if shown is not r and shown is not None and str(r.get("date", "")) > str(shown.get("date", "")):
             out.append(r)
     return out
@@ -238,14 +251,14 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
                    "the device copy rate measured in the same run. Memory target = logits + dlogits + 64 MiB. "
                    "Peaks are JAX's default (BFC) allocator's, which counts unsplit chunks whole: on the H200 "
                    "(2026-11-30) an exact allocator measured logits + dlogits + 0.5 / 4.1 MiB at B = 2 / 16 "
-                   "(RESULTS.md, issue 5, seventh session).\n")
+                   "(docs/performance.md).\n")
     return out
 
 
 def other_variants(lat: dict[tuple, dict[str, Any]]) -> list[str]:
     """Records outside the main tables: sweeps (chunk_size, tuning constants) and other variants."""
     known = set(LM_COLUMNS) | set(LOGITS_COLUMNS)
-    rest = [r for r in lat.values() if (r["implementation"], r.get("variant")) not in known]
+    rest = [r for r in lat.values() if (r["implementation"], vkey(r)) not in known]
     if not rest:
         return []
     out = ["### Sweeps and other variants\n", "| implementation | variant | shape | B x T | mode | median ms | "
@@ -253,7 +266,7 @@ def other_variants(lat: dict[tuple, dict[str, Any]]) -> list[str]:
     for r in sorted(rest, key=lambda r: (r["shape"], r["N"], r["B"], r["implementation"], r["mode"],
                                          str(r.get("variant")))):
         ok = r.get("status") == "ok"
-        out.append(f"| {r['implementation']} | {r.get('variant') or ''} | {r['shape']} | {r['B']} x {r['T']} | "
+        out.append(f"| {r['implementation']} | {vkey(r) or ''} | {r['shape']} | {r['B']} x {r['T']} | "
                    f"{r['mode']} | {_ms(device_ms(r)) if ok else r.get('status')} | "
                    f"{_x(x_floor(r)) if ok else '-'} | "
                    f"{'-' if r.get('peak_gib') is None else format(r['peak_gib'], '.2f')} |")
@@ -377,7 +390,7 @@ def plot(device: str, lat: dict[tuple, dict[str, Any]], path: str) -> bool:
         recs = [r for r in (lm if kind == "lm_head" else lg) if r["shape"] == shape]
         ax_t, ax_m = axes[row]
         for impl, var in columns:
-            pts = sorted((r["N"], r["B"], r) for r in recs if r["implementation"] == impl and r.get("variant") == var
+            pts = sorted((r["N"], r["B"], r) for r in recs if r["implementation"] == impl and vkey(r) == var
                          and r.get("status") == "ok")
             if not pts:
                 continue
@@ -393,7 +406,7 @@ def plot(device: str, lat: dict[tuple, dict[str, Any]], path: str) -> bool:
             pk = [(n, by_n[n].get("peak_gib")) for n in xs if by_n[n].get("peak_gib") is not None]
             if pk:
                 ax_m.plot([p[0] for p in pk], [p[1] for p in pk], style, label=label)
-            ooms = sorted({r["N"] for r in recs if r["implementation"] == impl and r.get("variant") == var
+            ooms = sorted({r["N"] for r in recs if r["implementation"] == impl and vkey(r) == var
                            and r.get("status") == "oom"})
             for n in ooms:
                 ax_t.annotate(f"{label}: OOM", (n, ax_t.get_ylim()[1] if ax_t.lines else 1), fontsize=7,
@@ -453,6 +466,176 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
     return "\n".join(out)
 
 
+# ----------------------------------------------------------------------------------------------------
+# The README's performance tables, between <!-- bench:NAME:start --> / <!-- bench:NAME:end --> markers
+
+README = os.path.join(os.path.dirname(HERE), "README.md")
+Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
+HEADS = {Q: "Qwen2.5-0.5B head (896, 151936)", L: "Llama-3-8B head (4096, 128256)",
+         G: "logits [B, T+1, 128256]"}
+COMMANDS = {"lm_head": "bash benchmarks/gpu_suite.sh", "sparsity": "bash benchmarks/gpu_suite.sh",
+            "lm_head_flat": "bash benchmarks/gpu_suite.sh --only kernels,core,peers",
+            "logits": "bash benchmarks/gpu_suite.sh --only logits"}
+
+
+def _get(recs: list[dict[str, Any]], impl: str, shape: str, B: int, T: int, data: str = "flat",
+         variant: str | None = None) -> dict[str, Any] | None:
+    """The latest fwd+bwd result (else failure) of one cell."""
+    best = None
+    for r in recs:
+        if (r.get("kind") == "floor" or r["implementation"] != impl or r["shape"] != shape or r["B"] != B
+                or r["T"] != T or r["mode"] != "fwd+bwd" or (r.get("data") or "flat") != data
+                or r.get("variant") != variant):
+            continue
+        rank = (r.get("status") in RESULT_STATUSES, str(r.get("date", "")))
+        if best is None or rank >= (best.get("status") in RESULT_STATUSES, str(best.get("date", ""))):
+            best = r
+    return best
+
+
+def _c(r: dict[str, Any] | None, with_peak: bool = True) -> str:
+    return _cell(r, with_peak) if r else "-"
+
+
+def _pct_pair(r: dict[str, Any] | None) -> str:
+    if not r or r.get("grad_rel_err_hidden") is None:
+        return "-"
+    return f"{100 * r['grad_rel_err_hidden']:.2g} / {100 * r['grad_rel_err_weight']:.2g} %"
+
+
+def _provenance(used: list[dict[str, Any]], command: str) -> str:
+    used = [r for r in used if r]
+    if not used:
+        return (f"_Not measured yet. On an H200: `{command}`, append `$OUT/run.jsonl` to "
+                "`benchmarks/results/nvidia-h200.jsonl`, then `python -m benchmarks.report` "
+                "(benchmarks/README.md)._")
+    vals = lambda k: ", ".join(sorted({str(r[k]) for r in used if r.get(k)})) or "-"  # noqa: E731
+    dates = sorted(str(r.get("date", ""))[:10] for r in used)
+    peers = sorted({f"{r['implementation']} {r['peer_version']}" for r in used if r.get("peer_version")})
+    span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} .. {dates[-1]}"
+    return (f"_{vals('device_name')}, {span}, jax {vals('jax')}" + (f", torch {vals('torch')}" if peers else "")
+            + (f", {', '.join(peers)}" if peers else "") + f"; commit(s) {vals('commit')}. "
+            f"Reproduce: `{command}` (benchmarks/README.md)._")
+
+
+def _data_label(r: dict[str, Any] | None, data: str) -> str:
+    if not r or r.get("mean_entropy") is None:
+        return data
+    return (f"{data} ({r['mean_entropy']:.1f} nats, {100 * r.get('masked_frac', 0):.0f} % masked, "
+            f"{100 * r.get('zero_adv_frac', 0):.0f} % zero-adv.)")
+
+
+def block_lm_head(recs: list[dict[str, Any]]) -> str:
+    from benchmarks.run import REALISTIC_CONFIGS
+
+    rows = ["| workload | data | gmpo_jax `mosaic_gpu` | CCE default | CCE `filter_eps=None` | floor 6NHV "
+            "| grad error hidden / weight: ours; CCE; CCE exact |", "|---|---|---|---|---|---|---|"]
+    used = []
+    for shape, B, T in REALISTIC_CONFIGS:
+        for data in ("peaked", "flat"):
+            ours = _get(recs, "mosaic_gpu", shape, B, T, data)
+            cce = _get(recs, "cce_gmpo", shape, B, T, data)
+            exact = _get(recs, "cce_gmpo", shape, B, T, data, "filter_eps=None")
+            used += [ours, cce, exact]
+            floor = next((r["floor_ms"] for r in (ours, cce, exact) if r and r.get("floor_ms")), None)
+            rows.append(f"| {HEADS[shape]}, {B} x {T} | {_data_label(ours or cce, data)} | {_c(ours)} | "
+                        f"{_c(cce)} | {_c(exact)} | {_ms(floor) + ' ms' if floor else '-'} | "
+                        f"{_pct_pair(ours)}; {_pct_pair(cce)}; {_pct_pair(exact)} |")
+    rows += ["", "Cells: median ms (x the floor), peak device memory (inputs included). Floor: 6·N·H·V at the "
+             "bf16 XLA matmul rate measured in the same run. Gradient error: relative L2 error against a "
+             "float32 dense oracle on the same bf16 inputs (`grad_acc_N` in the records says on how many "
+             "tokens).", "", _provenance(used, COMMANDS["lm_head"])]
+    return "\n".join(rows)
+
+
+def block_sparsity(recs: list[dict[str, Any]]) -> str:
+    from benchmarks.run import SPARSITY_CONFIGS
+
+    rows = ["| path | batch | peaked: masked tokens, zero-advantage sequences | same batch, all live | ratio |",
+            "|---|---|---|---|---|"]
+    used = []
+    for shape, B, T in SPARSITY_CONFIGS:
+        sparse = _get(recs, "mosaic_gpu", shape, B, T, "peaked")
+        live = _get(recs, "mosaic_gpu", shape, B, T, "peaked-live")
+        used += [sparse, live]
+        ratio = _ratio(sparse, live)
+        rows.append(f"| {'LM head + GMPO' if shape != G else 'loss from logits, GMPO'}, `mosaic_gpu` | "
+                    f"{HEADS[shape]}, {B} x {T} | {_data_label(sparse, 'peaked')}: {_c(sparse, False)} | "
+                    f"{_c(live, False)} | {_x(ratio)} |")
+    rows += ["", _provenance(used, COMMANDS["sparsity"])]
+    return "\n".join(rows)
+
+
+def block_lm_head_flat(recs: list[dict[str, Any]]) -> str:
+    cols = [(Q, 8, 2048), (Q, 2, 32768), (L, 4, 2048)]
+    impls = [("mosaic_gpu", None, "gmpo_jax `mosaic_gpu`"), ("xla_chunked", None, "gmpo_jax `xla_chunked`"),
+             ("dense_jax", None, "dense JAX (full logits, bf16)"), ("cce_gmpo", None, "Cut Cross-Entropy + GMPO"),
+             ("liger_grpo", None, "Liger fused GRPO")]
+    rows = ["| flat data, fwd + bwd | " + " | ".join(f"{HEADS[s]}, {B} x {T}" for s, B, T in cols) + " |",
+            "|---|" + "---|" * len(cols)]
+    used = []
+    for impl, var, label in impls:
+        cells = [_get(recs, impl, s, B, T, "flat", var) for s, B, T in cols]
+        used += cells
+        rows.append(f"| {label} | " + " | ".join(_c(c) for c in cells) + " |")
+    floors = [next((r["floor_ms"] for r in used if r and (r["shape"], r["B"], r["T"]) == c and r.get("floor_ms")),
+                   None) for c in cols]
+    rows.append("| floor: 6·N·H·V at the measured XLA matmul rate | "
+                + " | ".join(f"{_ms(f)} ms" if f else "-" for f in floors) + " |")
+    rows += ["", _provenance(used, COMMANDS["lm_head_flat"])]
+    return "\n".join(rows)
+
+
+def block_logits(recs: list[dict[str, Any]]) -> str:
+    cols = [(G, 2, 1024), (G, 16, 1024)]
+    impls = [("mosaic_gpu", GRPO, "gmpo_jax `mosaic_gpu`, GRPO"), ("mosaic_gpu", None, "gmpo_jax `mosaic_gpu`, GMPO"),
+             ("xla", None, "gmpo_jax `xla`, GMPO"), ("liger_triton", GRPO, "Liger `triton_grpo_loss`, GRPO"),
+             ("dense_jax", None, "naive JAX, GMPO")]
+    rows = ["| flat data, fwd + bwd | " + " | ".join(f"{HEADS[s]}, {B} x {T}" for s, B, T in cols) + " |",
+            "|---|" + "---|" * len(cols)]
+    used = []
+    for impl, var, label in impls:
+        cells = [_get(recs, impl, s, B, T, "flat", var) or (_get(recs, impl, s, B, T, "flat") if impl == "liger_triton"
+                                                             else None) for s, B, T in cols]
+        used += cells
+        rows.append(f"| {label} | " + " | ".join(_c(c) for c in cells) + " |")
+    floors = [next((r["floor_ms"] for r in used if r and (r["B"], r["T"]) == c[1:] and r.get("floor_ms")), None)
+              for c in cols]
+    rows.append("| floor: read the logits + write their gradient at the measured copy rate | "
+                + " | ".join(f"{_ms(f)} ms" if f else "-" for f in floors) + " |")
+    rows += ["", "JAX calls under 5 ms: pipelined time (calls back to back, one sync), the blocking median in "
+             "brackets; Liger: CUDA events.", "", _provenance(used, COMMANDS["logits"])]
+    return "\n".join(rows)
+
+
+BLOCKS = {"lm_head": block_lm_head, "sparsity": block_sparsity, "lm_head_flat": block_lm_head_flat,
+          "logits": block_logits}
+
+
+def update_markers(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
+    """Replaces what is between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``; returns the
+    new text and the names found."""
+    found = []
+    for name, body in blocks.items():
+        start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+        if start in text and end in text:
+            head, rest = text.split(start, 1)
+            text = head + start + "\n" + body + "\n" + end + rest.split(end, 1)[1]
+            found.append(name)
+    return text, found
+
+
+def update_readme(path: str, by_dev: dict[str, list[dict[str, Any]]], device: str = "nvidia-h200") -> list[str]:
+    recs = by_dev.get(device, [])
+    blocks = {name: fn(recs) for name, fn in BLOCKS.items()}
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    text, found = update_markers(text, blocks)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return found
+
+
 TEMPLATE_HEAD = """# Benchmarks
 
 How these numbers are made: `benchmarks/run.py` (one process per implementation and configuration,
@@ -482,13 +665,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", action="append", help="JSONL file(s) (default benchmarks/results/*.jsonl)")
     p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--plot-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--readme", default=None, help="file whose <!-- bench:NAME:start/end --> blocks are "
+                   "regenerated (default: the repository's README.md, unless --results is given; '' skips)")
+    p.add_argument("--device", default="nvidia-h200", help="device slug of the README tables")
     args = p.parse_args(argv)
+    if args.readme is None:  # tables from other records never overwrite the README by accident
+        args.readme = "" if args.results else README
     paths = args.results or sorted(glob.glob(os.path.join(HERE, "results", "*.jsonl")))
     by_dev = load(paths)
     os.makedirs(args.plot_dir, exist_ok=True)
     generated = render(by_dev, args.plot_dir, os.path.dirname(os.path.abspath(args.out)))
     write_markdown(args.out, generated)
     print(f"wrote {args.out} ({len(by_dev)} device(s): {', '.join(by_dev) or 'none'})")
+    if args.readme:
+        found = update_readme(args.readme, by_dev, args.device)
+        print(f"updated {args.readme}: {', '.join(found) or 'no bench markers found'}")
     return 0
 
 

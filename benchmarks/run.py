@@ -38,7 +38,8 @@ TORCH_IMPLS = {"lm_head": ("cce_gmpo", "liger_grpo"), "logits": ("liger_triton",
 MODES = ("fwd+bwd", "fwd")
 
 DEFAULT_OPTS: dict[str, Any] = dict(
-    seed=0, logit_scale=1.0, logits_std=1.0, ratio_noise=0.2, mask="full", weight_layout="hv",
+    data="peaked", grad_acc=False, seed=0,
+    logit_scale=1.0, logits_std=1.0, ratio_noise=0.2, mask="full", weight_layout="hv",
     chunk_size=None, iters=10, warmup=2, min_time_s=0.3, liger_chunk_size=1, cce_no_filter=True,
     liger_inplace=True, objective="gmpo",
 )
@@ -51,24 +52,37 @@ LABELLED_OPTS = ("logit_scale", "logits_std", "ratio_noise", "mask", "weight_lay
 # Suites
 
 Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
+# the README's main table: peaked then flat, ours against CCE (default and exact), with gradient accuracy
+REALISTIC_CONFIGS = [(Q, 8, 2048), (L, 4, 2048), (Q, 2, 32768)]
+# masked tokens and zero-advantage sequences against the same batch fully live; B = 20 in groups of 2
+# gives 30 % zero-advantage sequences, lengths uniform over 20-100 % of T about 40 % masked tokens
+SPARSITY_CONFIGS = [(Q, 20, 768), (G, 20, 768)]  # 20 x 768: one chunk (16384 // 768 = 21 >= 20)
 GPU_LM_CONFIGS = [(Q, 8, 2048), (Q, 16, 4096), (L, 4, 2048), (Q, 2, 32768), (Q, 1, 512)]
 GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
 SUITE_GROUPS = {
-    "kernels": "mosaic_gpu on the LM-head shapes (issue 3)",
-    "core": "xla_chunked and dense_jax on the LM-head shapes (issue 2)",
-    "peers": "cce_gmpo and liger_grpo on the LM-head shapes (PyTorch; skipped when not importable)",
-    "logits": "policy loss from logits: mosaic_gpu, xla, dense_jax, liger_triton (issue 5)",
+    "realistic": "README main table: mosaic_gpu and CCE (default, filter_eps=None) on peaked then flat data, "
+                 "gradient accuracy; then masked / zero-advantage vs fully live (LM head and logits paths)",
+    "kernels": "mosaic_gpu on the LM-head shapes (flat data)",
+    "core": "xla_chunked and dense_jax on the LM-head shapes (flat data)",
+    "peers": "cce_gmpo and liger_grpo on the LM-head shapes (flat data; PyTorch, skipped when not importable)",
+    "logits": "policy loss from logits: mosaic_gpu, xla, dense_jax, liger_triton (flat data; GMPO, and GRPO "
+              "for mosaic_gpu and Liger)",
 }
 
 
 def _job(kind: str, cfg: Config, impl: str, modes: list[str], timeout_s: float,
-         settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One process's work. ``settings``: chunk_size and tuning constants, recorded as the variant 'k=v,..'."""
+         settings: dict[str, Any] | None = None, **opts: Any) -> dict[str, Any]:
+    """One process's work. ``settings``: chunk_size and tuning constants, recorded as the variant 'k=v,..';
+    ``opts``: options of this job only (``datas=[...]``: workloads timed one after another in the process,
+    ``grad_acc``, ``save_batch``)."""
     job = dict(kind=kind, shape=cfg.shape, B=cfg.B, T=cfg.T, impl=impl, modes=list(modes), timeout_s=timeout_s)
+    job_opts: dict[str, Any] = dict(opts)
     if settings:
         tuning = {k: v for k, v in settings.items() if k != "chunk_size"}
-        job["opts"] = dict(chunk_size=settings.get("chunk_size"), tuning=tuning)
+        job_opts.update(chunk_size=settings.get("chunk_size"), tuning=tuning)
         job["variant"] = ",".join(f"{k}={v}" for k, v in settings.items())
+    if job_opts:
+        job["opts"] = job_opts
     return job
 
 
@@ -82,6 +96,15 @@ def _gpu_timeout(cfg: Config, impl: str) -> float:
 def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
     """Jobs in priority order (the most informative first: a budget cut drops the tail)."""
     jobs: list[dict[str, Any]] = []
+    if suite == "gpu" and "realistic" in only:
+        both = dict(datas=["peaked", "flat"], grad_acc=True)
+        for shape, B, T in REALISTIC_CONFIGS:
+            cfg = select(shape, B=B, T=T)
+            jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 150.0, save_batch=True, **both))
+            jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 150.0, **both))
+        for shape, B, T in SPARSITY_CONFIGS:
+            jobs.append(_job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 120.0,
+                             datas=["peaked", "peaked-live"]))
     if suite == "gpu":
         for shape, B, T in GPU_LM_CONFIGS:
             cfg = select(shape, B=B, T=T)
@@ -91,24 +114,24 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
             for group, kind, impl, modes in plan:
                 if impl == "dense_jax" and (B, T) == (2, 32768):
                     continue  # the dense reference is out of memory at N = 65536: shown once, at 16 x 4096
-                if group in only:
-                    jobs.append(_job(kind, cfg, impl, modes, _gpu_timeout(cfg, impl)))
+                if group in only:  # these groups are the flat-data tables
+                    jobs.append(_job(kind, cfg, impl, modes, _gpu_timeout(cfg, impl), datas=["flat"]))
         if "logits" in only:
             for shape, B, T in GPU_LOGITS_CONFIGS:
                 cfg = select(shape, B=B, T=T)
                 for kind, impl in (("jax", "mosaic_gpu"), ("jax", "xla"), ("jax", "dense_jax"),
                                    ("torch", "liger_triton")):
-                    jobs.append(_job(kind, cfg, impl, MODES, 75.0))
-    elif suite == "cpu":
-        for shape, B, T in [("cpu-tiny", 2, 64), ("cpu-small", 2, 128)]:
-            cfg = select(shape, B=B, T=T)
-            for group, impl in (("kernels", "mosaic_gpu"), ("core", "xla_chunked"), ("core", "dense_jax")):
-                if group in only:
-                    jobs.append(_job("jax", cfg, impl, MODES, 120.0))
+                    jobs.append(_job(kind, cfg, impl, MODES, 75.0, datas=["flat"]))
+                for kind, impl in (("jax", "mosaic_gpu"), ("torch", "liger_triton")):  # Liger's objective
+                    job = _job(kind, cfg, impl, ["fwd+bwd"], 75.0, datas=["flat"], objective="grpo")
+                    jobs.append(dict(job, variant="objective=grpo"))
+    elif suite == "cpu":  # a smoke run of the portable paths (mosaic_gpu needs a Hopper GPU): ~30 s on 2 cores
+        datas = ["peaked", "flat"]
+        cfg = select("cpu-tiny")
+        if "realistic" in only or "core" in only:
+            jobs.append(_job("jax", cfg, "xla_chunked", ["fwd+bwd"], 120.0, datas=datas, grad_acc=True))
         if "logits" in only:
-            cfg = select("logits-cpu")
-            for impl in ("mosaic_gpu", "xla", "dense_jax"):
-                jobs.append(_job("jax", cfg, impl, MODES, 120.0))
+            jobs.append(_job("jax", select("logits-cpu"), "xla", ["fwd+bwd"], 120.0, datas=datas))
     else:
         raise ValueError(f"unknown suite {suite!r} (gpu | cpu)")
     return jobs
@@ -200,20 +223,22 @@ def _job_label(job: dict[str, Any]) -> str:
     if job["kind"] == "floor":
         return f"floor matmuls={job['matmuls']} copy={job['copy']}"
     var = f" [{job['variant']}]" if job.get("variant") else ""
-    return f"{job['impl']}{var} {job['shape']} {job['B']}x{job['T']} {','.join(job['modes'])}"
+    datas = ",".join(job.get("opts", {}).get("datas") or [job.get("data") or ""])
+    return f"{job['impl']}{var} {job['shape']} {job['B']}x{job['T']} {','.join(job['modes'])} {datas}".rstrip()
 
 
 def _missing(job: dict[str, Any], got: list[dict[str, Any]], status: str, device: str | None) -> list[dict]:
     """Placeholder records for the modes a dead/timed-out/skipped job never reported."""
-    done = {r.get("mode") for r in got if r.get("variant") == job.get("variant")}
+    done = {(r.get("data"), r.get("mode")) for r in got if r.get("variant") == job.get("variant")}
     cfg = select(job["shape"], B=job["B"], T=job["T"])
     out = []
-    for mode in job["modes"]:
-        if mode not in done:
-            rec = _common.base_record(cfg, job["impl"], mode, status=status.split(" ")[0], device=device,
-                                      variant=job.get("variant"))
-            rec["error"] = status
-            out.append(rec)
+    for data in job.get("opts", {}).get("datas") or [job.get("data")]:
+        for mode in job["modes"]:
+            if (data, mode) not in done:
+                rec = _common.base_record(cfg, job["impl"], mode, status=status.split(" ")[0], device=device,
+                                          variant=job.get("variant"), data=data)
+                rec["error"] = status
+                out.append(rec)
     return out
 
 
@@ -321,16 +346,21 @@ def _row(r: dict[str, Any], name_width: int = 30) -> str:
     if r.get("peak_gib") is None and r.get("peak_gib_cumulative") is not None:
         peak = f"<={peak}"
     cfg = f"{r['shape']} {r['B']}x{r['T']}"
-    return (f"{_name(r)[:name_width]:{name_width}s} {cfg[:24]:24s} {r['mode']:>7s} {str(r['status'])[:11]:>11s} "
+    gerr = "-"
+    if r.get("grad_rel_err_hidden") is not None:
+        gerr = f"{100 * r['grad_rel_err_hidden']:.2g}/{100 * r['grad_rel_err_weight']:.2g}%"
+    return (f"{_name(r)[:name_width]:{name_width}s} {cfg[:24]:24s} {str(r.get('data') or '-'):>11s} "
+            f"{r['mode']:>7s} {str(r['status'])[:11]:>11s} "
             f"{_fmt(r.get('median_ms'), '.4g'):>9s} {_fmt(r.get('min_ms'), '.4g'):>9s} "
             f"{_fmt(r.get('pipelined_ms'), '.4g'):>8s} "
-            f"{_fmt(r.get('x_floor'), '.2f'):>6s} {peak:>8s} {rate:>11s}")
+            f"{_fmt(r.get('x_floor'), '.2f'):>6s} {peak:>8s} {rate:>11s} {gerr:>13s}")
 
 
 def table(records: list[dict[str, Any]], floors: dict[str, Any] | None = None) -> str:
     w = min(60, max([30] + [len(_name(r)) for r in records]))
-    head = (f"{'implementation':{w}s} {'shape BxT':24s} {'mode':>7s} {'status':>11s} {'median ms':>9s} "
-            f"{'min ms':>9s} {'pipe ms':>8s} {'xfloor':>6s} {'peak GiB':>8s} {'rate':>11s}")
+    head = (f"{'implementation':{w}s} {'shape BxT':24s} {'data':>11s} {'mode':>7s} {'status':>11s} "
+            f"{'median ms':>9s} {'min ms':>9s} {'pipe ms':>8s} {'xfloor':>6s} {'peak GiB':>8s} {'rate':>11s} "
+            f"{'grad err h/w':>13s}")
     lines = [head, "-" * len(head)] + [_row(r, w) for r in records]
     if floors:
         mm = ", ".join(f"[{k}] {v} TF/s" for k, v in floors.get("matmul_tflops", {}).items())
@@ -359,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", action="append", help="implementation(s), comma-separated or repeated")
     p.add_argument("--mode", action="append", help="fwd and/or fwd+bwd (default both, fwd+bwd first)")
     p.add_argument("--suite", choices=("gpu", "cpu"), help="run a suite instead of one configuration")
-    p.add_argument("--only", action="append", help=f"suite groups: {', '.join(SUITE_GROUPS)} (default all)")
+    p.add_argument("--only", action="append",
+                   help=f"suite groups: {', '.join(SUITE_GROUPS)}, or all "
+                        "(default: realistic on the GPU, all on the CPU)")
     p.add_argument("--results", help="JSONL to append to (default benchmarks/results/<device>.jsonl)")
     p.add_argument("--log", help="append every job's stderr here")
     p.add_argument("--table", help="also write the final table to this file")
@@ -373,10 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
         if isinstance(v, bool):
             p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=v,
                            help=f"(default {v})")
-        elif k in ("mask", "weight_layout", "objective"):
-            choices = {"mask": ("full", "ragged"), "weight_layout": ("hv", "vh"), "objective": ("gmpo", "grpo")}[k]
-            p.add_argument(flag, default=v, choices=choices,
-                           help="logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)" if k == "objective" else None)
+        elif k in ("mask", "weight_layout", "objective", "data"):
+            choices = {"mask": ("full", "ragged"), "weight_layout": ("hv", "vh"), "objective": ("gmpo", "grpo"),
+                       "data": ("peaked", "flat", "peaked-live")}[k]
+            helps = {"objective": "logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)",
+                     "data": "workload (benchmarks/workloads.py): peaked = trained-LM-like, ragged masks, "
+                             "zero-advantage groups; flat = N(0,1) data, full mask; peaked-live = peaked, all live",
+                     "mask": "flat data only: legacy ragged mask (lengths in [3T/4, T])"}
+            p.add_argument(flag, default=v, choices=choices, help=helps.get(k))
         else:
             p.add_argument(flag, type=float if isinstance(v, float) else int, default=v, help=f"(default {v})")
     p.add_argument("--tuning", action="append", metavar="NAME=VALUE",
@@ -400,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
 
     opts = {k: getattr(args, k) for k in DEFAULT_OPTS}
     if args.suite:
-        only = _split(args.only) or list(SUITE_GROUPS)
+        only = _split(args.only) or (["realistic"] if args.suite == "gpu" else list(SUITE_GROUPS))
+        if "all" in only:
+            only = list(SUITE_GROUPS)
         bad = [g for g in only if g not in SUITE_GROUPS]
         if bad:
             raise SystemExit(f"unknown --only group(s) {bad}; known: {list(SUITE_GROUPS)}")
@@ -438,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     if label:  # data or peer settings away from the defaults: a variant, never mixed with default records
         for j in jobs:
             j["variant"] = ",".join(x for x in (j.get("variant"), label) if x)
+    for j in jobs:  # every job names the workload(s) it times
+        j.setdefault("opts", {}).setdefault("datas", [opts["data"]])
     skipped = [j for j in jobs if j.get("skip")]
     jobs = [j for j in jobs if not j.get("skip")]
     if args.dry_run:

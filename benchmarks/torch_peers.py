@@ -13,8 +13,13 @@
   ``reduce=True``. Default ``inplace=False`` (dlogits in a fresh buffer, like ours); variant ``inplace``
   writes dlogits over the logits (then the logits hold gradients after the first call: same bytes moved).
 
-Same data recipe as the JAX worker (bf16 hidden ~ N(0,1), weight ~ N(0, s^2/H), uniform ids, advantages
-~ N(0,1), old_logps = exact logp + noise), drawn with torch's generator (values differ from JAX's).
+LM head: the same batch as the JAX worker (``benchmarks.workloads``, ``--data peaked|flat|peaked-live``),
+read from the ``.npz`` the JAX worker of the same configuration saved (else made by a
+``python -m benchmarks.workloads --save`` subprocess: JAX and torch never share a CUDA process). Masked
+positions get ``ignore_index=-100`` (CCE skips them, as we do). With ``grad_acc``, the relative L2 error
+of the hidden and weight gradients against a float32 torch dense oracle (full float32 logits, no TF32)
+on the same bf16 inputs is recorded, on the first ``oracle_T`` positions when the logits would not fit.
+Logits path: flat data only (torch's generator, N(0, logits_std^2) logits).
 Timing: CUDA events around each call, median of >= 10 after warm-up. Peak: ``torch.cuda.
 max_memory_allocated()`` after ``reset_peak_memory_stats()`` per mode (inputs included), so every mode's
 peak is exact.
@@ -23,6 +28,7 @@ peak is exact.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Callable
 
@@ -58,24 +64,90 @@ def _mask(torch, B: int, T: int, kind: str, gen, device):
     return (torch.arange(T, device=device)[None, :] < lengths[:, None]).to(torch.int64)
 
 
+GRAD_ORACLE_BYTES = 12 * 2**30
+IGNORE_INDEX = -100
+
+
+def oracle_T(cfg: Config, budget: int | None = None) -> int:
+    """As ``benchmarks.jax_impls.oracle_T`` (kept framework-free here)."""
+    budget = GRAD_ORACLE_BYTES if budget is None else budget
+    if cfg.B * cfg.T * cfg.V * 4 <= budget:
+        return cfg.T
+    return max(128, (budget // (cfg.B * cfg.V * 4)) // 128 * 128)
+
+
+def _batch_file(cfg: Config, data: str, seed: int) -> str:
+    """The workload's .npz: saved by the JAX worker, else generated now in a JAX subprocess."""
+    import subprocess
+    import sys
+
+    path = _common.cache_path(cfg.B, cfg.T, cfg.H, cfg.V, data, seed)
+    if not os.path.exists(path):
+        cmd = [sys.executable, "-m", "benchmarks.workloads", "--B", str(cfg.B), "--T", str(cfg.T), "--H",
+               str(cfg.H), "--V", str(cfg.V), "--data", data, "--seed", str(seed), "--save", path]
+        subprocess.run(cmd, check=True, cwd=_common.REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return path
+
+
 def _lm_head_inputs(torch, cfg: Config, opts: dict[str, Any], device):
-    B, T, H, V = cfg.B, cfg.T, cfg.H, cfg.V
-    gen = torch.Generator(device=device).manual_seed(opts["seed"])
-    hidden = torch.randn(B, T, H, dtype=torch.bfloat16, device=device, generator=gen)
-    weight = torch.randn(V, H, dtype=torch.bfloat16, device=device, generator=gen)
-    weight.mul_(opts["logit_scale"] / math.sqrt(H))
-    ids = torch.randint(0, V, (B, T), device=device, generator=gen)
-    adv = torch.randn(B, dtype=torch.float32, device=device, generator=gen)
-    mask = _mask(torch, B, T, opts["mask"], gen, device)
-    with torch.no_grad():  # exact f32 logp, 128 rows at a time
-        h2, i2 = hidden.reshape(-1, H), ids.reshape(-1)
-        logp = torch.empty(B * T, dtype=torch.float32, device=device)
-        for s in range(0, B * T, 128):
-            z = (h2[s:s + 128] @ weight.T).float()
-            logp[s:s + 128] = z.gather(1, i2[s:s + 128, None])[:, 0] - torch.logsumexp(z, -1)
-            del z
-        old = logp.reshape(B, T) + opts["ratio_noise"] * torch.randn(B, T, device=device, generator=gen)
+    """(hidden [B, T, H] bf16, weight [V, H] bf16, ids (masked: -100), mask, adv, old) on the GPU."""
+    import numpy as np
+
+    if opts["mask"] != "full":
+        raise NotImplementedError("the legacy --mask ragged is for the JAX workers; --data peaked has ragged masks")
+    with np.load(_batch_file(cfg, opts["data"], opts["seed"])) as f:
+        a = {k: f[k] for k in f.files}
+    bf16 = lambda x: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).to(device)  # noqa: E731
+    hidden = bf16(a["hidden"])
+    weight = bf16(np.ascontiguousarray(a["weight"].T))  # [V, H]
+    mask = torch.from_numpy(a["mask"].astype(np.int64)).to(device)
+    ids = torch.from_numpy(a["ids"].astype(np.int64)).to(device)
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, IGNORE_INDEX))
+    adv = torch.from_numpy(a["advantages"].astype(np.float32)).to(device)
+    old = torch.from_numpy(a["old_logps"].astype(np.float32)).to(device)
     return hidden, weight, ids, mask, adv, old
+
+
+def _dense_logp(torch, h, w, ids):
+    """float32 log-probs of ids (ignored positions: 0) through full float32 logits."""
+    z = h.float().reshape(-1, h.shape[-1]) @ w.float().T
+    lp = torch.log_softmax(z, dim=-1)
+    i = ids.reshape(-1)
+    out = lp.gather(1, i.clamp(min=0)[:, None])[:, 0]
+    return torch.where(i >= 0, out, torch.zeros_like(out)).reshape(ids.shape)
+
+
+def _grad_accuracy(torch, cfg: Config, args, filter_eps) -> dict[str, Any]:
+    """CCE's gradients vs the float32 dense oracle, on the first oracle_T positions."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    T2 = oracle_T(cfg)
+    hidden, weight, ids, mask, adv, old = args
+    h = hidden[:, :T2].detach().contiguous().requires_grad_(True)
+    w = weight.detach().requires_grad_(True)
+    ids2, mask2, old2 = ids[:, :T2].contiguous(), mask[:, :T2], old[:, :T2]
+    B = h.shape[0]
+    kw = {} if filter_eps == "default" else {"filter_eps": filter_eps}
+    nll = linear_cross_entropy(h.reshape(B * T2, -1), w, ids2.reshape(-1), reduction="none",
+                               ignore_index=IGNORE_INDEX, **kw)
+    got = torch.autograd.grad(gmpo_from_logp(-nll.float().reshape(B, T2), mask2, adv, old2), (h, w))
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        hf = h.detach().float().requires_grad_(True)  # float32 leaves: float32 gradients
+        wf = w.detach().float().requires_grad_(True)
+        ref = torch.autograd.grad(gmpo_from_logp(_dense_logp(torch, hf, wf, ids2), mask2, adv, old2), (hf, wf))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+    def rel(g, r):
+        return round(float(torch.linalg.vector_norm((g.float() - r.float())) / torch.linalg.vector_norm(r.float())), 6)
+
+    out = {"grad_acc_N": B * T2, "grad_oracle": "torch float32 dense (full logits, no TF32)",
+           "grad_rel_err_hidden": rel(got[0], ref[0]), "grad_rel_err_weight": rel(got[1], ref[1])}
+    if T2 != cfg.T:
+        out["grad_acc_note"] = f"oracle on the first {T2} of {cfg.T} positions of each sequence (memory)"
+    return out
 
 
 def _logits_inputs(torch, cfg: Config, opts: dict[str, Any], device):
@@ -108,25 +180,28 @@ def _steps(torch, impl: str, cfg: Config, args, opts) -> list[tuple[str, str | N
         h_leaf = hidden.requires_grad_(True)
         w_leaf = weight.requires_grad_(True)
 
-        def make(filter_eps, grad: bool):
+        def make(filter_kw: dict[str, Any], grad: bool):
             def step():
-                nll = linear_cross_entropy(h_leaf.reshape(B * T, H), w_leaf, ids.reshape(-1),
-                                           reduction="none", filter_eps=filter_eps)
+                nll = linear_cross_entropy(h_leaf.reshape(B * T, H), w_leaf, ids.reshape(-1), reduction="none",
+                                           ignore_index=IGNORE_INDEX, **filter_kw)
                 loss = gmpo_from_logp(-nll.float().reshape(B, T), mask, adv, old)
                 return (loss, *torch.autograd.grad(loss, (h_leaf, w_leaf)))
 
             def no_grad_step():  # detached inputs: CCE then skips its backward-only work (logit averages)
                 with torch.no_grad():
                     nll = linear_cross_entropy(hidden.detach().reshape(B * T, H), weight.detach(),
-                                               ids.reshape(-1), reduction="none", filter_eps=filter_eps)
+                                               ids.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX,
+                                               **filter_kw)
                     return gmpo_from_logp(-nll.float().reshape(B, T), mask, adv, old)
 
             return step if grad else no_grad_step
 
+        # the default variant passes no filter_eps (CCE's own default, "high" in 25.1.1: skip backward
+        # blocks whose softmax is below a bf16-derived threshold); "filter_eps=None" computes every block
         for mode in opts["modes"]:
-            out.append((mode, None, make("high", mode == "fwd+bwd")))
+            out.append((mode, None, make({}, mode == "fwd+bwd")))
             if mode == "fwd+bwd" and opts.get("cce_no_filter", True):
-                out.append((mode, "filter_eps=None", make(None, True)))
+                out.append((mode, "filter_eps=None", make({"filter_eps": None}, True)))
     elif impl == "liger_grpo":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -136,6 +211,8 @@ def _steps(torch, impl: str, cfg: Config, args, opts) -> list[tuple[str, str | N
         mod = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, chunk_size=opts.get("liger_chunk_size", 1),
                                        loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, temperature=1.0,
                                        compiled=True)
+
+        ids = ids.clamp(min=0)  # Liger takes the mask instead of an ignore index
 
         def fwd_bwd():
             loss, _metrics = mod(h_leaf, w_leaf, ids, mask, adv, old_per_token_logps=old)
@@ -222,13 +299,16 @@ def _time(torch, step: Callable, opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Times one peer on one configuration, per workload in ``opts["datas"]`` (default ``[opts["data"]]``)
+    and per mode / variant; one record each (``torch.cuda`` peaks are reset per step, so all are exact)."""
     records: list[dict[str, Any]] = []
     opts = dict(opts, modes=modes)
     module = PEERS.get(impl)
+    datas = list(opts.get("datas") or [opts["data"]])
 
-    def fail(status: str, error: str, mode_variants):
+    def fail(status: str, error: str, data: str, mode_variants):
         for mode, variant in mode_variants:
-            rec = _common.base_record(cfg, impl, mode, status=status, error=error,
+            rec = _common.base_record(cfg, impl, mode, status=status, error=error, data=data,
                                       variant=variant or opts.get("variant"))
             _common.emit(rec)
             records.append(rec)
@@ -240,49 +320,62 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
             raise ValueError(f"unknown peer {impl!r}")
         __import__(module)
         if not torch.cuda.is_available():
-            fail("unavailable", "torch.cuda.is_available() is False", [(m, None) for m in modes])
-            return records
+            raise RuntimeError("torch.cuda.is_available() is False")
     except Exception as exc:  # noqa: BLE001
-        fail("unavailable", _common.short_error(exc), [(m, None) for m in modes])
+        for data in datas:
+            fail("unavailable", _common.short_error(exc), data, [(m, None) for m in modes])
         return records
 
     device = torch.device("cuda")
     name = torch.cuda.get_device_name()
-    common = dict(device=_common.device_slug(name), device_name=name, seed=opts["seed"], mask=opts["mask"],
-                  **_versions(module))
-    try:
-        if cfg.kind == "lm_head":
-            args = _lm_head_inputs(torch, cfg, opts, device)
-            grads_bytes = args[0].nbytes + args[1].nbytes
-            common.update(weight_layout="vh", logit_scale=opts["logit_scale"],
-                          weight_f32_gib=_common.gib(cfg.H * cfg.V * 4),
-                          objective="GMPO()" if impl == "cce_gmpo" else "GRPO(loss_type='grpo')")
-        else:
-            args = _logits_inputs(torch, cfg, opts, device)
-            grads_bytes = args[0].nbytes
-            common.update(logits_std=opts["logits_std"], logits_gib=_common.gib(args[0].nbytes),
-                          objective="GRPO(loss_type='grpo')")
-        torch.cuda.synchronize()
-        common["inputs_gib"] = _common.gib(sum(a.nbytes for a in args))
-        steps = _steps(torch, impl, cfg, args, opts)
-    except Exception as exc:  # noqa: BLE001
-        fail(_common.classify_error(exc), _common.short_error(exc), [(m, None) for m in modes])
-        return records
-
-    for mode, variant, step in steps:
-        variant = ",".join(x for x in (variant, opts.get("variant")) if x) or None
-        rec = _common.base_record(cfg, impl, mode, variant=variant, **common)
-        rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
+    for data in datas:
+        dopts = dict(opts, data=data)
+        common = dict(device=_common.device_slug(name), device_name=name, seed=opts["seed"], mask=opts["mask"],
+                      data=data, **_versions(module))
         try:
-            stats = _time(torch, step, opts)
-            rec.update(stats)
-            rec["peak_gib"] = _common.gib(torch.cuda.max_memory_allocated())
-            rec["peak_exact"] = True
-            rec["status"] = "ok" if stats.get("finite", True) else "nonfinite"
-            rec.update(_common.throughput(cfg, mode, stats["median_ms"]))
+            if cfg.kind == "lm_head":
+                args = _lm_head_inputs(torch, cfg, dopts, device)
+                grads_bytes = args[0].nbytes + args[1].nbytes
+                common.update(weight_layout="vh", weight_f32_gib=_common.gib(cfg.H * cfg.V * 4),
+                              objective="GMPO()" if impl == "cce_gmpo" else "GRPO(loss_type='grpo')")
+            else:
+                if data != "flat":
+                    raise NotImplementedError("the torch logits peer runs on flat data only")
+                args = _logits_inputs(torch, cfg, dopts, device)
+                grads_bytes = args[0].nbytes
+                common.update(logits_std=opts["logits_std"], logits_gib=_common.gib(args[0].nbytes),
+                              objective="GRPO(loss_type='grpo')")
+            torch.cuda.synchronize()
+            common["inputs_gib"] = _common.gib(sum(a.nbytes for a in args))
+            steps = _steps(torch, impl, cfg, args, dopts)
         except Exception as exc:  # noqa: BLE001
-            rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
-            torch.cuda.empty_cache()
-        _common.emit(rec)
-        records.append(rec)
+            fail(_common.classify_error(exc), _common.short_error(exc), data, [(m, None) for m in modes])
+            continue
+
+        for mode, variant, step in steps:
+            label = variant
+            variant = ",".join(x for x in (variant, opts.get("variant")) if x) or None
+            rec = _common.base_record(cfg, impl, mode, variant=variant, **common)
+            rec["grads_gib"] = _common.gib(grads_bytes if mode == "fwd+bwd" else 0)
+            try:
+                stats = _time(torch, step, opts)
+                rec.update(stats)
+                rec["peak_gib"] = _common.gib(torch.cuda.max_memory_allocated())
+                rec["peak_exact"] = True
+                rec["status"] = "ok" if stats.get("finite", True) else "nonfinite"
+                rec.update(_common.throughput(cfg, mode, stats["median_ms"]))
+                if impl == "cce_gmpo" and mode == "fwd+bwd" and opts.get("grad_acc"):
+                    try:
+                        filter_eps = None if label == "filter_eps=None" else "default"
+                        rec.update(_grad_accuracy(torch, cfg, args, filter_eps))
+                    except Exception as exc:  # noqa: BLE001 - the timing stands
+                        rec["grad_acc_error"] = _common.short_error(exc)
+                    torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001
+                rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
+                torch.cuda.empty_cache()
+            _common.emit(rec)
+            records.append(rec)
+        del args, steps
+        torch.cuda.empty_cache()
     return records

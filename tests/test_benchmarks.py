@@ -1,5 +1,6 @@
-"""Smoke test of benchmarks/: the driver on a tiny CPU shape (one process per job), the JSON record keys,
-and the report generator. Writes only to a temporary directory."""
+"""Smoke tests of benchmarks/: the workload generator (statistics, raggedness, determinism), the driver on
+tiny CPU shapes (one process per job, both workloads, gradient accuracy), the JSON record keys, and the
+report generator (RESULTS.md and the README's bench blocks). Writes only to a temporary directory."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it from the checkout
     sys.path.insert(0, ROOT)
 
-from benchmarks import report  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import report, workloads  # noqa: E402
 from benchmarks.shapes import SHAPES, select  # noqa: E402
 REQUIRED = {"implementation", "shape", "B", "T", "H", "V", "mode", "median_ms", "min_ms", "peak_gib",
             "floor_ms", "device", "jax", "date", "commit"}
@@ -38,7 +41,8 @@ def cpu_run(tmp_path_factory):
     results = tmp / "cpu.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "benchmarks.run", "--shape", "cpu-tiny", "--impl", "xla_chunked,dense_jax",
-           "--mode", "fwd", "--mode", "fwd+bwd", "--results", str(results), "--log", str(tmp / "log.txt"),
+           "--mode", "fwd", "--mode", "fwd+bwd", "--data", "peaked", "--grad-acc", "true",
+           "--results", str(results), "--log", str(tmp / "log.txt"),
            "--iters", "2", "--warmup", "0", "--min-time-s", "0", "--timeout-s", "120", "--commit", "test123"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,6 +65,12 @@ def test_cpu_run_records(cpu_run):
         assert 0 < r["min_ms"] <= r["median_ms"] and r["n_runs"] >= 2
         assert r["floor_ms"] > 0 and r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"], rel=1e-2)
         assert r["finite"] and r["inputs_gib"] > 0
+        # the workload and its statistics are recorded: peaked rows, ragged masks
+        assert r["data"] == "peaked" and 0.5 <= r["mean_entropy"] <= 3.0 and 0.0 < r["masked_frac"] < 0.8
+        assert {"zero_adv_frac", "clip_frac_gmpo_0.4", "clip_frac_grpo_0.2"} <= set(r)
+        if r["mode"] == "fwd+bwd":  # bf16 gradients against the float32 dense oracle: bf16 rounding only
+            assert r["grad_acc_N"] == 128 and 0 < r["grad_rel_err_hidden"] < 0.02
+            assert 0 < r["grad_rel_err_weight"] < 0.02
     # fwd+bwd is run first in each process, and the floor of fwd+bwd is 3x that of fwd (6NHV vs 2NHV)
     by = {(r["implementation"], r["mode"]): r for r in runs}
     assert by["xla_chunked", "fwd+bwd"]["floor_ms"] == pytest.approx(3 * by["xla_chunked", "fwd"]["floor_ms"], rel=1e-3)
@@ -78,7 +88,95 @@ def test_report(cpu_run):
     assert report.main(["--results", str(results), "--out", str(out), "--plot-dir", str(tmp)]) == 0
     text = out.read_text()
     assert text.startswith("# keep me") and text.rstrip().endswith("notes stay") and "\nold\n" not in text
-    assert "### cpu-tiny" in text and "xla_chunked" in text and "dense_jax" in text
+    assert "xla_chunked" in text and "dense_jax" in text and "data=peaked" in text
+
+
+def test_report_readme_blocks(tmp_path):
+    """The README's bench blocks are regenerated between their markers (text around them kept); a block
+    without records names the command that would fill it."""
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench:lm_head:start -->\nstale\n<!-- bench:lm_head:end -->\noutro\n")
+    rec = dict(implementation="mosaic_gpu", shape="qwen2.5-0.5b", B=8, T=2048, H=896, V=151936, N=16384,
+               mode="fwd+bwd", kind="lm_head", data="peaked", status="ok", median_ms=30.0, floor_ms=20.0,
+               peak_gib=1.3, date="2026-12-01T00:00:00Z", commit="abc1234", device="nvidia-h200",
+               device_name="NVIDIA H200", jax="0.11.2", mean_entropy=2.0, masked_frac=0.4, zero_adv_frac=0.25,
+               grad_rel_err_hidden=0.003, grad_rel_err_weight=0.002, variant=None)
+    found = report.update_readme(str(readme), {"nvidia-h200": [rec]})
+    text = readme.read_text()
+    assert found == ["lm_head"] and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "stale" not in text and "30 ms (1.50x), 1.30 GiB" in text and "0.3 / 0.2 %" in text
+    assert "bash benchmarks/gpu_suite.sh" in text and "abc1234" in text
+    empty = report.block_sparsity([])
+    assert "Not measured yet" in empty and "bash benchmarks/gpu_suite.sh" in empty
+
+
+# ----------------------------------------------------------------------------------------------------
+# The workload generator
+
+
+@pytest.fixture(scope="module")
+def peaked_batch():
+    return workloads.make_lm_head_batch(B=8, T=64, H=64, V=1000, data="peaked", seed=0)
+
+
+def test_peaked_entropy_hits_the_target(peaked_batch):
+    stats = workloads.batch_stats(peaked_batch)
+    assert 1.5 <= stats["mean_entropy"] <= 2.5, stats  # target 2.0 nats, set by bisection on 256 rows
+    low = workloads.batch_stats(workloads.make_lm_head_batch(4, 64, 64, 1000, "peaked", entropy=0.7))
+    assert low["mean_entropy"] < stats["mean_entropy"] and 0.3 <= low["mean_entropy"] <= 1.1, low
+    flat = workloads.batch_stats(workloads.make_lm_head_batch(4, 64, 64, 1000, "flat"))
+    assert flat["mean_entropy"] > 5.0 and flat["masked_frac"] == 0.0  # near log(1000) = 6.9
+
+
+def test_peaked_shapes_dtypes_and_zipf(peaked_batch):
+    b = peaked_batch
+    assert b.hidden.shape == (8, 64, 64) and b.hidden.dtype == "bfloat16"
+    assert b.weight.shape == (64, 1000) and b.weight.dtype == "bfloat16"
+    assert b.ids.shape == b.mask.shape == b.old_logps.shape == (8, 64) and b.advantages.shape == (8,)
+    ids = np.asarray(b.ids)
+    assert 0 <= ids.min() and ids.max() < 1000
+    assert np.median(ids) < 100  # frequent tokens at low ids (Zipf prior)
+    # targets were sampled from the model itself: their log-probs are the exact ones, mostly likely tokens
+    assert float(np.asarray(b.logps).mean()) > -4.0
+
+
+def test_masks_are_ragged_and_advantages_grouped(peaked_batch):
+    mask = np.asarray(peaked_batch.mask)
+    lengths = mask.sum(1)
+    assert len(set(lengths.tolist())) > 1 and lengths.min() >= int(0.2 * 64) and lengths.max() <= 64
+    assert all(mask[i, :n].all() and not mask[i, n:].any() for i, n in enumerate(lengths))  # prefixes
+    adv = np.asarray(workloads.group_advantages(np.asarray([0, 1], np.uint32), 20, 2, 0.3))
+    groups = adv.reshape(10, 2)
+    zero = (groups == 0).all(1)
+    assert zero.sum() == 3  # 30 % of the groups all-equal: advantage exactly 0
+    assert np.allclose(groups[~zero].sum(1), 0.0, atol=1e-5) and (np.abs(groups[~zero]) > 0.5).all()
+    stats = workloads.batch_stats(peaked_batch)
+    assert stats["zero_adv_frac"] == 0.25  # B = 8 in groups of 2: one of four groups
+    live = workloads.make_lm_head_batch(8, 64, 64, 1000, "peaked-live")
+    assert bool(np.asarray(live.mask).all()) and (np.asarray(live.advantages) != 0).all()
+    assert np.array_equal(np.asarray(live.ids), np.asarray(peaked_batch.ids))  # the same batch, all live
+
+
+def test_old_logps_are_close_and_some_clip(peaked_batch):
+    stats = workloads.batch_stats(peaked_batch)
+    r = np.asarray(peaked_batch.logps) - np.asarray(peaked_batch.old_logps)
+    assert np.abs(r).mean() < 0.2
+    assert stats["clip_frac_grpo_0.2"] > 0.0 and stats["clip_frac_gmpo_0.4"] <= stats["clip_frac_grpo_0.2"]
+
+
+def test_workload_is_deterministic_by_seed(peaked_batch):
+    again = workloads.make_lm_head_batch(B=8, T=64, H=64, V=1000, data="peaked", seed=0)
+    other = workloads.make_lm_head_batch(B=8, T=64, H=64, V=1000, data="peaked", seed=1)
+    for a, b in zip(peaked_batch, again):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(peaked_batch.ids), np.asarray(other.ids))
+
+
+def test_logits_batch():
+    b = workloads.make_logits_batch(B=2, T=31, V=500, data="peaked", seed=0, H=32)
+    assert b.logits.shape == (2, 32, 500) and b.logits.dtype == "bfloat16" and b.ids.shape == (2, 31)
+    stats = workloads.batch_stats(b)
+    assert 1.0 <= stats["mean_entropy"] <= 3.0 and stats["masked_frac"] > 0.0
 
 
 def test_sharded_bench_two_cpu_devices(tmp_path):
@@ -96,49 +194,3 @@ def test_sharded_bench_two_cpu_devices(tmp_path):
     assert REQUIRED <= set(recs[0])
     np_losses = [r["loss"] for r in recs]
     assert max(np_losses) - min(np_losses) <= 1e-6 * max(1.0, abs(np_losses[0]))
-
-
-def test_logits_inplace_script_on_cpu(tmp_path):
-    """benchmarks.logits_inplace on a tiny shape with the kernels in the interpreter: three records; only
-    the donated in-place program aliases the logits (XLA's memory analysis), and it needs one logits
-    buffer less than the out-of-place program."""
-    out = tmp_path / "inplace.jsonl"
-    cmd = [sys.executable, "-m", "benchmarks.logits_inplace", "--interpret", "--B", "1", "--T", "63", "--V", "256",
-           "--iters", "1", "--out", str(out)]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
-    recs = {r["config"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(recs) == {"out-of-place", "inplace, donated", "inplace, kept"}
-    assert all(r["repeatable"] for r in recs.values())
-    assert recs["inplace, donated"]["alias_gib"] == recs["inplace, donated"]["logits_gib"]
-    assert recs["out-of-place"]["alias_gib"] == 0 and recs["inplace, kept"]["alias_gib"] == 0
-    saved = recs["out-of-place"]["xla_peak_gib"] - recs["inplace, donated"]["xla_peak_gib"]
-    assert saved == pytest.approx(recs["out-of-place"]["logits_gib"], rel=0.05)
-
-
-def test_kernels_bench_table_entries():
-    """The block sweep's selection (benchmarks.kernels_bench.table_entries): the fastest block per kernel and
-    head, failed variants (no time) ignored, in the shape of gmpo_jax.tuning.MOSAIC_BLOCKS."""
-    from benchmarks.kernels_bench import table_entries
-    recs = [dict(kernel="logprob", block=[128, 128, 64, 4], H=896, V=151936, ms=3.70),
-            dict(kernel="logprob", block=[64, 256, 64, 4], H=896, V=151936, ms=3.56),
-            dict(kernel="grad", block=[64, 128, 64, 6], H=896, V=151936, ms=4.03),
-            dict(kernel="grad", block=[128, 128, 64, 3], H=896, V=151936, ms=3.84),
-            dict(kernel="grad", block=[64, 256, 64, 3], H=896, V=151936, error="smem"),
-            dict(kernel="logprob", block=[128, 128, 64, 4], H=4096, V=128256, ms=14.44),
-            dict(what="xla_matmul", H=896, V=151936, ms=3.29)]
-    assert table_entries(recs, "NVIDIA H200") == {
-        ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (128, 128, 64, 3)},
-        ("NVIDIA H200", 4096, 128256): {"logprob": (128, 128, 64, 4)}}
-
-
-def test_logits_profile_times_on_cpu(capsys):
-    """benchmarks.logits_profile --time on a tiny batch with the xla backend: one JSON line with one positive
-    per-call time per repeat, from this checkout's gmpo_jax."""
-    from benchmarks import logits_profile
-
-    logits_profile.main(["--B", "1", "--T", "8", "--impl", "xla", "--time", "--calls", "2", "--repeats", "2"])
-    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rec["B"] == 1 and rec["impl"] == "xla" and rec["objective"] == "grpo"
-    assert len(rec["queued_ms"]) == 2 and all(t > 0 for t in rec["queued_ms"])
-    assert rec["gmpo_jax"].startswith(ROOT)
