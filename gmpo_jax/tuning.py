@@ -67,3 +67,24 @@ def mosaic_blocks(device_kind: str, H: int, V: int, kind: str) -> tuple[int, int
     entry, else ``MOSAIC_DEFAULT``'s."""
     entry = MOSAIC_BLOCKS.get((device_kind, H, V), {})
     return entry.get(kind, MOSAIC_DEFAULT[kind])
+
+
+# Exact work skipping (``gmpo_jax.lm_head.rows``): the backend runs on the smallest of ROW_BUCKETS static
+# prefixes of the reordered rows that holds the rows a pass needs (at most 1 / ROW_BUCKETS of the rows
+# computed in vain, one compiled program per prefix size), each a multiple of ROW_ALIGN rows (the Mosaic
+# kernels' largest row block). On the CPU (tests, the demo) one bucket: no reordering, no extra compiles.
+ROW_BUCKETS = 8
+ROW_ALIGN = 128
+
+
+def row_buckets(backend) -> int:
+    """The backend's ``row_buckets`` if it sets one, else ``ROW_BUCKETS`` for compiled kernels on a GPU and
+    1 (no skipping) on the CPU or in the Pallas interpreter."""
+    import jax
+
+    own = getattr(backend, "row_buckets", None)
+    if own is not None:
+        return int(own)
+    if getattr(backend, "interpret", False) or jax.default_backend() != "gpu":
+        return 1
+    return ROW_BUCKETS

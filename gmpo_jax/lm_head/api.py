@@ -44,7 +44,8 @@ def _config(hidden, weight, bias, T: int, V: int, chunk_size, weight_layout: str
         **({"with_entropy": True} if with_entropy else {}))
     return LMHeadConfig(backend=sharding.local_backend(backend, plan, V), chunk_size=chunk,
                         weight_layout=weight_layout, weight_dtype=weight.dtype,
-                        bias_dtype=None if bias is None else bias.dtype, with_entropy=with_entropy, plan=plan)
+                        bias_dtype=None if bias is None else bias.dtype, with_entropy=with_entropy, plan=plan,
+                        row_buckets=tuning.row_buckets(backend))
 
 
 def _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout):

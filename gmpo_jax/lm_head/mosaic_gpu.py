@@ -116,6 +116,7 @@ class MosaicGpuBackend:
   workspace_bytes: int = 256 * 2**20
   save_logits: bool = True
   save_min_hidden: int = tuning.SAVED_LOGITS_MIN_H
+  row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------

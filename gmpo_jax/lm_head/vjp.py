@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from gmpo_jax.lm_head import rows
 from gmpo_jax.lm_head.backend import LMHeadBackend
 from gmpo_jax.lm_head.sharding import ShardingPlan
 from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, evaluate, loss_and_aux
@@ -71,6 +72,8 @@ class LMHeadConfig:
       weight_dtype, bias_dtype: the dtypes the gradients are returned in.
       with_entropy: :func:`logprobs` also returns the per-token entropy (a metric).
       plan: the mesh layout (data / vocabulary parallel), or None on one device.
+      row_buckets: > 1: exact work skipping with this many static row prefixes (``gmpo_jax.lm_head.rows``);
+        1: every row of a chunk goes through the backend.
     """
 
     backend: Any
@@ -80,6 +83,7 @@ class LMHeadConfig:
     bias_dtype: Any = None
     with_entropy: bool = False
     plan: Optional[ShardingPlan] = None
+    row_buckets: int = 1
 
 
 class Head(NamedTuple):
@@ -124,6 +128,83 @@ def _chunk_rows(cfg: LMHeadConfig, hidden, inputs: PolicyInputs, locate, i):
 # ------------------------------------------------------------------------------------------------
 # The policy loss
 # ------------------------------------------------------------------------------------------------
+def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool):
+    """``(logp [R], lse [R], saved or None)`` of rows ``h [R, H]``; ``keep``: the backend may keep what its
+    gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy as budget)."""
+    weight, lay = head.weight, cfg.weight_layout
+    if keep:
+        return cfg.backend.logprobs_for_grads(h, weight, head.bias, ids, t, weight_layout=lay,
+                                              budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK)
+    return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None)
+
+
+def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, saved):
+    """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``."""
+    kw = {} if saved is None else {"saved": saved}
+    return cfg.backend.grads(h, head.weight, head.bias, ids, dlogp, lse, t, weight_layout=cfg.weight_layout,
+                             dw_acc=dw, db_acc=db, **kw)
+
+
+def _chunk_step(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk: PolicyInputs, denominator, dw, db, *,
+                with_grads: bool, keep: bool):
+    """One chunk on all its rows: ``(numerator, sums, dh [R, H] or None, dw, db)``."""
+    t = chunk.temperature
+    logp, lse, saved = _forward(cfg, head, h, ids, t, keep=keep)
+    num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
+    if not with_grads:
+        return num, sums, None, dw, db
+    return (num, sums, *_backward(cfg, head, h, ids, dlogp.reshape(-1), lse, t, dw, db, saved))
+
+
+def _chunk_step_skipping(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk: PolicyInputs, denominator, dw,
+                         db, *, with_grads: bool, keep: bool):
+    """:func:`_chunk_step` on a static prefix of the reordered rows (``gmpo_jax.lm_head.rows``): the
+    forward on the unmasked rows, the backward up to the last row with a non-zero ``d loss / d logp``.
+    With ``keep`` both passes share the forward's prefix (the kept logits hold those rows)."""
+    t, R = chunk.temperature, ids.size
+    order = rows.order(chunk.mask, chunk.advantages)
+    sizes = rows.prefix_sizes(R, cfg.row_buckets)
+    zeros_r = jnp.zeros((R,), jnp.float32)
+
+    def objective_on(logp_rows):
+        return evaluate(objective, logp_rows.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
+
+    if keep:
+        def run(S):
+            hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
+            logp_s, lse_s, saved = _forward(cfg, head, hs, ids_s, t, keep=True)
+            num, sums, dlogp = objective_on(rows.scatter_back(logp_s, order))
+            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, rows.take(dlogp.reshape(-1), order, S), lse_s, t,
+                                       None, db, saved)
+            return num, sums, rows.scatter_back(dh_s, order), dw_, db_
+
+        def empty():
+            num, sums, _ = objective_on(zeros_r)
+            return num, sums, jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32), db
+
+        return rows.on_prefix(order.n_live, sizes, run, empty)
+
+    def forward(S):
+        logp_s, lse_s, _ = _forward(cfg, head, rows.take(h, order, S), rows.take(ids, order, S), t, keep=False)
+        return jnp.pad(logp_s, (0, R - S)), jnp.pad(lse_s, (0, R - S))
+
+    logp_p, lse_p = rows.on_prefix(order.n_live, sizes, forward, lambda: (zeros_r, zeros_r))
+    num, sums, dlogp = objective_on(jnp.take(logp_p, order.inv))
+    if not with_grads:
+        return num, sums, None, dw, db
+    dlogp_p = jnp.take(dlogp.reshape(-1), order.perm)
+
+    def backward(S):
+        dh_s, dw_, db_ = _backward(cfg, head, rows.take(h, order, S), rows.take(ids, order, S), dlogp_p[:S],
+                                   lse_p[:S], t, dw, db, None)
+        return rows.scatter_back(dh_s, order), dw_, db_
+
+    def nothing():
+        return jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db
+
+    return (num, sums, *rows.on_prefix(rows.last_nonzero(dlogp_p), sizes, backward, nothing))
+
+
 def _scan_policy(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs, denominator, *,
                  with_grads: bool):
     """``(numerator, MetricSums, Head of gradients)`` of these rows over the given (global) denominator.
@@ -132,29 +213,19 @@ def _scan_policy(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: Po
     (``logprobs_for_grads``); without ``with_grads`` the gradients are None."""
     hidden, weight, bias = head
     T, H = hidden.shape[1:]
-    backend: LMHeadBackend = cfg.backend
-    lay = cfg.weight_layout
     n, locate = _chunk_plan(hidden.shape[0], cfg.chunk_size)
     # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
     # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
     single = with_grads and n == 1
-    keep = single and callable(getattr(backend, "logprobs_for_grads", None))
+    keep = single and callable(getattr(cfg.backend, "logprobs_for_grads", None))
+    step = _chunk_step_skipping if cfg.row_buckets > 1 else _chunk_step
 
     def body(carry, i):
         num, sums, dh, dw, db = carry
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        saved = None
-        if keep:
-            logp, lse, saved = backend.logprobs_for_grads(h, weight, bias, ids, inputs.temperature, weight_layout=lay,
-                                                          budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK)
-        else:
-            logp, lse = backend.logprobs(h, weight, bias, ids, inputs.temperature, weight_layout=lay)
-        num_c, sums_c, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator,
-                                        with_grads=with_grads)
+        num_c, sums_c, dh_c, dw, db = step(cfg, objective, head, h, ids, chunk, denominator, dw, db,
+                                           with_grads=with_grads, keep=keep)
         if with_grads:
-            kw = {} if saved is None else {"saved": saved}
-            dh_c, dw, db = backend.grads(h, weight, bias, ids, dlogp.reshape(-1), lse, inputs.temperature,
-                                         weight_layout=lay, dw_acc=dw, db_acc=db, **kw)
             dh = _merge_rows(dh, start, fresh, dh_c.reshape(cfg.chunk_size, T, H))
         return (num + num_c, sums.combine(sums_c), dh, dw, db), None
 
@@ -164,7 +235,7 @@ def _scan_policy(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: Po
         dw = None if single else jnp.zeros(weight.shape, jnp.float32)
         db = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
     init = (jnp.zeros((), jnp.float32), MetricSums.zeros(), dh, dw, db)
-    with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss"):
+    with jax.named_scope(f"gmpo_jax/{cfg.backend.name}/policy_loss"):
         if single:
             (num, sums, dh, dw, db), _ = body(init, jnp.int32(0))
         else:

@@ -86,9 +86,11 @@ def _vocab_block(j, hidden, weight, bias, temperature, *, size, V, layout, preci
 
 @dataclasses.dataclass(frozen=True)
 class XlaChunkedBackend:
-    """Portable backend; ``vocab_block=None`` takes the tuning table's value for the call's shape."""
+    """Portable backend; ``vocab_block=None`` takes the tuning table's value for the call's shape;
+    ``row_buckets`` (None: ``tuning.row_buckets``) sets exact work skipping (``gmpo_jax.lm_head.rows``)."""
 
     vocab_block: int | None = None
+    row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
     name: str = "xla_chunked"
 
     def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias,

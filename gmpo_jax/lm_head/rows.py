@@ -1,0 +1,94 @@
+"""Exact work skipping in the LM-head chunk step: the rows that need work first, a static prefix of them.
+
+A trained policy's RL batch has many rows that need no LM-head work: padding and masked tokens (no
+log-prob is needed), and rows whose ``d loss / d logp`` is exactly zero (sequences with advantage 0 and
+no KL term, clipped tokens), which need no gradient GEMMs. XLA shapes are static, so the chunk's rows
+are reordered (a stable ``argsort`` of a small integer key: unmasked rows with a non-zero advantage,
+then unmasked rows with a zero advantage, then masked rows) and the backend runs on a *prefix* of the
+reordered rows, chosen by ``lax.switch`` among a few static sizes (``tuning.ROW_BUCKETS``): the
+smallest that holds every row the pass needs. The forward needs the unmasked rows; the backward the
+rows up to the last one whose ``d loss / d logp`` is non-zero, which, in this order, excludes the
+zero-advantage sequences when they have no gradient. Nothing is approximated: the skipped rows'
+log-probs are never read and their gradients are exactly zero. The cost is one gather of the rows'
+hidden states per pass, a scatter of the results, and one compiled program per bucket size.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gmpo_jax import tuning
+
+__all__ = ["RowOrder", "order", "prefix_sizes", "on_prefix", "take", "scatter_back"]
+
+
+class RowOrder(NamedTuple):
+    """A chunk's ``R`` rows reordered so that the rows needing work come first.
+
+    Attributes:
+      perm: ``[R]`` int32, position -> row.
+      inv: ``[R]`` int32, row -> position.
+      n_live: int32 scalar, the number of unmasked rows (the forward's prefix).
+    """
+
+    perm: jax.Array
+    inv: jax.Array
+    n_live: jax.Array
+
+
+def order(mask: jax.Array, advantages) -> RowOrder:
+    """The order of ``mask``'s rows (``[C, T]`` bool, flattened): unmasked with ``advantages != 0``
+    (``[C]``; None: all), unmasked with a zero advantage, masked; stable within each group."""
+    key = jnp.where(mask, 0 if advantages is None else jnp.where(advantages[:, None] != 0, 0, 1), 2)
+    key = key.reshape(-1).astype(jnp.int32)
+    perm = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.size, dtype=jnp.int32))
+    return RowOrder(perm, inv, jnp.sum(key < 2, dtype=jnp.int32))
+
+
+def last_nonzero(x: jax.Array) -> jax.Array:
+    """1 + the last position of ``x`` (``[R]``) that is not exactly zero (NaN counts), 0 if none."""
+    pos = jnp.arange(1, x.size + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(x != 0, pos, 0))
+
+
+def prefix_sizes(rows: int, buckets: int) -> tuple[int, ...]:
+    """The static prefix sizes: ``buckets`` steps of ``rows / buckets``, rounded up to
+    ``tuning.ROW_ALIGN`` rows (the kernels' row blocks), the last being ``rows``."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    align = tuning.ROW_ALIGN
+    return tuple(sorted({min(rows, cdiv(cdiv(k * rows, buckets), align) * align) for k in range(1, buckets + 1)}))
+
+
+def take(x: jax.Array, order_: RowOrder, size: int) -> jax.Array:
+    """The first ``size`` rows of ``x`` (``[R, ...]``) in the order."""
+    return jnp.take(x, order_.perm[:size], axis=0)
+
+
+def scatter_back(x: jax.Array, order_: RowOrder) -> jax.Array:
+    """``x`` (``[size, ...]``, positions ``0..size-1`` of the order) back in row order, zeros elsewhere."""
+    rows = order_.perm.size
+    full = jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    return jnp.take(full, order_.inv, axis=0)
+
+
+def on_prefix(n: jax.Array, sizes: tuple[int, ...], run: Callable, empty: Callable):
+    """``run(S)`` for the smallest ``S`` in ``sizes`` with ``S >= n``, or ``empty()`` when ``n == 0``
+    (``lax.switch``: one branch runs). Outputs whose dtype differs between the ``run`` branches (e.g. a
+    16-bit weight gradient where the backend kept its logits, float32 where it did not) are promoted to
+    a common one; ``empty``'s outputs take those dtypes."""
+    runs = [lambda S=S: run(S) for S in sizes]
+    shapes = [jax.eval_shape(b) for b in runs]
+    target = jax.tree.map(lambda *s: jnp.result_type(*(x.dtype for x in s)), *shapes)
+
+    def cast(b):
+        return lambda: jax.tree.map(lambda x, d: x.astype(d), b(), target)
+
+    index = jnp.where(n == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n, side="left"))
+    return lax.switch(index.astype(jnp.int32), [cast(b) for b in [empty] + runs])

@@ -1,0 +1,114 @@
+"""Exact work skipping (``gmpo_jax.lm_head.rows``): the same loss, metrics and gradients with and without it.
+
+Skipping reorders a chunk's rows (unmasked with a non-zero advantage, unmasked with a zero advantage,
+masked) and runs the backend on a static prefix. Per-row results are computed by the same code, so the
+loss, the metrics and the hidden-state gradient agree to float32 rounding; the weight gradient sums the
+rows in another order (tolerance: a few float32 ulps of its largest entry, 1e-5 relative). Shapes: R = B T
+rows above ``tuning.ROW_ALIGN`` so that several prefix sizes exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gmpo_jax
+from conftest import Obj, check_against_spec, make_case, spec_for
+from gmpo_jax import tuning
+from gmpo_jax.lm_head import rows
+from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
+
+RTOL = 1e-5
+
+
+def _batch(seed, B=8, T=64, H=16, V=50, dtype=np.float32, empty_rows=(), zero_adv=(1, 4)):
+    rng = np.random.default_rng(seed)
+    mask = np.arange(T)[None] < rng.integers(T // 5, T + 1, B)[:, None]
+    for b in empty_rows:
+        mask[b] = False
+    adv = rng.normal(size=B).astype(np.float32)
+    adv[list(zero_adv)] = 0.0
+    return make_case(seed, B=B, T=T, H=H, V=V, dtype=dtype, mask=mask, adv=adv, with_bias=True)
+
+
+def _run(case, obj, backend, chunk_size=None):
+    def f(h, w, b):
+        return gmpo_jax.fused_linear_policy_loss(
+            h, w, case.ids, case.mask, case.adv, bias=b, objective=obj, old_logps=case.old, ref_logps=case.ref,
+            chunk_size=chunk_size, implementation=backend)
+
+    args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(*args)
+
+
+def _assert_same(got, want):
+    (loss, aux), grads = got
+    (loss0, aux0), grads0 = want
+    np.testing.assert_allclose(float(loss), float(loss0), rtol=RTOL, atol=1e-7)
+    for name, a, b in zip(aux._fields, aux, aux0):
+        np.testing.assert_allclose(float(a), float(b), rtol=RTOL, atol=1e-7, err_msg=name)
+    for name, a, b in zip(("hidden", "weight", "bias"), grads, grads0):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(a, b, rtol=0, atol=RTOL * max(np.abs(b).max(), 1e-30), err_msg=name)
+
+
+def test_prefix_sizes_and_choice():
+    assert rows.prefix_sizes(1000, 4) == (256, 512, 768, 1000)
+    assert rows.prefix_sizes(100, 8) == (100,)  # fewer rows than one block: one prefix
+    sizes = (128, 256, 384)
+    pick = jax.jit(lambda n: rows.on_prefix(n, sizes, lambda S: jnp.int32(S), lambda: jnp.int32(0)))
+    assert [int(pick(n)) for n in (0, 1, 128, 129, 256, 300, 384)] == [0, 128, 128, 256, 256, 384, 384]
+
+
+def test_order_puts_live_rows_first():
+    mask = np.array([[True, False, True], [True, True, False], [False, False, False]])
+    order = rows.order(jnp.asarray(mask), jnp.asarray([0.0, 1.0, 2.0]))
+    keys = np.where(mask, np.where(np.array([0.0, 1.0, 2.0])[:, None] != 0, 0, 1), 2).reshape(-1)
+    assert list(keys[np.asarray(order.perm)]) == sorted(keys)
+    assert int(order.n_live) == 4
+    np.testing.assert_array_equal(np.asarray(order.perm)[np.asarray(order.inv)], np.arange(9))
+
+
+@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("gmpo", beta=0.04), Obj("grpo", beta=0.04),
+                                 Obj("dapo", level="sequence"), Obj("cispo"), Obj("sapo")], ids=str)
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_skipping_matches_all_rows(obj, chunk_size):
+    """Zero-advantage sequences (gradient-free unless beta != 0), an empty sequence, ragged masks; one chunk
+    and several (the last overlapping)."""
+    case = _batch(1, empty_rows=(6,))
+    want = _run(case, obj.lib(), XlaChunkedBackend(row_buckets=1), chunk_size)
+    got = _run(case, obj.lib(), XlaChunkedBackend(row_buckets=4), chunk_size)
+    _assert_same(got, want)
+    check_against_spec(*got[0], got[1], spec_for(case, obj), case, obj)
+
+
+def test_skipping_edge_batches():
+    """All masked: zero loss and gradients. All advantages zero without KL: every backward skipped."""
+    case = _batch(2, empty_rows=range(8))
+    (loss, _), grads = _run(case, gmpo_jax.GMPO(), XlaChunkedBackend(row_buckets=4))
+    assert float(loss) == 0.0 and all(not np.asarray(g).any() for g in grads)
+    case = _batch(3, zero_adv=range(8))
+    (loss, aux), grads = _run(case, gmpo_jax.GRPO(), XlaChunkedBackend(row_buckets=4))
+    assert float(loss) == 0.0 and all(not np.asarray(g).any() for g in grads)
+    assert float(aux.log_ratio_max) != 0.0  # the forward still ran for the metrics
+
+
+def test_skipping_mosaic_interpret_keeps_logits():
+    """The Mosaic backend in the interpreter, a single chunk whose logits are kept for the gradient pass
+    (forward and backward on one prefix), bf16: as without skipping."""
+    case = _batch(4, B=4, T=64, H=64, V=200, dtype=jnp.bfloat16, zero_adv=(1,))
+    be = MosaicGpuBackend(interpret=True, save_min_hidden=0)
+    want = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=1))
+    got = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=2))
+    _assert_same(got, want)
+
+
+def test_default_buckets():
+    assert tuning.row_buckets(XlaChunkedBackend()) == (tuning.ROW_BUCKETS if jax.default_backend() == "gpu" else 1)
+    assert tuning.row_buckets(MosaicGpuBackend(interpret=True)) == 1
+    assert tuning.row_buckets(XlaChunkedBackend(row_buckets=3)) == 3
