@@ -157,25 +157,25 @@ def time_variants(tag, h, w, ids, T, layout, variants, grad_variants):
   """The log-prob kernel and the dz kernel (whole vocabulary) alone for each ``(block_m, block_n, stages)``;
   records carry ``kernel`` and ``block`` = ``(block_m, block_n, block_k, stages)`` for ``table_entries``."""
   from gmpo_jax.kernels import _common as C
-  from gmpo_jax.kernels.lm_head_grad_mgpu import dlogits_window
-  from gmpo_jax.kernels.lm_head_logprob_mgpu import lse_partials
+  from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
+  from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials
   from gmpo_jax.backends.mosaic_gpu import _prepare
   R, H = h.shape
   V = w.shape[1] if layout == "hv" else w.shape[0]
   flops = 2.0 * R * H * V
   for kernel, plan in (("logprob", variants), ("grad", grad_variants)):
     for bm, bn, st in plan:
-      cfg = C.BlockConfig(block_m=bm, block_n=bn, block_k=64, num_stages=st)
+      cfg = C.LMHeadBlocks(block_m=bm, block_n=bn, block_k=64, num_stages=st)
       what = f"{kernel} kernel bm={bm} bn={bn} stages={st}"
       try:
         hp, ids_p, scale, _, Rp = _prepare(h, ids, None, T, cfg, V)
         nt = C.cdiv(V, bn)
-        splits = C.pick_num_splits(Rp // cfg.rows_per_cta, nt, jax.devices()[0].core_count)
+        splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, nt, jax.devices()[0].core_count)
         if kernel == "logprob":
-          f = jax.jit(lambda hp, w, ids_p, scale, cfg=cfg, splits=splits: lse_partials(
+          f = jax.jit(lambda hp, w, ids_p, scale, cfg=cfg, splits=splits: lm_head_lse_partials(
               hp, w, None, ids_p, scale, weight_layout=layout, vocab_size=V, cfg=cfg, num_splits=splits))
         else:
-          f = jax.jit(lambda hp, w, ids_p, scale, cfg=cfg, splits=splits, nt=nt: dlogits_window(
+          f = jax.jit(lambda hp, w, ids_p, scale, cfg=cfg, splits=splits, nt=nt: lm_head_dlogits_window(
               hp, w, None, ids_p, scale, scale, scale, weight_layout=layout, vocab_size=V,
               window_start=0, window_tiles=nt, cfg=cfg, num_splits=splits))
         ms, _ = bench(f, hp, w, ids_p, scale)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gmpo_jax
-from gmpo_jax.logits_backends import logits_mgpu as K
+from gmpo_jax import kernels as K
 from gmpo_jax.logits_backends.mosaic_gpu import MosaicGpuLogitsBackend
 from gmpo_jax.logits_backends.xla import XlaLogitsBackend
 from gmpo_jax.objectives import ChunkData
@@ -133,16 +133,16 @@ def main():
         try:
             z = x[:256].astype(jnp.float32)
             lse_ref = jax.nn.logsumexp(z, -1)
-            m2, l, t2 = K.lse_partials(x, ids_r, k, cfg=K.KernelConfig(), num_splits=K.pick_splits(
+            m2, l, t2 = K.logits_lse_partials(x, ids_r, k, cfg=K.LogitsBlocks(), num_splits=K.logits_num_splits(
                 -(-R // 64), -(-W // 128), sms), interpret=ip)
-            tgt, lse, lse2 = K.combine_partials(m2, l, t2)
+            tgt, lse, lse2 = K.logits_merge_splits(m2, l, t2)
             lse2_ref = lse2
             err = float(jnp.max(jnp.abs(lse[:256] - lse_ref)))
             hit = (ids_r[:256] >= 0) & (ids_r[:256] < W)
             want_t = jnp.where(hit, jnp.take_along_axis(z, jnp.clip(ids_r[:256], 0, W - 1)[:, None], -1)[:, 0], 0.0)
             terr = float(jnp.max(jnp.abs(tgt[:256] - want_t)))
             c = jnp.full((R,), 1e-3, jnp.float32)
-            d = K.dlogits(x, ids_r, k, lse2, c, cfg=K.KernelConfig(block_v=128, stages=3), interpret=ip)
+            d = K.logits_dlogits(x, ids_r, k, lse2, c, cfg=K.LogitsBlocks(block_v=128, stages=3), interpret=ip)
             dref = (1e-3 * (jax.nn.one_hot(ids_r[:256], W) - jax.nn.softmax(z, -1)))
             derr = float(jnp.max(jnp.abs(d[:256].astype(jnp.float32) - dref)))
             emit(what="kernel_smoke", B=B, lse_err=err, tgt_err=terr, dlogits_err=derr,
@@ -158,14 +158,14 @@ def main():
         res_f = []
         for bv, st, sp, pick in fwd_cfgs:
             try:
-                cfg = K.KernelConfig(block_v=bv, stages=st, pick_target=pick)
+                cfg = K.LogitsBlocks(block_v=bv, stages=st, pick_target=pick)
                 tiles = -(-W // bv)
                 if sp is None:
-                    S = K.pick_splits(-(-R // 64), tiles, sms)
+                    S = K.logits_num_splits(-(-R // 64), tiles, sms)
                 else:
                     tps = -(-tiles // sp)
                     S = -(-tiles // tps)
-                f = jax.jit(lambda x, i, k, cfg=cfg, S=S: K.combine_partials(*K.lse_partials(x, i, k, cfg=cfg,
+                f = jax.jit(lambda x, i, k, cfg=cfg, S=S: K.logits_merge_splits(*K.logits_lse_partials(x, i, k, cfg=cfg,
                                                                                             num_splits=S, interpret=ip)))
                 r = bench(f, x, ids_r, k)
                 emit(what="fwd_kernel", B=B, block_v=bv, stages=st, splits=S, pick_target=pick, **r,
@@ -185,8 +185,8 @@ def main():
         c = jnp.full((R,), 1e-3, jnp.float32)
         for bv, st, tpc in bwd_cfgs:
             try:
-                cfg = K.KernelConfig(block_v=bv, stages=st, tiles_per_cta=tpc)
-                f = jax.jit(lambda x, i, k, l, c, cfg=cfg: K.dlogits(x, i, k, l, c, cfg=cfg, interpret=ip))
+                cfg = K.LogitsBlocks(block_v=bv, stages=st, tiles_per_cta=tpc)
+                f = jax.jit(lambda x, i, k, l, c, cfg=cfg: K.logits_dlogits(x, i, k, l, c, cfg=cfg, interpret=ip))
                 r = bench(f, x, ids_r, k, lse2, c)
                 emit(what="bwd_kernel", B=B, block_v=bv, stages=st, tiles_per_cta=tpc, **r,
                      tbps=round(2 * nbytes / r["pipe_ms"] / 1e9, 3))
@@ -217,12 +217,12 @@ def main():
             _, bvb, stb, tpc = min(res_b)
             best[B] = dict(fwd=(bvf, stf, pk), bwd=(bvb, stb, tpc))
         impls = {"xla": "xla", "mosaic_gpu_default": MosaicGpuLogitsBackend(interpret=True) if ip else "mosaic_gpu",
-                 "mosaic_gpu_lean": MosaicGpuLogitsBackend(fwd=K.KernelConfig(pick_target=False), interpret=bool(ip))}
+                 "mosaic_gpu_lean": MosaicGpuLogitsBackend(fwd=K.LogitsBlocks(pick_target=False), interpret=bool(ip))}
         if B in best:
             bf, bb = best[B]["fwd"], best[B]["bwd"]
             impls["mosaic_gpu_best"] = MosaicGpuLogitsBackend(
-                fwd=K.KernelConfig(block_v=bf[0], stages=bf[1], pick_target=bf[2]),
-                bwd=K.KernelConfig(block_v=bb[0], stages=bb[1], tiles_per_cta=bb[2]), interpret=bool(ip))
+                fwd=K.LogitsBlocks(block_v=bf[0], stages=bf[1], pick_target=bf[2]),
+                bwd=K.LogitsBlocks(block_v=bb[0], stages=bb[1], tiles_per_cta=bb[2]), interpret=bool(ip))
         for name, impl in impls.items():
             for mode in ("fwd+bwd", "fwd"):
                 try:
