@@ -4,7 +4,8 @@ Files of this package are named ``<input>_<stage>.py``: the input the kernel rea
 states and the LM-head weight, the logits recomputed tile by tile with wgmma; ``logits``: logits that
 already exist in device memory) and the stage it computes (``lse``: per-split online log-sum-exp
 statistics, ``dlogits``: the gradient of the logits, ``fused``: both, in one kernel). Each file holds one
-kernel; its entry point is named like the file (``lm_head_lse_partials``, ``logits_dlogits``, ...), its
+kernel; its entry point is named for the input and what it returns (``lm_head_lse_partials``,
+``lm_head_dlogits_window``, ``logits_lse_partials``, ``logits_dlogits``, ``logits_lse_and_dlogits``), its
 block sizes are one of the frozen configs ``LMHeadBlocks`` / ``LogitsBlocks`` / ``FusedLogitsBlocks``.
 ``_compat.py`` is the jax 0.10.2 / 0.11.2 shim.
 

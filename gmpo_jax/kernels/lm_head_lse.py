@@ -38,8 +38,6 @@ import jax.experimental.pallas as pl
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
 
-ROW = C.ROW
-
 
 def lm_head_lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vocab_size: int,
                  cfg: C.LMHeadBlocks, num_splits: int, with_entropy: bool = False, save_tiles: int = 0,
@@ -86,10 +84,10 @@ def lm_head_lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout:
     def init_carry():
       ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)
       scale_v = C.row_vector(scale_ref, my_rows, bm, interpret)
-      m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), ROW, interpret)
-      l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
-      t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
-      stats = (m2, l, t2) + ((layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret),)
+      m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
+      l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+      t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+      stats = (m2, l, t2) + ((layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret),)
                              if with_entropy else ())
       return (ids_v, scale_v) + stats
 
