@@ -19,6 +19,7 @@ Tolerances (one table, the reasons beside them):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -254,15 +255,15 @@ def test_interpret_saved_logits_kernel_tiles():
   (two vocabulary splits: each has its own running max)."""
   from gmpo_jax.lm_head.mosaic_gpu import _prepare, block_config
   from gmpo_jax.kernels._compat import interpret_params
-  from gmpo_jax.kernels.lm_head_logprob_mgpu import lse_partials
+  from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials
   R, H, V, T = 100, 128, 700, 0.7
   h, w, b, ids, _ = _inputs(R, H, V, "hv", jnp.bfloat16, True, 1.0, seed=21)
   cfg = block_config(rows=R, H=H, V=V, kind="logprob_saved", interpret=True)
   hp, ids_p, scale, b_p, _ = _prepare(h, ids, b, jnp.float32(T), cfg, V)
   kw = dict(weight_layout="hv", vocab_size=V, cfg=cfg, num_splits=2, interpret=interpret_params())
-  plain = lse_partials(hp, w, b_p, ids_p, scale, **kw)
-  *stats, d, m = lse_partials(hp, w, b_p, ids_p, scale, save_tiles=6, **kw)
-  *stats4, d4, m4 = lse_partials(hp, w, b_p, ids_p, scale, save_tiles=4, **kw)  # the leading tiles only
+  plain = lm_head_lse_partials(hp, w, b_p, ids_p, scale, **kw)
+  *stats, d, m = lm_head_lse_partials(hp, w, b_p, ids_p, scale, save_tiles=6, **kw)
+  *stats4, d4, m4 = lm_head_lse_partials(hp, w, b_p, ids_p, scale, save_tiles=4, **kw)  # the leading tiles only
   for x, y in zip(stats, stats4):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   np.testing.assert_array_equal(np.asarray(d4), np.asarray(d)[:, :4 * 128])
@@ -322,11 +323,11 @@ def test_unavailable_without_hopper():
 
 def test_block_config_and_splits():
   with pytest.raises(ValueError):
-    C.BlockConfig(block_m=96)
+    C.LMHeadBlocks(block_m=96)
   with pytest.raises(ValueError):
-    C.BlockConfig(block_n=100)
+    C.LMHeadBlocks(block_n=100)
   for rows_ctas, tiles in ((32, 1187), (1, 2), (64, 594), (4, 1002), (1, 1)):
-    s = C.pick_num_splits(rows_ctas, tiles, 132)
+    s = C.lm_head_num_splits(rows_ctas, tiles, 132)
     per = C.cdiv(tiles, s)
     assert 1 <= s <= tiles and C.cdiv(tiles, per) == s  # every split non-empty
 
@@ -344,7 +345,7 @@ def test_block_table():
   assert block_config(rows=100, H=896, V=151936, kind="grad", device_kind="NVIDIA H200").block_m == 64
   for entry in [*tuning.MOSAIC_BLOCKS.values(), tuning.MOSAIC_DEFAULT]:
     for kind, (bm, bn, bk, st) in entry.items():
-      cfg = C.BlockConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=st)
+      cfg = C.LMHeadBlocks(block_m=bm, block_n=bn, block_k=bk, num_stages=st)
       extra = epilogue_bytes(kind, cfg, 2)
       assert cfg.smem_bytes(2, extra) <= C.SMEM_BYTES, (kind, cfg)
 
@@ -547,20 +548,20 @@ def test_interpret_split_of_masked_vocabulary_is_not_nan():
   lse = -inf. (Was NaN: exp2(-inf - -inf).)"""
   from gmpo_jax.lm_head.mosaic_gpu import _prepare, block_config
   from gmpo_jax.kernels._compat import interpret_params
-  from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
+  from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
   R, H, V = 128, 64, 384
   h, w, _, ids, _ = _inputs(R, H, V, "hv", jnp.bfloat16, False, 1.0, seed=9)
   bias = jnp.where(jnp.arange(V) >= 250, -jnp.inf, 0.0).astype(jnp.float32)   # tile 3 all masked
   cfg = block_config(rows=R, H=H, V=V, kind="logprob", interpret=True)
   hp, ids_p, scale, bias_p, _ = _prepare(h, ids % 250, bias, jnp.float32(1.0), cfg, V)
-  m2, l, t2 = lse_partials(hp, w, bias_p, ids_p, scale, weight_layout="hv", vocab_size=V, cfg=cfg,
+  m2, l, t2 = lm_head_lse_partials(hp, w, bias_p, ids_p, scale, weight_layout="hv", vocab_size=V, cfg=cfg,
                            num_splits=3, interpret=interpret_params())
   assert np.all(np.asarray(m2)[2] == -np.inf) and np.all(np.asarray(l)[2] == 0)
-  _, lse = combine_splits(m2, l, t2)
+  _, lse = lm_head_merge_splits(m2, l, t2)
   z = np.asarray(h, np.float64) @ np.asarray(w, np.float64)[:, :250]
   want = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1))
   np.testing.assert_allclose(np.asarray(lse), want, rtol=0, atol=LOGP_TOL * (1 + np.abs(z).max()))
-  all_masked = combine_splits(jnp.full((2, 4), -jnp.inf), jnp.zeros((2, 4)), jnp.zeros((2, 4)))[1]
+  all_masked = lm_head_merge_splits(jnp.full((2, 4), -jnp.inf), jnp.zeros((2, 4)), jnp.zeros((2, 4)))[1]
   assert np.all(np.asarray(all_masked) == -np.inf)
 
 
@@ -658,20 +659,20 @@ def test_interpret_entropy_matches_float64(layout, bias, V, vocab_size, temperat
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_interpret_entropy_split_merge(num_splits):
-  """The entropy's per-split sums re-based to the global maximum (``combine_splits``), with one split
+  """The entropy's per-split sums re-based to the global maximum (``lm_head_merge_splits``), with one split
   whose columns are all masked (a ``-inf`` bias): equal to the float64 entropy over the finite columns."""
   from gmpo_jax.lm_head.mosaic_gpu import _prepare, block_config
   from gmpo_jax.kernels._compat import interpret_params
-  from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
+  from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
   R, H, V = 128, 64, 384
   h, w, _, ids, _ = _inputs(R, H, V, "hv", jnp.bfloat16, False, 3.0, seed=13)
   bias = jnp.where((jnp.arange(V) >= 128) & (jnp.arange(V) < 256), -jnp.inf, 0.0).astype(jnp.float32)
   cfg = block_config(rows=R, H=H, V=V, kind="logprob", interpret=True)
   hp, ids_p, scale, bias_p, _ = _prepare(h, ids, bias, jnp.float32(1.0), cfg, V)
-  stats = lse_partials(hp, w, bias_p, ids_p, scale, weight_layout="hv", vocab_size=V, cfg=cfg,
+  stats = lm_head_lse_partials(hp, w, bias_p, ids_p, scale, weight_layout="hv", vocab_size=V, cfg=cfg,
                        num_splits=num_splits, with_entropy=True, interpret=interpret_params())
   assert len(stats) == 4
-  _, lse, ent = combine_splits(*stats)
+  _, lse, ent = lm_head_merge_splits(*stats)
   z = (np.asarray(h, np.float64) @ np.asarray(w, np.float64))[:, np.r_[0:128, 256:384]]
   logsm = z - z.max(1, keepdims=True)
   logsm -= np.log(np.exp(logsm).sum(1, keepdims=True))
@@ -716,3 +717,127 @@ def test_interpret_tie_at_tiny_temperature():
   want = spec.spec_head_vjp(h, w, ids, None, np.ones((B, T)), temperature=tau)[1]
   assert np.allclose(want[:, 3], -want[:, 7]) and np.abs(want[:, 3]).max() > 0  # the setup: a real tie
   np.testing.assert_allclose(dw, want, rtol=0, atol=1e-2 * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------------------------------
+# Every Pallas kernel traces and runs with jax_enable_x64 (issue 16): bitwise the x64-off result
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture
+def x64():
+  """A context manager that turns ``jax_enable_x64`` on; the previous setting is restored on leaving it
+  and again after the test (also when it fails)."""
+  before = jax.config.read("jax_enable_x64")
+
+  @contextlib.contextmanager
+  def enabled():
+    jax.config.update("jax_enable_x64", True)
+    try:
+      yield
+    finally:
+      jax.config.update("jax_enable_x64", before)
+
+  yield enabled
+  jax.config.update("jax_enable_x64", before)
+
+
+def _x64_lm_head_inputs():
+  from gmpo_jax.lm_head.mosaic_gpu import _prepare, block_config
+  R, H, V = 100, 64, 200
+  h, w, b, ids, dlogp = _inputs(R, H, V, "hv", jnp.bfloat16, True, 1.0, seed=31)
+  cfg = block_config(rows=R, H=H, V=V, kind="logprob", interpret=True)
+  hp, ids_p, scale, b_p, Rp = _prepare(h, ids, b, jnp.float32(0.7), cfg, V)
+  lse2 = jnp.asarray(np.random.default_rng(1).standard_normal(Rp) + 6.0, jnp.float32)
+  coef = jnp.pad(dlogp, (0, Rp - R))
+  return dict(hp=hp, w=w, b=b_p, ids=ids_p, scale=scale, lse2=lse2, coef=coef, V=V, cfg=cfg)
+
+
+def _x64_logits_inputs(R=72, V=256):
+  rng = np.random.default_rng(32)
+  x = jnp.asarray(rng.standard_normal((R, V)) * 3, jnp.bfloat16)
+  ids = jnp.asarray(rng.integers(0, V, R), jnp.int32)
+  k = jnp.full((R,), C.LOG2E / 0.8, jnp.float32)
+  lse2 = jnp.asarray(rng.standard_normal(R) + 9.0, jnp.float32)
+  c = jnp.asarray(rng.standard_normal(R), jnp.float32)
+  return x, ids, k, lse2, c
+
+
+def _x64_run_lm_head_lse():
+  from gmpo_jax.kernels._compat import interpret_params
+  from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials
+  a = _x64_lm_head_inputs()
+  return lm_head_lse_partials(a["hp"], a["w"], a["b"], a["ids"], a["scale"], weight_layout="hv", vocab_size=a["V"],
+                              cfg=a["cfg"], num_splits=2, with_entropy=True, save_tiles=1, interpret=interpret_params())
+
+
+def _x64_run_lm_head_dlogits():
+  from gmpo_jax.kernels._compat import interpret_params
+  from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
+  a = _x64_lm_head_inputs()
+  return lm_head_dlogits_window(a["hp"], a["w"], a["b"], a["ids"], a["scale"], a["lse2"], a["coef"],
+                                weight_layout="hv", vocab_size=a["V"], window_start=0, window_tiles=2, cfg=a["cfg"],
+                                num_splits=2, interpret=interpret_params())
+
+
+def _x64_run_logits_lse(pick_target):
+  from gmpo_jax.kernels._compat import interpret_params
+  from gmpo_jax.kernels.logits_lse import logits_lse_partials
+  x, ids, k, _, _ = _x64_logits_inputs()
+  cfg = C.LogitsBlocks(block_v=128, stages=2, pick_target=pick_target)
+  return logits_lse_partials(x, ids, k, cfg=cfg, num_splits=2, interpret=interpret_params())
+
+
+def _x64_run_logits_dlogits(inplace):
+  from gmpo_jax.kernels._compat import interpret_params
+  from gmpo_jax.kernels.logits_dlogits import logits_dlogits
+  x, ids, k, lse2, c = _x64_logits_inputs()
+  cfg = C.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=1)
+  return logits_dlogits(x, ids, k, lse2, c, cfg=cfg, inplace=inplace, interpret=interpret_params())
+
+
+def _x64_run_logits_fused(resident, skip):
+  from gmpo_jax.kernels._compat import interpret_params
+  from gmpo_jax.kernels import logits_fused as K
+  R, V, w = 8, 2048, 16
+  rng = np.random.default_rng(33)
+  x = jnp.asarray(rng.standard_normal((R, V)) * 2, jnp.bfloat16)
+  ids = rng.integers(0, V, R)
+  live = np.ones(R, np.float32)
+  live[[2, 5]] = 0.0
+  scale = live * 0.5
+  F = K.RowData
+  rd = K.pack_row_data({F.K: np.full(R, C.LOG2E / 0.9), F.TARGET_LOGIT: np.asarray(x, np.float32)[np.arange(R), ids],
+                        F.OLD: rng.normal(size=R) - 7.0, F.REF: np.zeros(R), F.ADV: rng.normal(size=R), F.RIS: np.ones(R),
+                        F.SCALE: scale, F.LIVE: live, F.WEIGHT: scale * 0.9})
+
+  def token_fn(logp, old, ref, adv, ris, alive):
+    ptl = -adv * jnp.exp(logp - old)
+    return ptl, ptl
+
+  cfg = K.FusedLogitsBlocks(block_rows=64, stages=2, out_stages=2, num_ctas=3, skip_dead_rows=skip, resident=resident)
+  return K.logits_lse_and_dlogits(x.reshape(R, V // w, w), rd, token_fn, cfg=cfg, interpret=interpret_params())
+
+
+X64_KERNELS = {
+    "lm_head_lse": _x64_run_lm_head_lse,
+    "lm_head_dlogits": _x64_run_lm_head_dlogits,
+    "logits_lse_pick": functools.partial(_x64_run_logits_lse, True),
+    "logits_lse_lean": functools.partial(_x64_run_logits_lse, False),
+    "logits_dlogits": functools.partial(_x64_run_logits_dlogits, False),
+    "logits_dlogits_inplace": functools.partial(_x64_run_logits_dlogits, True),
+    "logits_fused_resident_skip": functools.partial(_x64_run_logits_fused, True, True),
+    "logits_fused_reread": functools.partial(_x64_run_logits_fused, False, False),
+}
+
+
+@pytest.mark.parametrize("kernel", list(X64_KERNELS))
+def test_interpret_kernels_with_x64(kernel, x64):
+  """Each kernel (interpreter, small shapes) traces and runs with ``jax_enable_x64`` and returns bitwise
+  its result without x64: loop indices stay int32 and no float64 enters the hot path. (Failed while
+  tracing before issue 16: int32 / int64 mismatches in the Mosaic loop arithmetic.)"""
+  want = jax.tree.leaves(X64_KERNELS[kernel]())
+  with x64():
+    got = jax.tree.leaves(X64_KERNELS[kernel]())
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -27,7 +27,7 @@ import gmpo_jax
 import spec_numpy as spec
 from conftest import R_GRID, Obj, assert_fraction_close, assert_grad_close, assert_loss_close, ragged_mask
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.logits_backends import logits_mgpu as K
+from gmpo_jax import kernels as K
 from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -37,18 +37,18 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 # still have several tiles, two vocabulary splits, partial last blocks and several row blocks.
 INTERPRET = MosaicGpuLogitsBackend(
     interpret=True,
-    fwd=K.KernelConfig(block_v=128, stages=2),
-    bwd=K.KernelConfig(block_v=128, stages=2, tiles_per_cta=2),
+    fwd=K.LogitsBlocks(block_v=128, stages=2),
+    bwd=K.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=2),
     num_splits=2,
     fused=False,
 )
 # The fused forward (token-local objectives write dlogits in the forward of the VJP), cluster-free there.
-FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.KernelConfig(block_v=128, stages=2), num_splits=2)
+FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2), num_splits=2)
 FUSED_SKIP = dataclasses.replace(FUSED, skip_masked_rows=True)  # masked rows not read (2 stages: it applies)
 # The second pass fetches each row again (the tests' rows of 2 tiles are otherwise resident in the ring)
 FUSED_REREAD = dataclasses.replace(FUSED, resident_rows=False)
 FUSED_REREAD_SKIP = dataclasses.replace(FUSED_SKIP, resident_rows=False)
-INTERPRET_LEAN = dataclasses.replace(INTERPRET, fwd=K.KernelConfig(block_v=128, stages=2, pick_target=False))
+INTERPRET_LEAN = dataclasses.replace(INTERPRET, fwd=K.LogitsBlocks(block_v=128, stages=2, pick_target=False))
 
 
 def _on_hopper() -> bool:
@@ -358,10 +358,10 @@ def test_mosaic_gpu_kernels_interpret_extreme(pick_target):
     ids = rng.integers(0, V, R).astype(np.int32)
     ids[1], ids[5], ids[6] = 0, -100, V + 3
     k = jnp.full((R,), K.LOG2E / tau, jnp.float32)
-    cfg = K.KernelConfig(block_v=128, stages=2, tiles_per_cta=1, pick_target=pick_target)
+    cfg = K.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=1, pick_target=pick_target)
     params = INTERPRET._interpret_params()
-    tgt, lse, lse2 = K.combine_partials(*K.lse_partials(jnp.asarray(x), jnp.asarray(ids), k, cfg=cfg, num_splits=2,
-                                                        interpret=params))
+    tgt, lse, lse2 = K.logits_merge_splits(*K.logits_lse_partials(jnp.asarray(x), jnp.asarray(ids), k, cfg=cfg,
+                                                                  num_splits=2, interpret=params))
     z = _f64(x) / tau
     with np.errstate(invalid="ignore", divide="ignore"):
         zmax = z.max(1)
@@ -376,7 +376,7 @@ def test_mosaic_gpu_kernels_interpret_extreme(pick_target):
         return
     c = rng.normal(size=R).astype(np.float32)
     c[2] = 0.0  # a row with -inf lse must not leak NaN when it carries no gradient
-    d = K.dlogits(jnp.asarray(x), jnp.asarray(ids), k, lse2, jnp.asarray(c), cfg=cfg, interpret=params)
+    d = K.logits_dlogits(jnp.asarray(x), jnp.asarray(ids), k, lse2, jnp.asarray(c), cfg=cfg, interpret=params)
     d = _f64(d)
     assert np.all(d[2] == 0) and np.all(np.isfinite(d))
     p = np.exp(z[ok] - want_lse[ok, None])
@@ -421,7 +421,7 @@ def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean, dtype):
     """Both kernels lower to Mosaic GPU for CUDA (jax.export on CPU; no GPU needed): shapes, layouts and
     the tiled bulk copies' divisibility rules are checked at this stage (what failed on the device at
     2050 rows before the row split)."""
-    backend = MosaicGpuLogitsBackend(fwd=K.KernelConfig(pick_target=not lean), inplace=lean == "inplace")
+    backend = MosaicGpuLogitsBackend(fwd=K.LogitsBlocks(pick_target=not lean), inplace=lean == "inplace")
     dataclasses.replace(backend, interpret=True).check_supported(dtype=dtype, B=B, T=T, Tl=T + int(extra), V=V)
     z = jax.ShapeDtypeStruct((B, T + int(extra), V), dtype)
     i = jax.ShapeDtypeStruct((B, T), jnp.int32)
@@ -434,7 +434,7 @@ def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean, dtype):
 
 
 # --------------------------------------------------------------------------------------------------
-# The fused path: token-local objectives, dlogits written by the forward (``lse_and_dlogits``)
+# The fused path: token-local objectives, dlogits written by the forward (``logits_lse_and_dlogits``)
 # --------------------------------------------------------------------------------------------------
 TOKEN_LOCAL = [
     Obj("grpo", beta=0.04),
@@ -739,7 +739,7 @@ def test_mosaic_gpu_inplace_interpret_eager():
     (2, True, True), (3, True, True), (2, False, True), (2, True, False), (3, True, False), (2, False, False)],
     ids=["resident-skip", "resident-3-stages-skip", "resident", "reread-skip", "reread-too-few-tiles", "reread"])
 def test_fused_kernel_dead_rows(stages, skip, resident):
-    """``lse_and_dlogits`` (interpreter, 3 CTAs of 5-6 rows, 2 tiles per row) on rows marked dead (``live =
+    """``logits_lse_and_dlogits`` (interpreter, 3 CTAs of 5-6 rows, 2 tiles per row) on rows marked dead (``live =
     0``: runs of them, the first and the last row, whole CTAs' first rows) whose logits are NaN: with
     ``skip_dead_rows`` a dead row is not read: its dz is zeros and its logp 0 (any read would make them
     NaN), when the row is resident in the ring (2 tiles <= stages) or its two passes stream through a ring
@@ -762,14 +762,15 @@ def test_fused_kernel_dead_rows(stages, skip, resident):
         return ptl, ptl
 
     def run(live_col):
-        cols = [np.full(R, K.LOG2E / tau), z[np.arange(R), ids], old, np.zeros(R), adv, np.ones(R), scale, live_col,
-                scale * tau]
-        rd = np.stack([np.asarray(c, np.float32) for c in cols] + [np.zeros(R, np.float32)] * (K.ROW_WIDTH - 9), 1)
-        cfg = K.FusedConfig(block_rows=64, stages=stages, out_stages=2, num_ctas=3, skip_dead_rows=skip,
-                            resident=resident)
+        F = K.RowData
+        rd = K.pack_row_data({F.K: np.full(R, K.LOG2E / tau), F.TARGET_LOGIT: z[np.arange(R), ids], F.OLD: old,
+                              F.REF: np.zeros(R), F.ADV: adv, F.RIS: np.ones(R), F.SCALE: scale, F.LIVE: live_col,
+                              F.WEIGHT: scale * tau})
+        cfg = K.FusedLogitsBlocks(block_rows=64, stages=stages, out_stages=2, num_ctas=3, skip_dead_rows=skip,
+                                  resident=resident)
         x = jnp.asarray(np.nan_to_num(z, nan=0.0) if live_col.all() else z)
-        dz, st = jax.jit(lambda x, rd: K.lse_and_dlogits(x.reshape(R, V // w, w), rd, token_fn, cfg=cfg,
-                                                          interpret=FUSED._interpret_params()))(x, jnp.asarray(rd))
+        dz, st = jax.jit(lambda x, rd: K.logits_lse_and_dlogits(x.reshape(R, V // w, w), rd, token_fn, cfg=cfg,
+                                                                 interpret=FUSED._interpret_params()))(x, rd)
         return np.asarray(dz, np.float64).reshape(R, V), np.asarray(st, np.float64)
 
     dz, st = run(live.astype(np.float32))

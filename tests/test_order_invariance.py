@@ -41,7 +41,7 @@ from conftest import (FAST_COMPILE, Obj, assert_fraction_close, assert_grad_clos
                       lib_value_and_grad, make_case, spec_for, tol_for)
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
-from gmpo_jax.logits_backends import logits_mgpu as K
+from gmpo_jax import kernels as K
 from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
 from gmpo_jax.logits.xla import XlaLogitsBackend
 from test_logits_loss import oracle
@@ -62,10 +62,10 @@ OBJECTIVES = [
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 # Interpreter kernels with the device's 128-column blocks so that small vocabularies still span blocks.
-MOSAIC_LOGITS = MosaicGpuLogitsBackend(interpret=True, fwd=K.KernelConfig(block_v=128, stages=2),
-                                       bwd=K.KernelConfig(block_v=128, stages=2, tiles_per_cta=2), num_splits=2,
+MOSAIC_LOGITS = MosaicGpuLogitsBackend(interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2),
+                                       bwd=K.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=2), num_splits=2,
                                        fused=False)
-MOSAIC_LOGITS_FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.KernelConfig(block_v=128, stages=2), num_splits=2)
+MOSAIC_LOGITS_FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2), num_splits=2)
 MOSAIC_HEAD = MosaicGpuBackend(interpret=True)
 
 
@@ -250,10 +250,10 @@ def test_lm_head_xla_chunked_permutation_invariant(obj, dtype, layout, V, block,
 
 
 # Interpreter kernels with the device's 128-column blocks so that small vocabularies still span blocks.
-MOSAIC_LOGITS = MosaicGpuLogitsBackend(interpret=True, fwd=K.KernelConfig(block_v=128, stages=2),
-                                       bwd=K.KernelConfig(block_v=128, stages=2, tiles_per_cta=2), num_splits=2,
+MOSAIC_LOGITS = MosaicGpuLogitsBackend(interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2),
+                                       bwd=K.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=2), num_splits=2,
                                        fused=False)
-MOSAIC_LOGITS_FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.KernelConfig(block_v=128, stages=2), num_splits=2)
+MOSAIC_LOGITS_FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2), num_splits=2)
 MOSAIC_HEAD = MosaicGpuBackend(interpret=True)
 
 

@@ -17,6 +17,7 @@ __all__ = ["plgpu", "interpret_params", "load_vector", "layout_cast", "iota", "w
 
 
 def _interpret_params_cls():
+  """The interpreter's parameters class (public on 0.11.2, private on 0.10.2)."""
   cls = getattr(plgpu, "InterpretGPUParams", None)
   if cls is None:  # jax <= 0.10.x
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls  # noqa: N813
@@ -78,6 +79,8 @@ def needs_value_matmul(transpose_b, interpret):
 
 
 def value_matmul(a, b, *, transpose_b):
+  """``a @ b[^T]`` of two loaded 16-bit shared-memory tiles in float32 (the interpreter's wgmma, see
+  :func:`needs_value_matmul`)."""
   av = a[...].astype(jax.numpy.float32)
   bv = b[...].astype(jax.numpy.float32)
   return jax.numpy.dot(av, bv.T if transpose_b else bv, precision=jax.lax.Precision.HIGHEST)

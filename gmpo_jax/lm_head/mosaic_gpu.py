@@ -1,10 +1,10 @@
 """Pallas Mosaic GPU backend (Hopper and newer): adapts ``gmpo_jax.kernels`` to the backend seam.
 
-``logprobs``: one kernel (``kernels.lm_head_logprob_mgpu``) computes the logits tiles with wgmma
+``logprobs``: one kernel (``kernels.lm_head_lse``) computes the logits tiles with wgmma
 and keeps an online log-sum-exp per row; the per-split statistics are merged in XLA.
 
 ``grads``: per vocabulary window (sized to a fixed workspace, ``workspace_bytes``) one kernel
-(``kernels.lm_head_grad_mgpu``) recomputes the logits tiles and writes ``dz`` once in the inputs'
+(``kernels.lm_head_dlogits``) recomputes the logits tiles and writes ``dz`` once in the inputs'
 16-bit dtype; ``dh += dz W^T`` and ``dW[:, window] += h^T dz`` are XLA GEMMs with float32
 accumulation, ``db += sum_rows dz``. Nothing is accumulated with atomics: bitwise deterministic.
 The full windows run in a ``lax.scan`` (each step copies its weight columns and shifts the ids), so
@@ -14,7 +14,7 @@ them alive (benchmarks/RESULTS.md, "second session").
 
 ``logprobs_for_grads`` (the policy loss's single-chunk call, where no float32 weight-gradient accumulator
 is needed): when the chunk's logits fit the memory it is given, the log-prob kernel also writes them
-(float16, relative to each row's running maximum: ``kernels.lm_head_logprob_mgpu``) and ``grads`` forms
+(float16, relative to each row's running maximum: ``kernels.lm_head_lse``) and ``grads`` forms
 ``dz`` from them window by window in XLA instead of recomputing the logits: ``6 N H V`` flops in all
 instead of ``8 N H V``. It then returns the weight gradient in the weight's dtype, written once per window.
 
@@ -58,22 +58,22 @@ def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = Fals
   """Block sizes of the kernel ``kind`` (``"logprob"``, ``"logprob_saved"``, ``"grad"``) from the reviewed table
   ``gmpo_jax.tuning.MOSAIC_BLOCKS`` (keyed by GPU and head; ``device_kind`` defaults to the first
   device's). The gradient kernel runs 64-row warpgroup blocks when ``rows <= 128`` (less padding)."""
-  from gmpo_jax.kernels._common import BlockConfig
+  from gmpo_jax.kernels._common import LMHeadBlocks
   if interpret:  # small tiles: the interpreter's cost grows with the tile count and sizes
-    return BlockConfig(block_m=64, block_n=128, block_k=64, num_stages=2)
+    return LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)
   if device_kind is None:
     device_kind = getattr(jax.devices()[0], "device_kind", "")
   block_m, block_n, block_k, stages = tuning.mosaic_blocks(device_kind, H, V, kind)
   if kind == "grad" and rows <= 128:
     block_m = 64
-  return BlockConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages)
+  return LMHeadBlocks(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
 def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
   """Shared memory of a kernel's epilogue beyond its operand ring (``kind`` as in :func:`block_config`)."""
-  from gmpo_jax.kernels.lm_head_logprob_mgpu import epilogue_bytes as logprob_epilogue_bytes
+  from gmpo_jax.kernels.lm_head_lse import lm_head_lse_epilogue_bytes
   if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
-    return logprob_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
+    return lm_head_lse_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
   return 2 * cfg.block_m * cfg.block_n * itemsize  # the dz kernel's two output tiles
 
 
@@ -221,20 +221,20 @@ class MosaicGpuBackend:
 
   def _logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles):
     from gmpo_jax.kernels import _common as C
-    from gmpo_jax.kernels.lm_head_logprob_mgpu import combine_splits, lse_partials
+    from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
     R, H = hidden.shape
     V = _vocab(weight, weight_layout)
     kind = "logprob_saved" if save_tiles else "logprob"
     cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
     hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
     n_tiles = C.cdiv(V, cfg.block_n)
-    splits = C.pick_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
-    out = lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
-                       weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
-                       with_entropy=with_entropy, save_tiles=save_tiles,
-                       interpret=self._interpret_params())
+    splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
+    out = lm_head_lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
+                               weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
+                               with_entropy=with_entropy, save_tiles=save_tiles,
+                               interpret=self._interpret_params())
     stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
-    logp, lse, *ent = (x[:R] for x in combine_splits(*stats))
+    logp, lse, *ent = (x[:R] for x in lm_head_merge_splits(*stats))
     valid = (ids >= 0) & (ids < V)
     logp = jnp.where(valid, logp, jnp.nan)
     if with_entropy:  # in [0, log V], as the XLA path's
@@ -313,14 +313,14 @@ class _GradPass:
   def dz(self, w_blk, b_blk, ids_w, v0, width, wt, kept):
     """dz of one window, ``[Rp, wt * block_n]`` (its weight columns ``w_blk``, ids relative to it)."""
     from gmpo_jax.kernels import _common as C
-    from gmpo_jax.kernels.lm_head_grad_mgpu import dlogits_window
+    from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
     if kept:
       return _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
     cfg = self.cfg
-    splits = C.pick_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, _num_sms(self.backend.interpret))
-    return dlogits_window(self.hp, w_blk, b_blk, ids_w, self.scale, self.lse2, self.coef,
-                          weight_layout=self.layout, vocab_size=width, window_start=0, window_tiles=wt, cfg=cfg,
-                          num_splits=splits, interpret=self.backend._interpret_params())
+    splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, _num_sms(self.backend.interpret))
+    return lm_head_dlogits_window(self.hp, w_blk, b_blk, ids_w, self.scale, self.lse2, self.coef,
+                                  weight_layout=self.layout, vocab_size=width, window_start=0, window_tiles=wt,
+                                  cfg=cfg, num_splits=splits, interpret=self.backend._interpret_params())
 
   def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
     """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""

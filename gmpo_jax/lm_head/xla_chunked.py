@@ -52,7 +52,7 @@ def _block_logits(hidden, w_blk, b_blk, temperature, layout, precision):
 def shifted(z, ref):
     """``z - ref`` (float32, broadcast shapes) for ``ref >= max(z)`` along the vocabulary (a row maximum
     or log-sum-exp): exactly ``<= 0``, and exactly 0 where ``z == ref``; ``-inf`` logits stay ``-inf``.
-    Shared with the logits path (``logits_backends/xla.py``). XLA may contract ``(x / T) - ref`` into a fused multiply-add whose unrounded
+    Shared with the logits path (``gmpo_jax/logits/xla.py``). XLA may contract ``(x / T) - ref`` into a fused multiply-add whose unrounded
     product differs from the rounded ``z`` that gave ``ref`` by up to half an ulp of ``z`` (~1e3 at
     ``|z| ~ 1e10``, a tiny temperature): the maximum would get ``exp(+-1e3)`` instead of ``exp(0)``."""
     return jnp.where(z == ref, 0.0, jnp.minimum(z - ref, 0.0))

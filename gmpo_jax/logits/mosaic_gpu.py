@@ -1,4 +1,4 @@
-"""Pallas Mosaic GPU backend of the policy loss from logits (Hopper or newer), adapting ``logits_mgpu``.
+"""Pallas Mosaic GPU backend of the policy loss from logits (Hopper or newer), adapting ``gmpo_jax.kernels.logits_*``.
 
 The logits ``[B, Tl, V]`` (``Tl = T`` or ``T + 1``) are handed to the kernels as ``[B * Tl * k, V / k]``
 (a free reshape; ``k > 1`` only when ``B * Tl`` is not a multiple of 8, see ``_split``). The forward
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.logits_backends import logits_mgpu as K
+from gmpo_jax import kernels as K
 
 __all__ = ["MosaicGpuLogitsBackend", "make_backend"]
 
@@ -50,10 +50,10 @@ class MosaicGpuLogitsBackend:
     """Mosaic GPU kernels; ``interpret=True`` runs them in the Pallas GPU interpreter (CPU, tests).
 
     ``fwd`` / ``bwd``: block configurations of the two kernels; ``num_splits``: vocabulary splits of
-    the forward (None: enough CTAs for about four waves, see ``logits_mgpu.pick_splits``).
+    the forward (None: enough CTAs for about four waves, see ``kernels.logits_num_splits``).
     ``fused``: for token-local objectives (``objective.token_local``: the GRPO family at token level,
     CISPO, SAPO), the forward of ``jax.grad`` / ``jax.value_and_grad`` writes ``dlogits`` in the same
-    kernel that computes the log-sum-exp (``logits_mgpu.lse_and_dlogits``: two passes over each row,
+    kernel that computes the log-sum-exp (``kernels.logits_lse_and_dlogits``: two passes over each row,
     the second from shared memory, so one read and one write of the logits), and the backward only
     scales it by the cotangent (a cotangent other than 1 rounds a bf16 gradient twice, about one ulp);
     see :meth:`fused_plan` for when it
@@ -81,8 +81,8 @@ class MosaicGpuLogitsBackend:
     their speed has not been swept.
     """
 
-    fwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=4, pick_target=False)
-    bwd: K.KernelConfig = K.KernelConfig(block_v=128, stages=3, tiles_per_cta=32)
+    fwd: K.LogitsBlocks = K.LogitsBlocks(block_v=128, stages=4, pick_target=False)
+    bwd: K.LogitsBlocks = K.LogitsBlocks(block_v=128, stages=3, tiles_per_cta=32)
     num_splits: int | None = None
     inplace: bool = False
     fused: bool = True
@@ -140,7 +140,7 @@ class MosaicGpuLogitsBackend:
             tiles = -(-W // self.fwd.block_v)
             tps = -(-tiles // min(self.num_splits, tiles))
             return -(-tiles // tps)
-        return K.pick_splits(-(-R // K.BLOCK_ROWS), -(-W // self.fwd.block_v), _num_sms())
+        return K.logits_num_splits(-(-R // K.BLOCK_ROWS), -(-W // self.fwd.block_v), _num_sms())
 
     def _rows(self, logits, ids, T):
         """The ``[R * k, V / k]`` view and per-piece target columns (``id - j * V / k``: one piece holds it)."""
@@ -156,11 +156,11 @@ class MosaicGpuLogitsBackend:
         x, ids_r, R, k = self._rows(logits, ids, T)
         kk = jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R * k,))
         with jax.named_scope("gmpo_jax/mosaic_gpu/logits_lse"):
-            parts = K.lse_partials(x, ids_r, kk, cfg=self.fwd, num_splits=self._splits(R * k, x.shape[1]),
+            parts = K.logits_lse_partials(x, ids_r, kk, cfg=self.fwd, num_splits=self._splits(R * k, x.shape[1]),
                                    interpret=self._interpret_params())
             # [S, R * k] -> [S * k, R]: the row pieces are more splits of the same row
             parts = [jnp.moveaxis(p.reshape(-1, R, k), 2, 1).reshape(-1, R) for p in parts]
-            tgt, lse, lse2 = K.combine_partials(*parts)
+            tgt, lse, lse2 = K.logits_merge_splits(*parts)
         tgt, lse = tgt.reshape(B, Tl)[:, :T], lse.reshape(B, Tl)[:, :T]
         if not self.fwd.pick_target:  # a [B, T] gather from the full array (no slice of the logits)
             tgt = logits[jnp.arange(B, dtype=jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[None, :], jnp.clip(ids, 0, V - 1)]
@@ -179,15 +179,15 @@ class MosaicGpuLogitsBackend:
         if self.inplace and x.shape[1] % cfg.block_v:  # no slid-back column tile in place
             cfg = dataclasses.replace(cfg, block_v=128 // jnp.dtype(logits.dtype).itemsize)
         with jax.named_scope("gmpo_jax/mosaic_gpu/dlogits"):
-            dz = K.dlogits(x, ids_r, kk, rep(lse2), c, cfg=cfg, inplace=self.inplace,
+            dz = K.logits_dlogits(x, ids_r, kk, rep(lse2), c, cfg=cfg, inplace=self.inplace,
                            interpret=self._interpret_params())
         return dz.reshape(B, Tl, V)
 
 
-    def fused_plan(self, *, dtype, R: int, V: int) -> Optional[tuple[int, K.FusedConfig]]:
+    def fused_plan(self, *, dtype, R: int, V: int) -> Optional[tuple[int, K.FusedLogitsBlocks]]:
         """``(w, config)`` of the fused kernel for ``R`` rows of ``V`` logits, or None (then the three-pass
         path runs): the rows must view as ``[R, V / w, w]`` slabs (``V`` a multiple of 128 bf16 / 64 f32
-        columns, see ``logits_mgpu.slab_width``) at least 64 slab rows long (bf16 ``V = 2048``: 64 rows
+        columns, see ``kernels.slab_width``) at least 64 slab rows long (bf16 ``V = 2048``: 64 rows
         of 32 columns; ``V = 1088``: none), ``inplace`` off, and bf16 or f32 logits:
         the kernel stores ``dlogits`` of a unit cotangent, which the backward then scales, and float16
         would round its small entries to subnormals or zero before a loss scale could lift them.
@@ -219,7 +219,7 @@ class MosaicGpuLogitsBackend:
             sms = _num_sms()
             clusters = {4: sms * 31 // 66, 2: sms, 1: 2 * sms}[cluster]
             num_ctas = cluster * clusters
-        return w, K.FusedConfig(block_rows=bs, stages=stages, out_stages=2, cluster=cluster, num_ctas=num_ctas,
+        return w, K.FusedLogitsBlocks(block_rows=bs, stages=stages, out_stages=2, cluster=cluster, num_ctas=num_ctas,
                                 skip_dead_rows=self.skip_masked_rows, resident=self.resident_rows)
 
     def logprobs_and_dlogits(self, logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
@@ -243,11 +243,13 @@ class MosaicGpuLogitsBackend:
         x_t = logits[jnp.arange(B, dtype=jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[None, :], safe].astype(jnp.float32)
         x_t = jnp.where(id_ok, x_t, jnp.nan)
         zeros = jnp.zeros((R,), jnp.float32)
-        cols = [jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), pad(x_t),
-                zeros if old_logps is None else pad(old_logps), zeros if ref_logps is None else pad(ref_logps),
-                pad(advantages[:, None]), zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
-                pad(weights) / temperature, pad(mask), pad(weights)]
-        row_data = jnp.stack(cols + [zeros] * (K.ROW_WIDTH - len(cols)), axis=1)
+        F = K.RowData
+        row_data = K.pack_row_data({
+            F.K: jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), F.TARGET_LOGIT: pad(x_t),
+            F.OLD: zeros if old_logps is None else pad(old_logps),
+            F.REF: zeros if ref_logps is None else pad(ref_logps),
+            F.ADV: pad(advantages[:, None]), F.RIS: zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
+            F.SCALE: pad(weights) / temperature, F.LIVE: pad(mask), F.WEIGHT: pad(weights)})
         # hyper-parameters enter the kernel as constants (the caller checked they are concrete)
         obj = jax.tree.map(float, objective)
         has = (old_logps is not None, ref_logps is not None, rollout_is_ratio is not None)
@@ -258,9 +260,10 @@ class MosaicGpuLogitsBackend:
             return tuple(_inline(jax.make_jaxpr(fn)(logp), logp))
 
         with jax.named_scope("gmpo_jax/mosaic_gpu/lse_and_dlogits"):
-            dz, stats = K.lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_fn, cfg=cfg,
+            dz, stats = K.logits_lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_fn, cfg=cfg,
                                           num_sms=_num_sms(), interpret=self._interpret_params())
-            logp, c, loss = stats[:, 0], stats[:, 2], jnp.sum(stats[:, 3])
+            S_ = K.RowStats
+            logp, c, loss = stats[:, S_.LOGP], stats[:, S_.GRAD_SCALE], jnp.sum(stats[:, S_.LOSS_TERM])
             # the one-hot's term at the target: c (1 - p) with p = exp(logp), in float32 (the kernel wrote -c p)
             hit = jnp.where(c != 0.0, c * -jnp.expm1(logp), 0.0).astype(logits.dtype)
             tgt = jnp.pad(safe, ((0, 0), (0, Tl - T))).reshape(R)

@@ -1,14 +1,18 @@
-"""Gradient of the fused LM-head log-prob on Hopper (Pallas Mosaic GPU).
+"""The LM-head dlogits kernel (Hopper, Pallas Mosaic GPU): the gradient of the logits, window by window.
+
+Kernel file ``lm_head_dlogits.py`` (``<input>_<stage>``, see ``_common``): reads hidden states and the
+LM-head weight, writes ``dz`` of a vocabulary window; entry point :func:`lm_head_dlogits_window`. The
+backward of ``gmpo_jax.lm_head.mosaic_gpu``.
 
 .. math::
    \\partial z_{r,v} = \\frac{g_r}{T}\\,\\big(\\mathbb{1}[v = \\mathrm{id}_r] - e^{z_{r,v} - \\mathrm{lse}_r}\\big),
    \\qquad \\partial h = \\partial z\\, W^\\top, \\qquad \\partial W \\mathrel{+}= h^\\top \\partial z .
 
-:func:`dlogits_window` recomputes the logits tiles of a vocabulary window with the same
+:func:`lm_head_dlogits_window` recomputes the logits tiles of a vocabulary window with the same
 wgmma pipeline as the forward kernel (``_common.logits_tile_loop``), forms ``dz`` in float32 in
 registers and writes it once, in the inputs' 16-bit dtype, as a ``[rows, window]`` tile of
 device memory (bulk tensor stores). The two products ``dz W^T`` and ``h^T dz`` are then plain
-GEMMs (see ``gmpo_jax.backends.mosaic_gpu``): the hidden size (896 to 4096) is too large for a
+GEMMs (see ``gmpo_jax.lm_head.mosaic_gpu``): the hidden size (896 to 4096) is too large for a
 ``[block, H]`` float32 accumulator to live in registers, and splitting ``H`` across CTAs would
 recompute the logits ``H / 128`` times. The window is sized so that the ``dz`` buffer stays
 within a fixed workspace budget. Each ``dW`` column block is written once per window (no
@@ -19,17 +23,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas as pl
 
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels._compat import iota, plgpu
 
 
-def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, weight_layout: str,
-                   vocab_size: int, window_start: int, window_tiles: int, cfg: C.BlockConfig,
-                   num_splits: int, interpret=None):
-  """``dz`` for the vocabulary columns ``[window_start, window_start + window_tiles * block_n)``.
+def lm_head_dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, weight_layout: str,
+                           vocab_size: int, window_start: int, window_tiles: int, cfg: C.LMHeadBlocks,
+                           num_splits: int, interpret=None):
+  """``dz = row_coef (onehot(ids) - exp2(z * row_scale - row_lse2))`` for the vocabulary columns
+  ``[window_start, window_start + window_tiles * block_n)``, the logits ``z = hidden W + bias`` recomputed.
 
   Args:
     hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
@@ -58,10 +62,7 @@ def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, 
     ids_ref, scale_ref, lse_ref, coef_ref = row_refs
     (dz_out,) = outs
     a_smem, b_smem, out_smem, loaded, consumed = smem
-    split, row0, my_rows = C.cta_rows(bm)
-    local0 = split * tiles_per_split
-    n_tiles = jnp.minimum(tiles_per_split, window_tiles - local0)
-    wg = lax.axis_index("wg")
+    _, row0, my_rows, local0, n_tiles, wg = C.cta_block(bm, tiles_per_split, window_tiles)
 
     def init_carry():
       lse2_v = C.row_vector(lse_ref, my_rows, bm, interpret)
@@ -101,5 +102,5 @@ def dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, 
   return C.launch(
       body, hidden=hidden, weight=weight, bias=bias, row_inputs=(ids, row_scale, row_lse2, row_coef),
       out_type=jax.ShapeDtypeStruct((rows, window_tiles * bn), dtype),
-      epilogue_smem=plgpu.SMEM((2, bm, bn), dtype, transforms=C.operand_transforms(jnp.dtype(dtype).itemsize)),
+      epilogue_smem=plgpu.SMEM((2, bm, bn), dtype, transforms=C.smem_transforms(jnp.dtype(dtype).itemsize)),
       weight_layout=weight_layout, cfg=cfg, num_splits=num_splits, interpret=interpret)

@@ -1,4 +1,8 @@
-"""Fused LM-head log-prob on Hopper (Pallas Mosaic GPU): wgmma logits tiles, online log-sum-exp.
+"""The LM-head log-sum-exp kernel (Hopper, Pallas Mosaic GPU): wgmma logits tiles, online log-sum-exp.
+
+Kernel file ``lm_head_lse.py`` (``<input>_<stage>``, see ``_common``): reads hidden states and the LM-head
+weight, computes per-split log-sum-exp statistics; entry point :func:`lm_head_lse_partials`, merged by
+:func:`lm_head_merge_splits`. The forward of ``gmpo_jax.lm_head.mosaic_gpu``.
 
 For rows ``r`` of ``hidden`` and the LM-head weight ``W``,
 
@@ -13,7 +17,7 @@ owns ``2 * block_m`` rows and a contiguous range of vocabulary tiles (a *split*)
 tile it computes ``z`` with wgmma (float32 accumulation), keeps a running maximum and sum of
 exponentials per row (base 2, so the exponentials are single ``ex2`` instructions), and picks
 the target logit when the tile holds it. Each split writes three float32 numbers per row
-(max, sum, target); :func:`combine_splits` merges the splits in XLA (``splits * rows`` floats,
+(max, sum, target); :func:`lm_head_merge_splits` merges the splits in XLA (``splits * rows`` floats,
 negligible). Vocabulary columns past ``V`` (the tail of the last tile, zero-filled by the bulk
 copy) are masked to ``-inf``.
 
@@ -29,19 +33,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas as pl
 
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
 
-ROW = plgpu.Layout.WGMMA.reduce(1)
 
-
-def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vocab_size: int,
-                 cfg: C.BlockConfig, num_splits: int, with_entropy: bool = False, save_tiles: int = 0,
-               interpret=None):
-  """Per-split online log-sum-exp statistics of the logits.
+def lm_head_lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vocab_size: int,
+                 cfg: C.LMHeadBlocks, num_splits: int, with_entropy: bool = False, save_tiles: int = 0,
+                         interpret=None):
+  """Per-split online log-sum-exp statistics of the logits ``z = (hidden W + bias) / T``, never stored.
 
   Args:
     hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
@@ -78,18 +79,15 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
     a_smem, b_smem, epi_smem, loaded, consumed = smem
     stat_smem, tile_smem = epi_smem if save_logits else (epi_smem, None)
     outs, saved = (outs[:n_stats], outs[n_stats:]) if save_logits else (outs, ())
-    split, row0, my_rows = C.cta_rows(bm)
-    tile0 = split * tiles_per_split
-    n_tiles = jnp.minimum(tiles_per_split, num_tiles - tile0)
-    wg = lax.axis_index("wg")
+    split, row0, my_rows, tile0, n_tiles, wg = C.cta_block(bm, tiles_per_split, num_tiles)
 
     def init_carry():
       ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)
       scale_v = C.row_vector(scale_ref, my_rows, bm, interpret)
-      m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), ROW, interpret)
-      l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
-      t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret)
-      stats = (m2, l, t2) + ((layout_cast(jnp.full((bm,), 0.0, jnp.float32), ROW, interpret),)
+      m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
+      l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+      t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+      stats = (m2, l, t2) + ((layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret),)
                              if with_entropy else ())
       return (ids_v, scale_v) + stats
 
@@ -149,24 +147,24 @@ def lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vo
 
   stat = jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)
   out_type = (stat,) * n_stats
-  epilogue_smem = plgpu.SMEM((2, n_stats + save_logits, bm), jnp.float32)  # sized in epilogue_bytes
+  epilogue_smem = plgpu.SMEM((2, n_stats + save_logits, bm), jnp.float32)  # sized in lm_head_lse_epilogue_bytes
   if save_logits:
     out_type += (jax.ShapeDtypeStruct((rows, save_tiles * bn), jnp.float16),
                  jax.ShapeDtypeStruct((save_tiles, rows), jnp.float32))
-    epilogue_smem = (epilogue_smem, plgpu.SMEM((2, bm, bn), jnp.float16, transforms=C.operand_transforms(2)))
+    epilogue_smem = (epilogue_smem, plgpu.SMEM((2, bm, bn), jnp.float16, transforms=C.smem_transforms(2)))
   return C.launch(
       body, hidden=hidden, weight=weight, bias=bias, row_inputs=(ids, row_scale), out_type=out_type,
       epilogue_smem=epilogue_smem, weight_layout=weight_layout, cfg=cfg,
       num_splits=num_splits, interpret=interpret)
 
 
-def epilogue_bytes(cfg: C.BlockConfig, *, n_stats: int, save: bool) -> int:
-  """Shared memory of :func:`lse_partials`' epilogue: the ``n_stats`` statistics' staging per warpgroup,
+def lm_head_lse_epilogue_bytes(cfg: C.LMHeadBlocks, *, n_stats: int, save: bool) -> int:
+  """Shared memory of :func:`lm_head_lse_partials`' epilogue: the ``n_stats`` statistics' staging per warpgroup,
   plus with ``save_tiles`` one more row of it (the running maxima) and the two float16 logits tiles."""
   return 2 * (n_stats + save) * cfg.block_m * 4 + save * 2 * cfg.block_m * cfg.block_n * 2
 
 
-def combine_splits(m2, l, t2, e2=None):
+def lm_head_merge_splits(m2, l, t2, e2=None):
   """Merges per-split statistics into ``(logp, lse)``, or ``(logp, lse, entropy)`` given ``e2``, in
   natural-log units.
 
@@ -177,11 +175,7 @@ def combine_splits(m2, l, t2, e2=None):
   ``H = lse - E_p[z] = (log2 l - e2 / l) ln 2`` (relative to the max: no cancellation of large
   logits) is clipped to ``[0, log V]`` like the XLA path's and is 0 for a row with no finite logit.
   """
-  m_all = m2.max(axis=0)
-  m_ref = jnp.where(m_all == -jnp.inf, 0.0, m_all)  # a row with no finite logit: lse = -inf, not NaN
-  alpha = jnp.exp2(m2 - m_ref[None])
-  l_all = (l * alpha).sum(axis=0)
-  lse2 = m_all + jnp.log2(l_all)
+  m_all, m_ref, alpha, l_all, lse2 = C.merge_splits(m2, l)  # a row with no finite logit: lse = -inf
   logp = jnp.minimum((t2.sum(axis=0) - lse2) * C.LN2, 0.0)
   if e2 is None:
     return logp, lse2 * C.LN2
