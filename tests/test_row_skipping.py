@@ -112,3 +112,27 @@ def test_default_buckets():
     assert tuning.row_buckets(XlaChunkedBackend()) == (tuning.ROW_BUCKETS if jax.default_backend() == "gpu" else 1)
     assert tuning.row_buckets(MosaicGpuBackend(interpret=True)) == 1
     assert tuning.row_buckets(XlaChunkedBackend(row_buckets=3)) == 3
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_logprobs_skipping(entropy):
+    """fused_linear_logprobs: masked rows skipped in the forward, rows with a zero cotangent in the backward."""
+    case = _batch(5, empty_rows=(2,))
+    g = jnp.asarray(np.random.default_rng(0).normal(size=case.mask.shape) * (np.arange(64) % 3 != 0), jnp.float32)
+
+    def run(rb):
+        def f(h, w, b):
+            out = gmpo_jax.fused_linear_logprobs(h, w, case.ids, completion_mask=case.mask, bias=b,
+                                                 return_entropy=entropy, implementation=XlaChunkedBackend(row_buckets=rb))
+            logp = out[0] if entropy else out
+            return jnp.sum(logp * g), out
+        args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(*args)
+
+    (v0, o0), g0 = run(1)
+    (v1, o1), g1 = run(4)
+    for a, b in zip(jax.tree.leaves(o1), jax.tree.leaves(o0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=1e-7)
+    for a, b in zip(g1, g0):
+        b = np.asarray(b, np.float64)
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0, atol=RTOL * np.abs(b).max())

@@ -20,7 +20,7 @@ from gmpo_jax import _validation as V_
 from gmpo_jax import tuning
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding
-from gmpo_jax.lm_head.vjp import Head, LMHeadConfig, logprobs, policy_loss
+from gmpo_jax.lm_head.vjp import Head, LMHeadConfig, fused_logprobs, fused_policy_loss
 from gmpo_jax.objectives import LossAux, Objective, PolicyInputs
 
 __all__ = ["fused_linear_policy_loss", "fused_linear_logprobs"]
@@ -218,7 +218,7 @@ def fused_linear_policy_loss(
     ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
     head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
-    return policy_loss(cfg, objective, head, inputs)
+    return fused_policy_loss(cfg, objective, head, inputs)
 
 
 def fused_linear_logprobs(
@@ -297,7 +297,7 @@ def fused_linear_logprobs(
     inputs = PolicyInputs(mask=mask, advantages=None, ids=ids, temperature=jnp.asarray(temperature, jnp.float32))
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan,
                   with_entropy=bool(return_entropy))
-    out = logprobs(cfg, *_placed(plan, Head(hidden, weight, bias), inputs))
+    out = fused_logprobs(cfg, *_placed(plan, Head(hidden, weight, bias), inputs))
     if return_entropy:
         return out[0], lax.stop_gradient(out[1])
     return out

@@ -173,6 +173,13 @@ class MosaicGpuBackend:
         return t
     return 0
 
+  def keeps_logits(self, *, rows: int, H: int, V: int, weight_dtype, budget_bytes: int) -> bool:
+    """Whether :meth:`logprobs_for_grads` would keep any logits tile of ``rows`` rows (a bfloat16 weight and
+    :meth:`save_plan` > 0): the seam's optional hint, so that a caller that cannot use kept logits (row
+    skipping with separate forward and backward prefixes) takes the plain path when nothing is kept."""
+    return (jnp.dtype(weight_dtype) == jnp.dtype(jnp.bfloat16)
+            and self.save_plan(rows=rows, H=H, V=V, budget_bytes=budget_bytes) > 0)
+
   def saved_bytes(self, *, rows: int, H: int, V: int, save_tiles: int) -> int:
     """Peak device memory that ``logprobs_for_grads`` and ``grads`` use beyond the inputs and the
     returned gradients when ``save_tiles`` leading tiles of the logits are kept: the float32 hidden-state

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from gmpo_jax import tuning
 from gmpo_jax.lm_head import rows
 from gmpo_jax.lm_head.backend import LMHeadBackend
 from gmpo_jax.lm_head.sharding import ShardingPlan
@@ -58,7 +59,7 @@ from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, ev
 # the memory target's 512 MiB over the inputs, returned gradients and that copy, less 128 MiB for the rest.
 SAVED_LOGITS_SLACK = 384 * 2**20
 
-__all__ = ["LMHeadConfig", "Head", "policy_loss", "logprobs"]
+__all__ = ["LMHeadConfig", "Head", "fused_policy_loss", "fused_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +206,17 @@ def _chunk_step_skipping(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk
     return (num, sums, *rows.on_prefix(rows.last_nonzero(dlogp_p), sizes, backward, nothing))
 
 
+def _keeps_logits(backend, rows: int, H: int, weight) -> bool:
+    """Whether the backend keeps logits for a single chunk's gradient pass (the seam's optional
+    ``logprobs_for_grads``, and its ``keeps_logits`` hint when it has one)."""
+    if not callable(getattr(backend, "logprobs_for_grads", None)):
+        return False
+    hint = getattr(backend, "keeps_logits", None)
+    V = weight.size // H
+    return hint is None or hint(rows=rows, H=H, V=V, weight_dtype=weight.dtype,
+                                budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK)
+
+
 def _scan_policy(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs, denominator, *,
                  with_grads: bool):
     """``(numerator, MetricSums, Head of gradients)`` of these rows over the given (global) denominator.
@@ -217,7 +229,7 @@ def _scan_policy(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: Po
     # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
     # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
     single = with_grads and n == 1
-    keep = single and callable(getattr(cfg.backend, "logprobs_for_grads", None))
+    keep = single and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
     step = _chunk_step_skipping if cfg.row_buckets > 1 else _chunk_step
 
     def body(carry, i):
@@ -272,13 +284,13 @@ def _run_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInputs, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def policy_loss(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
+def fused_policy_loss(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
     """Fused loss ``(loss, aux)``; arguments checked and normalised by ``gmpo_jax.lm_head.api``."""
     loss, aux, _ = _run_policy(cfg, objective, head, inputs, with_grads=False)
     return loss, aux
 
 
-def _policy_loss_fwd(cfg, objective, head, inputs):
+def _fused_policy_loss_fwd(cfg, objective, head, inputs):
     loss, aux, grads = _run_policy(cfg, objective, head, inputs, with_grads=True)
     return (loss, aux), grads
 
@@ -291,17 +303,41 @@ def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:
                 None if grads.bias is None else (grads.bias * g).astype(cfg.bias_dtype))
 
 
-def _policy_loss_bwd(cfg, grads, cotangents):
+def _fused_policy_loss_bwd(cfg, grads, cotangents):
     g, _ = cotangents  # the metrics carry no gradient
     return None, _scaled(cfg, grads, g), None
 
 
-policy_loss.defvjp(_policy_loss_fwd, _policy_loss_bwd)
+fused_policy_loss.defvjp(_fused_policy_loss_fwd, _fused_policy_loss_bwd)
 
 
 # ------------------------------------------------------------------------------------------------
 # Log-probs alone (rollout-time old / reference log-probs; composable into any user loss)
 # ------------------------------------------------------------------------------------------------
+def _on_rows(cfg: LMHeadConfig, live, accumulators, h, ids, fn, *row_args):
+    """``fn(h, ids, *row_args)`` on every row, or, with row skipping, on a static prefix of the rows
+    reordered live first (``live``: ``[R]`` or ``[C, T]`` bool), its ``[rows, ...]`` outputs scattered back
+    (zeros elsewhere). ``accumulators``: None for a forward (outputs all per-row), else the ``(dw, db)``
+    passed through unchanged when no row is live (``fn`` then returns ``(dh, dw, db)``)."""
+    if cfg.row_buckets <= 1:
+        return fn(h, ids, *row_args)
+    order = rows.order(live.reshape(-1, 1), None)
+    R = ids.shape[0]
+
+    def run(S):
+        out = fn(*(rows.take(x, order, S) for x in (h, ids, *row_args)))
+        if accumulators is not None:
+            return rows.scatter_back(out[0], order), *out[1:]
+        return tuple(rows.scatter_back(x, order) for x in out)
+
+    def empty():
+        if accumulators is not None:
+            return jnp.zeros_like(h), *accumulators
+        return tuple(jnp.zeros(x.shape, x.dtype) for x in jax.eval_shape(lambda: run(min(R, tuning.ROW_ALIGN))))
+
+    return rows.on_prefix(order.n_live, rows.prefix_sizes(R, cfg.row_buckets), run, empty)
+
+
 def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
     """``(logp, lse[, entropy])``, each ``[B, T]`` float32 (0 at masked tokens but ``lse``)."""
     hidden, weight, bias = head
@@ -312,7 +348,8 @@ def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
 
     def body(carry, i):
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        out = backend.logprobs(h, weight, bias, ids, inputs.temperature, weight_layout=cfg.weight_layout, **kw)
+        out = _on_rows(cfg, chunk.mask, None, h, ids, lambda hs, ids_s: backend.logprobs(
+            hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout, **kw))
         m = chunk.mask
         new = [jnp.where(m, x.reshape(m.shape), 0.0) if k != 1 else x.reshape(m.shape) for k, x in enumerate(out)]
         return tuple(_merge_rows(a, start, fresh, x) for a, x in zip(carry, new)), None
@@ -335,8 +372,10 @@ def _scan_logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
         cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=c, axis=0)
         dlogp = jnp.where(chunk.mask, cut(g).astype(jnp.float32), 0.0).reshape(-1)
-        dh_c, dw, db = backend.grads(h, weight, bias, ids, dlogp, cut(lse).reshape(-1), inputs.temperature,
-                                     weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db)
+        lse_c = cut(lse).reshape(-1)
+        dh_c, dw, db = _on_rows(cfg, dlogp != 0, (dw, db), h, ids, lambda hs, ids_s, dlogp_s, lse_s: backend.grads(
+            hs, weight, bias, ids_s, dlogp_s, lse_s, inputs.temperature, weight_layout=cfg.weight_layout, dw_acc=dw,
+            db_acc=db), dlogp, lse_c)
         return (_merge_rows(dh, start, fresh, dh_c.reshape(c, *hidden.shape[1:])), dw, db), None
 
     init = (jnp.zeros_like(hidden), jnp.zeros(weight.shape, jnp.float32),
@@ -375,23 +414,23 @@ def _primal(cfg: LMHeadConfig, out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
+def fused_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
     """Fused per-token log-probs ``[B, T]`` float32 (0 where ``inputs.mask`` is False); with
     ``cfg.with_entropy`` the pair ``(logp, entropy)`` (the entropy gets no gradient). ``inputs`` needs
     ``mask``, ``ids`` and ``temperature`` only."""
     return _primal(cfg, _run_logprobs(cfg, head, inputs))
 
 
-def _logprobs_fwd(cfg, head, inputs):
+def _fused_logprobs_fwd(cfg, head, inputs):
     out = _run_logprobs(cfg, head, inputs)
     return _primal(cfg, out), (head, inputs, out[1])
 
 
-def _logprobs_bwd(cfg, res, g):
+def _fused_logprobs_bwd(cfg, res, g):
     head, inputs, lse = res
     g = g[0] if cfg.with_entropy else g  # the entropy is a metric: no gradient
     grads = _logprob_grads(cfg, head, inputs, lse, g)
     return _scaled(cfg, grads, jnp.ones((), jnp.float32)), None
 
 
-logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
+fused_logprobs.defvjp(_fused_logprobs_fwd, _fused_logprobs_bwd)

@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
 from gmpo_jax.logits import backend as backend_lib
-from gmpo_jax.logits.vjp import LogitsConfig, policy_loss
+from gmpo_jax.logits.vjp import LogitsConfig, logits_policy_loss
 from gmpo_jax.objectives import LossAux, Objective
 
 __all__ = ["policy_loss_from_logits"]
@@ -151,4 +151,4 @@ def policy_loss_from_logits(
     logits = jnp.asarray(logits)
     backend = backend_lib.resolve(implementation, dtype=logits.dtype, B=B, T=T, Tl=Tl, V=V)
     with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss_from_logits"):
-        return policy_loss(LogitsConfig(backend=backend, T=T), objective, logits, inputs)
+        return logits_policy_loss(LogitsConfig(backend=backend, T=T), objective, logits, inputs)

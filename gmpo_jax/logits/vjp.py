@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, _concrete_value, evaluate, loss_and_aux
 
-__all__ = ["LogitsConfig", "policy_loss"]
+__all__ = ["LogitsConfig", "logits_policy_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +134,13 @@ def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyIn
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def policy_loss(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
+def logits_policy_loss(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
     """``(loss, aux)``; arguments checked and normalised by ``gmpo_jax.logits.api``."""
     loss, aux, _ = _run(cfg, objective, logits, inputs, with_grads=False)
     return loss, aux
 
 
-def _policy_loss_fwd(cfg, objective, logits, inputs):
+def _logits_policy_loss_fwd(cfg, objective, logits, inputs):
     if _fused(cfg, objective, logits):
         loss, aux, dlogits = _run_fused(cfg, objective, logits, inputs)
         return (loss, aux), (dlogits, None, None, None)
@@ -148,7 +148,7 @@ def _policy_loss_fwd(cfg, objective, logits, inputs):
     return (loss, aux), (logits, inputs, residual, dlogp)
 
 
-def _policy_loss_bwd(cfg, res, cotangents):
+def _logits_policy_loss_bwd(cfg, res, cotangents):
     g, _ = cotangents  # the metrics carry no gradient
     g = g.astype(jnp.float32)
     stored, inputs, residual, dlogp = res
@@ -158,4 +158,4 @@ def _policy_loss_bwd(cfg, res, cotangents):
     return None, dlogits, None
 
 
-policy_loss.defvjp(_policy_loss_fwd, _policy_loss_bwd)
+logits_policy_loss.defvjp(_logits_policy_loss_fwd, _logits_policy_loss_bwd)
