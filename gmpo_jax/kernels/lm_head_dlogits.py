@@ -15,7 +15,11 @@ device memory (bulk tensor stores). The two products ``dz W^T`` and ``h^T dz`` a
 GEMMs (see ``gmpo_jax.lm_head.mosaic_gpu``): the hidden size (896 to 4096) is too large for a
 ``[block, H]`` float32 accumulator to live in registers, and splitting ``H`` across CTAs would
 recompute the logits ``H / 128`` times. The window is sized so that the ``dz`` buffer stays
-within a fixed workspace budget. Each ``dW`` column block is written once per window (no
+within a fixed workspace budget. Beside ``dz`` the kernel writes each row's sum of the *stored*
+(16-bit) ``dz`` per split: the exact row sums to 0 (``sum_v softmax = 1``), so that sum is the row's
+rounding error, and the backend cancels it in ``dh`` with ``- rowsum * W[:, id]`` (the product ``dz
+W^T`` then acts on ``W_v - W_id``, free of the columns' shared direction; see
+``gmpo_jax.lm_head.mosaic_gpu``). Each ``dW`` column block is written once per window (no
 atomics), so results are bitwise reproducible.
 """
 
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 
 from gmpo_jax.kernels import _common as C
-from gmpo_jax.kernels._compat import iota, plgpu
+from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
 
 
 def lm_head_dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, weight_layout: str,
@@ -46,7 +50,8 @@ def lm_head_dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_c
     window_start: first column, a multiple of ``block_n``.
 
   Returns:
-    ``dz``: ``[Rp, window_tiles * block_n]`` in ``hidden.dtype``; columns past ``V`` are 0.
+    ``(dz, rowsum)``: ``dz`` ``[Rp, window_tiles * block_n]`` in ``hidden.dtype`` (columns past ``V`` are
+    0); ``rowsum`` ``[num_splits, Rp]`` float32, each split's sum of its stored ``dz`` entries.
   """
   rows, hdim = hidden.shape
   bm, bn = cfg.block_m, cfg.block_n
@@ -60,19 +65,20 @@ def lm_head_dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_c
 
   def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
     ids_ref, scale_ref, lse_ref, coef_ref = row_refs
-    (dz_out,) = outs
-    a_smem, b_smem, out_smem, loaded, consumed = smem
-    _, row0, my_rows, local0, n_tiles, wg = C.cta_block(bm, tiles_per_split, window_tiles)
+    dz_out, rowsum_out = outs
+    a_smem, b_smem, (out_smem, sum_smem), loaded, consumed = smem
+    split, row0, my_rows, local0, n_tiles, wg = C.cta_block(bm, tiles_per_split, window_tiles)
 
     def init_carry():
       lse2_v = C.row_vector(lse_ref, my_rows, bm, interpret)
       return (C.row_vector(ids_ref, my_rows, bm, interpret),
               C.row_vector(scale_ref, my_rows, bm, interpret),
               lse2_v, C.snap_tolerance(lse2_v),
-              C.row_vector(coef_ref, my_rows, bm, interpret))
+              C.row_vector(coef_ref, my_rows, bm, interpret),
+              layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret))
 
     def epilogue(tile, z, carry):
-      ids_v, scale_v, lse2_v, tol_v, coef_v = carry
+      ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum = carry
       shape = (bm, bn)
       if has_bias:
         z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
@@ -81,16 +87,20 @@ def lm_head_dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_c
       z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance
       p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
       onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
-      dz = C.bcast_rows(coef_v, shape) * (onehot - p)
+      dz = (C.bcast_rows(coef_v, shape) * (onehot - p)).astype(dtype)
+      rowsum = rowsum + dz.astype(jnp.float32).sum(axis=1)  # the stored values' rounding error
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
-      out_smem[wg] = dz.astype(dtype)
+      out_smem[wg] = dz
       plgpu.commit_smem()
       local_col = (tile - first_tile) * bn
       plgpu.copy_smem_to_gmem(out_smem.at[wg], dz_out.at[pl.ds(my_rows, bm), pl.ds(local_col, bn)])
-      return carry
+      return ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum
 
     def finish(carry):
-      del carry
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      sum_smem[wg] = carry[-1]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(sum_smem.at[wg], rowsum_out.at[split, pl.ds(my_rows, bm)])
       plgpu.wait_smem_to_gmem(0)
 
     C.logits_tile_loop(
@@ -101,6 +111,8 @@ def lm_head_dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_c
 
   return C.launch(
       body, hidden=hidden, weight=weight, bias=bias, row_inputs=(ids, row_scale, row_lse2, row_coef),
-      out_type=jax.ShapeDtypeStruct((rows, window_tiles * bn), dtype),
-      epilogue_smem=plgpu.SMEM((2, bm, bn), dtype, transforms=C.smem_transforms(jnp.dtype(dtype).itemsize)),
+      out_type=(jax.ShapeDtypeStruct((rows, window_tiles * bn), dtype),
+                jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)),
+      epilogue_smem=(plgpu.SMEM((2, bm, bn), dtype, transforms=C.smem_transforms(jnp.dtype(dtype).itemsize)),
+                     plgpu.SMEM((2, bm), jnp.float32)),
       weight_layout=weight_layout, cfg=cfg, num_splits=num_splits, interpret=interpret)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import jax.numpy as jnp
+
 from gmpo_jax._dispatch import dispatch
 
-__all__ = ["LMHeadBackend", "IMPLEMENTATIONS", "resolve"]
+__all__ = ["LMHeadBackend", "IMPLEMENTATIONS", "resolve", "cancel_rounding"]
 
 
 @runtime_checkable
@@ -63,3 +65,24 @@ def resolve(implementation, **config) -> LMHeadBackend:
     """The LM-head backend for a call (see :func:`dispatch`); ``config`` goes to ``check_supported``."""
     return dispatch(implementation, IMPLEMENTATIONS, "fused LM head", **config)
 
+
+
+def cancel_rounding(dh, rowsum, weight, ids, weight_layout: str):
+    """``dh - rowsum * W[:, id]``: the hidden-state gradient with the rounding of the stored ``dz`` cancelled.
+
+    The exact ``dz`` row sums to 0 (``sum_v softmax = 1``), so ``dh = dz W^T = sum_v dz_v (W_v - W_id)``.
+    Backends round ``dz`` to 16 bits before the ``dz W^T`` GEMM, and every rounding error then multiplies a
+    whole column ``W_v``: on a trained LM head, whose columns share a large direction, ``W_v - W_id`` is
+    far smaller than ``W_v`` and the error is amplified (2.9x measured on the realistic workload). With
+    ``rowsum = sum_v stored dz_v`` (the sum of the rounding errors), ``dh - rowsum W_id`` is the GEMM on
+    ``W_v - W_id``: the shared direction cancels. One gather of ``W[:, id]`` per row (``4 R H`` flops).
+    Needs the whole vocabulary's row sum: not applied per vocabulary shard.
+
+    Args: ``dh`` ``[R, H]`` float32; ``rowsum`` ``[R]`` float32; ``weight`` ``[H, V]`` / ``[V, H]``;
+    ``ids`` ``[R]`` int32 (clipped into ``[0, V)``: rows outside have ``rowsum == 0`` or a NaN gradient).
+    """
+    vocab_axis = 1 if weight_layout == "hv" else 0
+    safe = jnp.clip(ids, 0, weight.shape[vocab_axis] - 1)
+    cols = jnp.take(weight, safe, axis=vocab_axis)
+    cols = cols.T if weight_layout == "hv" else cols
+    return dh - rowsum[:, None] * cols.astype(jnp.float32)

@@ -37,6 +37,7 @@ from jax import lax
 
 from gmpo_jax import tuning
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax.lm_head.backend import cancel_rounding
 
 __all__ = ["MosaicGpuBackend", "make_backend", "supported_on", "block_config"]
 
@@ -74,7 +75,7 @@ def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
   from gmpo_jax.kernels.lm_head_lse import lm_head_lse_epilogue_bytes
   if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
     return lm_head_lse_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
-  return 2 * cfg.block_m * cfg.block_n * itemsize  # the dz kernel's two output tiles
+  return 2 * cfg.block_m * (cfg.block_n * itemsize + 4)  # the dz kernel's two output tiles and row sums
 
 
 def _num_sms(interpret: bool) -> int:
@@ -117,6 +118,7 @@ class MosaicGpuBackend:
   save_logits: bool = True
   save_min_hidden: int = tuning.SAVED_LOGITS_MIN_H
   row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
+  cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
   name: str = "mosaic_gpu"
 
   # -- seam -------------------------------------------------------------------------------------
@@ -277,13 +279,15 @@ class MosaicGpuBackend:
                      lse2=jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, Rp - R)), saved=saved, fresh=fresh)
       n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
       item = hp.dtype.itemsize
-      carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc)
+      carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc, jnp.zeros((Rp,), jnp.float32))
       if save_tiles:
         carry = gp.windows(carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, item, kept=True), True)
       if save_tiles < n_tiles:
         carry = gp.windows(carry, save_tiles, n_tiles, self._window_tiles(Rp, H, n_tiles - save_tiles, bn, item),
                            False)
-      dh, dw_acc, db_acc = carry
+      dh, dw_acc, db_acc, rowsum = carry
+      if self.cancel_rounding:
+        dh = cancel_rounding(dh, rowsum, weight, ids_p, weight_layout)
     return dh[:R].astype(hidden.dtype), dw_acc, db_acc
 
   # -- helpers ----------------------------------------------------------------------------------
@@ -318,25 +322,30 @@ class _GradPass:
     return 1 if self.layout == "hv" else 0  # the weight's vocabulary axis
 
   def dz(self, w_blk, b_blk, ids_w, v0, width, wt, kept):
-    """dz of one window, ``[Rp, wt * block_n]`` (its weight columns ``w_blk``, ids relative to it)."""
+    """dz of one window, ``[Rp, wt * block_n]`` (its weight columns ``w_blk``, ids relative to it), and
+    the row sums ``[Rp]`` of its stored entries (see ``backend.cancel_rounding``)."""
     from gmpo_jax.kernels import _common as C
     from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
     if kept:
-      return _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
+      dz = _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
+      return dz, jnp.sum(dz.astype(jnp.float32), axis=1)
     cfg = self.cfg
     splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, _num_sms(self.backend.interpret))
-    return lm_head_dlogits_window(self.hp, w_blk, b_blk, ids_w, self.scale, self.lse2, self.coef,
-                                  weight_layout=self.layout, vocab_size=width, window_start=0, window_tiles=wt,
-                                  cfg=cfg, num_splits=splits, interpret=self.backend._interpret_params())
+    dz, rowsum = lm_head_dlogits_window(self.hp, w_blk, b_blk, ids_w, self.scale, self.lse2, self.coef,
+                                        weight_layout=self.layout, vocab_size=width, window_start=0,
+                                        window_tiles=wt, cfg=cfg, num_splits=splits,
+                                        interpret=self.backend._interpret_params())
+    return dz, jnp.sum(rowsum, axis=0)
 
   def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
     """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""
-    dh, dw_acc, db_acc = carry
+    dh, dw_acc, db_acc, rowsum = carry
     axis, bn = self.axis, self.cfg.block_n
     if w_blk is None:  # a full window inside the loop: dynamic slices of static width
       w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
       b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
-    dz = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
+    dz, rowsum_w = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
+    rowsum = rowsum + rowsum_w
     if dz.shape[1] != width:
       dz = dz[:, :width]
     if w_blk.shape[axis] != width:  # the aligned copy's padding columns
@@ -351,7 +360,7 @@ class _GradPass:
       db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
       db_acc = lax.dynamic_update_slice_in_dim(db_acc, lax.dynamic_slice_in_dim(db_acc, v0, width) + db_blk, v0,
                                                axis=0)
-    return dh, dw_acc, db_acc
+    return dh, dw_acc, db_acc, rowsum
 
   def windows(self, carry, tile0, tile1, wt, kept):
     """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one

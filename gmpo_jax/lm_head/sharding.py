@@ -313,4 +313,6 @@ def local_backend(backend, plan: Optional[ShardingPlan], V: int):
     ``V``-column vocabulary (``V`` the global size)."""
     if plan is None or plan.vocab_axis is None:
         return backend
+    if getattr(backend, "cancel_rounding", False):  # it needs the whole vocabulary's row sums
+        backend = dataclasses.replace(backend, cancel_rounding=False)
     return VocabParallelBackend(backend, plan.vocab_axis, V // plan.vocab_shards)

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from gmpo_jax._dispatch import UnsupportedConfigError
+from gmpo_jax.lm_head.backend import cancel_rounding
 from gmpo_jax import tuning
 
 __all__ = ["XlaChunkedBackend", "make_backend", "shifted"]
@@ -91,6 +92,7 @@ class XlaChunkedBackend:
 
     vocab_block: int | None = None
     row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
+    cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
     name: str = "xla_chunked"
 
     def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias,
@@ -154,13 +156,14 @@ class XlaChunkedBackend:
         scale = (dlogp / temperature)[:, None]
 
         def body(carry, j):
-            dh, dw, db = carry
+            dh, dw, db, rowsum = carry
             start, w_blk, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
                                                         layout=weight_layout, precision=prec)
             p = jnp.where(fresh[None, :], jnp.exp(shifted(z, lse[:, None])), 0.0)
             onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
             dz_c = dz.astype(cdt)
+            rowsum = rowsum + jnp.sum(dz_c.astype(jnp.float32), axis=1)  # the stored dz's rounding error
             if weight_layout == "hv":  # dh += dz W_b^T ; dW_b = h^T dz  ([H, size])
                 dh = dh + lax.dot_general(dz_c, w_blk, (((1,), (1,)), ((), ())), precision=prec,
                                           preferred_element_type=jnp.float32)
@@ -176,13 +179,15 @@ class XlaChunkedBackend:
             if db is not None:
                 db = lax.dynamic_update_slice_in_dim(
                     db, lax.dynamic_slice_in_dim(db, start, size) + jnp.sum(dz, axis=0), start, axis=0)
-            return (dh, dw, db), None
+            return (dh, dw, db, rowsum), None
 
         if dw_acc is None:  # the seam's "no accumulator": this chunk's own gradient
             dw_acc = jnp.zeros(weight.shape, jnp.float32)
-        init = (jnp.zeros((R, H), jnp.float32), dw_acc, db_acc)
+        init = (jnp.zeros((R, H), jnp.float32), dw_acc, db_acc, jnp.zeros((R,), jnp.float32))
         with jax.named_scope("gmpo_jax/xla_chunked/grads"):
-            (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+            (dh, dw, db, rowsum), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+            if self.cancel_rounding and jnp.dtype(cdt).itemsize < 4:  # float32 dz is not rounded
+                dh = cancel_rounding(dh, rowsum, weight, ids, weight_layout)
         return dh.astype(hidden.dtype), dw, db
 
 
