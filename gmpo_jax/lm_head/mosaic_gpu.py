@@ -10,7 +10,7 @@ accumulation, ``db += sum_rows dz``. Nothing is accumulated with atomics: bitwis
 The full windows run in a ``lax.scan`` (each step copies its weight columns and shifts the ids), so
 one window's buffers are alive at a time and the accumulators are updated in place; the last,
 partial window runs after it. Unrolled windows left that to XLA's scheduler, which kept up to all of
-them alive (benchmarks/RESULTS.md, "second session").
+them alive (docs/performance.md, "LM head: mosaic_gpu").
 
 ``logprobs_for_grads`` (the policy loss's single-chunk call, where no float32 weight-gradient accumulator
 is needed): when the chunk's logits fit the memory it is given, the log-prob kernel also writes them
@@ -23,7 +23,7 @@ the tail of the last vocabulary tile and the kernels mask it (``-inf`` logits, z
 weight is read in place when its vocabulary dimension suits the bulk copies (``V % 64 == 0`` for
 ``"hv"``, ``V % 8 == 0`` for ``"vh"``: every real head but GPT-2's 50257), else from a zero-padded copy.
 
-Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/KERNELS_NOTES.md``).
+Block sizes come from :func:`block_config` (the reviewed table ``gmpo_jax.tuning.MOSAIC_BLOCKS``).
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ class _GradPass:
   def windows(self, carry, tile0, tile1, wt, kept):
     """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one
     weight slice alive at a time by construction, accumulators updated in place; a Python loop left
-    the order to XLA's scheduler, which hoisted dz kernels: up to 5.95 GiB at qwen 2 x 32768,
+    the order to XLA's scheduler, which hoisted dz kernels and took several times the memory:
     docs/performance.md), then the partial one, with static shapes (columns past V are masked)."""
     from gmpo_jax.kernels import _common as C
     bn = self.cfg.block_n
