@@ -36,22 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax import tuning
+from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 
-__all__ = ["MosaicGpuBackend", "make_backend", "supported_on", "block_config"]
-
-_H100_SMS = 132
-
-
-def supported_on(device) -> bool:
-  """True on a CUDA GPU of compute capability 9.0 (Hopper) or newer."""
-  if getattr(device, "platform", None) != "gpu":
-    return False
-  cc = getattr(device, "compute_capability", None)
-  try:
-    return float(cc) >= 9.0
-  except (TypeError, ValueError):
-    return False
+__all__ = ["MosaicGpuBackend", "supported_on", "block_config"]
 
 
 def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = False, device_kind: str | None = None):
@@ -75,15 +63,6 @@ def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
   if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
     return lm_head_lse_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
   return 2 * cfg.block_m * cfg.block_n * itemsize  # the dz kernel's two output tiles
-
-
-def _num_sms(interpret: bool) -> int:
-  if interpret:
-    return _H100_SMS
-  try:
-    return jax.devices()[0].core_count
-  except Exception:  # pragma: no cover - some PJRT clients do not report it
-    return _H100_SMS
 
 
 class SavedLogits(NamedTuple):
@@ -228,7 +207,7 @@ class MosaicGpuBackend:
     cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
     hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
     n_tiles = C.cdiv(V, cfg.block_n)
-    splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
+    splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
     out = lm_head_lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
                                weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
                                with_entropy=with_entropy, save_tiles=save_tiles,
@@ -317,7 +296,7 @@ class _GradPass:
     if kept:
       return _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
     cfg = self.cfg
-    splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, _num_sms(self.backend.interpret))
+    splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret))
     return lm_head_dlogits_window(self.hp, w_blk, b_blk, ids_w, self.scale, self.lse2, self.coef,
                                   weight_layout=self.layout, vocab_size=width, window_start=0, window_tiles=wt,
                                   cfg=cfg, num_splits=splits, interpret=self.backend._interpret_params())
@@ -425,7 +404,3 @@ def _prepare(hidden, ids, bias, temperature, cfg, V):
     n_cols = C.cdiv(V, cfg.block_n) * cfg.block_n
     bias_p = jnp.pad(bias.astype(jnp.float32), (0, n_cols - V))
   return hp, ids_p, scale, bias_p, Rp
-
-
-def make_backend(**kw) -> MosaicGpuBackend:
-  return MosaicGpuBackend(**kw)

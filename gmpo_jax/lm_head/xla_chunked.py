@@ -27,7 +27,7 @@ from jax import lax
 from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax import tuning
 
-__all__ = ["XlaChunkedBackend", "make_backend", "shifted"]
+__all__ = ["XlaChunkedBackend", "shifted"]
 
 
 def _precision(*dtypes):
@@ -184,7 +184,3 @@ class XlaChunkedBackend:
         with jax.named_scope("gmpo_jax/xla_chunked/grads"):
             (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
         return dh.astype(hidden.dtype), dw, db
-
-
-def make_backend() -> XlaChunkedBackend:
-    return XlaChunkedBackend()

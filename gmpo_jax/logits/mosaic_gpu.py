@@ -18,32 +18,12 @@ from jax.extend import core as jex_core
 
 from gmpo_jax import kernels as K
 from gmpo_jax import tuning
+from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 
-__all__ = ["MosaicGpuLogitsBackend", "make_backend"]
+__all__ = ["MosaicGpuLogitsBackend"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-def _num_sms() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 132) or 132)
-    except Exception:  # pragma: no cover - no device info
-        return 132
-
-
-def _hopper_or_newer() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover
-        return False
-    if dev.platform != "gpu":
-        return False
-    cc = getattr(dev, "compute_capability", None)
-    try:
-        return cc is not None and float(cc) >= 9.0
-    except ValueError:  # pragma: no cover
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +99,7 @@ class MosaicGpuLogitsBackend:
         return None
 
     def check_supported(self, *, dtype, B, T, Tl, V):
-        if not self.interpret and not _hopper_or_newer():
+        if not self.interpret and not supported_on(jax.devices()[0]):
             raise BackendUnavailableError("the Mosaic GPU logits kernels need a Hopper (sm_90) or newer GPU")
         dtype = jnp.dtype(dtype)
         if dtype not in _DTYPES:
@@ -139,7 +119,7 @@ class MosaicGpuLogitsBackend:
             tiles = -(-W // self.fwd.block_v)
             tps = -(-tiles // min(self.num_splits, tiles))
             return -(-tiles // tps)
-        return K.logits_num_splits(-(-R // K.BLOCK_ROWS), -(-W // self.fwd.block_v), _num_sms())
+        return K.logits_num_splits(-(-R // K.BLOCK_ROWS), -(-W // self.fwd.block_v), num_sms())
 
     def _rows(self, logits, ids, T):
         """The ``[R * k, V / k]`` view and per-piece target columns (``id - j * V / k``: one piece holds it)."""
@@ -214,7 +194,7 @@ class MosaicGpuLogitsBackend:
         if self.interpret:  # 3 CTAs, each walking several rows; 2 stages, so that the tests' rows of 2
             num_ctas, stages = 3, 2  # tiles skip masked rows (which needs stages <= tiles per CTA)
         else:
-            sms = _num_sms()
+            sms = num_sms()
             clusters = {4: sms * plan["clusters_of_4_per_132_sms"] // 132, 2: sms, 1: 2 * sms}[cluster]
             num_ctas = cluster * clusters
         return w, K.FusedLogitsBlocks(block_rows=bs, stages=stages, out_stages=plan["out_stages"], cluster=cluster, num_ctas=num_ctas,
@@ -259,7 +239,7 @@ class MosaicGpuLogitsBackend:
 
         with jax.named_scope("gmpo_jax/mosaic_gpu/lse_and_dlogits"):
             dz, stats = K.logits_lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_fn, cfg=cfg,
-                                          num_sms=_num_sms(), interpret=self._interpret_params())
+                                          num_sms=num_sms(), interpret=self._interpret_params())
             S_ = K.RowStats
             logp, c, loss = stats[:, S_.LOGP], stats[:, S_.GRAD_SCALE], jnp.sum(stats[:, S_.LOSS_TERM])
             # the one-hot's term at the target: c (1 - p) with p = exp(logp), in float32 (the kernel wrote -c p)
@@ -293,8 +273,3 @@ def _inline(closed, *args):
         for var, val in zip(eqn.outvars, outs):
             env[var] = val
     return [read(v) for v in closed.jaxpr.outvars]
-
-
-def make_backend(**kw) -> MosaicGpuLogitsBackend:
-    return MosaicGpuLogitsBackend(**kw)
-

@@ -38,7 +38,7 @@ from jax import lax
 from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax.lm_head.xla_chunked import shifted
 
-__all__ = ["XlaLogitsBackend", "make_backend"]
+__all__ = ["XlaLogitsBackend"]
 
 
 def _lse_combine(a, b):
@@ -120,7 +120,3 @@ class XlaLogitsBackend:
             hit = lax.broadcasted_iota(jnp.int32, (1, 1, V), 2) == ids_p
             g = jnp.where(hit, 1.0 - p, -p)
             return jnp.where(c != 0.0, c * g, 0.0).astype(logits.dtype)
-
-
-def make_backend(**kw) -> XlaLogitsBackend:
-    return XlaLogitsBackend(**kw)
