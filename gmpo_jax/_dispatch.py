@@ -34,16 +34,17 @@ class BackendUnavailableError(NotImplementedError):
 
 
 def _make(registry: dict[str, str], name: str):
-    module_path = registry[name]
+    """A default-configured instance of ``registry[name]`` (``"module.path:ClassName"``)."""
+    module_path, class_name = registry[name].split(":")
     try:
         module = importlib.import_module(module_path)
     except ImportError as e:  # e.g. a jax build without Pallas Mosaic GPU
         raise BackendUnavailableError(f"implementation={name!r} cannot be imported: {e}") from e
-    return module.make_backend()
+    return getattr(module, class_name)()
 
 
 def dispatch(implementation, registry: dict[str, str], what: str, **config):
-    """Pick a backend from ``registry`` (ordered name -> module path); shared by every op's dispatch.
+    """Pick a backend from ``registry`` (ordered name -> ``"module.path:ClassName"``); shared by every op's dispatch.
 
     ``implementation`` is None (try the registry in order: a ``BackendUnavailableError`` falls through
     silently, an ``UnsupportedConfigError`` with one warning), a registered name (explicit: never falls

@@ -1,21 +1,29 @@
-"""Default block sizes: small reviewed tables, no autotuning, no environment variables.
+"""Tuned constants of every backend: small reviewed tables, no autotuning, no environment variables.
 
-XLA path (``xla_chunked``): chunk rows and vocabulary block below. Mosaic GPU LM-head kernels:
-``MOSAIC_BLOCKS``, keyed by GPU and head, filled from ``python3 -m benchmarks.kernels_bench --sweep``.
+Each tuned value has one provenance line in the comment above it: device, date, jax version, what was
+compared, where the record is. The measured numbers are in ``docs/performance.md`` (raw records in
+``benchmarks/results/*.jsonl``); the session notes those lines name are in git history (``git show
+97a282a:benchmarks/KERNELS_NOTES.md``, ``git show 97a282a:benchmarks/LOGITS_NOTES.md``). To measure a
+variant: ``python -m benchmarks.run ... --tuning "NAME=..."`` (``benchmarks/README.md``), one per run.
 
-Chunks are groups of whole sequences; ``rows = chunk_size * T`` tokens go through the LM head at once.
-The XLA path keeps one ``[rows, vocab_block]`` float32 logits block live (plus a few same-sized
-temporaries in the gradient pass), so ``rows * vocab_block`` is what bounds workspace memory.
-Values come from a sweep on an NVIDIA H200 (jax 0.11.2, 2026-11-30, Qwen2.5-0.5B head H=896 V=151936,
-N=16384 bf16, forward+backward; benchmarks/RESULTS.md): rows x vocab_block = 8192 x 2048: 47.0 ms,
-8192 x 4096: 44.6 ms, 4096 x 8192: 45.6 ms, 16384 x 2048: 43.4 ms (peak 1.44-1.48 GiB in all four).
+* XLA LM-head path (``xla_chunked``): chunks are groups of whole sequences; ``rows = chunk_size * T``
+  tokens go through the LM head at once and keep one ``[rows, vocab_block]`` float32 logits block live
+  (plus a few same-sized temporaries in the gradient pass), so ``rows * vocab_block`` bounds workspace
+  memory: ``TARGET_ROWS``, ``LOGITS_BLOCK_ELEMENTS``.
+* Mosaic GPU LM-head kernels: ``MOSAIC_BLOCKS`` (keyed by GPU and head), ``MOSAIC_DEFAULT``,
+  ``SAVED_LOGITS_MIN_H``.
+* Mosaic GPU logits kernels (``gmpo_jax.logits.mosaic_gpu``): ``LOGITS_FWD``, ``LOGITS_BWD``,
+  ``LOGITS_FUSED``.
+* Exact work skipping (``gmpo_jax.lm_head.rows``): ``ROW_BUCKETS``, ``ROW_ALIGN``.
 """
 
 from __future__ import annotations
 
 # Target number of token rows per chunk (a chunk never splits a sequence, so long sequences exceed it).
+# H200, 2026-11-30, jax 0.11.2: rows x vocab_block 16384x2048 vs 8192x2048, 8192x4096, 4096x8192, Qwen2.5-0.5B head N=16384 bf16 fwd+bwd (daf34c4); docs/performance.md "xla_chunked".
 TARGET_ROWS = 16384
 # Budget of float32 elements for one [rows, vocab_block] logits block (2**25 elements = 128 MiB).
+# Same sweep as TARGET_ROWS: its winner 16384 x 2048 is 2**25 elements; docs/performance.md "xla_chunked".
 LOGITS_BLOCK_ELEMENTS = 2**25
 MIN_VOCAB_BLOCK = 128
 MAX_VOCAB_BLOCK = 8192  # keeps the weight block slice small
@@ -34,30 +42,24 @@ def xla_vocab_block(rows: int, V: int) -> int:
 
 
 # Mosaic GPU LM-head kernels: (block_m per warpgroup, block_n, block_k, num_stages) per kernel, keyed by
-# (device_kind, H, V). From ``python3 -m benchmarks.kernels_bench --sweep`` on an H200 (2026-11-30, fourth
-# session, jax 0.11.2, R = 8192; benchmarks/KERNELS_NOTES.md): log-prob kernel, Qwen 64x256x3 3.59 ms vs
-# 64x256x4 3.67, 128x128x3 3.62, 128x128x4 3.64, 64x128x6 3.94; Llama 64x256x4 14.00 ms vs 64x256x3 14.03,
-# 128x128x3 14.21, 128x128x4 14.96, 64x128x6 17.23 (the Qwen gaps are within the ~2 % run-to-run spread, so
-# both heads keep 64x256x4). Gradient (dz) kernel: Llama 64x256x3 13.64 ms vs 128x128x3 14.36, 128x128x2
-# 16.42, 64x128x6 18.37; Qwen 64x256x3 3.87 vs 128x128x3 3.89. The gradient kernel's two output staging
-# tiles share shared memory with its ring, hence fewer stages. "logprob_saved" is the log-prob kernel that
-# also writes the logits tiles for the gradient pass (``save_logits``): its two float16 staging tiles
-# leave room for three stages at 64 x 256 (which cost nothing measurable above). Other GPUs and heads use
-# MOSAIC_DEFAULT.
+# (device_kind, H, V); other GPUs and heads use MOSAIC_DEFAULT. The gradient kernel's two output staging
+# tiles share shared memory with its ring, hence fewer stages; "logprob_saved" is the log-prob kernel that
+# also writes the logits tiles for the gradient pass (``save_logits``): its two float16 staging tiles leave
+# room for three stages at 64 x 256.
+# H200, 2026-11-30 (fourth session), jax 0.11.2: log-prob 64x256x4 and dz 64x256x3 vs 64x256x3/4, 128x128x2/3/4, 64x128x6 per kernel at R = 8192, both heads (gaps <= the ~2 % spread at Qwen); docs/performance.md "Block sizes".
 MOSAIC_BLOCKS: dict[tuple[str, int, int], dict[str, tuple[int, int, int, int]]] = {
     ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3)},    # Qwen2.5-0.5B
     ("NVIDIA H200", 4096, 128256): {"logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3)},   # Llama-3-8B
 }
+# The H200 winners as the default; "logprob_saved": H200, 2026-11-30, jax 0.11.2: 64x256x3 as fast as x4 in the sweep above (cf4bd95); docs/performance.md "Block sizes".
 MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {
     "logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3), "logprob_saved": (64, 256, 64, 3)}
 
 
 # Mosaic GPU LM head: keep a single chunk's logits (float16) for the gradient pass only for hidden sizes
-# this large. Measured on an H200 (2026-11-30, benchmarks/RESULTS.md "Issue 3, fourth session"), fwd+bwd,
-# recompute vs keep: Llama-3 (H 4096) 8192 rows 57.35 -> 43.85 ms (all kept), 16384 rows 108.4 -> 98.8 ms
-# (half kept); Qwen2.5-0.5B (H 896) 16384 rows 29.64 -> 29.97 ms (15 % kept), 512 rows 1.364 -> 1.605 ms
-# (84 % kept). The recompute a kept tile saves grows with H, its memory traffic does not. Between 896 and
-# 4096 nothing was measured: the threshold sits at the next real head below 4096 (Qwen2.5-7B's 3584).
+# this large. The recompute a kept tile saves grows with H, its memory traffic does not; between 896 and
+# 4096 nothing was measured, so the threshold sits at the next real head below 4096 (Qwen2.5-7B's 3584).
+# H200, 2026-11-30 (fourth session), jax 0.11.2: recompute vs keep, fwd+bwd, Llama-3 head (faster) and Qwen2.5-0.5B head (not faster) (cf4bd95, 2592d74); docs/performance.md "LM head: mosaic_gpu".
 SAVED_LOGITS_MIN_H = 3584
 
 
@@ -67,6 +69,19 @@ def mosaic_blocks(device_kind: str, H: int, V: int, kind: str) -> tuple[int, int
     entry, else ``MOSAIC_DEFAULT``'s."""
     entry = MOSAIC_BLOCKS.get((device_kind, H, V), {})
     return entry.get(kind, MOSAIC_DEFAULT[kind])
+
+
+# Mosaic GPU logits kernels, three-pass path: the fields of ``kernels.LogitsBlocks`` of the forward
+# (log-sum-exp) and backward (dlogits) kernels. float32 logits run the same blocks; not swept.
+# H200, 2026-11-30, jax 0.11.2: forward 128x4 vs 128x6, 256 columns, target picked in the kernel, Llama-3 vocabulary B = 2 / 16 x 1025 rows bf16 (bb6779a, run 2); docs/performance.md "Block sizes".
+LOGITS_FWD = {"block_v": 128, "stages": 4, "pick_target": False}
+# H200, 2026-11-30, jax 0.11.2: backward 128x3x32 vs 128x3x8, 128x2x32, 64x4, 256x2 (block_v x stages x tiles), same run (bb6779a, run 2); docs/performance.md "Block sizes".
+LOGITS_BWD = {"block_v": 128, "stages": 3, "tiles_per_cta": 32}
+# Fused two-pass logits kernel (``kernels.FusedLogitsBlocks``): bytes of one tile, input and output ring
+# stages (4 x 16 KB + 2 x 16 KB = 96 KB of shared memory: two CTAs per SM) and, for clusters of 4 CTAs per
+# row, clusters per 132 SMs (scaled to the device's SM count; 64 would not all fit at once).
+# H200, 2026-11-30 (fifth and sixth sessions), jax 0.11.2: 62 vs 58 / 60 clusters of 4, 2 x 124, 2 x 132, 8 x 31, 5+1 and 3+2 stages, GRPO, Llama-3 vocabulary B = 2 / 16 (fdadff4, 8b7aadd); docs/performance.md "Block sizes".
+LOGITS_FUSED = {"tile_bytes": 16384, "stages": 4, "out_stages": 2, "clusters_of_4_per_132_sms": 62}
 
 
 # Exact work skipping (``gmpo_jax.lm_head.rows``): the backend runs on the smallest of ROW_BUCKETS static

@@ -85,6 +85,49 @@ TOLERANCES: dict[str, Tol] = {
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
+# --------------------------------------------------------------------------------------------------
+# The kernel and ordering bounds: the tests that do not compare one dtype against the float64 oracle
+# through the public API (kernels at the seam, kernels against the XLA path, two vocabulary orders, two
+# compiled programs of one kernel). One place, a reason each; test_kernels.py and
+# test_order_invariance.py import them. ``max|z|`` is the largest |logit / temperature| of the case.
+# --------------------------------------------------------------------------------------------------
+# Kernel log-prob / log-sum-exp vs float64, absolute, times (1 + max|z|): float32 accumulation of a
+# 64..192-term dot product and a float32 log-sum-exp are exact to a few ulps of the largest logit.
+LOGP_TOL = 2e-5
+# Kernel entropy vs float64 ``-sum p log p``, absolute, times (1 + max|z|): the kernel's online float32
+# sum of ``p (z2 - m2)`` carries the same few ulps of the largest logit as the log-sum-exp.
+ENTROPY_TOL = 2e-5
+# Kernel dhidden / dW / db vs float64, relative (norm): ``dz`` is rounded to the 16-bit input dtype
+# before ``dz W^T`` / ``h^T dz`` (as in the xla_chunked path) and dhidden is returned in that dtype.
+GRAD_REL_F64 = 1e-2
+# Kernel log-sum-exp vs xla_chunked, absolute, times (1 + max|z|): the same rounding points; only the
+# summation order and the kernel's base-2 exponentials differ.
+LSE_VS_XLA = 1e-5
+# Kernel gradients vs xla_chunked, relative (norm): as LSE_VS_XLA, plus one 16-bit rounding of dz that
+# may fall differently.
+GRAD_REL_XLA = 2e-3
+# Gradients from the float16 logits the log-prob kernel kept vs the recompute, relative (norm): float16
+# logits put ``p`` off by at most ``p |ln p| 2**-11``, and dW comes back in the 16-bit weight dtype.
+SAVED_REL = 4e-3
+# Two compiled programs of the same interpreter kernel (e.g. the log-prob kernel with and without the
+# entropy outputs) are different XLA:CPU programs whose float32 rounding may differ: 1 ulp observed at
+# one element; bitwise equality is only promised for one compiled kernel on the GPU (``gpu`` tests).
+INTERPRET_MAX_ULP = 2
+# float32 unit roundoff: the unit of the ulp-based bounds of test_order_invariance.py.
+U32 = 2.0 ** -24
+# A float32 log-sum-exp of a row is exact to LSE_ULPS units of (1 + |lse| + |z - lse|); per element
+# ``p = exp(z - lse)`` inherits it (test_order_invariance's extreme rows).
+LSE_ULPS = 8
+# Slack on LSE_ULPS for dlogits of the loss from logits against float64: the objective's ``d loss / d logp``
+# sees ``logp`` and carries that error once more.
+DLOGITS_SLACK = 4
+# Two vocabulary orders against each other: each is within the dtype table of float64, so within
+# ORDER_SLACK times it of each other.
+ORDER_SLACK = 2
+# float32 log-probs of ``make_case`` inputs (logit scale 2, |z| of a few units) vs float64, absolute:
+# LOGP_TOL without the (1 + max|z|) factor (test_order_invariance's x64 check).
+X64_LOGP_ATOL = 2e-5
+
 # Clip fractions are counts / count: exact up to one f32 division.
 METRIC_FRACTION_ATOL = 1e-6
 

@@ -7,14 +7,8 @@ bias, temperature, bf16 and f16, large logits. Each case is compared with the po
 oracle computed from the same 16-bit-rounded inputs. The ``gpu`` tests rerun real shapes on a
 Hopper GPU and check bitwise rerun equality.
 
-Tolerances (one table, the reasons beside them):
-  logp / lse vs float64: 2e-5 * (1 + max|z|): float32 accumulation of a 64..192-term dot product
-    and a float32 log-sum-exp; a few ulps of the largest logit.
-  dhidden vs float64: 1e-2 relative (norm): dz is rounded to the 16-bit dtype before the
-    ``dz W^T`` product (as in the xla_chunked path) and dhidden is returned in that dtype.
-  dW vs float64: 1e-2 relative (norm): the same 16-bit rounding of dz, float32 accumulation.
-  vs xla_chunked: 1e-5 (lse) / 2e-3 (gradients): same rounding points, only summation order and
-    the base-2 exponentials of the kernel differ.
+Tolerances: ``LOGP_TOL``, ``ENTROPY_TOL``, ``GRAD_REL_F64``, ``LSE_VS_XLA``, ``GRAD_REL_XLA``, ``SAVED_REL`` and
+``INTERPRET_MAX_ULP`` of ``conftest.py`` (the reasons are there).
 """
 
 from __future__ import annotations
@@ -34,12 +28,8 @@ from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
 from gmpo_jax.kernels import _common as C
 
 import spec_numpy as spec
-
-LOGP_TOL = 2e-5
-GRAD_REL_F64 = 1e-2
-LSE_VS_XLA = 1e-5
-GRAD_REL_XLA = 2e-3
-SAVED_REL = 4e-3
+from conftest import (ENTROPY_TOL, GRAD_REL_F64, GRAD_REL_XLA, INTERPRET_MAX_ULP, LOGP_TOL, LSE_VS_XLA,
+                      SAVED_REL)
 
 
 def _inputs(R, H, V, layout, dtype, bias, scale, seed):
@@ -635,10 +625,13 @@ def test_interpret_kept_logits_through_the_api(objective):
 ], ids=["hv", "vh-bias-T0.7-tail", "padded-vocab250", "peaky-logits30", "T1e-6"])
 def test_interpret_entropy_matches_float64(layout, bias, V, vocab_size, temperature, scale):
   """``return_entropy=True`` through the Mosaic log-prob kernel (interpreter): the entropy equals float64
-  ``-sum p log p`` (absolute 2e-5 (1 + min(max |z| / T, 104)): the kernel's online sum of ``p (z2 -
+  ``-sum p log p`` (absolute ``ENTROPY_TOL (1 + min(max |z| / T, 104))``: the kernel's online sum of ``p (z2 -
   m2)`` in float32; terms with ``m - z > 104`` have ``p = 0`` in float32 and add nothing, so a tiny
-  temperature must give 0), lies in ``[0, log V]``, and the log-probs are bitwise those of
-  ``return_entropy=False``."""
+  temperature must give 0), lies in ``[0, log V]``, and the log-probs are within ``INTERPRET_MAX_ULP`` ulps
+  of those of ``return_entropy=False``: with and without the entropy outputs the interpreter runs two
+  different compiled XLA:CPU programs, which may round an element differently (1 ulp seen at
+  ``padded-vocab250``). Bitwise equality holds for the compiled kernel on the GPU
+  (``test_gpu_entropy_real_heads``)."""
   import gmpo_jax
   B, T, H = 2, 64, 128
   h, w, b, _, _ = _inputs(B * T, H, V, layout, jnp.bfloat16, bias, scale, seed=11)
@@ -651,10 +644,10 @@ def test_interpret_entropy_matches_float64(layout, bias, V, vocab_size, temperat
   logp, ent = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids, return_entropy=True, **kw))(h)
   want = spec.spec_entropy(h, w, bias=b, temperature=temperature, weight_layout=layout, vocab_size=vocab_size)
   zmax = np.abs(spec._logits(h, w, b, temperature, layout)).max()
-  np.testing.assert_allclose(np.asarray(ent), want, rtol=0, atol=2e-5 * (1 + min(zmax, 104.0)))
+  np.testing.assert_allclose(np.asarray(ent), want, rtol=0, atol=ENTROPY_TOL * (1 + min(zmax, 104.0)))
   assert np.all(np.asarray(ent) >= 0) and np.all(np.asarray(ent) <= np.log(real) + 1e-6)
   logp0 = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids, **kw))(h)
-  np.testing.assert_array_equal(np.asarray(logp), np.asarray(logp0))
+  np.testing.assert_array_max_ulp(np.asarray(logp), np.asarray(logp0), maxulp=INTERPRET_MAX_ULP)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -677,7 +670,7 @@ def test_interpret_entropy_split_merge(num_splits):
   logsm = z - z.max(1, keepdims=True)
   logsm -= np.log(np.exp(logsm).sum(1, keepdims=True))
   want = -(np.exp(logsm) * logsm).sum(1)
-  np.testing.assert_allclose(np.asarray(ent), want, rtol=0, atol=2e-5 * (1 + np.abs(z).max()))
+  np.testing.assert_allclose(np.asarray(ent), want, rtol=0, atol=ENTROPY_TOL * (1 + np.abs(z).max()))
 
 
 @pytest.mark.gpu
@@ -696,7 +689,7 @@ def test_gpu_entropy_real_heads(layout, bias, H, V):
   sub = slice(0, 64)
   want = spec.spec_entropy(h[sub], w, bias=b, temperature=0.8, weight_layout=layout)
   zmax = np.abs(spec._logits(h[sub], w, b, 0.8, layout)).max()
-  np.testing.assert_allclose(np.asarray(ent)[0, sub], want, rtol=0, atol=2e-5 * (1 + zmax))
+  np.testing.assert_allclose(np.asarray(ent)[0, sub], want, rtol=0, atol=ENTROPY_TOL * (1 + zmax))
 
 
 def test_interpret_tie_at_tiny_temperature():

@@ -157,7 +157,7 @@ def test_training_loss_gradient_matches_dense_reference(objective, tied):
             ref_logps=batch.ref_logps, temperature=0.9, weight_layout="vh" if tied else "hv")
 
     fused = nnx.jit(lambda m: nnx.value_and_grad(
-        lambda m: loop.policy_loss(m, batch, objective, temperature=0.9), has_aux=True)(m))
+        lambda m: loop.training_loss(m, batch, objective, temperature=0.9), has_aux=True)(m))
     dense = nnx.jit(lambda m: nnx.value_and_grad(dense_loss, has_aux=True)(m))
     (l1, aux1), g1 = fused(model)
     (l2, aux2), g2 = dense(model)

@@ -90,13 +90,13 @@ class FusedLogitsBlocks:
     pass read last (the likeliest still in L2).
   skip_dead_rows: rows with ``live == 0`` in the row data (masked tokens, the dropped last position) are
     not read, only written with zeros, and their log-prob is reported as 0 (it applies when the row is
-    resident, or ``stages`` is at most the tiles a CTA has of each row). H200, 2026-11-30, resident
-    rows: 6 % / 3.5 % faster at B = 2 / 16 with 12 % of the rows masked, 2 % slower with none.
+    resident, or ``stages`` is at most the tiles a CTA has of each row). Measured on an H200: faster
+    with ragged masks, slightly slower with none (docs/performance.md).
   resident: when a CTA's share of a row fits in the ring (``ceil(tiles / cluster) <= stages``), pass B
     reads the tiles pass A left in shared memory (slot ``t`` holds the CTA's tile ``t``, refilled with the
     next row's tile once pass B has written it) instead of fetching them again from L2; False re-reads
-    them (the ring streams both passes; ``reverse`` applies). H200, 2026-11-30: 5 % faster at B = 2 and
-    B = 16 (2 x 1025 rows: 0.333 -> 0.317 ms per step; the kernel 318 -> 305 us).
+    them (the ring streams both passes; ``reverse`` applies). Measured faster on an H200 at B = 2 and
+    B = 16 (docs/performance.md).
   """
 
   block_rows: int = 256

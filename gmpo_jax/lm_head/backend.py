@@ -54,10 +54,10 @@ class LMHeadBackend(Protocol):
         """
 
 
-# Ordered: the default dispatch tries them in this order. Each module defines ``make_backend(**kw)``.
+# Ordered: the default dispatch tries them in this order; "module.path:ClassName", built with its defaults.
 IMPLEMENTATIONS: dict[str, str] = {
-    "mosaic_gpu": "gmpo_jax.lm_head.mosaic_gpu",
-    "xla_chunked": "gmpo_jax.lm_head.xla_chunked",
+    "mosaic_gpu": "gmpo_jax.lm_head.mosaic_gpu:MosaicGpuBackend",
+    "xla_chunked": "gmpo_jax.lm_head.xla_chunked:XlaChunkedBackend",
 }
 
 

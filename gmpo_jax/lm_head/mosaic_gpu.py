@@ -10,7 +10,7 @@ accumulation, ``db += sum_rows dz``. Nothing is accumulated with atomics: bitwis
 The full windows run in a ``lax.scan`` (each step copies its weight columns and shifts the ids), so
 one window's buffers are alive at a time and the accumulators are updated in place; the last,
 partial window runs after it. Unrolled windows left that to XLA's scheduler, which kept up to all of
-them alive (benchmarks/RESULTS.md, "second session").
+them alive (docs/performance.md, "LM head: mosaic_gpu").
 
 ``logprobs_for_grads`` (the policy loss's single-chunk call, where no float32 weight-gradient accumulator
 is needed): when the chunk's logits fit the memory it is given, the log-prob kernel also writes them
@@ -23,7 +23,7 @@ the tail of the last vocabulary tile and the kernels mask it (``-inf`` logits, z
 weight is read in place when its vocabulary dimension suits the bulk copies (``V % 64 == 0`` for
 ``"hv"``, ``V % 8 == 0`` for ``"vh"``: every real head but GPT-2's 50257), else from a zero-padded copy.
 
-Block sizes come from :func:`block_config` (a reviewed table, see ``benchmarks/KERNELS_NOTES.md``).
+Block sizes come from :func:`block_config` (the reviewed table ``gmpo_jax.tuning.MOSAIC_BLOCKS``).
 """
 
 from __future__ import annotations
@@ -36,23 +36,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax import tuning
+from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.lm_head.backend import cancel_rounding
 
-__all__ = ["MosaicGpuBackend", "make_backend", "supported_on", "block_config"]
-
-_H100_SMS = 132
-
-
-def supported_on(device) -> bool:
-  """True on a CUDA GPU of compute capability 9.0 (Hopper) or newer."""
-  if getattr(device, "platform", None) != "gpu":
-    return False
-  cc = getattr(device, "compute_capability", None)
-  try:
-    return float(cc) >= 9.0
-  except (TypeError, ValueError):
-    return False
+__all__ = ["MosaicGpuBackend", "supported_on", "block_config"]
 
 
 def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = False, device_kind: str | None = None):
@@ -76,15 +64,6 @@ def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
   if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
     return lm_head_lse_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
   return 2 * cfg.block_m * (cfg.block_n * itemsize + 4)  # the dz kernel's two output tiles and row sums
-
-
-def _num_sms(interpret: bool) -> int:
-  if interpret:
-    return _H100_SMS
-  try:
-    return jax.devices()[0].core_count
-  except Exception:  # pragma: no cover - some PJRT clients do not report it
-    return _H100_SMS
 
 
 class SavedLogits(NamedTuple):
@@ -237,7 +216,7 @@ class MosaicGpuBackend:
     cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
     hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
     n_tiles = C.cdiv(V, cfg.block_n)
-    splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, _num_sms(self.interpret))
+    splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
     out = lm_head_lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
                                weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
                                with_entropy=with_entropy, save_tiles=save_tiles,
@@ -330,7 +309,7 @@ class _GradPass:
       dz = _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
       return dz, jnp.sum(dz.astype(jnp.float32), axis=1)
     cfg = self.cfg
-    splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, _num_sms(self.backend.interpret))
+    splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret))
     dz, rowsum = lm_head_dlogits_window(self.hp, w_blk, b_blk, ids_w, self.scale, self.lse2, self.coef,
                                         weight_layout=self.layout, vocab_size=width, window_start=0,
                                         window_tiles=wt, cfg=cfg, num_splits=splits,
@@ -365,7 +344,7 @@ class _GradPass:
   def windows(self, carry, tile0, tile1, wt, kept):
     """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one
     weight slice alive at a time by construction, accumulators updated in place; a Python loop left
-    the order to XLA's scheduler, which hoisted dz kernels: up to 5.95 GiB at qwen 2 x 32768,
+    the order to XLA's scheduler, which hoisted dz kernels and took several times the memory:
     docs/performance.md), then the partial one, with static shapes (columns past V are masked)."""
     from gmpo_jax.kernels import _common as C
     bn = self.cfg.block_n
@@ -441,7 +420,3 @@ def _prepare(hidden, ids, bias, temperature, cfg, V):
     n_cols = C.cdiv(V, cfg.block_n) * cfg.block_n
     bias_p = jnp.pad(bias.astype(jnp.float32), (0, n_cols - V))
   return hp, ids_p, scale, bias_p, Rp
-
-
-def make_backend(**kw) -> MosaicGpuBackend:
-  return MosaicGpuBackend(**kw)

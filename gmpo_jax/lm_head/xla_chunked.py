@@ -28,7 +28,7 @@ from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax.lm_head.backend import cancel_rounding
 from gmpo_jax import tuning
 
-__all__ = ["XlaChunkedBackend", "make_backend", "shifted"]
+__all__ = ["XlaChunkedBackend", "shifted"]
 
 
 def _precision(*dtypes):
@@ -189,7 +189,3 @@ class XlaChunkedBackend:
             if self.cancel_rounding and jnp.dtype(cdt).itemsize < 4:  # float32 dz is not rounded
                 dh = cancel_rounding(dh, rowsum, weight, ids, weight_layout)
         return dh.astype(hidden.dtype), dw, db
-
-
-def make_backend() -> XlaChunkedBackend:
-    return XlaChunkedBackend()

@@ -95,13 +95,9 @@ def policy_loss_from_logits(
         (Liger's ``vllm_is_ratio``); multiplies the per-token policy loss. Ignored by GMPO (with a
         warning), as SPEC.md defines.
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
-        completion tokens in ONE optimizer step's accumulation window, i.e. every micro-batch whose
-        gradients are accumulated into one update (under data parallelism: the global count over all
-        devices, since the normalisers are global). Not the token count of a whole generation batch
-        when it spans more micro-steps than one optimizer step accumulates: that scales each update
-        by ``gas / steps_per_generation`` (TRL #5619). With ``optax.MultiSteps`` (which averages the
-        accumulated gradients) multiply each micro-step's loss by the number of accumulation steps.
-        Ignored by the other loss types. README: "`num_items_in_batch` under gradient accumulation".
+        completion tokens in ONE optimizer step's accumulation window (global over devices), exactly as
+        for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details). Ignored by the
+        other loss types. README: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       implementation: None (``"mosaic_gpu"`` on Hopper-or-newer GPUs when it can serve the call, else
         ``"xla"``), an explicit name (never falls back), or a backend instance such as

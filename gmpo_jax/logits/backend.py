@@ -27,10 +27,10 @@ from gmpo_jax._dispatch import dispatch
 
 __all__ = ["IMPLEMENTATIONS", "resolve"]
 
-# Ordered: the default dispatch tries them in this order. Each module defines ``make_backend()``.
+# Ordered: the default dispatch tries them in this order; "module.path:ClassName", built with its defaults.
 IMPLEMENTATIONS: dict[str, str] = {
-    "mosaic_gpu": "gmpo_jax.logits.mosaic_gpu",
-    "xla": "gmpo_jax.logits.xla",
+    "mosaic_gpu": "gmpo_jax.logits.mosaic_gpu:MosaicGpuLogitsBackend",
+    "xla": "gmpo_jax.logits.xla:XlaLogitsBackend",
 }
 
 

@@ -16,33 +16,14 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax import kernels as K
+from gmpo_jax import tuning
+from gmpo_jax._device import num_sms, supported_on
+from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 
-__all__ = ["MosaicGpuLogitsBackend", "make_backend"]
+__all__ = ["MosaicGpuLogitsBackend"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-def _num_sms() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 132) or 132)
-    except Exception:  # pragma: no cover - no device info
-        return 132
-
-
-def _hopper_or_newer() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover
-        return False
-    if dev.platform != "gpu":
-        return False
-    cc = getattr(dev, "compute_capability", None)
-    try:
-        return cc is not None and float(cc) >= 9.0
-    except ValueError:  # pragma: no cover
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +41,12 @@ class MosaicGpuLogitsBackend:
     applies (bf16 / f32, not with ``inplace``).
     ``skip_masked_rows`` (fused path only): the kernel does not read the rows of masked tokens (nor the
     dropped last position of ``[B, T + 1, V]`` logits), it only writes their zero gradient. Off by
-    default: measured on the H200 (2026-11-30, GRPO, Llama-3 vocabulary, T = 1024) it is 6 % / 3.5 %
-    faster at B = 2 / 16 with the suite's ragged masks (12 % of the tokens masked) and 2 % slower with a
-    full mask, which the benchmarks use. Turn it on for batches with padding.
+    default: measured on an H200 it is faster with ragged masks and slightly slower with a full mask,
+    which the benchmarks use (docs/performance.md). Turn it on for batches with padding.
     ``resident_rows`` (fused path only): when a CTA's share of a row fits in its shared-memory ring (the
     device plan: a quarter of a Llama-3 or Qwen row per CTA of a cluster), the kernel's second pass reads
-    the row from shared memory instead of fetching it again (H200: 5 % faster); False re-reads it (mostly
-    from L2), the kernel measured before 2026-11-30's seventh session (kept for A / B runs and the tests).
+    the row from shared memory instead of fetching it again (measured faster on an H200); False re-reads
+    it (mostly from L2), the earlier kernel (kept for A / B runs and the tests).
     ``inplace``: the backward writes ``dlogits`` into the logits' buffer (Liger's ``inplace``): one
     ``[B, T(+1), V]`` buffer instead of two when the logits are dead after the loss (donated to the jit,
     or an intermediate of the same jit, as in a training step); otherwise XLA copies them first, which
@@ -74,15 +54,14 @@ class MosaicGpuLogitsBackend:
     it can observe (JAX values are immutable). Where the kernels' view of a row is not a multiple of
     ``bwd.block_v``, the backward runs with 128-byte tiles (64 bf16 columns). The in-place kernel takes
     a ``jax.Ref``, which ``jax.vmap`` cannot batch (use the default, which batches).
-    Defaults from the H200 sweep of benchmarks/LOGITS_NOTES.md (2026-11-30): 128-column tiles; the
-    forward without the in-kernel target pick (0.146 vs 0.165 ms at 2 x 1025 x 128256 bf16), 4 stages;
-    the backward 3 stages, 32 tiles per CTA (block sizes within ~3 % of each other there). float32
-    logits run the same blocks (128 KB of shared-memory ring in the forward, 192 KB in the backward);
-    their speed has not been swept.
+    ``fwd`` / ``bwd`` default to ``tuning.LOGITS_FWD`` / ``tuning.LOGITS_BWD`` (an H200 sweep; the forward
+    leaves the target pick to a gather outside the kernel, which measured faster). float32 logits run the
+    same blocks (128 KB of shared-memory ring in the forward, 192 KB in the backward); their speed has not
+    been swept.
     """
 
-    fwd: K.LogitsBlocks = K.LogitsBlocks(block_v=128, stages=4, pick_target=False)
-    bwd: K.LogitsBlocks = K.LogitsBlocks(block_v=128, stages=3, tiles_per_cta=32)
+    fwd: K.LogitsBlocks = K.LogitsBlocks(**tuning.LOGITS_FWD)
+    bwd: K.LogitsBlocks = K.LogitsBlocks(**tuning.LOGITS_BWD)
     num_splits: int | None = None
     inplace: bool = False
     fused: bool = True
@@ -120,7 +99,7 @@ class MosaicGpuLogitsBackend:
         return None
 
     def check_supported(self, *, dtype, B, T, Tl, V):
-        if not self.interpret and not _hopper_or_newer():
+        if not self.interpret and not supported_on(jax.devices()[0]):
             raise BackendUnavailableError("the Mosaic GPU logits kernels need a Hopper (sm_90) or newer GPU")
         dtype = jnp.dtype(dtype)
         if dtype not in _DTYPES:
@@ -140,7 +119,7 @@ class MosaicGpuLogitsBackend:
             tiles = -(-W // self.fwd.block_v)
             tps = -(-tiles // min(self.num_splits, tiles))
             return -(-tiles // tps)
-        return K.logits_num_splits(-(-R // K.BLOCK_ROWS), -(-W // self.fwd.block_v), _num_sms())
+        return K.logits_num_splits(-(-R // K.BLOCK_ROWS), -(-W // self.fwd.block_v), num_sms())
 
     def _rows(self, logits, ids, T):
         """The ``[R * k, V / k]`` view and per-piece target columns (``id - j * V / k``: one piece holds it)."""
@@ -192,12 +171,10 @@ class MosaicGpuLogitsBackend:
         the kernel stores ``dlogits`` of a unit cotangent, which the backward then scales, and float16
         would round its small entries to subnormals or zero before a loss scale could lift them.
 
-        Blocks (H200 sweep of benchmarks/LOGITS_NOTES.md, 2026-11-30): 16 KB tiles, 4 input and 2 output
-        stages (96 KB of shared memory: two CTAs per SM), clusters of 4 CTAs per row, 62 clusters on 132
-        SMs (2.547 ms at 16 x 1025 rows; 60: 2.605, 58: 2.672; 64 do not all fit at once and the last
-        ones run in a second wave: 4.0 ms; these were measured with rows re-read from L2). A CTA's share
-        of a row is 4 tiles, so the row stays in its 4-slot ring between the two passes (``resident``:
-        2.34 ms at 16 x 1025 rows, 0.317 ms at 2 x 1025, end to end). The interpreter has no
+        Blocks (``tuning.LOGITS_FUSED``, an H200 sweep): 16 KB tiles, 4 input and 2 output stages (96 KB of
+        shared memory: two CTAs per SM), clusters of 4 CTAs per row, 62 clusters on 132 SMs (64 do not all
+        fit at once and the last ones would run in a second wave). A CTA's share of a row is 4 tiles, so
+        the row stays in its 4-slot ring between the two passes (``resident``). The interpreter has no
         clusters: there each CTA owns its rows (``cluster=1``).
         """
         if self.inplace or not self.fused or jnp.dtype(dtype) == jnp.float16:
@@ -207,19 +184,20 @@ class MosaicGpuLogitsBackend:
             return None
         S = V // w
         itemsize = jnp.dtype(dtype).itemsize
-        bs = min(256, 16384 // (w * itemsize), S) // K.BLOCK_ROWS * K.BLOCK_ROWS
+        plan = tuning.LOGITS_FUSED
+        bs = min(256, plan["tile_bytes"] // (w * itemsize), S) // K.BLOCK_ROWS * K.BLOCK_ROWS
         if bs < K.BLOCK_ROWS:
             return None
         n_t = -(-S // bs)
         cluster = 1 if self.interpret else max(c for c in (1, 2, 4) if c <= n_t and (c - 1) * -(-n_t // c) < n_t)
-        stages = 4
+        stages = plan["stages"]
         if self.interpret:  # 3 CTAs, each walking several rows; 2 stages, so that the tests' rows of 2
             num_ctas, stages = 3, 2  # tiles skip masked rows (which needs stages <= tiles per CTA)
         else:
-            sms = _num_sms()
-            clusters = {4: sms * 31 // 66, 2: sms, 1: 2 * sms}[cluster]
+            sms = num_sms()
+            clusters = {4: sms * plan["clusters_of_4_per_132_sms"] // 132, 2: sms, 1: 2 * sms}[cluster]
             num_ctas = cluster * clusters
-        return w, K.FusedLogitsBlocks(block_rows=bs, stages=stages, out_stages=2, cluster=cluster, num_ctas=num_ctas,
+        return w, K.FusedLogitsBlocks(block_rows=bs, stages=stages, out_stages=plan["out_stages"], cluster=cluster, num_ctas=num_ctas,
                                 skip_dead_rows=self.skip_masked_rows, resident=self.resident_rows)
 
     def logprobs_and_dlogits(self, logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
@@ -261,7 +239,7 @@ class MosaicGpuLogitsBackend:
 
         with jax.named_scope("gmpo_jax/mosaic_gpu/lse_and_dlogits"):
             dz, stats = K.logits_lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_fn, cfg=cfg,
-                                          num_sms=_num_sms(), interpret=self._interpret_params())
+                                          num_sms=num_sms(), interpret=self._interpret_params())
             S_ = K.RowStats
             logp, c, loss = stats[:, S_.LOGP], stats[:, S_.GRAD_SCALE], jnp.sum(stats[:, S_.LOSS_TERM])
             # the one-hot's term at the target: c (1 - p) with p = exp(logp), in float32 (the kernel wrote -c p)
@@ -295,8 +273,3 @@ def _inline(closed, *args):
         for var, val in zip(eqn.outvars, outs):
             env[var] = val
     return [read(v) for v in closed.jaxpr.outvars]
-
-
-def make_backend(**kw) -> MosaicGpuLogitsBackend:
-    return MosaicGpuLogitsBackend(**kw)
-

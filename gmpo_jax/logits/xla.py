@@ -16,8 +16,8 @@ with the target 17 above the rest, placed first; correct when placed last). With
 sequential part has at most 127 additions: the error is ``<= 127 * 2^-24`` of the sum whatever ``V``
 and the order (measured: within one ulp of the float64 value for the dominant logit first, last,
 mid-row, or sorted rows at ``V = 151936``). ``lse="two_pass"`` (max, then sum of exp: two reads) is
-kept for comparison: on an H200 XLA runs a pair combiner at only 1.4 TB/s and two plain reductions
-are faster (0.32 vs 0.37 ms at 2 x 1025 x 128256 bf16; benchmarks/LOGITS_NOTES.md), but on the
+kept for comparison: on an H200 XLA runs the pair combiner slowly and two plain reductions measured
+faster (docs/performance.md, "Loss from logits"), but on the
 CPU they materialise a float32 copy of the logits (XLA:CPU does not fuse the upcast into both
 reductions), which the one-read default never does.
 
@@ -38,7 +38,7 @@ from jax import lax
 from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax.lm_head.xla_chunked import shifted
 
-__all__ = ["XlaLogitsBackend", "make_backend"]
+__all__ = ["XlaLogitsBackend"]
 
 
 def _lse_combine(a, b):
@@ -120,7 +120,3 @@ class XlaLogitsBackend:
             hit = lax.broadcasted_iota(jnp.int32, (1, 1, V), 2) == ids_p
             g = jnp.where(hit, 1.0 - p, -p)
             return jnp.where(c != 0.0, c * g, 0.0).astype(logits.dtype)
-
-
-def make_backend(**kw) -> XlaLogitsBackend:
-    return XlaLogitsBackend(**kw)

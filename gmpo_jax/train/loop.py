@@ -128,7 +128,7 @@ def make_optimizer(config: TrainConfig, model: Transformer) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def policy_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective, *, temperature: float = 1.0,
+def training_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective, *, temperature: float = 1.0,
                 train_mesh: Optional[parallel.TrainMesh] = None):
     """The training loss: ``gmpo_jax.fused_linear_policy_loss`` on the policy's completion hidden states.
 
@@ -144,7 +144,7 @@ def policy_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective, 
       ``(loss f32[], aux: gmpo_jax.LossAux)``; differentiable with respect to the policy's parameters.
     """
     hidden = rollout_lib.completion_hidden(model, batch.prompt_ids, batch.completion_ids)
-    weight, layout = rollout_lib.lm_head(model, hidden.dtype)
+    weight, layout = rollout_lib.head_weight(model, hidden.dtype)
     weight, mesh_kwargs = parallel.fused_head(weight, layout, train_mesh)
     return gmpo_jax.fused_linear_policy_loss(
         hidden, weight, batch.completion_ids, batch.completion_mask, batch.advantages,
@@ -164,7 +164,7 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, batch: rollout_lib.
     """
 
     def loss_fn(m):
-        return policy_loss(m, batch, objective, temperature=temperature, train_mesh=train_mesh)
+        return training_loss(m, batch, objective, temperature=temperature, train_mesh=train_mesh)
 
     (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)

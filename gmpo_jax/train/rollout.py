@@ -150,7 +150,7 @@ def completion_hidden(model, prompt_ids: jax.Array, completion_ids: jax.Array) -
     return hidden[:, p - 1:-1]
 
 
-def lm_head(model, dtype):
+def head_weight(model, dtype):
     """``(weight, weight_layout)`` of ``model.head`` for the fused loss, cast to the activation ``dtype``."""
     weight, layout = gmpo_jax.lm_head_weight(model.head)
     return weight.astype(dtype), layout
@@ -177,7 +177,7 @@ def policy_logprobs(model, batch_prompt_ids: jax.Array, completion_ids: jax.Arra
     from gmpo_jax.train.parallel import fused_head
 
     h = completion_hidden(model, batch_prompt_ids, completion_ids)
-    weight, layout = lm_head(model, h.dtype)
+    weight, layout = head_weight(model, h.dtype)
     weight, mesh_kwargs = fused_head(weight, layout, train_mesh)
     logps = gmpo_jax.fused_linear_logprobs(h, weight, completion_ids, completion_mask=completion_mask,
                                            temperature=temperature, weight_layout=layout, **mesh_kwargs)
