@@ -1,6 +1,6 @@
 # Entry points (train and test bootstrap their own virtual environment):
 #   make train   -> the GMPO training demo on its built-in task (CPU by default)
-#   make test    -> the test suite (what .ci/run calls)
+#   make test    -> lint (ruff check, ruff format --check) and the test suite (what .ci/run calls)
 #   make bench   -> on a CUDA machine: the README's main benchmark table (benchmarks/gpu_suite.sh, the
 #                   machine's python3, no venv); elsewhere: a ~30 s CPU smoke run of the drivers.
 #                   ARGS="..." runs `python -m benchmarks.run $(ARGS)` instead (benchmarks/README.md)
@@ -23,6 +23,8 @@ train: $(STAMP)
 	$(BIN)/gmpo-jax train $(ARGS)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench:

@@ -45,8 +45,9 @@ def git_commit() -> str:
     if env:
         return env
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -61,7 +62,7 @@ def cache_path(B: int, T: int, H: int, V: int, data: str, seed: int) -> str:
 
 
 def now_utc() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def timing_stats(times_s: list[float]) -> dict[str, Any]:
@@ -117,7 +118,7 @@ def parse_records(stdout: str) -> list[dict[str, Any]]:
     for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             try:
-                out.append(json.loads(line[len(RESULT_PREFIX):]))
+                out.append(json.loads(line[len(RESULT_PREFIX) :]))
             except json.JSONDecodeError:
                 pass
     return out

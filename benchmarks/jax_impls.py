@@ -37,11 +37,11 @@ import functools
 import math
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from benchmarks import _common, workloads
@@ -64,10 +64,6 @@ def _mask(seed: int, B: int, T: int, kind: str):
     raise ValueError(f"unknown mask kind {kind!r}")
 
 
-def _largest_divisor(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
-
-
 def lm_head_arrays(cfg: Config, opts: dict[str, Any]):
     """``(hidden, weight, ids, mask, advantages)`` of an LM-head configuration (trace under ``jax.jit``;
     ``out_shardings`` places them, as ``benchmarks.sharded_bench`` does)."""
@@ -82,8 +78,9 @@ def lm_head_arrays(cfg: Config, opts: dict[str, Any]):
 
 
 def _workload(opts: dict[str, Any]) -> workloads.Workload:
-    return workloads.Workload(data=opts["data"], seed=opts["seed"], ratio_noise=opts["ratio_noise"],
-                              logit_scale=opts["logit_scale"])
+    return workloads.Workload(
+        data=opts["data"], seed=opts["seed"], ratio_noise=opts["ratio_noise"], logit_scale=opts["logit_scale"]
+    )
 
 
 def lm_head_batch(cfg: Config, opts: dict[str, Any]) -> workloads.LMHeadBatch:
@@ -102,6 +99,17 @@ def lm_head_inputs(cfg: Config, opts: dict[str, Any]):
     return (batch.hidden, weight, batch.ids, batch.mask, batch.advantages, batch.old_logps), stats
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _target_logps(logits, ids, T: int):
+    """float32 ``log_softmax(logits[:, :T])[ids]``, one sequence at a time (one ``[T, V]`` float32 block live)."""
+
+    def one(args):
+        z, i = args
+        return jnp.take_along_axis(jax.nn.log_softmax(z[:T].astype(jnp.float32), axis=-1), i[:, None], axis=-1)[:, 0]
+
+    return jax.lax.map(one, (logits, ids))
+
+
 def logits_inputs(cfg: Config, opts: dict[str, Any]):
     """``(logits, ids, mask, adv, old)`` and the batch statistics (``None`` for the legacy flat options)."""
     B, T, V = cfg.B, cfg.T, cfg.V
@@ -118,7 +126,7 @@ def logits_inputs(cfg: Config, opts: dict[str, Any]):
         return logits, ids, _mask(seed, B, T, opts["mask"]), adv
 
     logits, ids, mask, adv = make()
-    logp = chunked_logps_from_logits(logits, ids, T=T, rows=_largest_divisor(T, 64))
+    logp = _target_logps(logits, ids, T)
     old = jax.jit(lambda lp: lp + opts["ratio_noise"] * hashed_normal(seed, 5, (B, T), jnp.float32))(logp)
     del logp
     return (logits, ids, mask, adv, old), None
@@ -151,8 +159,11 @@ def lm_head_loss(impl: str, opts: dict[str, Any]) -> Callable:
         def loss(h, w, ids, mask, adv, old):
             # the naive bf16 training-step baseline: bf16 matmul with f32 accumulation, full logits
             # (upcast=True would be the f32 Precision.HIGHEST oracle, ~6x slower on the H200)
-            return _loss_only(reference.policy_loss(h, w, ids, mask, adv, objective=objective, old_logps=old,
-                                                    weight_layout=layout, upcast=False))
+            return _loss_only(
+                reference.policy_loss(
+                    h, w, ids, mask, adv, objective=objective, old_logps=old, weight_layout=layout, upcast=False
+                )
+            )
 
     else:
         raise ValueError(f"unknown LM-head implementation {impl!r}")
@@ -192,8 +203,11 @@ def logits_loss(impl: Any, opts: dict[str, Any]) -> tuple[Callable, str | None]:
     if impl in ("mosaic_gpu", "xla") or not isinstance(impl, str):  # a name or a backend instance
 
         def loss(logits, ids, mask, adv, old):
-            return _loss_only(gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=objective,
-                                                               old_logps=old, implementation=impl))
+            return _loss_only(
+                gmpo_jax.policy_loss_from_logits(
+                    logits, ids, mask, adv, objective=objective, old_logps=old, implementation=impl
+                )
+            )
 
         return loss, None
     if impl == "dense_jax":
@@ -251,8 +265,9 @@ def time_fn(fn: Callable, args: tuple, opts: dict[str, Any], *, sanity: bool = T
     return stats
 
 
-def time_pipelined(fn: Callable, args: tuple, per_call_ms: float, *, max_ms: float = 5.0,
-                   batch_ms: float = 50.0, repeats: int = 5) -> dict[str, Any]:
+def time_pipelined(
+    fn: Callable, args: tuple, per_call_ms: float, *, max_ms: float = 5.0, batch_ms: float = 50.0, repeats: int = 5
+) -> dict[str, Any]:
     """Device time of short calls without the host round trip: K calls back to back, divided by K
     (median of ``repeats`` batches). Two calls are in flight at a time (the host waits for call i after
     launching call i + 1), so the device never idles on a sync and at most two calls' buffers are live.
@@ -369,13 +384,15 @@ def _rel_l2(g, ref):
 
 @functools.cache
 def _oracle_grad(layout: str) -> Callable:
+    import gmpo_jax
     from gmpo_jax import reference
 
-    import gmpo_jax
-
     def oracle(h, w, ids, mask, adv, old):
-        return _loss_only(reference.policy_loss(h, w, ids, mask, adv, objective=gmpo_jax.GMPO(), old_logps=old,
-                                                weight_layout=layout, upcast=True))
+        return _loss_only(
+            reference.policy_loss(
+                h, w, ids, mask, adv, objective=gmpo_jax.GMPO(), old_logps=old, weight_layout=layout, upcast=True
+            )
+        )
 
     return jax.jit(jax.grad(oracle, argnums=(0, 1)))
 
@@ -415,19 +432,29 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
     only when the input preparation's own high-water mark stayed below it."""
     records: list[dict[str, Any]] = []
     device = device_kind()
-    common: dict[str, Any] = dict(device=_common.device_slug(device), device_name=device, seed=opts["seed"],
-                                  mask=opts["mask"], jaxlib=_common.pkg_version("jaxlib"),
-                                  variant=opts.get("variant"))
-    common["objective"] = ("GRPO(loss_type='grpo')" if cfg.kind == "logits" and opts.get("objective") == "grpo"
-                           else "GMPO()")
+    common: dict[str, Any] = dict(
+        device=_common.device_slug(device),
+        device_name=device,
+        seed=opts["seed"],
+        mask=opts["mask"],
+        jaxlib=_common.pkg_version("jaxlib"),
+        variant=opts.get("variant"),
+    )
+    common["objective"] = (
+        "GRPO(loss_type='grpo')" if cfg.kind == "logits" and opts.get("objective") == "grpo" else "GMPO()"
+    )
     if opts.get("tuning"):
         common["tuning"] = opts["tuning"]
     specs = input_specs(cfg, opts)
     if cfg.kind == "lm_head":
         argnums: tuple[int, ...] = (0, 1)
         grads_bytes = _nbytes(specs[0], specs[1])
-        common.update(weight_layout=opts["weight_layout"], logit_scale=opts["logit_scale"],
-                      chunk_size=opts.get("chunk_size"), weight_f32_gib=_common.gib(cfg.H * cfg.V * 4))
+        common.update(
+            weight_layout=opts["weight_layout"],
+            logit_scale=opts["logit_scale"],
+            chunk_size=opts.get("chunk_size"),
+            weight_f32_gib=_common.gib(cfg.H * cfg.V * 4),
+        )
     else:
         argnums = (0,)
         grads_bytes = _nbytes(specs[0])
@@ -529,8 +556,10 @@ def measure_matmul(N: int, H: int, V: int, opts: dict[str, Any], max_rows: int =
 
     @jax.jit
     def make():
-        return (hashed_normal(7, 1, (rows, H), jnp.bfloat16),
-                hashed_normal(7, 2, (H, V), jnp.bfloat16, 1.0 / math.sqrt(H)))
+        return (
+            hashed_normal(7, 1, (rows, H), jnp.bfloat16),
+            hashed_normal(7, 2, (H, V), jnp.bfloat16, 1.0 / math.sqrt(H)),
+        )
 
     a, b = jax.block_until_ready(make())
     f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
@@ -556,9 +585,15 @@ def measure_copy(opts: dict[str, Any], nbytes: int | None = None) -> dict[str, A
         ms = min(stats["median_ms"], stats.get("pipelined_ms") or math.inf)
         gbps = 2.0 * nbytes / (ms * 1e-3) / 1e9
         if best is None or gbps > best["gbps"]:
-            best = dict(median_ms=stats["median_ms"], min_ms=stats["min_ms"], n_runs=stats["n_runs"],
-                        pipelined_ms=stats.get("pipelined_ms"), gbps=round(gbps, 1), op=name,
-                        copy_gib=_common.gib(nbytes))
+            best = dict(
+                median_ms=stats["median_ms"],
+                min_ms=stats["min_ms"],
+                n_runs=stats["n_runs"],
+                pipelined_ms=stats.get("pipelined_ms"),
+                gbps=round(gbps, 1),
+                op=name,
+                copy_gib=_common.gib(nbytes),
+            )
     del x
     return best
 
@@ -567,12 +602,20 @@ def run_floors(matmuls: list[tuple[int, int, int]], copy: bool, opts: dict[str, 
     """Measures every requested floor; emits one record each; returns {'matmul_tflops': {...}, 'copy_gbps'}."""
     device = device_kind()
     floors: dict[str, Any] = {"matmul_tflops": {}, "copy_gbps": None}
-    base = dict(device=_common.device_slug(device), device_name=device, jax=_common.pkg_version("jax"),
-                date=_common.now_utc(), commit=_common.git_commit(), kind="floor", variant=None)
+    base = dict(
+        device=_common.device_slug(device),
+        device_name=device,
+        jax=_common.pkg_version("jax"),
+        date=_common.now_utc(),
+        commit=_common.git_commit(),
+        kind="floor",
+        variant=None,
+    )
     measured: dict[tuple[int, int, int], dict[str, Any]] = {}  # by (rows, H, V): N >= 16384 share one
     for N, H, V in matmuls:
-        rec = dict(implementation="xla_matmul_bf16", shape=f"matmul {N}x{H}x{V}", B=1, T=N, H=H, V=V,
-                   N=N, mode="fwd", **base)
+        rec = dict(
+            implementation="xla_matmul_bf16", shape=f"matmul {N}x{H}x{V}", B=1, T=N, H=H, V=V, N=N, mode="fwd", **base
+        )
         key = (min(N, MATMUL_MAX_ROWS), H, V)
         try:
             if key not in measured:

@@ -26,12 +26,27 @@ from benchmarks import _common
 BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-LM_COLUMNS = [("mosaic_gpu", None), ("xla_chunked", None), ("dense_jax", None), ("cce_gmpo", None),
-              ("cce_gmpo", "filter_eps=None"), ("liger_grpo", None)]
+LM_COLUMNS = [
+    ("mosaic_gpu", None),
+    ("xla_chunked", None),
+    ("dense_jax", None),
+    ("cce_gmpo", None),
+    ("cce_gmpo", "filter_eps=None"),
+    ("liger_grpo", None),
+]
 GRPO = "objective=grpo"  # the logits path with GRPO(loss_type="grpo"), Liger's objective (fused for us)
-LOGITS_COLUMNS = [("mosaic_gpu", None), ("mosaic_gpu", GRPO), ("xla", None), ("xla", GRPO), ("dense_jax", None),
-                  ("dense_jax", GRPO), ("liger_triton", None), ("liger_triton", GRPO), ("liger_triton", "inplace"),
-                  ("liger_triton", "inplace," + GRPO)]
+LOGITS_COLUMNS = [
+    ("mosaic_gpu", None),
+    ("mosaic_gpu", GRPO),
+    ("xla", None),
+    ("xla", GRPO),
+    ("dense_jax", None),
+    ("dense_jax", GRPO),
+    ("liger_triton", None),
+    ("liger_triton", GRPO),
+    ("liger_triton", "inplace"),
+    ("liger_triton", "inplace," + GRPO),
+]
 OURS_LM = ("mosaic_gpu", "xla_chunked")
 OURS_LOGITS = ("mosaic_gpu", "xla")
 MIB = 2.0**20 / _common.GIB  # one MiB in GiB
@@ -134,8 +149,10 @@ def _cell(r: dict[str, Any] | None, with_peak: bool = True) -> str:
 
 
 def _configs(lat: dict[tuple, dict[str, Any]], kind: str) -> list[tuple[str, int, int]]:
-    seen = sorted({(r["shape"], r["B"], r["T"]) for r in lat.values() if r.get("kind") == kind},
-                  key=lambda x: (x[0], x[1] * x[2], -x[1]))
+    seen = sorted(
+        {(r["shape"], r["B"], r["T"]) for r in lat.values() if r.get("kind") == kind},
+        key=lambda x: (x[0], x[1] * x[2], -x[1]),
+    )
     return seen
 
 
@@ -180,29 +197,50 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
             ref = next((r for r in recs if r and r.get("floor_ms")), None)
             floor = f"{_ms(ref['floor_ms'])} ms" if ref else "-"
             budget = next((lm_budget_gib(r, 0.5) for r in recs if r and lm_budget_gib(r, 0.5)), None)
-            out.append("| " + " | ".join([f"{B} x {T} ({B * T})", floor] + [_cell(r) for r in recs]
-                                         + [f"{budget:.2f} GiB" if budget else "-"]) + " |")
-        out.append("\nCells: time per call (x the floor), peak device memory of the process (inputs included). "
-                   "Time: median of CUDA-event-timed calls (PyTorch) or of blocking calls (JAX); for JAX calls "
-                   "under 5 ms, the pipelined time (calls back to back, one sync) with the blocking median beside. "
-                   "Floor = 6·N·H·V / the bf16 XLA matmul rate of [N, H] x [H, V] measured in the same run. "
-                   "Memory target = inputs + returned gradients + one f32 copy of the weight + 512 MiB.\n")
+            out.append(
+                "| "
+                + " | ".join(
+                    [f"{B} x {T} ({B * T})", floor]
+                    + [_cell(r) for r in recs]
+                    + [f"{budget:.2f} GiB" if budget else "-"]
+                )
+                + " |"
+            )
+        out.append(
+            "\nCells: time per call (x the floor), peak device memory of the process (inputs included). "
+            "Time: median of CUDA-event-timed calls (PyTorch) or of blocking calls (JAX); for JAX calls "
+            "under 5 ms, the pipelined time (calls back to back, one sync) with the blocking median beside. "
+            "Floor = 6·N·H·V / the bf16 XLA matmul rate of [N, H] x [H, V] measured in the same run. "
+            "Memory target = inputs + returned gradients + one f32 copy of the weight + 512 MiB.\n"
+        )
         # forward only
         fcols = [c for c in LM_COLUMNS if any((c[0], c[1], *row, "fwd") in lat for row in rows)]
         if fcols:
             out.append(f"Forward only (loss, no gradient), {shape}:\n")
             ours = [o for o in OURS_LM if any((o, None, *row, "fwd") in lat for row in rows)]
-            hdr = ["B x T", "floor (2NHV)"] + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in fcols] \
+            hdr = (
+                ["B x T", "floor (2NHV)"]
+                + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in fcols]
                 + [f"{o} fwd / fwd+bwd" for o in ours]
+            )
             out.append("| " + " | ".join(hdr) + " |")
             out.append("|" + "---|" * len(hdr))
             for _, B, T in rows:
                 recs = [lat.get((c[0], c[1], shape, B, T, "fwd")) for c in fcols]
                 ref = next((r for r in recs if r and r.get("floor_ms")), None)
-                fr = [_x(_ratio(lat.get((o, None, shape, B, T, "fwd")), lat.get((o, None, shape, B, T, "fwd+bwd"))))
-                      for o in ours]
-                out.append("| " + " | ".join([f"{B} x {T}", f"{_ms(ref['floor_ms'])} ms" if ref else "-"]
-                                             + [_cell(r, with_peak=False) for r in recs] + fr) + " |")
+                fr = [
+                    _x(_ratio(lat.get((o, None, shape, B, T, "fwd")), lat.get((o, None, shape, B, T, "fwd+bwd"))))
+                    for o in ours
+                ]
+                out.append(
+                    "| "
+                    + " | ".join(
+                        [f"{B} x {T}", f"{_ms(ref['floor_ms'])} ms" if ref else "-"]
+                        + [_cell(r, with_peak=False) for r in recs]
+                        + fr
+                    )
+                    + " |"
+                )
             out.append("")
         # ratios
         peers = [c for c in cols if c[0] not in OURS_LM]
@@ -232,8 +270,11 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
                 continue
             title = "forward + backward" if mode == "fwd+bwd" else "forward only"
             out.append(f"### {shape} (logits [B, T+1, V], V = {any_r['V']}), {title}\n")
-            hdr = ["B x T", "logits", "floor"] + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in cols] \
+            hdr = (
+                ["B x T", "logits", "floor"]
+                + [c[0] + (f" [{c[1]}]" if c[1] else "") for c in cols]
                 + (["memory target"] if mode == "fwd+bwd" else [])
+            )
             out.append("| " + " | ".join(hdr) + " |")
             out.append("|" + "---|" * len(hdr))
             for _, B, T in rows:
@@ -247,11 +288,13 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
                     row.append(f"{budget:.2f} GiB" if budget else "-")
                 out.append("| " + " | ".join(row) + " |")
             out.append("")
-        out.append("Floor = bytes of the logits (read once) + bytes of dlogits (written once, fwd+bwd only) over "
-                   "the device copy rate measured in the same run. Memory target = logits + dlogits + 64 MiB. "
-                   "Peaks are JAX's default (BFC) allocator's, which counts unsplit chunks whole: on the H200 "
-                   "(2026-11-30) an exact allocator measured logits + dlogits + 0.5 / 4.1 MiB at B = 2 / 16 "
-                   "(docs/performance.md).\n")
+        out.append(
+            "Floor = bytes of the logits (read once) + bytes of dlogits (written once, fwd+bwd only) over "
+            "the device copy rate measured in the same run. Memory target = logits + dlogits + 64 MiB. "
+            "Peaks are JAX's default (BFC) allocator's, which counts unsplit chunks whole: on the H200 "
+            "(2026-11-30) an exact allocator measured logits + dlogits + 0.5 / 4.1 MiB at B = 2 / 16 "
+            "(docs/performance.md).\n"
+        )
     return out
 
 
@@ -261,15 +304,21 @@ def other_variants(lat: dict[tuple, dict[str, Any]]) -> list[str]:
     rest = [r for r in lat.values() if (r["implementation"], vkey(r)) not in known]
     if not rest:
         return []
-    out = ["### Sweeps and other variants\n", "| implementation | variant | shape | B x T | mode | median ms | "
-           "x floor | peak GiB |", "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rest, key=lambda r: (r["shape"], r["N"], r["B"], r["implementation"], r["mode"],
-                                         str(r.get("variant")))):
+    out = [
+        "### Sweeps and other variants\n",
+        "| implementation | variant | shape | B x T | mode | median ms | x floor | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(
+        rest, key=lambda r: (r["shape"], r["N"], r["B"], r["implementation"], r["mode"], str(r.get("variant")))
+    ):
         ok = r.get("status") == "ok"
-        out.append(f"| {r['implementation']} | {vkey(r) or ''} | {r['shape']} | {r['B']} x {r['T']} | "
-                   f"{r['mode']} | {_ms(device_ms(r)) if ok else r.get('status')} | "
-                   f"{_x(x_floor(r)) if ok else '-'} | "
-                   f"{'-' if r.get('peak_gib') is None else format(r['peak_gib'], '.2f')} |")
+        out.append(
+            f"| {r['implementation']} | {vkey(r) or ''} | {r['shape']} | {r['B']} x {r['T']} | "
+            f"{r['mode']} | {_ms(device_ms(r)) if ok else r.get('status')} | "
+            f"{_x(x_floor(r)) if ok else '-'} | "
+            f"{'-' if r.get('peak_gib') is None else format(r['peak_gib'], '.2f')} |"
+        )
     out.append("")
     return out
 
@@ -290,42 +339,68 @@ def targets(lat: dict[tuple, dict[str, Any]]) -> list[str]:
         if limit is None:  # information only
             rows.append(f"| {label} | {'-' if r is None else f'{r:.2f}x'} | info |")
             return
-        rows.append(_check(label, "-" if r is None else f"{r:.2f}x (limit {limit:.3g}x)",
-                           None if r is None else r <= limit))
+        rows.append(
+            _check(label, "-" if r is None else f"{r:.2f}x (limit {limit:.3g}x)", None if r is None else r <= limit)
+        )
 
     def floor_check(label, mine, limit):
         xf = x_floor(mine)
-        rows.append(_check(label, "-" if xf is None else f"{xf:.2f}x floor (limit {limit}x)",
-                           None if xf is None else xf <= limit))
+        rows.append(
+            _check(
+                label, "-" if xf is None else f"{xf:.2f}x floor (limit {limit}x)", None if xf is None else xf <= limit
+            )
+        )
 
     def peak_check(label, mine, budget):
         p = mine.get("peak_gib") if mine and mine.get("status") == "ok" else None
-        rows.append(_check(label, "-" if p is None or budget is None else f"{p:.2f} GiB (limit {budget:.2f})",
-                           None if p is None or budget is None else p <= budget))
+        rows.append(
+            _check(
+                label,
+                "-" if p is None or budget is None else f"{p:.2f} GiB (limit {budget:.2f})",
+                None if p is None or budget is None else p <= budget,
+            )
+        )
 
     # issue 2 (portable path)
     for B, T in ((16, 4096), (2, 32768)):
         r = get("xla_chunked", Q, B, T)
-        rows.append(_check(f"#2 xla_chunked runs N=65536 ({B}x{T})", r.get("status", "-") if r else "-",
-                           None if r is None else r.get("status") == "ok"))
-        peak_check(f"#2 xla_chunked peak {B}x{T} <= in + grads + f32 W + 1 GiB", r,
-                   lm_budget_gib(r, 1.0) if r else None)
-    ratio_check("#2 xla_chunked 8x2048 <= 1.5x dense_jax", get("xla_chunked", Q, 8, 2048), get("dense_jax", Q, 8, 2048), 1.5)
+        rows.append(
+            _check(
+                f"#2 xla_chunked runs N=65536 ({B}x{T})",
+                r.get("status", "-") if r else "-",
+                None if r is None else r.get("status") == "ok",
+            )
+        )
+        peak_check(
+            f"#2 xla_chunked peak {B}x{T} <= in + grads + f32 W + 1 GiB", r, lm_budget_gib(r, 1.0) if r else None
+        )
+    ratio_check(
+        "#2 xla_chunked 8x2048 <= 1.5x dense_jax", get("xla_chunked", Q, 8, 2048), get("dense_jax", Q, 8, 2048), 1.5
+    )
     # issue 3 (kernels)
     m16 = get("mosaic_gpu", Q, 8, 2048)
     ratio_check("#3 mosaic_gpu 8x2048 <= 0.8x cce_gmpo", m16, get("cce_gmpo", Q, 8, 2048), 0.8)
     ratio_check("#3 mosaic_gpu 8x2048 <= 0.7x dense_jax", m16, get("dense_jax", Q, 8, 2048), 0.7)
     floor_check("#3 mosaic_gpu 8x2048 <= 1.3x floor", m16, 1.3)
     for B, T in ((16, 4096), (2, 32768)):
-        ratio_check(f"#3 mosaic_gpu {B}x{T} <= 0.8x cce_gmpo", get("mosaic_gpu", Q, B, T), get("cce_gmpo", Q, B, T), 0.8)
+        ratio_check(
+            f"#3 mosaic_gpu {B}x{T} <= 0.8x cce_gmpo", get("mosaic_gpu", Q, B, T), get("cce_gmpo", Q, B, T), 0.8
+        )
     floor_check("#3 mosaic_gpu llama3-8b 4x2048 <= 1.3x floor", get("mosaic_gpu", L, 4, 2048), 1.3)
     for shape, B, T in ((Q, 1, 512), (Q, 8, 2048), (Q, 16, 4096), (Q, 2, 32768), (L, 4, 2048)):
         r = get("mosaic_gpu", shape, B, T)
-        peak_check(f"#3 mosaic_gpu peak {shape} {B}x{T} <= in + grads + f32 W + 512 MiB", r,
-                   lm_budget_gib(r, 0.5) if r else None)
+        peak_check(
+            f"#3 mosaic_gpu peak {shape} {B}x{T} <= in + grads + f32 W + 512 MiB",
+            r,
+            lm_budget_gib(r, 0.5) if r else None,
+        )
     for shape, B, T in ((Q, 1, 512), (Q, 8, 2048), (Q, 16, 4096), (Q, 2, 32768), (L, 4, 2048)):
-        ratio_check(f"#3 mosaic_gpu fwd <= 0.4x fwd+bwd, {shape} {B}x{T}", get("mosaic_gpu", shape, B, T, "fwd"),
-                    get("mosaic_gpu", shape, B, T), 0.4)
+        ratio_check(
+            f"#3 mosaic_gpu fwd <= 0.4x fwd+bwd, {shape} {B}x{T}",
+            get("mosaic_gpu", shape, B, T, "fwd"),
+            get("mosaic_gpu", shape, B, T),
+            0.4,
+        )
     # issue 5 (logits)
     for var, what in ((None, "GMPO"), (GRPO, "GRPO")):
         for B, T in ((2, 1024), (16, 1024)):
@@ -333,13 +408,24 @@ def targets(lat: dict[tuple, dict[str, Any]]) -> list[str]:
             if var is not None and r is None:
                 continue
             floor_check(f"#5 mosaic_gpu logits {what} {B}x{T} fwd+bwd <= 1.3x floor", r, 1.3)
-            floor_check(f"#5 mosaic_gpu logits {what} {B}x{T} fwd <= 1.3x floor",
-                        get("mosaic_gpu", G, B, T, "fwd", var=var), 1.3)
-            peak_check(f"#5 mosaic_gpu logits {what} {B}x{T} peak <= logits + dlogits + 64 MiB", r,
-                       logits_budget_gib(r) if r else None)
+            floor_check(
+                f"#5 mosaic_gpu logits {what} {B}x{T} fwd <= 1.3x floor",
+                get("mosaic_gpu", G, B, T, "fwd", var=var),
+                1.3,
+            )
+            peak_check(
+                f"#5 mosaic_gpu logits {what} {B}x{T} peak <= logits + dlogits + 64 MiB",
+                r,
+                logits_budget_gib(r) if r else None,
+            )
             liger = get("liger_triton", G, B, T, var=var) or get("liger_triton", G, B, T)
-            ratio_check(f"#5 mosaic_gpu logits {what} {B}x{T} time / liger_triton (GRPO)"
-                        + (" (>= 2.8x faster)" if B == 2 else ""), r, liger, 1 / 2.8 if B == 2 else None)
+            ratio_check(
+                f"#5 mosaic_gpu logits {what} {B}x{T} time / liger_triton (GRPO)"
+                + (" (>= 2.8x faster)" if B == 2 else ""),
+                r,
+                liger,
+                1 / 2.8 if B == 2 else None,
+            )
     return rows
 
 
@@ -351,8 +437,11 @@ def environment(records: list[dict[str, Any]]) -> list[str]:
     last: dict[tuple, dict[str, Any]] = {}  # the latest measurement of each floor
     for r in floors:
         last[(r["implementation"], r["N"], r["H"], r["V"])] = r
-    mm = [f"[{r.get('rows', r['N'])}, {r['H']}] x [{r['H']}, {r['V']}]: {r['tflops']} TFLOP/s"
-          for k, r in sorted(last.items()) if k[0] == "xla_matmul_bf16"]
+    mm = [
+        f"[{r.get('rows', r['N'])}, {r['H']}] x [{r['H']}, {r['V']}]: {r['tflops']} TFLOP/s"
+        for k, r in sorted(last.items())
+        if k[0] == "xla_matmul_bf16"
+    ]
     mm = list(dict.fromkeys(mm))
     cp = [f"{r['gbps']} GB/s ({r.get('op')}, {r.get('copy_gib')} GiB)" for k, r in last.items() if k[0] == "xla_copy"]
     dates = values("date")
@@ -361,8 +450,10 @@ def environment(records: list[dict[str, Any]]) -> list[str]:
         f"- dates: {dates[0] if dates else '-'} .. {dates[-1] if dates else '-'}; commits: {', '.join(values('commit'))}",
         f"- jax {', '.join(values('jax'))} (jaxlib {', '.join(values('jaxlib'))}); torch {', '.join(values('torch')) or '-'}; "
         f"triton {', '.join(values('triton')) or '-'}; peers: "
-        + ", ".join(f"{impl} {v}" for impl, v in sorted({(r['implementation'], r['peer_version'])
-                                                           for r in records if r.get('peer_version')})),
+        + ", ".join(
+            f"{impl} {v}"
+            for impl, v in sorted({(r["implementation"], r["peer_version"]) for r in records if r.get("peer_version")})
+        ),
         f"- bf16 XLA matmul rate (f32 result) measured in the runs: {'; '.join(mm) or '-'}",
         f"- device copy rate (read + write): {'; '.join(cp) or '-'}",
     ]
@@ -381,8 +472,9 @@ def plot(device: str, lat: dict[tuple, dict[str, Any]], path: str) -> bool:
     lg = [r for r in lat.values() if r.get("kind") == "logits" and r["mode"] == "fwd+bwd"]
     # the LM-head panel shows the most-populated lm_head shape (the Qwen head on the GPU)
     shapes = sorted({r["shape"] for r in lm}, key=lambda s: -len({(r["B"], r["T"]) for r in lm if r["shape"] == s}))
-    panels = ([("lm_head", shapes[0], LM_COLUMNS)] if shapes else []) + \
-        ([("logits", lg[0]["shape"], LOGITS_COLUMNS)] if lg else [])
+    panels = ([("lm_head", shapes[0], LM_COLUMNS)] if shapes else []) + (
+        [("logits", lg[0]["shape"], LOGITS_COLUMNS)] if lg else []
+    )
     if not panels:
         return False
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.6 * len(panels)), squeeze=False)
@@ -390,8 +482,11 @@ def plot(device: str, lat: dict[tuple, dict[str, Any]], path: str) -> bool:
         recs = [r for r in (lm if kind == "lm_head" else lg) if r["shape"] == shape]
         ax_t, ax_m = axes[row]
         for impl, var in columns:
-            pts = sorted((r["N"], r["B"], r) for r in recs if r["implementation"] == impl and vkey(r) == var
-                         and r.get("status") == "ok")
+            pts = sorted(
+                (r["N"], r["B"], r)
+                for r in recs
+                if r["implementation"] == impl and vkey(r) == var and r.get("status") == "ok"
+            )
             if not pts:
                 continue
             label = impl + (f" [{var}]" if var else "")
@@ -406,16 +501,23 @@ def plot(device: str, lat: dict[tuple, dict[str, Any]], path: str) -> bool:
             pk = [(n, by_n[n].get("peak_gib")) for n in xs if by_n[n].get("peak_gib") is not None]
             if pk:
                 ax_m.plot([p[0] for p in pk], [p[1] for p in pk], style, label=label)
-            ooms = sorted({r["N"] for r in recs if r["implementation"] == impl and vkey(r) == var
-                           and r.get("status") == "oom"})
+            ooms = sorted(
+                {r["N"] for r in recs if r["implementation"] == impl and vkey(r) == var and r.get("status") == "oom"}
+            )
             for n in ooms:
-                ax_t.annotate(f"{label}: OOM", (n, ax_t.get_ylim()[1] if ax_t.lines else 1), fontsize=7,
-                              rotation=90, va="top")
+                ax_t.annotate(
+                    f"{label}: OOM", (n, ax_t.get_ylim()[1] if ax_t.lines else 1), fontsize=7, rotation=90, va="top"
+                )
         floor_pts = sorted({(r["N"], r["floor_ms"]) for r in recs if r.get("floor_ms")})
         if floor_pts:
             ax_t.plot([p[0] for p in floor_pts], [p[1] for p in floor_pts], "k:", lw=2, label="floor")
-        budget = sorted({(r["N"], lm_budget_gib(r, 0.5) if kind == "lm_head" else logits_budget_gib(r))
-                         for r in recs if (lm_budget_gib(r, 0.5) if kind == "lm_head" else logits_budget_gib(r))})
+        budget = sorted(
+            {
+                (r["N"], lm_budget_gib(r, 0.5) if kind == "lm_head" else logits_budget_gib(r))
+                for r in recs
+                if (lm_budget_gib(r, 0.5) if kind == "lm_head" else logits_budget_gib(r))
+            }
+        )
         if budget:
             ax_m.plot([b[0] for b in budget], [b[1] for b in budget], "k:", lw=2, label="memory target")
         what = "LM head + GMPO" if kind == "lm_head" else "loss from logits"
@@ -435,8 +537,12 @@ def plot(device: str, lat: dict[tuple, dict[str, Any]], path: str) -> bool:
 
 
 def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) -> str:
-    out = [BEGIN, "", "_Generated by `python -m benchmarks.report` from `benchmarks/results/*.jsonl`; "
-           "edit outside the markers._", ""]
+    out = [
+        BEGIN,
+        "",
+        "_Generated by `python -m benchmarks.report` from `benchmarks/results/*.jsonl`; edit outside the markers._",
+        "",
+    ]
     for dev, records in by_dev.items():
         lat = latest(records)
         if not lat:
@@ -458,9 +564,11 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
         if bad:
             out.append("Runs that did not produce a time:\n")
             for r in sorted(bad, key=lambda r: (r["shape"], r["N"], r["implementation"])):
-                out.append(f"- {r['implementation']}{' [' + r['variant'] + ']' if r.get('variant') else ''} "
-                           f"{r['shape']} {r['B']}x{r['T']} {r['mode']}: {r.get('status')} "
-                           f"{(r.get('error') or '')[:200]}")
+                out.append(
+                    f"- {r['implementation']}{' [' + r['variant'] + ']' if r.get('variant') else ''} "
+                    f"{r['shape']} {r['B']}x{r['T']} {r['mode']}: {r.get('status')} "
+                    f"{(r.get('error') or '')[:200]}"
+                )
             out.append("")
     out.append(END)
     return "\n".join(out)
@@ -471,21 +579,31 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
 
 README = os.path.join(os.path.dirname(HERE), "README.md")
 Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
-HEADS = {Q: "Qwen2.5-0.5B head (896, 151936)", L: "Llama-3-8B head (4096, 128256)",
-         G: "logits [B, T+1, 128256]"}
-COMMANDS = {"lm_head": "bash benchmarks/gpu_suite.sh", "sparsity": "bash benchmarks/gpu_suite.sh",
-            "lm_head_flat": "bash benchmarks/gpu_suite.sh --only kernels,core,peers",
-            "logits": "bash benchmarks/gpu_suite.sh --only logits"}
+HEADS = {Q: "Qwen2.5-0.5B head (896, 151936)", L: "Llama-3-8B head (4096, 128256)", G: "logits [B, T+1, 128256]"}
+COMMANDS = {
+    "lm_head": "bash benchmarks/gpu_suite.sh",
+    "sparsity": "bash benchmarks/gpu_suite.sh",
+    "lm_head_flat": "bash benchmarks/gpu_suite.sh --only kernels,core,peers",
+    "logits": "bash benchmarks/gpu_suite.sh --only logits",
+}
 
 
-def _get(recs: list[dict[str, Any]], impl: str, shape: str, B: int, T: int, data: str = "flat",
-         variant: str | None = None) -> dict[str, Any] | None:
+def _get(
+    recs: list[dict[str, Any]], impl: str, shape: str, B: int, T: int, data: str = "flat", variant: str | None = None
+) -> dict[str, Any] | None:
     """The latest fwd+bwd result (else failure) of one cell."""
     best = None
     for r in recs:
-        if (r.get("kind") == "floor" or r["implementation"] != impl or r["shape"] != shape or r["B"] != B
-                or r["T"] != T or r["mode"] != "fwd+bwd" or (r.get("data") or "flat") != data
-                or r.get("variant") != variant):
+        if (
+            r.get("kind") == "floor"
+            or r["implementation"] != impl
+            or r["shape"] != shape
+            or r["B"] != B
+            or r["T"] != T
+            or r["mode"] != "fwd+bwd"
+            or (r.get("data") or "flat") != data
+            or r.get("variant") != variant
+        ):
             continue
         rank = (r.get("status") in RESULT_STATUSES, str(r.get("date", "")))
         if best is None or rank >= (best.get("status") in RESULT_STATUSES, str(best.get("date", ""))):
@@ -506,30 +624,41 @@ def _pct_pair(r: dict[str, Any] | None) -> str:
 def _provenance(used: list[dict[str, Any]], command: str) -> str:
     used = [r for r in used if r]
     if not used:
-        return (f"_Not measured yet. On an H200: `{command}`, append `$OUT/run.jsonl` to "
-                "`benchmarks/results/nvidia-h200.jsonl`, then `python -m benchmarks.report` "
-                "(benchmarks/README.md)._")
+        return (
+            f"_Not measured yet. On an H200: `{command}`, append `$OUT/run.jsonl` to "
+            "`benchmarks/results/nvidia-h200.jsonl`, then `python -m benchmarks.report` "
+            "(benchmarks/README.md)._"
+        )
     vals = lambda k: ", ".join(sorted({str(r[k]) for r in used if r.get(k)})) or "-"  # noqa: E731
     dates = sorted(str(r.get("date", ""))[:10] for r in used)
     peers = sorted({f"{r['implementation']} {r['peer_version']}" for r in used if r.get("peer_version")})
     span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} .. {dates[-1]}"
-    return (f"_{vals('device_name')}, {span}, jax {vals('jax')}" + (f", torch {vals('torch')}" if peers else "")
-            + (f", {', '.join(peers)}" if peers else "") + f"; commit(s) {vals('commit')}. "
-            f"Reproduce: `{command}` (benchmarks/README.md)._")
+    return (
+        f"_{vals('device_name')}, {span}, jax {vals('jax')}"
+        + (f", torch {vals('torch')}" if peers else "")
+        + (f", {', '.join(peers)}" if peers else "")
+        + f"; commit(s) {vals('commit')}. "
+        f"Reproduce: `{command}` (benchmarks/README.md)._"
+    )
 
 
 def _data_label(r: dict[str, Any] | None, data: str) -> str:
     if not r or r.get("mean_entropy") is None:
         return data
-    return (f"{data} ({r['mean_entropy']:.1f} nats, {100 * r.get('masked_frac', 0):.0f} % masked, "
-            f"{100 * r.get('zero_adv_frac', 0):.0f} % zero-adv.)")
+    return (
+        f"{data} ({r['mean_entropy']:.1f} nats, {100 * r.get('masked_frac', 0):.0f} % masked, "
+        f"{100 * r.get('zero_adv_frac', 0):.0f} % zero-adv.)"
+    )
 
 
 def block_lm_head(recs: list[dict[str, Any]]) -> str:
     from benchmarks.run import REALISTIC_CONFIGS
 
-    rows = ["| workload | data | gmpo_jax `mosaic_gpu` | CCE default | CCE `filter_eps=None` | floor 6NHV "
-            "| grad error hidden / weight: ours; CCE; CCE exact |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| workload | data | gmpo_jax `mosaic_gpu` | CCE default | CCE `filter_eps=None` | floor 6NHV "
+        "| grad error hidden / weight: ours; CCE; CCE exact |",
+        "|---|---|---|---|---|---|---|",
+    ]
     used = []
     for shape, B, T in REALISTIC_CONFIGS:
         for data in ("peaked", "flat"):
@@ -538,78 +667,122 @@ def block_lm_head(recs: list[dict[str, Any]]) -> str:
             exact = _get(recs, "cce_gmpo", shape, B, T, data, "filter_eps=None")
             used += [ours, cce, exact]
             floor = next((r["floor_ms"] for r in (ours, cce, exact) if r and r.get("floor_ms")), None)
-            rows.append(f"| {HEADS[shape]}, {B} x {T} | {_data_label(ours or cce, data)} | {_c(ours)} | "
-                        f"{_c(cce)} | {_c(exact)} | {_ms(floor) + ' ms' if floor else '-'} | "
-                        f"{_pct_pair(ours)}; {_pct_pair(cce)}; {_pct_pair(exact)} |")
-    rows += ["", "Cells: median ms (x the floor), peak device memory (inputs included). Floor: 6·N·H·V at the "
-             "bf16 XLA matmul rate measured in the same run. Gradient error: relative L2 error against a "
-             "float32 dense oracle on the same bf16 inputs (`grad_acc_N` in the records says on how many "
-             "tokens).", "", _provenance(used, COMMANDS["lm_head"])]
+            rows.append(
+                f"| {HEADS[shape]}, {B} x {T} | {_data_label(ours or cce, data)} | {_c(ours)} | "
+                f"{_c(cce)} | {_c(exact)} | {_ms(floor) + ' ms' if floor else '-'} | "
+                f"{_pct_pair(ours)}; {_pct_pair(cce)}; {_pct_pair(exact)} |"
+            )
+    rows += [
+        "",
+        "Cells: median ms (x the floor), peak device memory (inputs included). Floor: 6·N·H·V at the "
+        "bf16 XLA matmul rate measured in the same run. Gradient error: relative L2 error against a "
+        "float32 dense oracle on the same bf16 inputs (`grad_acc_N` in the records says on how many "
+        "tokens).",
+        "",
+        _provenance(used, COMMANDS["lm_head"]),
+    ]
     return "\n".join(rows)
 
 
 def block_sparsity(recs: list[dict[str, Any]]) -> str:
     from benchmarks.run import SPARSITY_CONFIGS
 
-    rows = ["| path | batch | peaked: masked tokens, zero-advantage sequences | same batch, all live | ratio |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| path | batch | peaked: masked tokens, zero-advantage sequences | same batch, all live | ratio |",
+        "|---|---|---|---|---|",
+    ]
     used = []
     for shape, B, T in SPARSITY_CONFIGS:
         sparse = _get(recs, "mosaic_gpu", shape, B, T, "peaked")
         live = _get(recs, "mosaic_gpu", shape, B, T, "peaked-live")
         used += [sparse, live]
         ratio = _ratio(sparse, live)
-        rows.append(f"| {'LM head + GMPO' if shape != G else 'loss from logits, GMPO'}, `mosaic_gpu` | "
-                    f"{HEADS[shape]}, {B} x {T} | {_data_label(sparse, 'peaked')}: {_c(sparse, False)} | "
-                    f"{_c(live, False)} | {_x(ratio)} |")
+        rows.append(
+            f"| {'LM head + GMPO' if shape != G else 'loss from logits, GMPO'}, `mosaic_gpu` | "
+            f"{HEADS[shape]}, {B} x {T} | {_data_label(sparse, 'peaked')}: {_c(sparse, False)} | "
+            f"{_c(live, False)} | {_x(ratio)} |"
+        )
     rows += ["", _provenance(used, COMMANDS["sparsity"])]
     return "\n".join(rows)
 
 
 def block_lm_head_flat(recs: list[dict[str, Any]]) -> str:
     cols = [(Q, 8, 2048), (Q, 2, 32768), (L, 4, 2048)]
-    impls = [("mosaic_gpu", None, "gmpo_jax `mosaic_gpu`"), ("xla_chunked", None, "gmpo_jax `xla_chunked`"),
-             ("dense_jax", None, "dense JAX (full logits, bf16)"), ("cce_gmpo", None, "Cut Cross-Entropy + GMPO"),
-             ("liger_grpo", None, "Liger fused GRPO")]
-    rows = ["| flat data, fwd + bwd | " + " | ".join(f"{HEADS[s]}, {B} x {T}" for s, B, T in cols) + " |",
-            "|---|" + "---|" * len(cols)]
+    impls = [
+        ("mosaic_gpu", None, "gmpo_jax `mosaic_gpu`"),
+        ("xla_chunked", None, "gmpo_jax `xla_chunked`"),
+        ("dense_jax", None, "dense JAX (full logits, bf16)"),
+        ("cce_gmpo", None, "Cut Cross-Entropy + GMPO"),
+        ("liger_grpo", None, "Liger fused GRPO"),
+    ]
+    rows = [
+        "| flat data, fwd + bwd | " + " | ".join(f"{HEADS[s]}, {B} x {T}" for s, B, T in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     used = []
     for impl, var, label in impls:
         cells = [_get(recs, impl, s, B, T, "flat", var) for s, B, T in cols]
         used += cells
         rows.append(f"| {label} | " + " | ".join(_c(c) for c in cells) + " |")
-    floors = [next((r["floor_ms"] for r in used if r and (r["shape"], r["B"], r["T"]) == c and r.get("floor_ms")),
-                   None) for c in cols]
-    rows.append("| floor: 6·N·H·V at the measured XLA matmul rate | "
-                + " | ".join(f"{_ms(f)} ms" if f else "-" for f in floors) + " |")
+    floors = [
+        next((r["floor_ms"] for r in used if r and (r["shape"], r["B"], r["T"]) == c and r.get("floor_ms")), None)
+        for c in cols
+    ]
+    rows.append(
+        "| floor: 6·N·H·V at the measured XLA matmul rate | "
+        + " | ".join(f"{_ms(f)} ms" if f else "-" for f in floors)
+        + " |"
+    )
     rows += ["", _provenance(used, COMMANDS["lm_head_flat"])]
     return "\n".join(rows)
 
 
 def block_logits(recs: list[dict[str, Any]]) -> str:
     cols = [(G, 2, 1024), (G, 16, 1024)]
-    impls = [("mosaic_gpu", GRPO, "gmpo_jax `mosaic_gpu`, GRPO"), ("mosaic_gpu", None, "gmpo_jax `mosaic_gpu`, GMPO"),
-             ("xla", None, "gmpo_jax `xla`, GMPO"), ("liger_triton", GRPO, "Liger `triton_grpo_loss`, GRPO"),
-             ("dense_jax", None, "naive JAX, GMPO")]
-    rows = ["| flat data, fwd + bwd | " + " | ".join(f"{HEADS[s]}, {B} x {T}" for s, B, T in cols) + " |",
-            "|---|" + "---|" * len(cols)]
+    impls = [
+        ("mosaic_gpu", GRPO, "gmpo_jax `mosaic_gpu`, GRPO"),
+        ("mosaic_gpu", None, "gmpo_jax `mosaic_gpu`, GMPO"),
+        ("xla", None, "gmpo_jax `xla`, GMPO"),
+        ("liger_triton", GRPO, "Liger `triton_grpo_loss`, GRPO"),
+        ("dense_jax", None, "naive JAX, GMPO"),
+    ]
+    rows = [
+        "| flat data, fwd + bwd | " + " | ".join(f"{HEADS[s]}, {B} x {T}" for s, B, T in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     used = []
     for impl, var, label in impls:
-        cells = [_get(recs, impl, s, B, T, "flat", var) or (_get(recs, impl, s, B, T, "flat") if impl == "liger_triton"
-                                                             else None) for s, B, T in cols]
+        cells = [
+            _get(recs, impl, s, B, T, "flat", var)
+            or (_get(recs, impl, s, B, T, "flat") if impl == "liger_triton" else None)
+            for s, B, T in cols
+        ]
         used += cells
         rows.append(f"| {label} | " + " | ".join(_c(c) for c in cells) + " |")
-    floors = [next((r["floor_ms"] for r in used if r and (r["B"], r["T"]) == c[1:] and r.get("floor_ms")), None)
-              for c in cols]
-    rows.append("| floor: read the logits + write their gradient at the measured copy rate | "
-                + " | ".join(f"{_ms(f)} ms" if f else "-" for f in floors) + " |")
-    rows += ["", "JAX calls under 5 ms: pipelined time (calls back to back, one sync), the blocking median in "
-             "brackets; Liger: CUDA events.", "", _provenance(used, COMMANDS["logits"])]
+    floors = [
+        next((r["floor_ms"] for r in used if r and (r["B"], r["T"]) == c[1:] and r.get("floor_ms")), None) for c in cols
+    ]
+    rows.append(
+        "| floor: read the logits + write their gradient at the measured copy rate | "
+        + " | ".join(f"{_ms(f)} ms" if f else "-" for f in floors)
+        + " |"
+    )
+    rows += [
+        "",
+        "JAX calls under 5 ms: pipelined time (calls back to back, one sync), the blocking median in "
+        "brackets; Liger: CUDA events.",
+        "",
+        _provenance(used, COMMANDS["logits"]),
+    ]
     return "\n".join(rows)
 
 
-BLOCKS = {"lm_head": block_lm_head, "sparsity": block_sparsity, "lm_head_flat": block_lm_head_flat,
-          "logits": block_logits}
+BLOCKS = {
+    "lm_head": block_lm_head,
+    "sparsity": block_sparsity,
+    "lm_head_flat": block_lm_head_flat,
+    "logits": block_logits,
+}
 
 
 def update_markers(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
@@ -654,8 +827,10 @@ def write_markdown(path: str, generated: str) -> None:
         tail = rest.split(END, 1)[1]
         text = head + generated + tail
     else:
-        text = TEMPLATE_HEAD + generated + "\n\n## Notes\n\n(Hand-written analysis goes here: where a target is " \
+        text = (
+            TEMPLATE_HEAD + generated + "\n\n## Notes\n\n(Hand-written analysis goes here: where a target is "
             "missed, by how much and why, from measurement; GPU test runs with command and pass count.)\n"
+        )
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
 
@@ -665,8 +840,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", action="append", help="JSONL file(s) (default benchmarks/results/*.jsonl)")
     p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--plot-dir", default=os.path.join(HERE, "results"))
-    p.add_argument("--readme", default=None, help="file whose <!-- bench:NAME:start/end --> blocks are "
-                   "regenerated (default: the repository's README.md, unless --results is given; '' skips)")
+    p.add_argument(
+        "--readme",
+        default=None,
+        help="file whose <!-- bench:NAME:start/end --> blocks are "
+        "regenerated (default: the repository's README.md, unless --results is given; '' skips)",
+    )
     p.add_argument("--device", default="nvidia-h200", help="device slug of the README tables")
     args = p.parse_args(argv)
     if args.readme is None:  # tables from other records never overwrite the README by accident

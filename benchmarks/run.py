@@ -38,15 +38,26 @@ TORCH_IMPLS = {"lm_head": ("cce_gmpo", "liger_grpo"), "logits": ("liger_triton",
 MODES = ("fwd+bwd", "fwd")
 
 DEFAULT_OPTS: dict[str, Any] = dict(
-    data="peaked", grad_acc=False, seed=0,
-    logit_scale=1.0, logits_std=1.0, ratio_noise=0.2, mask="full", weight_layout="hv",
-    chunk_size=None, iters=10, warmup=2, min_time_s=0.3, liger_chunk_size=1, cce_no_filter=True,
-    liger_inplace=True, objective="gmpo",
+    data="peaked",
+    grad_acc=False,
+    seed=0,
+    logit_scale=1.0,
+    logits_std=1.0,
+    ratio_noise=0.2,
+    mask="full",
+    weight_layout="hv",
+    chunk_size=None,
+    iters=10,
+    warmup=2,
+    min_time_s=0.3,
+    liger_chunk_size=1,
+    cce_no_filter=True,
+    liger_inplace=True,
+    objective="gmpo",
 )
 
 # options that change what is computed: a non-default value is recorded in the variant
-LABELLED_OPTS = ("logit_scale", "logits_std", "ratio_noise", "mask", "weight_layout", "liger_chunk_size",
-                 "objective")
+LABELLED_OPTS = ("logit_scale", "logits_std", "ratio_noise", "mask", "weight_layout", "liger_chunk_size", "objective")
 
 # ----------------------------------------------------------------------------------------------------
 # Suites
@@ -61,17 +72,24 @@ GPU_LM_CONFIGS = [(Q, 8, 2048), (Q, 16, 4096), (L, 4, 2048), (Q, 2, 32768), (Q, 
 GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
 SUITE_GROUPS = {
     "realistic": "README main table: mosaic_gpu and CCE (default, filter_eps=None) on peaked then flat data, "
-                 "gradient accuracy; then masked / zero-advantage vs fully live (LM head and logits paths)",
+    "gradient accuracy; then masked / zero-advantage vs fully live (LM head and logits paths)",
     "kernels": "mosaic_gpu on the LM-head shapes (flat data)",
     "core": "xla_chunked and dense_jax on the LM-head shapes (flat data)",
     "peers": "cce_gmpo and liger_grpo on the LM-head shapes (flat data; PyTorch, skipped when not importable)",
     "logits": "policy loss from logits: mosaic_gpu, xla, dense_jax, liger_triton (flat data; GMPO, and GRPO "
-              "for mosaic_gpu and Liger)",
+    "for mosaic_gpu and Liger)",
 }
 
 
-def _job(kind: str, cfg: Config, impl: str, modes: list[str], timeout_s: float,
-         settings: dict[str, Any] | None = None, **opts: Any) -> dict[str, Any]:
+def _job(
+    kind: str,
+    cfg: Config,
+    impl: str,
+    modes: list[str],
+    timeout_s: float,
+    settings: dict[str, Any] | None = None,
+    **opts: Any,
+) -> dict[str, Any]:
     """One process's work. ``settings``: chunk_size and tuning constants, recorded as the variant 'k=v,..';
     ``opts``: options of this job only (``datas=[...]``: workloads timed one after another in the process,
     ``grad_acc``, ``save_batch``)."""
@@ -103,14 +121,19 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
             jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 150.0, save_batch=True, **both))
             jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 150.0, **both))
         for shape, B, T in SPARSITY_CONFIGS:
-            jobs.append(_job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 120.0,
-                             datas=["peaked", "peaked-live"]))
+            jobs.append(
+                _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 120.0, datas=["peaked", "peaked-live"])
+            )
     if suite == "gpu":
         for shape, B, T in GPU_LM_CONFIGS:
             cfg = select(shape, B=B, T=T)
-            plan = [("kernels", "jax", "mosaic_gpu", MODES), ("core", "jax", "xla_chunked", MODES),
-                    ("core", "jax", "dense_jax", MODES), ("peers", "torch", "cce_gmpo", MODES),
-                    ("peers", "torch", "liger_grpo", ("fwd+bwd",))]
+            plan = [
+                ("kernels", "jax", "mosaic_gpu", MODES),
+                ("core", "jax", "xla_chunked", MODES),
+                ("core", "jax", "dense_jax", MODES),
+                ("peers", "torch", "cce_gmpo", MODES),
+                ("peers", "torch", "liger_grpo", ("fwd+bwd",)),
+            ]
             for group, kind, impl, modes in plan:
                 if impl == "dense_jax" and (B, T) == (2, 32768):
                     continue  # the dense reference is out of memory at N = 65536: shown once, at 16 x 4096
@@ -119,8 +142,12 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
         if "logits" in only:
             for shape, B, T in GPU_LOGITS_CONFIGS:
                 cfg = select(shape, B=B, T=T)
-                for kind, impl in (("jax", "mosaic_gpu"), ("jax", "xla"), ("jax", "dense_jax"),
-                                   ("torch", "liger_triton")):
+                for kind, impl in (
+                    ("jax", "mosaic_gpu"),
+                    ("jax", "xla"),
+                    ("jax", "dense_jax"),
+                    ("torch", "liger_triton"),
+                ):
                     jobs.append(_job(kind, cfg, impl, MODES, 75.0, datas=["flat"]))
                 for kind, impl in (("jax", "mosaic_gpu"), ("torch", "liger_triton")):  # Liger's objective
                     job = _job(kind, cfg, impl, ["fwd+bwd"], 75.0, datas=["flat"], objective="grpo")
@@ -193,8 +220,15 @@ def run_child(job: dict[str, Any], opts: dict[str, Any], timeout_s: float, log) 
     """Runs a job in a fresh process group; returns (records, 'ok'|'timeout'|'crash (rc=..)', seconds)."""
     cmd = [sys.executable, "-m", "benchmarks.run", "--child", json.dumps(job), "--opts", json.dumps(opts)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=_common.REPO_ROOT, env=_child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=_common.REPO_ROOT,
+        env=_child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     status = "ok"
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -235,16 +269,30 @@ def _missing(job: dict[str, Any], got: list[dict[str, Any]], status: str, device
     for data in job.get("opts", {}).get("datas") or [job.get("data")]:
         for mode in job["modes"]:
             if (data, mode) not in done:
-                rec = _common.base_record(cfg, job["impl"], mode, status=status.split(" ")[0], device=device,
-                                          variant=job.get("variant"), data=data)
+                rec = _common.base_record(
+                    cfg,
+                    job["impl"],
+                    mode,
+                    status=status.split(" ")[0],
+                    device=device,
+                    variant=job.get("variant"),
+                    data=data,
+                )
                 rec["error"] = status
                 out.append(rec)
     return out
 
 
 class Driver:
-    def __init__(self, opts, results: str | None, log_path: str | None, budget_s: float | None,
-                 timeout_s: float | None, isolate: bool = True):
+    def __init__(
+        self,
+        opts,
+        results: str | None,
+        log_path: str | None,
+        budget_s: float | None,
+        timeout_s: float | None,
+        isolate: bool = True,
+    ):
         self.opts, self.results, self.budget_s, self.timeout_s = opts, results, budget_s, timeout_s
         self.isolate = isolate
         self.log = open(log_path, "a", encoding="utf-8") if log_path else None
@@ -349,18 +397,22 @@ def _row(r: dict[str, Any], name_width: int = 30) -> str:
     gerr = "-"
     if r.get("grad_rel_err_hidden") is not None:
         gerr = f"{100 * r['grad_rel_err_hidden']:.2g}/{100 * r['grad_rel_err_weight']:.2g}%"
-    return (f"{_name(r)[:name_width]:{name_width}s} {cfg[:24]:24s} {str(r.get('data') or '-'):>11s} "
-            f"{r['mode']:>7s} {str(r['status'])[:11]:>11s} "
-            f"{_fmt(r.get('median_ms'), '.4g'):>9s} {_fmt(r.get('min_ms'), '.4g'):>9s} "
-            f"{_fmt(r.get('pipelined_ms'), '.4g'):>8s} "
-            f"{_fmt(r.get('x_floor'), '.2f'):>6s} {peak:>8s} {rate:>11s} {gerr:>13s}")
+    return (
+        f"{_name(r)[:name_width]:{name_width}s} {cfg[:24]:24s} {str(r.get('data') or '-'):>11s} "
+        f"{r['mode']:>7s} {str(r['status'])[:11]:>11s} "
+        f"{_fmt(r.get('median_ms'), '.4g'):>9s} {_fmt(r.get('min_ms'), '.4g'):>9s} "
+        f"{_fmt(r.get('pipelined_ms'), '.4g'):>8s} "
+        f"{_fmt(r.get('x_floor'), '.2f'):>6s} {peak:>8s} {rate:>11s} {gerr:>13s}"
+    )
 
 
 def table(records: list[dict[str, Any]], floors: dict[str, Any] | None = None) -> str:
     w = min(60, max([30] + [len(_name(r)) for r in records]))
-    head = (f"{'implementation':{w}s} {'shape BxT':24s} {'data':>11s} {'mode':>7s} {'status':>11s} "
-            f"{'median ms':>9s} {'min ms':>9s} {'pipe ms':>8s} {'xfloor':>6s} {'peak GiB':>8s} {'rate':>11s} "
-            f"{'grad err h/w':>13s}")
+    head = (
+        f"{'implementation':{w}s} {'shape BxT':24s} {'data':>11s} {'mode':>7s} {'status':>11s} "
+        f"{'median ms':>9s} {'min ms':>9s} {'pipe ms':>8s} {'xfloor':>6s} {'peak GiB':>8s} {'rate':>11s} "
+        f"{'grad err h/w':>13s}"
+    )
     lines = [head, "-" * len(head)] + [_row(r, w) for r in records]
     if floors:
         mm = ", ".join(f"[{k}] {v} TF/s" for k, v in floors.get("matmul_tflops", {}).items())
@@ -380,8 +432,11 @@ def _split(values: list[str] | None) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--shape", choices=sorted(SHAPES), help="named shape (benchmarks/shapes.py)")
     p.add_argument("--N", type=int, help="tokens (picks the listed B x T with that N)")
     p.add_argument("--B", type=int)
@@ -389,9 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", action="append", help="implementation(s), comma-separated or repeated")
     p.add_argument("--mode", action="append", help="fwd and/or fwd+bwd (default both, fwd+bwd first)")
     p.add_argument("--suite", choices=("gpu", "cpu"), help="run a suite instead of one configuration")
-    p.add_argument("--only", action="append",
-                   help=f"suite groups: {', '.join(SUITE_GROUPS)}, or all "
-                        "(default: realistic on the GPU, all on the CPU)")
+    p.add_argument(
+        "--only",
+        action="append",
+        help=f"suite groups: {', '.join(SUITE_GROUPS)}, or all (default: realistic on the GPU, all on the CPU)",
+    )
     p.add_argument("--results", help="JSONL to append to (default benchmarks/results/<device>.jsonl)")
     p.add_argument("--log", help="append every job's stderr here")
     p.add_argument("--table", help="also write the final table to this file")
@@ -403,23 +460,36 @@ def build_parser() -> argparse.ArgumentParser:
     for k, v in DEFAULT_OPTS.items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=v,
-                           help=f"(default {v})")
+            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=v, help=f"(default {v})")
         elif k in ("mask", "weight_layout", "objective", "data"):
-            choices = {"mask": ("full", "ragged"), "weight_layout": ("hv", "vh"), "objective": ("gmpo", "grpo"),
-                       "data": ("peaked", "flat", "peaked-live")}[k]
-            helps = {"objective": "logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)",
-                     "data": "workload (benchmarks/workloads.py): peaked = trained-LM-like, ragged masks, "
-                             "zero-advantage groups; flat = N(0,1) data, full mask; peaked-live = peaked, all live",
-                     "mask": "flat data only: legacy ragged mask (lengths in [3T/4, T])"}
+            choices = {
+                "mask": ("full", "ragged"),
+                "weight_layout": ("hv", "vh"),
+                "objective": ("gmpo", "grpo"),
+                "data": ("peaked", "flat", "peaked-live"),
+            }[k]
+            helps = {
+                "objective": "logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)",
+                "data": "workload (benchmarks/workloads.py): peaked = trained-LM-like, ragged masks, "
+                "zero-advantage groups; flat = N(0,1) data, full mask; peaked-live = peaked, all live",
+                "mask": "flat data only: legacy ragged mask (lengths in [3T/4, T])",
+            }
             p.add_argument(flag, default=v, choices=choices, help=helps.get(k))
         else:
             p.add_argument(flag, type=float if isinstance(v, float) else int, default=v, help=f"(default {v})")
-    p.add_argument("--tuning", action="append", metavar="NAME=VALUE",
-                   help="set a tuning constant for this run: an attribute of gmpo_jax.tuning, or "
-                        "module.path.ATTR (JAX implementations; recorded as the variant)")
-    p.add_argument("--sweep", action="append", metavar="NAME=V1,V2,..",
-                   help="one job per value (product over several --sweep); NAME is chunk_size or as --tuning")
+    p.add_argument(
+        "--tuning",
+        action="append",
+        metavar="NAME=VALUE",
+        help="set a tuning constant for this run: an attribute of gmpo_jax.tuning, or "
+        "module.path.ATTR (JAX implementations; recorded as the variant)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="append",
+        metavar="NAME=V1,V2,..",
+        help="one job per value (product over several --sweep); NAME is chunk_size or as --tuning",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--opts", help=argparse.SUPPRESS)
     return p
@@ -443,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise SystemExit(f"unknown --only group(s) {bad}; known: {list(SUITE_GROUPS)}")
         jobs = suite_jobs(args.suite, only)
-        jobs = [j for j in jobs if j["kind"] != "torch" or _torch_peers_importable(j["impl"])] + \
-            [dict(j, skip=True) for j in jobs if j["kind"] == "torch" and not _torch_peers_importable(j["impl"])]
+        jobs = [j for j in jobs if j["kind"] != "torch" or _torch_peers_importable(j["impl"])] + [
+            dict(j, skip=True) for j in jobs if j["kind"] == "torch" and not _torch_peers_importable(j["impl"])
+        ]
     else:
         if not args.shape or not args.impl:
             raise SystemExit("give --shape and --impl (or --suite)")
@@ -468,8 +539,9 @@ def main(argv: list[str] | None = None) -> int:
             elif impl in TORCH_IMPLS[cfg.kind]:
                 kind = "torch"
             else:
-                raise SystemExit(f"unknown {cfg.kind} implementation {impl!r}; known: "
-                                 f"{JAX_IMPLS[cfg.kind] + TORCH_IMPLS[cfg.kind]}")
+                raise SystemExit(
+                    f"unknown {cfg.kind} implementation {impl!r}; known: {JAX_IMPLS[cfg.kind] + TORCH_IMPLS[cfg.kind]}"
+                )
             jobs.append(_job(kind, cfg, impl, modes, args.timeout_s or 600.0, over or None))
 
     label = ",".join(f"{k}={opts[k]}" for k in LABELLED_OPTS if opts[k] != DEFAULT_OPTS[k])

@@ -61,11 +61,23 @@ class Config:
 SHAPES: dict[str, Shape] = {
     s.name: s
     for s in (
-        Shape("qwen2.5-0.5b", "lm_head", 896, 151936, ((1, 512), (8, 2048), (16, 4096), (2, 32768)),
-              "Qwen2.5-0.5B LM head (H=896, V=151936)"),
+        Shape(
+            "qwen2.5-0.5b",
+            "lm_head",
+            896,
+            151936,
+            ((1, 512), (8, 2048), (16, 4096), (2, 32768)),
+            "Qwen2.5-0.5B LM head (H=896, V=151936)",
+        ),
         Shape("llama3-8b", "lm_head", 4096, 128256, ((4, 2048),), "Llama-3-8B LM head (H=4096, V=128256)"),
-        Shape("logits-llama3", "logits", 0, 128256, ((2, 1024), (16, 1024)),
-              "policy loss from logits [B, T+1, V], V=128256 (Llama-3 vocabulary)"),
+        Shape(
+            "logits-llama3",
+            "logits",
+            0,
+            128256,
+            ((2, 1024), (16, 1024)),
+            "policy loss from logits [B, T+1, V], V=128256 (Llama-3 vocabulary)",
+        ),
         # CPU stand-ins (CI / smoke tests). V deliberately not a multiple of any tile.
         Shape("cpu-tiny", "lm_head", 64, 1000, ((2, 64),), "CPU smoke shape"),
         Shape("cpu-small", "lm_head", 128, 8191, ((2, 128), (4, 256)), "CPU shape"),

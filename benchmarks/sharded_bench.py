@@ -35,7 +35,8 @@ LAYOUTS = ("single", "data", "vocab")
 def _worker(args) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import gmpo_jax
     from benchmarks import jax_impls
@@ -45,29 +46,40 @@ def _worker(args) -> dict[str, Any]:
     cfg = select(args.shape, B=args.B, T=args.T)
     opts = dict(DEFAULT_OPTS, iters=args.iters)
     n = jax.device_count() if args.layout != "single" else 1
-    rec = _common.base_record(cfg, args.impl, "fwd+bwd", layout=args.layout, n_devices=n,
-                              device=jax_impls.device_kind())
+    rec = _common.base_record(
+        cfg, args.impl, "fwd+bwd", layout=args.layout, n_devices=n, device=jax_impls.device_kind()
+    )
     kw: dict[str, Any] = dict(objective=gmpo_jax.GMPO(), implementation=args.impl)
     if args.layout == "single":
         shard = {k: None for k in ("h", "w", "bt", "b")}
     else:
         shape = (n, 1) if args.layout == "data" else (1, n)
-        mesh = jax.make_mesh(shape, ("data", "model"),
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
-        kw.update(mesh=mesh, data_axis="data" if args.layout == "data" else None,
-                  vocab_axis="model" if args.layout == "vocab" else None)
+        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        kw.update(
+            mesh=mesh,
+            data_axis="data" if args.layout == "data" else None,
+            vocab_axis="model" if args.layout == "vocab" else None,
+        )
         d = "data" if args.layout == "data" else None
         v = "model" if args.layout == "vocab" else None
-        shard = {"h": NamedSharding(mesh, P(d, None, None)), "w": NamedSharding(mesh, P(None, v)),
-                 "bt": NamedSharding(mesh, P(d, None)), "b": NamedSharding(mesh, P(d))}
+        shard = {
+            "h": NamedSharding(mesh, P(d, None, None)),
+            "w": NamedSharding(mesh, P(None, v)),
+            "bt": NamedSharding(mesh, P(d, None)),
+            "b": NamedSharding(mesh, P(d)),
+        }
     B, T, H, V, seed = cfg.B, cfg.T, cfg.H, cfg.V, opts["seed"]
     outs = (shard["h"], shard["w"], shard["bt"], shard["bt"], shard["b"])
-    hidden, weight, ids, mask, adv = jax.jit(lambda: jax_impls.lm_head_arrays(cfg, opts),
-                                             out_shardings=None if n == 1 else outs)()
+    hidden, weight, ids, mask, adv = jax.jit(
+        lambda: jax_impls.lm_head_arrays(cfg, opts), out_shardings=None if n == 1 else outs
+    )()
     logp_kw = {k: kw[k] for k in ("implementation", "mesh", "data_axis", "vocab_axis") if k in kw}
-    old = jax.jit(lambda h, w, i: gmpo_jax.fused_linear_logprobs(h, w, i, **logp_kw)
-                  + opts["ratio_noise"] * jax_impls.hashed_normal(seed, 5, (B, T), jnp.float32))(
-                      hidden, weight, ids)
+    old = jax.jit(
+        lambda h, w, i: (
+            gmpo_jax.fused_linear_logprobs(h, w, i, **logp_kw)
+            + opts["ratio_noise"] * jax_impls.hashed_normal(seed, 5, (B, T), jnp.float32)
+        )
+    )(hidden, weight, ids)
 
     def loss(h, w, ids, mask, adv, old):
         return gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, old_logps=old, **kw)[0]
@@ -79,9 +91,13 @@ def _worker(args) -> dict[str, Any]:
         rec.update(status=_common.classify_error(exc), error=_common.short_error(exc))
         return rec
     peaks = [(dev.memory_stats() or {}).get("peak_bytes_in_use") for dev in jax.devices()[:n]]
-    rec.update(stats, status="ok", peak_gib=_common.gib(max(p or 0 for p in peaks)),
-               peak_gib_per_device=[_common.gib(p) for p in peaks],
-               tflops_per_device=round(6 * cfg.N * H * V / n / (stats["median_ms"] * 1e-3) / 1e12, 1))
+    rec.update(
+        stats,
+        status="ok",
+        peak_gib=_common.gib(max(p or 0 for p in peaks)),
+        peak_gib_per_device=[_common.gib(p) for p in peaks],
+        tflops_per_device=round(6 * cfg.N * H * V / n / (stats["median_ms"] * 1e-3) / 1e12, 1),
+    )
     return rec
 
 
@@ -103,21 +119,53 @@ def main(argv=None) -> int:
     records = []
     for impl in args.impl.split(","):
         for layout in args.layouts.split(","):
-            cmd = [sys.executable, "-m", "benchmarks.sharded_bench", "--shape", args.shape, "--B", str(args.B),
-                   "--T", str(args.T), "--impl", impl, "--layout", layout, "--iters", str(args.iters)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.sharded_bench",
+                "--shape",
+                args.shape,
+                "--B",
+                str(args.B),
+                "--T",
+                str(args.T),
+                "--impl",
+                impl,
+                "--layout",
+                layout,
+                "--iters",
+                str(args.iters),
+            ]
             env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
             try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env,
-                                     cwd=_common.REPO_ROOT)
+                out = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env, cwd=_common.REPO_ROOT
+                )
                 got = _common.parse_records(out.stdout)
                 if not got:
                     sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
             except subprocess.TimeoutExpired:
                 got = [{"implementation": impl, "layout": layout, "status": "timeout"}]
             for r in got:
-                print(json.dumps({k: r.get(k) for k in ("implementation", "layout", "n_devices", "status",
-                                                        "median_ms", "peak_gib_per_device", "loss",
-                                                        "tflops_per_device", "error")}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            k: r.get(k)
+                            for k in (
+                                "implementation",
+                                "layout",
+                                "n_devices",
+                                "status",
+                                "median_ms",
+                                "peak_gib_per_device",
+                                "loss",
+                                "tflops_per_device",
+                                "error",
+                            )
+                        }
+                    ),
+                    flush=True,
+                )
             records += got
     if args.results:
         _common.append_jsonl(args.results, records)

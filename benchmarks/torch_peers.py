@@ -27,10 +27,10 @@ peak is exact.
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from benchmarks import _common
 from benchmarks.shapes import Config
@@ -40,8 +40,11 @@ PEER_DIST = {"cut_cross_entropy": "cut-cross-entropy", "liger_kernel": "liger-ke
 
 
 def _versions(module: str) -> dict[str, Any]:
-    return {"torch": _common.pkg_version("torch"), "triton": _common.pkg_version("triton"),
-            "peer_version": _common.pkg_version(PEER_DIST[module])}
+    return {
+        "torch": _common.pkg_version("torch"),
+        "triton": _common.pkg_version("triton"),
+        "peer_version": _common.pkg_version(PEER_DIST[module]),
+    }
 
 
 def gmpo_from_logp(logp, mask, adv, old, eps_low: float = 0.4, eps_high: float = 0.4):
@@ -83,8 +86,25 @@ def _batch_file(cfg: Config, data: str, seed: int) -> str:
 
     path = _common.cache_path(cfg.B, cfg.T, cfg.H, cfg.V, data, seed)
     if not os.path.exists(path):
-        cmd = [sys.executable, "-m", "benchmarks.workloads", "--B", str(cfg.B), "--T", str(cfg.T), "--H",
-               str(cfg.H), "--V", str(cfg.V), "--data", data, "--seed", str(seed), "--save", path]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.workloads",
+            "--B",
+            str(cfg.B),
+            "--T",
+            str(cfg.T),
+            "--H",
+            str(cfg.H),
+            "--V",
+            str(cfg.V),
+            "--data",
+            data,
+            "--seed",
+            str(seed),
+            "--save",
+            path,
+        ]
         subprocess.run(cmd, check=True, cwd=_common.REPO_ROOT, capture_output=True, text=True, timeout=300)
     return path
 
@@ -128,8 +148,9 @@ def _grad_accuracy(torch, cfg: Config, args, filter_eps) -> dict[str, Any]:
     ids2, mask2, old2 = ids[:, :T2].contiguous(), mask[:, :T2], old[:, :T2]
     B = h.shape[0]
     kw = {} if filter_eps == "default" else {"filter_eps": filter_eps}
-    nll = linear_cross_entropy(h.reshape(B * T2, -1), w, ids2.reshape(-1), reduction="none",
-                               ignore_index=IGNORE_INDEX, **kw)
+    nll = linear_cross_entropy(
+        h.reshape(B * T2, -1), w, ids2.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX, **kw
+    )
     got = torch.autograd.grad(gmpo_from_logp(-nll.float().reshape(B, T2), mask2, adv, old2), (h, w))
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -141,10 +162,14 @@ def _grad_accuracy(torch, cfg: Config, args, filter_eps) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = prev
 
     def rel(g, r):
-        return round(float(torch.linalg.vector_norm((g.float() - r.float())) / torch.linalg.vector_norm(r.float())), 6)
+        return round(float(torch.linalg.vector_norm(g.float() - r.float()) / torch.linalg.vector_norm(r.float())), 6)
 
-    out = {"grad_acc_N": B * T2, "grad_oracle": "torch float32 dense (full logits, no TF32)",
-           "grad_rel_err_hidden": rel(got[0], ref[0]), "grad_rel_err_weight": rel(got[1], ref[1])}
+    out = {
+        "grad_acc_N": B * T2,
+        "grad_oracle": "torch float32 dense (full logits, no TF32)",
+        "grad_rel_err_hidden": rel(got[0], ref[0]),
+        "grad_rel_err_weight": rel(got[1], ref[1]),
+    }
     if T2 != cfg.T:
         out["grad_acc_note"] = f"oracle on the first {T2} of {cfg.T} positions of each sequence (memory)"
     return out
@@ -162,9 +187,10 @@ def _logits_inputs(torch, cfg: Config, opts: dict[str, Any], device):
         old = torch.empty(B, T, dtype=torch.float32, device=device)
         for b in range(B):
             for s in range(0, T, 64):
-                z = logits[b, s:min(s + 64, T)].float()
-                old[b, s:s + z.shape[0]] = (z.gather(1, ids[b, s:s + z.shape[0], None])[:, 0]
-                                            - torch.logsumexp(z, -1))
+                z = logits[b, s : min(s + 64, T)].float()
+                old[b, s : s + z.shape[0]] = z.gather(1, ids[b, s : s + z.shape[0], None])[:, 0] - torch.logsumexp(
+                    z, -1
+                )
         old += opts["ratio_noise"] * torch.randn(B, T, device=device, generator=gen)
     return logits, ids, mask, adv, old
 
@@ -182,16 +208,27 @@ def _steps(torch, impl: str, cfg: Config, args, opts) -> list[tuple[str, str | N
 
         def make(filter_kw: dict[str, Any], grad: bool):
             def step():
-                nll = linear_cross_entropy(h_leaf.reshape(B * T, H), w_leaf, ids.reshape(-1), reduction="none",
-                                           ignore_index=IGNORE_INDEX, **filter_kw)
+                nll = linear_cross_entropy(
+                    h_leaf.reshape(B * T, H),
+                    w_leaf,
+                    ids.reshape(-1),
+                    reduction="none",
+                    ignore_index=IGNORE_INDEX,
+                    **filter_kw,
+                )
                 loss = gmpo_from_logp(-nll.float().reshape(B, T), mask, adv, old)
                 return (loss, *torch.autograd.grad(loss, (h_leaf, w_leaf)))
 
             def no_grad_step():  # detached inputs: CCE then skips its backward-only work (logit averages)
                 with torch.no_grad():
-                    nll = linear_cross_entropy(hidden.detach().reshape(B * T, H), weight.detach(),
-                                               ids.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX,
-                                               **filter_kw)
+                    nll = linear_cross_entropy(
+                        hidden.detach().reshape(B * T, H),
+                        weight.detach(),
+                        ids.reshape(-1),
+                        reduction="none",
+                        ignore_index=IGNORE_INDEX,
+                        **filter_kw,
+                    )
                     return gmpo_from_logp(-nll.float().reshape(B, T), mask, adv, old)
 
             return step if grad else no_grad_step
@@ -208,9 +245,16 @@ def _steps(torch, impl: str, cfg: Config, args, opts) -> list[tuple[str, str | N
         hidden, weight, ids, mask, adv, old = args
         h_leaf = hidden.requires_grad_(True)
         w_leaf = weight.requires_grad_(True)
-        mod = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, chunk_size=opts.get("liger_chunk_size", 1),
-                                       loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, temperature=1.0,
-                                       compiled=True)
+        mod = LigerFusedLinearGRPOLoss(
+            beta=0.0,
+            use_ref_model=False,
+            chunk_size=opts.get("liger_chunk_size", 1),
+            loss_type="grpo",
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            temperature=1.0,
+            compiled=True,
+        )
 
         ids = ids.clamp(min=0)  # Liger takes the mask instead of an ignore index
 
@@ -223,8 +267,13 @@ def _steps(torch, impl: str, cfg: Config, args, opts) -> list[tuple[str, str | N
                 return mod(h_leaf, w_leaf, ids, mask, adv, old_per_token_logps=old)[0]
 
         for mode in opts["modes"]:
-            out.append((mode, None if mode == "fwd+bwd" else "forward computes gradients too",
-                        fwd_bwd if mode == "fwd+bwd" else fwd))
+            out.append(
+                (
+                    mode,
+                    None if mode == "fwd+bwd" else "forward computes gradients too",
+                    fwd_bwd if mode == "fwd+bwd" else fwd,
+                )
+            )
     elif impl == "liger_triton":
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
@@ -233,15 +282,29 @@ def _steps(torch, impl: str, cfg: Config, args, opts) -> list[tuple[str, str | N
 
         def make(grad: bool, inplace: bool):
             def call():
-                loss, _metrics = triton_grpo_loss(leaf, old, None, ids, adv, mask, temperature=1.0, beta=0.0,
-                                                  eps_low=0.2, eps_high=0.2, inplace=inplace, loss_type="grpo",
-                                                  reduce=True)
+                loss, _metrics = triton_grpo_loss(
+                    leaf,
+                    old,
+                    None,
+                    ids,
+                    adv,
+                    mask,
+                    temperature=1.0,
+                    beta=0.0,
+                    eps_low=0.2,
+                    eps_high=0.2,
+                    inplace=inplace,
+                    loss_type="grpo",
+                    reduce=True,
+                )
                 return loss
 
             if grad:
+
                 def step():
                     loss = call()
                     return (loss, *torch.autograd.grad(loss, (leaf,)))
+
                 return step
 
             def no_grad_step():
@@ -308,8 +371,9 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
 
     def fail(status: str, error: str, data: str, mode_variants):
         for mode, variant in mode_variants:
-            rec = _common.base_record(cfg, impl, mode, status=status, error=error, data=data,
-                                      variant=variant or opts.get("variant"))
+            rec = _common.base_record(
+                cfg, impl, mode, status=status, error=error, data=data, variant=variant or opts.get("variant")
+            )
             _common.emit(rec)
             records.append(rec)
 
@@ -330,21 +394,33 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
     name = torch.cuda.get_device_name()
     for data in datas:
         dopts = dict(opts, data=data)
-        common = dict(device=_common.device_slug(name), device_name=name, seed=opts["seed"], mask=opts["mask"],
-                      data=data, **_versions(module))
+        common = dict(
+            device=_common.device_slug(name),
+            device_name=name,
+            seed=opts["seed"],
+            mask=opts["mask"],
+            data=data,
+            **_versions(module),
+        )
         try:
             if cfg.kind == "lm_head":
                 args = _lm_head_inputs(torch, cfg, dopts, device)
                 grads_bytes = args[0].nbytes + args[1].nbytes
-                common.update(weight_layout="vh", weight_f32_gib=_common.gib(cfg.H * cfg.V * 4),
-                              objective="GMPO()" if impl == "cce_gmpo" else "GRPO(loss_type='grpo')")
+                common.update(
+                    weight_layout="vh",
+                    weight_f32_gib=_common.gib(cfg.H * cfg.V * 4),
+                    objective="GMPO()" if impl == "cce_gmpo" else "GRPO(loss_type='grpo')",
+                )
             else:
                 if data != "flat":
                     raise NotImplementedError("the torch logits peer runs on flat data only")
                 args = _logits_inputs(torch, cfg, dopts, device)
                 grads_bytes = args[0].nbytes
-                common.update(logits_std=opts["logits_std"], logits_gib=_common.gib(args[0].nbytes),
-                              objective="GRPO(loss_type='grpo')")
+                common.update(
+                    logits_std=opts["logits_std"],
+                    logits_gib=_common.gib(args[0].nbytes),
+                    objective="GRPO(loss_type='grpo')",
+                )
             torch.cuda.synchronize()
             common["inputs_gib"] = _common.gib(sum(a.nbytes for a in args))
             steps = _steps(torch, impl, cfg, args, dopts)

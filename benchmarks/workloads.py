@@ -79,15 +79,15 @@ class Workload:
 
     data: str = "peaked"
     seed: int = 0
-    entropy: float = 2.0          # target mean softmax entropy, nats
-    zipf_s: float = 1.0           # prior logit -zipf_s * log(1 + v)
-    rank: int = 64                # dimension of the token-embedding subspace
-    margin: float = 12.0          # logit margin of a fully confident row (before the temperature)
-    min_len_frac: float = 0.2     # completion lengths uniform over [min_len_frac * T, T]
-    group_size: int = 2           # completions per prompt (clipped to B); see below
-    zero_adv_frac: float = 0.3    # fraction of groups whose rewards are all equal
-    ratio_noise: float = 0.2      # old_logps = logp + ratio_noise * (1 - p) * N(0, 1)   (flat: ratio_noise * N(0, 1))
-    logit_scale: float = 1.0      # flat only: weight ~ N(0, logit_scale^2 / H)
+    entropy: float = 2.0  # target mean softmax entropy, nats
+    zipf_s: float = 1.0  # prior logit -zipf_s * log(1 + v)
+    rank: int = 64  # dimension of the token-embedding subspace
+    margin: float = 12.0  # logit margin of a fully confident row (before the temperature)
+    min_len_frac: float = 0.2  # completion lengths uniform over [min_len_frac * T, T]
+    group_size: int = 2  # completions per prompt (clipped to B); see below
+    zero_adv_frac: float = 0.3  # fraction of groups whose rewards are all equal
+    ratio_noise: float = 0.2  # old_logps = logp + ratio_noise * (1 - p) * N(0, 1)   (flat: ratio_noise * N(0, 1))
+    logit_scale: float = 1.0  # flat only: weight ~ N(0, logit_scale^2 / H)
 
     def __post_init__(self):
         if self.data not in DATA:
@@ -99,18 +99,18 @@ class Workload:
 
 
 class LMHeadBatch(NamedTuple):
-    hidden: jax.Array       # [B, T, H] bf16
-    weight: jax.Array       # [H, V] bf16
-    ids: jax.Array          # [B, T] int32
-    mask: jax.Array         # [B, T] bool
-    advantages: jax.Array   # [B] float32
-    old_logps: jax.Array    # [B, T] float32
-    logps: jax.Array        # [B, T] float32, exact current log-probs of ids (bf16 inputs, f32 math)
-    entropy: jax.Array      # [B, T] float32, softmax entropy per position
+    hidden: jax.Array  # [B, T, H] bf16
+    weight: jax.Array  # [H, V] bf16
+    ids: jax.Array  # [B, T] int32
+    mask: jax.Array  # [B, T] bool
+    advantages: jax.Array  # [B] float32
+    old_logps: jax.Array  # [B, T] float32
+    logps: jax.Array  # [B, T] float32, exact current log-probs of ids (bf16 inputs, f32 math)
+    entropy: jax.Array  # [B, T] float32, softmax entropy per position
 
 
 class LogitsBatch(NamedTuple):
-    logits: jax.Array       # [B, T + 1, V] bf16
+    logits: jax.Array  # [B, T + 1, V] bf16
     ids: jax.Array
     mask: jax.Array
     advantages: jax.Array
@@ -222,9 +222,9 @@ def _peaked_weight(key, *, seed: int, H: int, V: int, rank: int, zipf_s: float):
     E = jax.random.normal(ke, (rank, V), jnp.float32) / math.sqrt(rank)
     prior = _zipf_prior(V, zipf_s)
     prior = prior - prior.mean()
-    lhs = jnp.concatenate([q[:, 1:], q[:, :1]], axis=1).astype(jnp.bfloat16)      # [H, rank + 1]
-    rhs = jnp.concatenate([E, prior[None, :]], axis=0).astype(jnp.bfloat16)       # [rank + 1, V]
-    w = jnp.dot(lhs, rhs, preferred_element_type=jnp.bfloat16)                     # bf16 out, no f32 [H, V]
+    lhs = jnp.concatenate([q[:, 1:], q[:, :1]], axis=1).astype(jnp.bfloat16)  # [H, rank + 1]
+    rhs = jnp.concatenate([E, prior[None, :]], axis=0).astype(jnp.bfloat16)  # [rank + 1, V]
+    w = jnp.dot(lhs, rhs, preferred_element_type=jnp.bfloat16)  # bf16 out, no f32 [H, V]
     noise = hashed_normal(seed, 9, (H, V), jnp.bfloat16, 0.05 / math.sqrt(H))  # full rank, fused
     return (w + noise).astype(jnp.bfloat16), q, E
 
@@ -237,8 +237,8 @@ def _peaked_hidden_unit(key, q, E, *, N: int, margin: float, zipf_s: float):
     p = jax.nn.softmax(_zipf_prior(V, zipf_s))
     k = jnp.clip(jnp.searchsorted(jnp.cumsum(p), jax.random.uniform(kk, (N,))), 0, V - 1)
     a = jax.random.uniform(ka, (N,))
-    Ek = E[:, k].T                                                                   # [N, rank]
-    Ek = Ek / jnp.sum(Ek * Ek, axis=-1, keepdims=True)                               # E_k . c = a * margin
+    Ek = E[:, k].T  # [N, rank]
+    Ek = Ek / jnp.sum(Ek * Ek, axis=-1, keepdims=True)  # E_k . c = a * margin
     coords = a[:, None] * margin * Ek + jax.random.normal(kn, (N, rank)) * (0.5 / math.sqrt(rank))
     h = coords @ q[:, 1:].T + q[:, 0][None, :]
     H = q.shape[0]
@@ -305,8 +305,9 @@ def _old_logps(key, logp, ratio_noise: float, peaked: bool):
 # Public constructors
 
 
-def make_lm_head_batch(B: int, T: int, H: int, V: int, data: str | Workload = "peaked", seed: int = 0,
-                       **overrides: Any) -> LMHeadBatch:
+def make_lm_head_batch(
+    B: int, T: int, H: int, V: int, data: str | Workload = "peaked", seed: int = 0, **overrides: Any
+) -> LMHeadBatch:
     """A seeded LM-head batch (see the module docstring). ``data``: a name or a `Workload`; ``overrides``
     set `Workload` fields (``entropy=1.0``, ``zero_adv_frac=0.5`` ...)."""
     wl = data if isinstance(data, Workload) else Workload(data=data, seed=seed, **overrides)
@@ -316,8 +317,9 @@ def make_lm_head_batch(B: int, T: int, H: int, V: int, data: str | Workload = "p
         hidden = jax.jit(lambda: hashed_normal(wl.seed, 1, (B, T, H), jnp.bfloat16))()
         weight = jax.jit(lambda: hashed_normal(wl.seed, 2, (H, V), jnp.bfloat16, wl.logit_scale / math.sqrt(H)))()
         ids = jax.jit(lambda: hashed_randint(wl.seed, 3, (B, T), V))()
-        _, logp, ent = _lm_head_row_stats(hidden.reshape(N, H), weight, ids.reshape(N), k_ids,
-                                          rows=chunk_rows(N, V), sample=False)
+        _, logp, ent = _lm_head_row_stats(
+            hidden.reshape(N, H), weight, ids.reshape(N), k_ids, rows=chunk_rows(N, V), sample=False
+        )
         mask = jnp.ones((B, T), jnp.bool_)
         adv = jax.jit(lambda: hashed_normal(wl.seed, 4, (B,), jnp.float32))()
         logp = logp.reshape(B, T)
@@ -331,8 +333,9 @@ def make_lm_head_batch(B: int, T: int, H: int, V: int, data: str | Workload = "p
     tau = _bisect_temperature(h_unit[:sample], weight, target=wl.entropy)
     hidden = jax.jit(lambda h, t: (h * t).astype(jnp.bfloat16).reshape(B, T, H))(h_unit, tau)
     del h_unit
-    ids, logp, ent = _lm_head_row_stats(hidden.reshape(N, H), weight, jnp.zeros((N,), jnp.int32), k_ids,
-                                        rows=chunk_rows(N, V), sample=True)
+    ids, logp, ent = _lm_head_row_stats(
+        hidden.reshape(N, H), weight, jnp.zeros((N,), jnp.int32), k_ids, rows=chunk_rows(N, V), sample=True
+    )
     ids, logp, ent = ids.reshape(B, T), logp.reshape(B, T), ent.reshape(B, T)
     live = wl.data == "peaked-live"
     mask = jnp.ones((B, T), jnp.bool_) if live else ragged_mask(k_mask, B, T, wl.min_len_frac)
@@ -341,8 +344,9 @@ def make_lm_head_batch(B: int, T: int, H: int, V: int, data: str | Workload = "p
     return LMHeadBatch(hidden, weight, ids, mask, adv, old, logp, ent)
 
 
-def make_logits_batch(B: int, T: int, V: int, data: str | Workload = "peaked", seed: int = 0, H: int = 256,
-                      **overrides: Any) -> LogitsBatch:
+def make_logits_batch(
+    B: int, T: int, V: int, data: str | Workload = "peaked", seed: int = 0, H: int = 256, **overrides: Any
+) -> LogitsBatch:
     """Logits ``[B, T + 1, V]`` bf16 (the loss-from-logits path). Peaked: the logits of a peaked LM head of
     hidden size ``H`` (one bf16 matmul, bf16 result); flat: N(0, 1) logits, as the logits tables used."""
     wl = data if isinstance(data, Workload) else Workload(data=data, seed=seed, **overrides)
@@ -352,8 +356,9 @@ def make_logits_batch(B: int, T: int, V: int, data: str | Workload = "peaked", s
         logits = jax.jit(lambda: hashed_normal(wl.seed, 11, (B, T + 1, V), jnp.bfloat16))()
         ids = jax.jit(lambda: hashed_randint(wl.seed, 3, (B, T), V))()
         ids_full = jnp.concatenate([ids, jnp.zeros((B, 1), jnp.int32)], axis=1)
-        _, logp, ent = _logits_row_stats(logits.reshape(R, V), ids_full.reshape(R), k_ids,
-                                         rows=chunk_rows(R, V), sample=False)
+        _, logp, ent = _logits_row_stats(
+            logits.reshape(R, V), ids_full.reshape(R), k_ids, rows=chunk_rows(R, V), sample=False
+        )
         logp, ent = logp.reshape(B, T + 1)[:, :T], ent.reshape(B, T + 1)[:, :T]
         adv = jax.jit(lambda: hashed_normal(wl.seed, 4, (B,), jnp.float32))()
         old = jax.jit(lambda lp: lp + wl.ratio_noise * hashed_normal(wl.seed, 5, (B, T), jnp.float32))(logp)
@@ -362,8 +367,9 @@ def make_logits_batch(B: int, T: int, V: int, data: str | Workload = "peaked", s
     logits = jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.bfloat16))(head.hidden, head.weight)
     ids = head.ids[:, :T]
     # log-probs and entropies of the bf16 logits themselves (what the loss sees)
-    _, logp, ent = _logits_row_stats(logits.reshape(R, V), head.ids.reshape(R), k_ids,
-                                     rows=chunk_rows(R, V), sample=False)
+    _, logp, ent = _logits_row_stats(
+        logits.reshape(R, V), head.ids.reshape(R), k_ids, rows=chunk_rows(R, V), sample=False
+    )
     logp, ent = logp.reshape(B, T + 1)[:, :T], ent.reshape(B, T + 1)[:, :T]
     del head
     live = wl.data == "peaked-live"

@@ -57,15 +57,19 @@ def dispatch(implementation, registry: dict[str, str], what: str, **config):
     """
     if implementation is not None and not isinstance(implementation, str):
         if not callable(getattr(implementation, "check_supported", None)):
-            raise TypeError(f"implementation must be None, a name in {tuple(registry)} or a backend instance, "
-                            f"got implementation={implementation!r}")
+            raise TypeError(
+                f"implementation must be None, a name in {tuple(registry)} or a backend instance, "
+                f"got implementation={implementation!r}"
+            )
         implementation.check_supported(**config)
         logger.info("gmpo_jax: %s implementation=%r (explicit instance)", what, implementation)
         return implementation
     if implementation is not None:
         if implementation not in registry:
-            raise ValueError(f"implementation must be None, one of {tuple(registry)} or a backend instance, "
-                             f"got implementation={implementation!r}")
+            raise ValueError(
+                f"implementation must be None, one of {tuple(registry)} or a backend instance, "
+                f"got implementation={implementation!r}"
+            )
         backend = _make(registry, implementation)
         backend.check_supported(**config)
         logger.info("gmpo_jax: %s implementation=%s (explicit)", what, implementation)
@@ -78,8 +82,9 @@ def dispatch(implementation, registry: dict[str, str], what: str, **config):
             logger.debug("gmpo_jax: %s %s unavailable: %s", what, name, e)
             continue
         except UnsupportedConfigError as e:
-            warnings.warn(f"gmpo_jax: {what} implementation={name!r} cannot serve this call ({e}); "
-                          "falling back.", stacklevel=5)
+            warnings.warn(
+                f"gmpo_jax: {what} implementation={name!r} cannot serve this call ({e}); falling back.", stacklevel=5
+            )
             continue
         logger.info("gmpo_jax: %s implementation=%s", what, name)
         return backend

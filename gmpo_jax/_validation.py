@@ -79,7 +79,9 @@ def check_vocab_size(vocab_size, V: int) -> None:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
         raise TypeError(f"vocab_size must be None or an int, got vocab_size={vocab_size!r}")
     if not 1 <= vocab_size <= V:
-        raise ValueError(f"vocab_size must be in [1, V={V}] (the LM head's vocabulary axis), got vocab_size={vocab_size}")
+        raise ValueError(
+            f"vocab_size must be in [1, V={V}] (the LM head's vocabulary axis), got vocab_size={vocab_size}"
+        )
 
 
 def check_lm_head(hidden, weight, bias, weight_layout, *, prefix: str = "") -> tuple[int, int, int, int]:
@@ -98,13 +100,15 @@ def check_lm_head(hidden, weight, bias, weight_layout, *, prefix: str = "") -> t
         if _shape(weight)[0] != H:
             raise ValueError(
                 f"{wn} must be [H, V] with H={H} (hidden's last axis) for weight_layout='hv', got "
-                f"{wn}.shape={_shape(weight)} (a tied embedding table [V, H] needs weight_layout='vh')")
+                f"{wn}.shape={_shape(weight)} (a tied embedding table [V, H] needs weight_layout='vh')"
+            )
         V = _shape(weight)[1]
     else:
         if _shape(weight)[1] != H:
             raise ValueError(
                 f"{wn} must be [V, H] with H={H} (hidden's last axis) for weight_layout='vh', got "
-                f"{wn}.shape={_shape(weight)} (a Flax Linear kernel [H, V] needs weight_layout='hv')")
+                f"{wn}.shape={_shape(weight)} (a Flax Linear kernel [H, V] needs weight_layout='hv')"
+            )
         V = _shape(weight)[0]
     if V < 1:
         raise ValueError(f"{wn} must have a non-empty vocabulary axis, got {wn}.shape={_shape(weight)}")
@@ -136,9 +140,11 @@ def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids") -> None:
     bad = active & ((ids_v < 0) | (ids_v >= V))
     if bad.any():
         pos = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{name} must lie in [0, {V}) wherever completion_mask is 1 (masked positions may hold any "
-                         f"id, e.g. -100), got {name}[{', '.join(map(str, pos))}] = {int(ids_v[pos])} "
-                         f"({int(bad.sum())} such position(s))")
+        raise ValueError(
+            f"{name} must lie in [0, {V}) wherever completion_mask is 1 (masked positions may hold any "
+            f"id, e.g. -100), got {name}[{', '.join(map(str, pos))}] = {int(ids_v[pos])} "
+            f"({int(bad.sum())} such position(s))"
+        )
 
 
 def check_mask(mask, B: int, T: int) -> None:
@@ -151,12 +157,27 @@ def check_mask(mask, B: int, T: int) -> None:
         value = _concrete(mask)
         if value is not None and not np.all((value == 0) | (value == 1)):
             bad = value[(value != 0) & (value != 1)].ravel()[:3].tolist()
-            raise ValueError(f"completion_mask must hold only 0 and 1 (it selects tokens, it does not weight "
-                             f"them), got values such as {bad}")
+            raise ValueError(
+                f"completion_mask must hold only 0 and 1 (it selects tokens, it does not weight "
+                f"them), got values such as {bad}"
+            )
 
 
-def check_token_inputs(*, B: int, T: int, V: int, completion_ids, completion_mask, advantages, objective,
-                       old_logps, ref_logps, rollout_is_ratio, num_items_in_batch, temperature) -> None:
+def check_token_inputs(
+    *,
+    B: int,
+    T: int,
+    V: int,
+    completion_ids,
+    completion_mask,
+    advantages,
+    objective,
+    old_logps,
+    ref_logps,
+    rollout_is_ratio,
+    num_items_in_batch,
+    temperature,
+) -> None:
     """The checks both ops share: the objective, the ``[B, T]`` / ``[B]`` per-token inputs, the scalars, and
     (when concrete) that every unmasked id lies in ``[0, V)``."""
     if not isinstance(objective, Objective):
@@ -174,11 +195,13 @@ def check_token_inputs(*, B: int, T: int, V: int, completion_ids, completion_mas
         if _shape(rollout_is_ratio) not in ((B, T), (B, 1), (B,)):
             raise ValueError(
                 f"rollout_is_ratio must have shape [B, T], [B, 1] or [B] = {(B, T)}, {(B, 1)} or {(B,)}, "
-                f"got rollout_is_ratio.shape={_shape(rollout_is_ratio)}")
+                f"got rollout_is_ratio.shape={_shape(rollout_is_ratio)}"
+            )
         require_float("rollout_is_ratio", rollout_is_ratio)
     if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, bool) or not (isinstance(num_items_in_batch, numbers.Real)
-                                                        or _shape(num_items_in_batch) == ()):
+        if isinstance(num_items_in_batch, bool) or not (
+            isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
+        ):
             raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
         if isinstance(num_items_in_batch, numbers.Real) and num_items_in_batch < 0:
             raise ValueError(f"num_items_in_batch must be >= 0, got num_items_in_batch={num_items_in_batch!r}")
@@ -186,18 +209,46 @@ def check_token_inputs(*, B: int, T: int, V: int, completion_ids, completion_mas
     check_ids_in_range(completion_ids, completion_mask, V)
 
 
-def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, advantages, objective, old_logps,
-                        ref_logps, ref_hidden, ref_weight, bias, ref_bias, rollout_is_ratio, num_items_in_batch,
-                        temperature, weight_layout, chunk_size, vocab_size=None) -> tuple[int, int, int, int]:
+def check_policy_inputs(
+    *,
+    hidden,
+    weight,
+    completion_ids,
+    completion_mask,
+    advantages,
+    objective,
+    old_logps,
+    ref_logps,
+    ref_hidden,
+    ref_weight,
+    bias,
+    ref_bias,
+    rollout_is_ratio,
+    num_items_in_batch,
+    temperature,
+    weight_layout,
+    chunk_size,
+    vocab_size=None,
+) -> tuple[int, int, int, int]:
     """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
     if not isinstance(objective, Objective):
         raise TypeError(f"objective must be a GMPO, GRPO, CISPO or SAPO instance, got objective={objective!r}")
     B, T, H, V = check_lm_head(hidden, weight, bias, weight_layout)
     check_vocab_size(vocab_size, V)
-    check_token_inputs(B=B, T=T, V=vocab_size or V, completion_ids=completion_ids, completion_mask=completion_mask,
-                       advantages=advantages, objective=objective, old_logps=old_logps, ref_logps=ref_logps,
-                       rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch,
-                       temperature=temperature)
+    check_token_inputs(
+        B=B,
+        T=T,
+        V=vocab_size or V,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        objective=objective,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+    )
     if ref_logps is not None and ref_hidden is not None:
         raise ValueError("give either ref_logps or ref_hidden (+ ref_weight), not both")
     if ref_hidden is None and (ref_weight is not None or ref_bias is not None):
@@ -207,15 +258,18 @@ def check_policy_inputs(*, hidden, weight, completion_ids, completion_mask, adva
             raise ValueError("ref_hidden needs ref_weight, the reference model's LM head")
         rB, rT, _, rV = check_lm_head(ref_hidden, ref_weight, ref_bias, weight_layout, prefix="ref_")
         if (rB, rT) != (B, T):
-            raise ValueError(f"ref_hidden must be [B, T, H_ref] with B, T = {(B, T)}, got "
-                             f"ref_hidden.shape={_shape(ref_hidden)}")
+            raise ValueError(
+                f"ref_hidden must be [B, T, H_ref] with B, T = {(B, T)}, got ref_hidden.shape={_shape(ref_hidden)}"
+            )
         if rV != V:
-            raise ValueError(f"ref_weight must have the policy's vocabulary size V={V}, got "
-                             f"ref_weight.shape={_shape(ref_weight)}")
+            raise ValueError(
+                f"ref_weight must have the policy's vocabulary size V={V}, got ref_weight.shape={_shape(ref_weight)}"
+            )
     has_ref = ref_logps is not None or ref_hidden is not None
     if objective.requires_reference and not has_ref:
-        raise ValueError(f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps, or "
-                         "ref_hidden and ref_weight")
+        raise ValueError(
+            f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps, or ref_hidden and ref_weight"
+        )
     check_chunk_size(chunk_size)
     return B, T, H, V
 
@@ -243,8 +297,19 @@ def _f32(x):
     return None if x is None else jnp.asarray(x).astype(jnp.float32)
 
 
-def policy_inputs(objective, completion_ids, completion_mask, advantages, *, old_logps=None, ref_logps=None,
-                  rollout_is_ratio=None, num_items_in_batch=None, temperature=1.0, warn: bool = True):
+def policy_inputs(
+    objective,
+    completion_ids,
+    completion_mask,
+    advantages,
+    *,
+    old_logps=None,
+    ref_logps=None,
+    rollout_is_ratio=None,
+    num_items_in_batch=None,
+    temperature=1.0,
+    warn: bool = True,
+):
     """The checked per-token arguments as one :class:`~gmpo_jax.objectives.PolicyInputs`: bool mask, int32
     ids (0 under the mask), float32 advantages / log-probs / ratio / scalars. ``rollout_is_ratio`` ``[B]``
     becomes ``[B, 1]``; for GMPO, to which it does not apply (SPEC.md), it is dropped, with a warning when
@@ -257,7 +322,13 @@ def policy_inputs(objective, completion_ids, completion_mask, advantages, *, old
     elif rollout_is_ratio is not None:
         ris = _f32(rollout_is_ratio)
         ris = ris[:, None] if ris.ndim == 1 else ris
-    return PolicyInputs(mask=mask, advantages=_f32(advantages), old_logps=_f32(old_logps),
-                        ref_logps=_f32(ref_logps), rollout_is_ratio=ris,
-                        ids=jnp.where(mask, as_ids(completion_ids), 0), num_items=_f32(num_items_in_batch),
-                        temperature=jnp.asarray(temperature, jnp.float32))
+    return PolicyInputs(
+        mask=mask,
+        advantages=_f32(advantages),
+        old_logps=_f32(old_logps),
+        ref_logps=_f32(ref_logps),
+        rollout_is_ratio=ris,
+        ids=jnp.where(mask, as_ids(completion_ids), 0),
+        num_items=_f32(num_items_in_batch),
+        temperature=jnp.asarray(temperature, jnp.float32),
+    )

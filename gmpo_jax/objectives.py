@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, ClassVar, NamedTuple, Optional, Union
+from typing import Any, ClassVar, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +36,18 @@ import numpy as np
 
 Scalar = Union[float, jax.Array]
 
-__all__ = ["GMPO", "GRPO", "CISPO", "SAPO", "Objective", "PolicyInputs", "MetricSums", "LossAux", "evaluate",
-           "loss_and_aux"]
+__all__ = [
+    "GMPO",
+    "GRPO",
+    "CISPO",
+    "SAPO",
+    "Objective",
+    "PolicyInputs",
+    "MetricSums",
+    "LossAux",
+    "evaluate",
+    "loss_and_aux",
+]
 
 # Above this log-ratio exp() is ~5.5e34: every sigmoid(tau * (e^w - 1)) with tau >= 1e-33 is exactly 1
 # in float32 and its derivative exactly 0, so clamping there changes no representable value.
@@ -65,25 +75,31 @@ class PolicyInputs(NamedTuple):
 
     mask: jax.Array
     advantages: jax.Array
-    old_logps: Optional[jax.Array] = None
-    ref_logps: Optional[jax.Array] = None
-    rollout_is_ratio: Optional[jax.Array] = None
-    ids: Optional[jax.Array] = None
-    num_items: Optional[jax.Array] = None
-    temperature: Optional[jax.Array] = None
+    old_logps: jax.Array | None = None
+    ref_logps: jax.Array | None = None
+    rollout_is_ratio: jax.Array | None = None
+    ids: jax.Array | None = None
+    num_items: jax.Array | None = None
+    temperature: jax.Array | None = None
 
-    def rows(self, start, size: int, live=None) -> "PolicyInputs":
+    def rows(self, start, size: int, live=None) -> PolicyInputs:
         """Sequences ``[start, start + size)`` (``start`` may be traced); ``live`` (``[size]`` bool) masks
         sequences out of the slice (those another chunk owns)."""
+
         def cut(x):
             return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
         mask = cut(self.mask) if live is None else cut(self.mask) & live[:, None]
-        return self._replace(mask=mask, advantages=cut(self.advantages), old_logps=cut(self.old_logps),
-                             ref_logps=cut(self.ref_logps), rollout_is_ratio=cut(self.rollout_is_ratio),
-                             ids=cut(self.ids))
+        return self._replace(
+            mask=mask,
+            advantages=cut(self.advantages),
+            old_logps=cut(self.old_logps),
+            ref_logps=cut(self.ref_logps),
+            rollout_is_ratio=cut(self.rollout_is_ratio),
+            ids=cut(self.ids),
+        )
 
-    def specs(self, rows, scalar) -> "PolicyInputs":
+    def specs(self, rows, scalar) -> PolicyInputs:
         """The same pytree holding ``rows`` for every per-sequence field and ``scalar`` for the scalars
         (e.g. the ``jax.shard_map`` partition specs of a data-parallel call)."""
         return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar)
@@ -100,11 +116,11 @@ class MetricSums(NamedTuple):
     log_ratio_max: jax.Array
 
     @staticmethod
-    def zeros() -> "MetricSums":
+    def zeros() -> MetricSums:
         z = jnp.zeros((), jnp.float32)
         return MetricSums(z, z, z, z, jnp.array(jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32))
 
-    def combine(self, other: "MetricSums") -> "MetricSums":
+    def combine(self, other: MetricSums) -> MetricSums:
         return MetricSums(
             self.kl + other.kl,
             self.clipped + other.clipped,
@@ -114,14 +130,17 @@ class MetricSums(NamedTuple):
             jnp.maximum(self.log_ratio_max, other.log_ratio_max),
         )
 
-    def all_reduce(self, axis) -> "MetricSums":
+    def all_reduce(self, axis) -> MetricSums:
         """The sums over the devices of the mesh axis ``axis`` (inside ``jax.shard_map``)."""
         lax = jax.lax
-        return MetricSums(*(lax.psum(x, axis) for x in self[:4]), lax.pmin(self.log_ratio_min, axis),
-                          lax.pmax(self.log_ratio_max, axis))
+        return MetricSums(
+            *(lax.psum(x, axis) for x in self[:4]),
+            lax.pmin(self.log_ratio_min, axis),
+            lax.pmax(self.log_ratio_max, axis),
+        )
 
 
-def _concrete_value(x: Any) -> Optional[float]:
+def _concrete_value(x: Any) -> float | None:
     """The value of a concrete scalar hyper-parameter (Python / NumPy number, or a JAX scalar that is not
     being traced); None for tracers and anything else (e.g. the None leaves of a ``jax.tree.map``)."""
     if isinstance(x, bool) or isinstance(x, jax.core.Tracer):
@@ -213,7 +232,7 @@ class Objective:
         """Loss numerator of a chunk (float32 scalar) and its metric sums; differentiable in ``logp``."""
         raise NotImplementedError
 
-    def denominator(self, mask: jax.Array, num_items_in_batch: Optional[jax.Array]) -> jax.Array:
+    def denominator(self, mask: jax.Array, num_items_in_batch: jax.Array | None) -> jax.Array:
         """Global loss normaliser (float32 scalar) from the whole call's ``[B, T]`` mask."""
         raise NotImplementedError
 
@@ -247,7 +266,7 @@ class Objective:
         v = _concrete_value(getattr(self, "beta", 0.0))
         return v is not None and v != 0
 
-    def _kl_term(self, logp, data: PolicyInputs, log_weight) -> Optional[jax.Array]:
+    def _kl_term(self, logp, data: PolicyInputs, log_weight) -> jax.Array | None:
         """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``.
 
         None without a reference or with a Python-number ``beta == 0`` (SPEC: the KL term exists only if
@@ -256,7 +275,7 @@ class Objective:
         """
         return self._kl_values(logp, data.ref_logps, data.mask, log_weight)
 
-    def _kl_values(self, logp, ref, mask, log_weight) -> Optional[jax.Array]:
+    def _kl_values(self, logp, ref, mask, log_weight) -> jax.Array | None:
         """:meth:`_kl_term` on plain arrays (``mask`` may be the scalar True)."""
         beta = getattr(self, "beta", 0.0)
         v = _concrete_value(beta)
@@ -486,9 +505,9 @@ class GRPO(Objective):
     epsilon_high: Scalar = 0.2
     beta: Scalar = 0.0
     importance_sampling_level: str = "token"
-    delta: Optional[Scalar] = None
+    delta: Scalar | None = None
     use_bias_correction_kl: bool = False
-    max_completion_length: Optional[int] = None
+    max_completion_length: int | None = None
 
     def __post_init__(self):
         if self.loss_type not in _GRPO_LOSS_TYPES:
@@ -731,7 +750,9 @@ class SAPO(Objective):
         return _finish(self, self._surrogate(r, a), logp, r, r, data, no, no)
 
 
-SAPO = _register(SAPO, ["temperature_pos", "temperature_neg", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
+SAPO = _register(
+    SAPO, ["temperature_pos", "temperature_neg", "beta"], ["use_bias_correction_kl", "importance_sampling_level"]
+)
 
 
 class LossAux(NamedTuple):
@@ -763,8 +784,9 @@ class LossAux(NamedTuple):
     log_ratio_max: jax.Array
 
 
-def evaluate(objective: Objective, logp: jax.Array, inputs: PolicyInputs, denominator: jax.Array, *,
-             with_grads: bool) -> tuple[jax.Array, MetricSums, Optional[jax.Array]]:
+def evaluate(
+    objective: Objective, logp: jax.Array, inputs: PolicyInputs, denominator: jax.Array, *, with_grads: bool
+) -> tuple[jax.Array, MetricSums, jax.Array | None]:
     """The objective on the log-probs ``[C, T]`` of whole sequences: ``(numerator, sums, dlogp)``.
 
     ``dlogp = d (numerator / denominator) / d logp`` (``jax.grad`` of :meth:`Objective.chunk_numerator`,
@@ -780,8 +802,9 @@ def evaluate(objective: Objective, logp: jax.Array, inputs: PolicyInputs, denomi
         return num, sums, jnp.where(inputs.mask, g / denominator, 0.0)
 
 
-def loss_and_aux(numerator: jax.Array, denominator: jax.Array, sums: MetricSums,
-                 mask: jax.Array) -> tuple[jax.Array, LossAux]:
+def loss_and_aux(
+    numerator: jax.Array, denominator: jax.Array, sums: MetricSums, mask: jax.Array
+) -> tuple[jax.Array, LossAux]:
     """``(numerator / denominator, LossAux)`` from the global sums and the whole call's mask (SPEC.md "Metrics")."""
     n = jnp.maximum(jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32), 1.0)
     any_tok = jnp.any(mask)

@@ -45,8 +45,9 @@ def _loss(objective: Objective, logp, inputs: PolicyInputs) -> tuple[jax.Array, 
     return loss_and_aux(num, denom, sums, inputs.mask)
 
 
-def logprobs(hidden, weight, completion_ids, *, completion_mask=None, bias=None, temperature=1.0,
-             weight_layout="hv", upcast=True):
+def logprobs(
+    hidden, weight, completion_ids, *, completion_mask=None, bias=None, temperature=1.0, weight_layout="hv", upcast=True
+):
     """Dense counterpart of :func:`gmpo_jax.fused_linear_logprobs` (``[B, T]`` float32)."""
     B, T, H, V = V_.check_lm_head(hidden, weight, bias, weight_layout)
     V_.check_ids(completion_ids, B, T)
@@ -56,42 +57,120 @@ def logprobs(hidden, weight, completion_ids, *, completion_mask=None, bias=None,
     return jnp.where(mask, _target_logprobs(z, ids), 0.0)
 
 
-def policy_loss(hidden, weight, completion_ids, completion_mask, advantages, *, objective: Objective,
-                old_logps=None, ref_logps=None, ref_hidden=None, ref_weight=None, bias=None, ref_bias=None,
-                rollout_is_ratio=None, num_items_in_batch=None, temperature=1.0, weight_layout="hv",
-                upcast=True):
+def policy_loss(
+    hidden,
+    weight,
+    completion_ids,
+    completion_mask,
+    advantages,
+    *,
+    objective: Objective,
+    old_logps=None,
+    ref_logps=None,
+    ref_hidden=None,
+    ref_weight=None,
+    bias=None,
+    ref_bias=None,
+    rollout_is_ratio=None,
+    num_items_in_batch=None,
+    temperature=1.0,
+    weight_layout="hv",
+    upcast=True,
+):
     """Dense counterpart of :func:`gmpo_jax.fused_linear_policy_loss`: same arguments (no chunking /
     implementation), same ``(loss, LossAux)`` result, gradients by ``jax.grad`` through full logits."""
     V_.check_policy_inputs(
-        hidden=hidden, weight=weight, completion_ids=completion_ids, completion_mask=completion_mask,
-        advantages=advantages, objective=objective, old_logps=old_logps, ref_logps=ref_logps,
-        ref_hidden=ref_hidden, ref_weight=ref_weight, bias=bias, ref_bias=ref_bias,
-        rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch, temperature=temperature,
-        weight_layout=weight_layout, chunk_size=None)
-    inputs = V_.policy_inputs(objective, completion_ids, completion_mask, advantages, old_logps=old_logps,
-                              ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
-                              num_items_in_batch=num_items_in_batch, temperature=temperature, warn=False)
+        hidden=hidden,
+        weight=weight,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        objective=objective,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        ref_hidden=ref_hidden,
+        ref_weight=ref_weight,
+        bias=bias,
+        ref_bias=ref_bias,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+        weight_layout=weight_layout,
+        chunk_size=None,
+    )
+    inputs = V_.policy_inputs(
+        objective,
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+        warn=False,
+    )
     if ref_hidden is not None:
-        inputs = inputs._replace(ref_logps=lax.stop_gradient(logprobs(
-            ref_hidden, ref_weight, inputs.ids, completion_mask=inputs.mask, bias=ref_bias,
-            temperature=temperature, weight_layout=weight_layout, upcast=upcast)))
+        inputs = inputs._replace(
+            ref_logps=lax.stop_gradient(
+                logprobs(
+                    ref_hidden,
+                    ref_weight,
+                    inputs.ids,
+                    completion_mask=inputs.mask,
+                    bias=ref_bias,
+                    temperature=temperature,
+                    weight_layout=weight_layout,
+                    upcast=upcast,
+                )
+            )
+        )
     z = logits(hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast)
     return _loss(objective, _target_logprobs(z, inputs.ids), inputs)
 
 
-def policy_loss_from_logits(logits, completion_ids, completion_mask, advantages, *, objective: Objective,
-                            old_logps=None, ref_logps=None, rollout_is_ratio=None, num_items_in_batch=None,
-                            temperature=1.0):
+def policy_loss_from_logits(
+    logits,
+    completion_ids,
+    completion_mask,
+    advantages,
+    *,
+    objective: Objective,
+    old_logps=None,
+    ref_logps=None,
+    rollout_is_ratio=None,
+    num_items_in_batch=None,
+    temperature=1.0,
+):
     """Dense counterpart of :func:`gmpo_jax.policy_loss_from_logits` (``[B, T + 1, V]`` or ``[B, T, V]``
     logits): float32 ``log_softmax`` of the first ``T`` positions, the same ``(loss, LossAux)``, gradients
     by ``jax.grad``."""
     B, T = jnp.shape(completion_ids)
-    V_.check_token_inputs(B=B, T=T, V=jnp.shape(logits)[-1], completion_ids=completion_ids,
-                          completion_mask=completion_mask, advantages=advantages, objective=objective,
-                          old_logps=old_logps, ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
-                          num_items_in_batch=num_items_in_batch, temperature=temperature)
-    inputs = V_.policy_inputs(objective, completion_ids, completion_mask, advantages, old_logps=old_logps,
-                              ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
-                              num_items_in_batch=num_items_in_batch, temperature=temperature, warn=False)
+    V_.check_token_inputs(
+        B=B,
+        T=T,
+        V=jnp.shape(logits)[-1],
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        objective=objective,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+    )
+    inputs = V_.policy_inputs(
+        objective,
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+        warn=False,
+    )
     z = jnp.asarray(logits)[:, :T].astype(jnp.float32) / inputs.temperature
     return _loss(objective, _target_logprobs(z, inputs.ids), inputs)

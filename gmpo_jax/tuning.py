@@ -48,12 +48,15 @@ def xla_vocab_block(rows: int, V: int) -> int:
 # room for three stages at 64 x 256.
 # H200, 2026-11-30 (fourth session), jax 0.11.2: log-prob 64x256x4 and dz 64x256x3 vs 64x256x3/4, 128x128x2/3/4, 64x128x6 per kernel at R = 8192, both heads (gaps <= the ~2 % spread at Qwen); docs/performance.md "Block sizes".
 MOSAIC_BLOCKS: dict[tuple[str, int, int], dict[str, tuple[int, int, int, int]]] = {
-    ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3)},    # Qwen2.5-0.5B
-    ("NVIDIA H200", 4096, 128256): {"logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3)},   # Llama-3-8B
+    ("NVIDIA H200", 896, 151936): {"logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3)},  # Qwen2.5-0.5B
+    ("NVIDIA H200", 4096, 128256): {"logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3)},  # Llama-3-8B
 }
 # The H200 winners as the default; "logprob_saved": H200, 2026-11-30, jax 0.11.2: 64x256x3 as fast as x4 in the sweep above (cf4bd95); docs/performance.md "Block sizes".
 MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {
-    "logprob": (64, 256, 64, 4), "grad": (64, 256, 64, 3), "logprob_saved": (64, 256, 64, 3)}
+    "logprob": (64, 256, 64, 4),
+    "grad": (64, 256, 64, 3),
+    "logprob_saved": (64, 256, 64, 3),
+}
 
 
 # Mosaic GPU LM head: keep a single chunk's logits (float16) for the gradient pass only for hidden sizes

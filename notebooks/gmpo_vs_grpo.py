@@ -46,9 +46,20 @@ from gmpo_jax.train import TrainConfig, train
 
 SEEDS = (0, 1)
 OBJECTIVES = ("gmpo", "grpo")
-BASE = dict(task="reverse", digits=3, steps=60, num_iterations=4, d_model=64, n_layers=2,
-            batch_size=128, group_size=8, learning_rate=3e-3, warmup_steps=10,
-            progress=False, plots=False)
+BASE = dict(
+    task="reverse",
+    digits=3,
+    steps=60,
+    num_iterations=4,
+    d_model=64,
+    n_layers=2,
+    batch_size=128,
+    group_size=8,
+    learning_rate=3e-3,
+    warmup_steps=10,
+    progress=False,
+    plots=False,
+)
 out_root = tempfile.mkdtemp(prefix="gmpo_vs_grpo_")
 
 # %%
@@ -82,8 +93,7 @@ for lt in OBJECTIVES:
     axes[1].plot(steps, hi.mean(0), color=colors[lt], lw=0.8)
     axes[2].plot(steps, series(lt, "clip_fraction").mean(0), color=colors[lt], label=lt.upper())
 axes[0].set(title="mean reward (thin: each seed)", xlabel="step", ylabel="reward")
-axes[1].set(title="token log importance ratio: min .. max (mean over seeds)", xlabel="step",
-            ylabel="log(pi / pi_old)")
+axes[1].set(title="token log importance ratio: min .. max (mean over seeds)", xlabel="step", ylabel="log(pi / pi_old)")
 axes[1].axhline(0, color="k", lw=0.5)
 axes[2].set(title="fraction of clipped tokens", xlabel="step")
 for ax in axes:
@@ -106,21 +116,35 @@ for lt in OBJECTIVES:
     reward = series(lt, "reward_mean")
     width = series(lt, "log_ratio_max") - series(lt, "log_ratio_min")
     extreme = np.maximum(-series(lt, "log_ratio_min"), series(lt, "log_ratio_max")).max()
-    summary[lt] = dict(first=reward[:, :10].mean(), last=reward[:, -10:].mean(), early=width[:, :20].mean(),
-                       late=width[:, 20:].mean(), extreme=extreme, clip=series(lt, "clip_fraction").mean())
-print(f"{'':5s} {'reward first10':>14s} {'last10':>7s} {'width steps 1-20':>17s} {'21-60':>6s} "
-      f"{'max |log-ratio|':>16s} {'clipped':>8s}")
+    summary[lt] = dict(
+        first=reward[:, :10].mean(),
+        last=reward[:, -10:].mean(),
+        early=width[:, :20].mean(),
+        late=width[:, 20:].mean(),
+        extreme=extreme,
+        clip=series(lt, "clip_fraction").mean(),
+    )
+print(
+    f"{'':5s} {'reward first10':>14s} {'last10':>7s} {'width steps 1-20':>17s} {'21-60':>6s} "
+    f"{'max |log-ratio|':>16s} {'clipped':>8s}"
+)
 for lt, s in summary.items():
-    print(f"{lt.upper():5s} {s['first']:14.3f} {s['last']:7.3f} {s['early']:17.2f} {s['late']:6.2f} "
-          f"{s['extreme']:16.2f} {s['clip']:8.3f}")
+    print(
+        f"{lt.upper():5s} {s['first']:14.3f} {s['last']:7.3f} {s['early']:17.2f} {s['late']:6.2f} "
+        f"{s['extreme']:16.2f} {s['clip']:8.3f}"
+    )
 
 g, r = summary["gmpo"], summary["grpo"]
 print()
-print(f"Both objectives learn: reward {g['first']:.2f} -> {g['last']:.2f} (GMPO) and "
-      f"{r['first']:.2f} -> {r['last']:.2f} (GRPO).")
-print(f"Token log-ratio range, mean width per step: {g['early']:.2f} (GMPO) vs {r['early']:.2f} (GRPO) over steps "
-      f"1-20, {g['late']:.2f} vs {r['late']:.2f} afterwards; GMPO's is "
-      f"{'narrower' if g['late'] < r['late'] else 'not narrower'} after step 20.")
+print(
+    f"Both objectives learn: reward {g['first']:.2f} -> {g['last']:.2f} (GMPO) and "
+    f"{r['first']:.2f} -> {r['last']:.2f} (GRPO)."
+)
+print(
+    f"Token log-ratio range, mean width per step: {g['early']:.2f} (GMPO) vs {r['early']:.2f} (GRPO) over steps "
+    f"1-20, {g['late']:.2f} vs {r['late']:.2f} afterwards; GMPO's is "
+    f"{'narrower' if g['late'] < r['late'] else 'not narrower'} after step 20."
+)
 print(f"Clipped tokens: {g['clip']:.3f} (GMPO, clip range e^±0.4) vs {r['clip']:.3f} (GRPO, ratio in [0.8, 1.2]).")
 
 # %% [markdown]

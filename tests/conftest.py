@@ -15,7 +15,6 @@ sys.path.insert(0, os.path.dirname(__file__))  # `import spec_numpy` from any te
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
-
 import spec_numpy as spec  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
@@ -114,7 +113,7 @@ SAVED_REL = 4e-3
 # one element; bitwise equality is only promised for one compiled kernel on the GPU (``gpu`` tests).
 INTERPRET_MAX_ULP = 2
 # float32 unit roundoff: the unit of the ulp-based bounds of test_order_invariance.py.
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 # A float32 log-sum-exp of a row is exact to LSE_ULPS units of (1 + |lse| + |z - lse|); per element
 # ``p = exp(z - lse)`` inherits it (test_order_invariance's extreme rows).
 LSE_ULPS = 8
@@ -305,17 +304,27 @@ def make_case(
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _call_policy(implementation, chunk_size, objective, weight_layout, h, w, b, ids, mask, adv, old, ref, ris,
-                 num_items, temperature):
+def _call_policy(
+    implementation, chunk_size, objective, weight_layout, h, w, b, ids, mask, adv, old, ref, ris, num_items, temperature
+):
     import gmpo_jax
     import gmpo_jax.reference
 
-    kw = dict(objective=objective, old_logps=old, ref_logps=ref, rollout_is_ratio=ris, num_items_in_batch=num_items,
-              temperature=temperature, weight_layout=weight_layout, bias=b)
+    kw = dict(
+        objective=objective,
+        old_logps=old,
+        ref_logps=ref,
+        rollout_is_ratio=ris,
+        num_items_in_batch=num_items,
+        temperature=temperature,
+        weight_layout=weight_layout,
+        bias=b,
+    )
     if implementation == REFERENCE:
         return gmpo_jax.reference.policy_loss(h, w, ids, mask, adv, **kw)
-    return gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, chunk_size=chunk_size,
-                                             implementation=implementation, **kw)
+    return gmpo_jax.fused_linear_policy_loss(
+        h, w, ids, mask, adv, chunk_size=chunk_size, implementation=implementation, **kw
+    )
 
 
 def _value_and_grad(implementation, chunk_size, objective, weight_layout, h, w, b, *rest):
@@ -334,22 +343,49 @@ _FAST_LOSS = jax.jit(_call_policy, static_argnums=(0, 1, 2, 3), compiler_options
 def _case_args(case: Case, *, temperature, num_items_in_batch, old, ref, ris):
     j = lambda x: None if x is None else jnp.asarray(x)
     return (
-        j(case.hidden), j(case.weight), j(case.bias), j(case.ids), j(case.mask), j(case.adv),
-        j(case.old) if old else None, j(case.ref) if ref else None, j(case.ris) if ris else None,
+        j(case.hidden),
+        j(case.weight),
+        j(case.bias),
+        j(case.ids),
+        j(case.mask),
+        j(case.adv),
+        j(case.old) if old else None,
+        j(case.ref) if ref else None,
+        j(case.ris) if ris else None,
         None if num_items_in_batch is None else jnp.asarray(num_items_in_batch, jnp.float32),
         jnp.asarray(temperature, jnp.float32),
     )
 
 
-def lib_value_and_grad(case: Case, objective, *, implementation, chunk_size=None, temperature=1.0,
-                       num_items_in_batch=None, old=True, ref=True, ris=True):
+def lib_value_and_grad(
+    case: Case,
+    objective,
+    *,
+    implementation,
+    chunk_size=None,
+    temperature=1.0,
+    num_items_in_batch=None,
+    old=True,
+    ref=True,
+    ris=True,
+):
     """((loss, aux), (dhidden, dweight, dbias|None)) of the library for ``case`` (cached fast jit)."""
     args = _case_args(case, temperature=temperature, num_items_in_batch=num_items_in_batch, old=old, ref=ref, ris=ris)
     return _FAST_VG(implementation, chunk_size, objective, case.layout, *args)
 
 
-def lib_loss(case: Case, objective, *, implementation, chunk_size=None, temperature=1.0, num_items_in_batch=None,
-             old=True, ref=True, ris=True):
+def lib_loss(
+    case: Case,
+    objective,
+    *,
+    implementation,
+    chunk_size=None,
+    temperature=1.0,
+    num_items_in_batch=None,
+    old=True,
+    ref=True,
+    ris=True,
+):
     """(loss, aux) only: the primal path (no gradient work), cached fast jit."""
     args = _case_args(case, temperature=temperature, num_items_in_batch=num_items_in_batch, old=old, ref=ref, ris=ris)
     return _FAST_LOSS(implementation, chunk_size, objective, case.layout, *args)
@@ -365,11 +401,20 @@ def _call_logprobs(implementation, chunk_size, weight_layout, h, w, b, ids, mask
     import gmpo_jax.reference
 
     if implementation == REFERENCE:
-        return gmpo_jax.reference.logprobs(h, w, ids, completion_mask=mask, bias=b, temperature=temperature,
-                                           weight_layout=weight_layout)
-    return gmpo_jax.fused_linear_logprobs(h, w, ids, completion_mask=mask, bias=b, temperature=temperature,
-                                          weight_layout=weight_layout, chunk_size=chunk_size,
-                                          implementation=implementation)
+        return gmpo_jax.reference.logprobs(
+            h, w, ids, completion_mask=mask, bias=b, temperature=temperature, weight_layout=weight_layout
+        )
+    return gmpo_jax.fused_linear_logprobs(
+        h,
+        w,
+        ids,
+        completion_mask=mask,
+        bias=b,
+        temperature=temperature,
+        weight_layout=weight_layout,
+        chunk_size=chunk_size,
+        implementation=implementation,
+    )
 
 
 def _logprobs_and_vjp(implementation, chunk_size, weight_layout, h, w, b, ids, mask, temperature, cot):
@@ -382,8 +427,19 @@ _FAST_LOGP = jax.jit(_call_logprobs, static_argnums=(0, 1, 2), compiler_options=
 _FAST_LOGP_VJP = jax.jit(_logprobs_and_vjp, static_argnums=(0, 1, 2), compiler_options=FAST_COMPILE)
 
 
-def lib_logprobs(hidden, weight, ids, mask=None, *, implementation, bias=None, temperature=1.0, weight_layout="hv",
-                 chunk_size=None, cotangent=None):
+def lib_logprobs(
+    hidden,
+    weight,
+    ids,
+    mask=None,
+    *,
+    implementation,
+    bias=None,
+    temperature=1.0,
+    weight_layout="hv",
+    chunk_size=None,
+    cotangent=None,
+):
     """Library log-probs [B, T] (cached fast jit); with ``cotangent``: (logp, (dhidden, dweight, dbias))."""
     j = lambda x: None if x is None else jnp.asarray(x)
     args = (j(hidden), j(weight), j(bias), j(ids), j(mask), jnp.asarray(temperature, jnp.float32))
@@ -395,13 +451,30 @@ def lib_logprobs(hidden, weight, ids, mask=None, *, implementation, bias=None, t
 def lib_loss_fn(case: Case, objective, *, implementation, chunk_size=None, temperature=1.0, num_items_in_batch=None):
     """A plain function (hidden, weight, bias) -> (loss, aux), everything else closed over (default jit)."""
     _, _, _, ids, mask, adv, old, ref, ris, num_items, _ = _case_args(
-        case, temperature=temperature, num_items_in_batch=num_items_in_batch, old=True, ref=True, ris=True)
-    return lambda h, w, b: _call_policy(implementation, chunk_size, objective, case.layout, h, w, b, ids, mask, adv,
-                                        old, ref, ris, num_items, temperature)
+        case, temperature=temperature, num_items_in_batch=num_items_in_batch, old=True, ref=True, ris=True
+    )
+    return lambda h, w, b: _call_policy(
+        implementation,
+        chunk_size,
+        objective,
+        case.layout,
+        h,
+        w,
+        b,
+        ids,
+        mask,
+        adv,
+        old,
+        ref,
+        ris,
+        num_items,
+        temperature,
+    )
 
 
-def spec_for(case: Case, obj: Obj, *, temperature=1.0, num_items_in_batch=None, old=True, ref=True, ris=True,
-             logp_for_loss=None):
+def spec_for(
+    case: Case, obj: Obj, *, temperature=1.0, num_items_in_batch=None, old=True, ref=True, ris=True, logp_for_loss=None
+):
     return spec.spec_policy_loss(
         case.hidden,
         case.weight,
@@ -464,8 +537,9 @@ def assert_fraction_close(got, want, what):
     assert abs(float(got) - want) <= METRIC_FRACTION_ATOL, f"{what}: got {float(got)}, want {want}"
 
 
-def check_against_spec(loss, aux, grads, ref: spec.SpecResult, case: Case, obj: Obj, *, check_grads=True,
-                       grad_rtol=None):
+def check_against_spec(
+    loss, aux, grads, ref: spec.SpecResult, case: Case, obj: Obj, *, check_grads=True, grad_rtol=None
+):
     """Loss, metrics and (optionally) gradients of the library against the float64 oracle."""
     dtype = case.dtype
     assert jnp.asarray(loss).dtype == jnp.float32, f"loss dtype {jnp.asarray(loss).dtype}"
@@ -480,8 +554,9 @@ def check_against_spec(loss, aux, grads, ref: spec.SpecResult, case: Case, obj: 
         assert_loss_close(aux.kl, m["kl"], kl_scale, dtype, what="aux.kl")
     # loss == numerator / denominator, with the SPEC's normaliser as denominator.
     assert float(aux.loss_denominator) == pytest.approx(m["loss_denominator"], rel=1e-6), "loss_denominator"
-    assert_loss_close(aux.loss_numerator, m["loss_numerator"], ref.scale * m["loss_denominator"], dtype,
-                      what="loss_numerator")
+    assert_loss_close(
+        aux.loss_numerator, m["loss_numerator"], ref.scale * m["loss_denominator"], dtype, what="loss_numerator"
+    )
     if check_grads:
         dh, dw, db = grads
         assert_grad_close(np.asarray(dh), ref.dhidden, dtype, "dhidden", grad_rtol)

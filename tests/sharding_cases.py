@@ -18,15 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-import gmpo_jax
 import spec_numpy as spec
 from conftest import Obj, check_against_spec, make_case, spec_for
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gmpo_jax
 
 if jax.device_count() < 8:  # collected without the flag: nothing to run here
-    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (see tests/test_sharding.py)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (see tests/test_sharding.py)", allow_module_level=True
+    )
 
 B, T, H, V_REAL, V = 8, 6, 16, 35, 40
 CHUNK = 3  # does not divide the local batch of the 1x8 mesh: exercises the overlapping last chunk
@@ -72,8 +74,17 @@ def case_for(name):
     """(case on the real vocabulary, padded weight, padded bias | None)."""
     if name not in _CASES:
         obj, layout, with_bias = OBJECTIVES[name]
-        c = make_case(sorted(OBJECTIVES).index(name), B=B, T=T, H=H, V=V_REAL, layout=layout, with_bias=with_bias,
-                      mask=_ragged_mask(), with_ref=obj.beta != 0)
+        c = make_case(
+            sorted(OBJECTIVES).index(name),
+            B=B,
+            T=T,
+            H=H,
+            V=V_REAL,
+            layout=layout,
+            with_bias=with_bias,
+            mask=_ragged_mask(),
+            with_ref=obj.beta != 0,
+        )
         w = _pad_vocab(c.weight, 1 if layout == "hv" else 0)
         b = None if c.bias is None else _pad_vocab(c.bias, 0)
         _CASES[name] = (c, w, b)
@@ -92,16 +103,29 @@ def _loss_fn(name, **kw):
 
     def f(h, w, b):
         return gmpo_jax.fused_linear_policy_loss(
-            h, w, j(c.ids), j(c.mask), j(c.adv), objective=obj.lib(), old_logps=j(c.old), ref_logps=j(c.ref),
-            bias=b, weight_layout=layout, chunk_size=CHUNK, vocab_size=V_REAL, **kw)
+            h,
+            w,
+            j(c.ids),
+            j(c.mask),
+            j(c.adv),
+            objective=obj.lib(),
+            old_logps=j(c.old),
+            ref_logps=j(c.ref),
+            bias=b,
+            weight_layout=layout,
+            chunk_size=CHUNK,
+            vocab_size=V_REAL,
+            **kw,
+        )
 
     return f
 
 
 def _value_and_grad(f, h, w, b, compiler_options=FAST):
     argnums = (0, 1) if b is None else (0, 1, 2)
-    g = jax.jit(jax.value_and_grad(lambda h, w, b: f(h, w, b), argnums=argnums, has_aux=True),
-                compiler_options=compiler_options)
+    g = jax.jit(
+        jax.value_and_grad(lambda h, w, b: f(h, w, b), argnums=argnums, has_aux=True), compiler_options=compiler_options
+    )
     (loss, aux), grads = g(h, w, b)
     return loss, aux, tuple(grads) + (None,) * (3 - len(grads))
 
@@ -113,8 +137,9 @@ def single_device(name):
     """The unsharded call on the padded head with ``vocab_size`` (checked against the oracle once)."""
     if name not in _SINGLE:
         c, w, b = case_for(name)
-        _SINGLE[name] = _value_and_grad(_loss_fn(name), jnp.asarray(c.hidden), jnp.asarray(w), None if b is None
-                                        else jnp.asarray(b))
+        _SINGLE[name] = _value_and_grad(
+            _loss_fn(name), jnp.asarray(c.hidden), jnp.asarray(w), None if b is None else jnp.asarray(b)
+        )
     return _SINGLE[name]
 
 
@@ -149,8 +174,9 @@ def test_single_device_padded_vocab_matches_oracle(name):
     if db is not None:
         assert np.all(np.asarray(db)[V_REAL:] == 0.0)
     real = lambda x: None if x is None else np.take(np.asarray(x), np.arange(V_REAL), axis=v_axis)
-    check_against_spec(loss, aux, (dh, real(dw), None if db is None else np.asarray(db)[:V_REAL]),
-                       spec_for(c, obj), c, obj)
+    check_against_spec(
+        loss, aux, (dh, real(dw), None if db is None else np.asarray(db)[:V_REAL]), spec_for(c, obj), c, obj
+    )
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
@@ -186,12 +212,24 @@ def test_num_items_in_batch_and_reference_model_on_2x4():
 
     def f(h, w, b, **kw):
         return gmpo_jax.fused_linear_policy_loss(
-            h, w, j(c.ids), j(c.mask), j(c.adv), objective=obj.lib(), old_logps=j(c.old), ref_hidden=j(ref_h),
-            ref_weight=j(c.weight), num_items_in_batch=100.0, chunk_size=CHUNK, **kw)
+            h,
+            w,
+            j(c.ids),
+            j(c.mask),
+            j(c.adv),
+            objective=obj.lib(),
+            old_logps=j(c.old),
+            ref_hidden=j(ref_h),
+            ref_weight=j(c.weight),
+            num_items_in_batch=100.0,
+            chunk_size=CHUNK,
+            **kw,
+        )
 
     want = _value_and_grad(f, j(c.hidden), j(c.weight), None)
-    got = _value_and_grad(lambda h, w, b: f(h, w, b, mesh=mesh, data_axis="data", vocab_axis="model"),
-                          j(c.hidden), j(c.weight), None)
+    got = _value_and_grad(
+        lambda h, w, b: f(h, w, b, mesh=mesh, data_axis="data", vocab_axis="model"), j(c.hidden), j(c.weight), None
+    )
     _assert_same(got, want, "cispo@2x4")
 
 
@@ -203,8 +241,9 @@ def test_bf16_vocab_parallel_rounds_like_single_device():
     h16, w16 = jnp.asarray(c.hidden, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
     mesh = _mesh((2, 4))
     loss0, _, (dh0, dw0, _) = _value_and_grad(_loss_fn("gmpo"), h16, w16, None)
-    loss, _, (dh, dw, _) = _value_and_grad(_loss_fn("gmpo", mesh=mesh, data_axis="data", vocab_axis="model"),
-                                           h16, w16, None)
+    loss, _, (dh, dw, _) = _value_and_grad(
+        _loss_fn("gmpo", mesh=mesh, data_axis="data", vocab_axis="model"), h16, w16, None
+    )
     assert dh.dtype == dw.dtype == jnp.bfloat16
     _close(loss, loss0, 1e-5, "bf16 loss")
     for what, g, g0 in (("dhidden", dh, dh0), ("dweight", dw, dw0)):
@@ -220,8 +259,10 @@ def test_logprobs_sharded(mesh_name):
 
     def vjp(**kw):
         def f(h, w):
-            return gmpo_jax.fused_linear_logprobs(h, w, jnp.asarray(c.ids), completion_mask=jnp.asarray(c.mask),
-                                                  chunk_size=CHUNK, vocab_size=V_REAL, **kw)
+            return gmpo_jax.fused_linear_logprobs(
+                h, w, jnp.asarray(c.ids), completion_mask=jnp.asarray(c.mask), chunk_size=CHUNK, vocab_size=V_REAL, **kw
+            )
+
         logp, pullback = jax.vjp(f, jnp.asarray(c.hidden), jnp.asarray(w))
         return (logp,) + pullback(g)
 
@@ -242,13 +283,19 @@ def test_logprobs_entropy_sharded(mesh_name):
     c, w, _ = case_for("gmpo")
 
     def run(**kw):
-        return gmpo_jax.fused_linear_logprobs(jnp.asarray(c.hidden), jnp.asarray(w), jnp.asarray(c.ids),
-                                              completion_mask=jnp.asarray(c.mask), chunk_size=CHUNK,
-                                              vocab_size=V_REAL, return_entropy=True, **kw)
+        return gmpo_jax.fused_linear_logprobs(
+            jnp.asarray(c.hidden),
+            jnp.asarray(w),
+            jnp.asarray(c.ids),
+            completion_mask=jnp.asarray(c.mask),
+            chunk_size=CHUNK,
+            vocab_size=V_REAL,
+            return_entropy=True,
+            **kw,
+        )
 
     logp0, ent0 = jax.jit(run, compiler_options=FAST)()
-    logp, ent = jax.jit(lambda: run(mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis),
-                        compiler_options=FAST)()
+    logp, ent = jax.jit(lambda: run(mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), compiler_options=FAST)()
     want = spec.spec_entropy(c.hidden, w, c.mask, vocab_size=V_REAL)
     np.testing.assert_allclose(np.asarray(ent0), want, rtol=0, atol=2e-5)
     _close(ent, ent0, 1e-5, f"entropy@{mesh_name}")
@@ -326,19 +373,29 @@ def test_auto_sharded_inputs_without_axes_stay_correct():
     _assert_same(_value_and_grad(_loss_fn("gmpo"), hs, ws, None), single_device("gmpo"), "auto")
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(data_axis="batch"), "not in the mesh"),
-    (dict(data_axis="data", vocab_axis="data"), "one array axis only"),
-    (dict(), "needs data_axis"),
-    (dict(vocab_axis=("data", "model")), "multiple of the 8 shards"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(data_axis="batch"), "not in the mesh"),
+        (dict(data_axis="data", vocab_axis="data"), "one array axis only"),
+        (dict(), "needs data_axis"),
+        (dict(vocab_axis=("data", "model")), "multiple of the 8 shards"),
+    ],
+)
 def test_invalid_layouts_raise(kw, match):
     mesh = _mesh((2, 4))
     c, _, _ = case_for("gmpo")
     with pytest.raises(ValueError, match=match):
         gmpo_jax.fused_linear_policy_loss(
-            jnp.asarray(c.hidden), jnp.zeros((H, 36)), jnp.asarray(c.ids), jnp.asarray(c.mask), jnp.asarray(c.adv),
-            objective=gmpo_jax.GMPO(), mesh=mesh, **kw)
+            jnp.asarray(c.hidden),
+            jnp.zeros((H, 36)),
+            jnp.asarray(c.ids),
+            jnp.asarray(c.mask),
+            jnp.asarray(c.adv),
+            objective=gmpo_jax.GMPO(),
+            mesh=mesh,
+            **kw,
+        )
 
 
 def test_batch_not_divisible_and_no_mesh_raise():

@@ -19,8 +19,24 @@ import numpy as np  # noqa: E402
 
 from benchmarks import report, workloads  # noqa: E402
 from benchmarks.shapes import SHAPES, select  # noqa: E402
-REQUIRED = {"implementation", "shape", "B", "T", "H", "V", "mode", "median_ms", "min_ms", "peak_gib",
-            "floor_ms", "device", "jax", "date", "commit"}
+
+REQUIRED = {
+    "implementation",
+    "shape",
+    "B",
+    "T",
+    "H",
+    "V",
+    "mode",
+    "median_ms",
+    "min_ms",
+    "peak_gib",
+    "floor_ms",
+    "device",
+    "jax",
+    "date",
+    "commit",
+}
 
 
 def test_named_shapes():
@@ -40,10 +56,37 @@ def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     results = tmp / "cpu.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "benchmarks.run", "--shape", "cpu-tiny", "--impl", "xla_chunked,dense_jax",
-           "--mode", "fwd", "--mode", "fwd+bwd", "--data", "peaked", "--grad-acc", "true",
-           "--results", str(results), "--log", str(tmp / "log.txt"),
-           "--iters", "2", "--warmup", "0", "--min-time-s", "0", "--timeout-s", "120", "--commit", "test123"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--shape",
+        "cpu-tiny",
+        "--impl",
+        "xla_chunked,dense_jax",
+        "--mode",
+        "fwd",
+        "--mode",
+        "fwd+bwd",
+        "--data",
+        "peaked",
+        "--grad-acc",
+        "true",
+        "--results",
+        str(results),
+        "--log",
+        str(tmp / "log.txt"),
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+        "--min-time-s",
+        "0",
+        "--timeout-s",
+        "120",
+        "--commit",
+        "test123",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
@@ -96,11 +139,33 @@ def test_report_readme_blocks(tmp_path):
     without records names the command that would fill it."""
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- bench:lm_head:start -->\nstale\n<!-- bench:lm_head:end -->\noutro\n")
-    rec = dict(implementation="mosaic_gpu", shape="qwen2.5-0.5b", B=8, T=2048, H=896, V=151936, N=16384,
-               mode="fwd+bwd", kind="lm_head", data="peaked", status="ok", median_ms=30.0, floor_ms=20.0,
-               peak_gib=1.3, date="2026-12-01T00:00:00Z", commit="abc1234", device="nvidia-h200",
-               device_name="NVIDIA H200", jax="0.11.2", mean_entropy=2.0, masked_frac=0.4, zero_adv_frac=0.25,
-               grad_rel_err_hidden=0.003, grad_rel_err_weight=0.002, variant=None)
+    rec = dict(
+        implementation="mosaic_gpu",
+        shape="qwen2.5-0.5b",
+        B=8,
+        T=2048,
+        H=896,
+        V=151936,
+        N=16384,
+        mode="fwd+bwd",
+        kind="lm_head",
+        data="peaked",
+        status="ok",
+        median_ms=30.0,
+        floor_ms=20.0,
+        peak_gib=1.3,
+        date="2026-12-01T00:00:00Z",
+        commit="abc1234",
+        device="nvidia-h200",
+        device_name="NVIDIA H200",
+        jax="0.11.2",
+        mean_entropy=2.0,
+        masked_frac=0.4,
+        zero_adv_frac=0.25,
+        grad_rel_err_hidden=0.003,
+        grad_rel_err_weight=0.002,
+        variant=None,
+    )
     found = report.update_readme(str(readme), {"nvidia-h200": [rec]})
     text = readme.read_text()
     assert found == ["lm_head"] and text.startswith("intro\n") and text.endswith("outro\n")
@@ -183,14 +248,36 @@ def test_sharded_bench_two_cpu_devices(tmp_path):
     """benchmarks.sharded_bench on 2 simulated CPU devices: single / data / vocab layouts all run and
     return the same loss (the sharded call equals the unsharded one)."""
     results = tmp_path / "sharded.jsonl"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "benchmarks.sharded_bench", "--shape", "cpu-tiny", "--B", "4", "--T", "64",
-           "--impl", "xla_chunked", "--iters", "2", "--results", str(results)]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.sharded_bench",
+        "--shape",
+        "cpu-tiny",
+        "--B",
+        "4",
+        "--T",
+        "64",
+        "--impl",
+        "xla_chunked",
+        "--iters",
+        "2",
+        "--results",
+        str(results),
+    ]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=300)
     recs = [json.loads(line) for line in results.read_text().splitlines()]
     assert [(r["layout"], r["n_devices"], r["status"]) for r in recs] == [
-        ("single", 1, "ok"), ("data", 2, "ok"), ("vocab", 2, "ok")]
+        ("single", 1, "ok"),
+        ("data", 2, "ok"),
+        ("vocab", 2, "ok"),
+    ]
     assert REQUIRED <= set(recs[0])
     np_losses = [r["loss"] for r in recs]
     assert max(np_losses) - min(np_losses) <= 1e-6 * max(1.0, abs(np_losses[0]))

@@ -25,14 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DTYPES, Obj, check_against_spec, make_case, spec_for
+from test_logits_loss import check as check_logits
+from test_logits_loss import needs_hopper
 
 import gmpo_jax
-from conftest import DTYPES, Obj, check_against_spec, make_case, spec_for
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
 from gmpo_jax.logits.vjp import LogitsConfig, _fused
-from test_logits_loss import check as check_logits
-from test_logits_loss import needs_hopper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +104,20 @@ class TestContract:
         want = spec_for(case, c.obj)
         for name, impl in self.lm_head_impls(c.dtype).items():
             f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
-                h, w, case.ids, case.mask, case.adv, objective=c.obj.lib(), old_logps=case.old,
-                ref_logps=case.ref, weight_layout=c.layout, implementation=impl)
+                h,
+                w,
+                case.ids,
+                case.mask,
+                case.adv,
+                objective=c.obj.lib(),
+                old_logps=case.old,
+                ref_logps=case.ref,
+                weight_layout=c.layout,
+                implementation=impl,
+            )
             (loss, aux), (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
-                jnp.asarray(case.hidden), jnp.asarray(case.weight))
+                jnp.asarray(case.hidden), jnp.asarray(case.weight)
+            )
             try:
                 check_against_spec(loss, aux, (dh, dw, None), want, case, c.obj)
             except AssertionError as e:

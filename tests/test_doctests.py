@@ -4,8 +4,8 @@ import doctest
 
 import pytest
 
-import gmpo_jax.lm_head.api
 import gmpo_jax.flax_utils
+import gmpo_jax.lm_head.api
 
 
 @pytest.mark.parametrize("module", [gmpo_jax.lm_head.api, gmpo_jax.flax_utils], ids=lambda m: m.__name__)

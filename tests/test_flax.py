@@ -41,8 +41,17 @@ def _loss(model, fn, tokens, ids, mask, adv, old):
     hidden = model(tokens)
     weight, layout = gmpo_jax.lm_head_weight(model.head())
     bias = None if model.tied else model.lm_head.bias[...]
-    loss, _ = fn(hidden, weight, ids, mask, adv, objective=gmpo_jax.GMPO(epsilon_low=0.2, epsilon_high=0.2),
-                 old_logps=old, bias=bias, weight_layout=layout)
+    loss, _ = fn(
+        hidden,
+        weight,
+        ids,
+        mask,
+        adv,
+        objective=gmpo_jax.GMPO(epsilon_low=0.2, epsilon_high=0.2),
+        old_logps=old,
+        bias=bias,
+        weight_layout=layout,
+    )
     return loss
 
 

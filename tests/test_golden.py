@@ -21,7 +21,6 @@ import math
 
 import numpy as np
 import pytest
-
 import spec_numpy as spec
 from conftest import Case, Obj, lib_value_and_grad
 
@@ -58,27 +57,55 @@ GOLDEN = [
     # BNPO: sum ptl / 3 = (-e^0.1 - 1.2 + 0.4) / 3; dlogp[0,0] = -e^0.1 / 3
     pytest.param(Obj("bnpo"), True, {}, -0.6350569726918827, (-1.1051709180756477 / 3, 0.0, 0.0), 2 / 3, id="bnpo"),
     # Dr. GRPO, max_completion_length 4: sum ptl / (B * 4) = -1.9051709180756477 / 8
-    pytest.param(Obj("dr_grpo", max_completion_length=4), True, {}, -0.238146364759456,
-                 (-1.1051709180756477 / 8, 0.0, 0.0), 2 / 3, id="dr_grpo"),
+    pytest.param(
+        Obj("dr_grpo", max_completion_length=4),
+        True,
+        {},
+        -0.238146364759456,
+        (-1.1051709180756477 / 8, 0.0, 0.0),
+        2 / 3,
+        id="dr_grpo",
+    ),
     # DAPO: sum ptl / N, N = 3 active tokens
     pytest.param(Obj("dapo"), True, {}, -0.6350569726918827, (-1.1051709180756477 / 3, 0.0, 0.0), 2 / 3, id="dapo"),
     # DAPO with num_items_in_batch = 10: sum ptl / 10
-    pytest.param(Obj("dapo"), True, {"num_items_in_batch": 10}, -0.1905170918075648,
-                 (-1.1051709180756477 / 10, 0.0, 0.0), 2 / 3, id="dapo-num_items"),
+    pytest.param(
+        Obj("dapo"),
+        True,
+        {"num_items_in_batch": 10},
+        -0.1905170918075648,
+        (-1.1051709180756477 / 10, 0.0, 0.0),
+        2 / 3,
+        id="dapo-num_items",
+    ),
     # GRPO sequence level: w = (0.3, -0.6); e^0.3 = 1.3499 > 1.2 with A>0 -> clipped: ptl = -1.2;
     # e^-0.6 < 0.8 with A<0 -> clipped: ptl = 0.4.  loss = 1/2 (-1.2 + 0.4) = -0.4, every gradient 0.
     pytest.param(Obj("grpo", level="sequence"), True, {}, -0.4, (0.0, 0.0, 0.0), 1.0, id="grpo-sequence"),
     # CISPO eps_high 1.3: ptl = -min(coef, 1.3) A logp, logp = -ln2:
     #   [e^0.1 ln2, 1.3 ln2, -0.5 e^-0.6 ln2] = [0.7660461059009814, 0.9010913347279289, -0.19020361910853253]
     # loss = sum / 3 = 0.4923112738401259; dlogp = -min(coef, 1.3) A / 3; clipped: only [0,1] (1.65 > 1.3, A>0)
-    pytest.param(Obj("cispo", epsilon_high=1.3), True, {}, 0.4923112738401259,
-                 (-0.3683903060252159, -0.43333333333333335, 0.09146860601567107), 1 / 3, id="cispo"),
+    pytest.param(
+        Obj("cispo", epsilon_high=1.3),
+        True,
+        {},
+        0.4923112738401259,
+        (-0.3683903060252159, -0.43333333333333335, 0.09146860601567107),
+        1 / 3,
+        id="cispo",
+    ),
     # SAPO (tau+ 1, tau- 1.05): ptl = -A sigmoid(tau (coef - 1)) 4 / tau
     #   = [-2.105074084570819, -2.6268889844843373, 0.7309134824936615]
     # loss = 1/2 ((ptl0 + ptl1) / 2 + ptl2) = -0.8175340260169583
     # dlogp = -A 4 sig (1 - sig) coef / (B L)
-    pytest.param(Obj("sapo"), True, {}, -0.8175340260169583,
-                 (-0.2755301226800806, -0.3716846526399375, 0.12978362826241374), 0.0, id="sapo"),
+    pytest.param(
+        Obj("sapo"),
+        True,
+        {},
+        -0.8175340260169583,
+        (-0.2755301226800806, -0.3716846526399375, 0.12978362826241374),
+        0.0,
+        id="sapo",
+    ),
     # On-policy (old = stop_gradient(logp), r = 0, coef = 1):
     # GRPO: loss = 1/2 (-1 + 0.5) = -0.25; dlogp = -A / (B L) = [-1/4, -1/4, 0.25]
     pytest.param(Obj("grpo"), False, {}, -0.25, (-0.25, -0.25, 0.25), 0.0, id="grpo-on-policy"),
@@ -89,8 +116,15 @@ GOLDEN = [
     pytest.param(Obj("sapo"), False, {}, -0.5238095238095238, (-0.25, -0.25, 0.25), 0.0, id="sapo-on-policy"),
     # CISPO: coef = 1 <= 1.3: ptl = -A logp = [ln2, ln2, -0.5 ln2]; loss = 1.5 ln2 / 3 = ln2 / 2
     # dlogp = -A / 3
-    pytest.param(Obj("cispo", epsilon_high=1.3), False, {}, 0.34657359027997264, (-1 / 3, -1 / 3, 0.5 / 3), 0.0,
-                 id="cispo-on-policy"),
+    pytest.param(
+        Obj("cispo", epsilon_high=1.3),
+        False,
+        {},
+        0.34657359027997264,
+        (-1 / 3, -1 / 3, 0.5 / 3),
+        0.0,
+        id="cispo-on-policy",
+    ),
 ]
 
 
@@ -107,9 +141,17 @@ def _golden_dh(dlogp):
 @pytest.mark.parametrize("obj, off_policy, kw, loss, dlogp, clip_fraction", GOLDEN)
 def test_oracle_matches_golden(obj, off_policy, kw, loss, dlogp, clip_fraction):
     case = golden_case(off_policy=off_policy)
-    res = spec.spec_policy_loss(case.hidden, case.weight, case.ids, case.mask, case.adv, bias=case.bias,
-                                old_logps=None if not off_policy else np.where(MASK, -LN2 - R, 0.0),
-                                **kw, **obj.spec_kwargs())
+    res = spec.spec_policy_loss(
+        case.hidden,
+        case.weight,
+        case.ids,
+        case.mask,
+        case.adv,
+        bias=case.bias,
+        old_logps=None if not off_policy else np.where(MASK, -LN2 - R, 0.0),
+        **kw,
+        **obj.spec_kwargs(),
+    )
     assert res.loss == pytest.approx(loss, rel=1e-12, abs=1e-15)
     np.testing.assert_allclose(res.dlogp, _dlogp_grid(dlogp), rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(res.dhidden, _golden_dh(_dlogp_grid(dlogp)), rtol=1e-12, atol=1e-15)
@@ -146,9 +188,17 @@ def test_gmpo_kl_golden(implementation):
     obj = Obj("gmpo", beta=0.1)
     dlogp = _dlogp_grid((-0.33722438593943854, 0.006479544482957053, -0.03243606353500641))
     case = golden_case(with_ref=True)
-    res = spec.spec_policy_loss(case.hidden, case.weight, case.ids, case.mask, case.adv, bias=case.bias,
-                                old_logps=np.where(MASK, -LN2 - R, 0.0), ref_logps=np.where(MASK, -LN2 + D_KL, 0.0),
-                                **obj.spec_kwargs())
+    res = spec.spec_policy_loss(
+        case.hidden,
+        case.weight,
+        case.ids,
+        case.mask,
+        case.adv,
+        bias=case.bias,
+        old_logps=np.where(MASK, -LN2 - R, 0.0),
+        ref_logps=np.where(MASK, -LN2 + D_KL, 0.0),
+        **obj.spec_kwargs(),
+    )
     assert res.loss == pytest.approx(-0.4622581460154083, rel=1e-12)
     assert res.metrics["kl"] == pytest.approx(0.11275358736065806, rel=1e-12)
     np.testing.assert_allclose(res.dlogp, dlogp, rtol=1e-12, atol=1e-15)

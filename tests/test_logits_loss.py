@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
-import gmpo_jax
 import spec_numpy as spec
 from conftest import R_GRID, Obj, assert_fraction_close, assert_grad_close, assert_loss_close, ragged_mask
-from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
+
+import gmpo_jax
 from gmpo_jax import kernels as K
+from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -89,8 +89,16 @@ def oracle(case, obj: Obj, *, temperature=1.0, num_items=None):
     V = logsm.shape[-1]
     m = case["mask"]
     logp = oracle_logp(case["logits"], case["ids"], m, T, temperature)
-    sl = spec.spec_loss_from_logp(np.nan_to_num(logp), m, case["adv"], old_logps=case["old"], ref_logps=case["ref"],
-                                  rollout_is_ratio=case["ris"], num_items_in_batch=num_items, **obj.spec_kwargs())
+    sl = spec.spec_loss_from_logp(
+        np.nan_to_num(logp),
+        m,
+        case["adv"],
+        old_logps=case["old"],
+        ref_logps=case["ref"],
+        rollout_is_ratio=case["ris"],
+        num_items_in_batch=num_items,
+        **obj.spec_kwargs(),
+    )
     onehot = np.arange(V) == np.where(m, case["ids"], -1)[..., None]
     p = np.exp(logsm)
     dz = np.where(m[..., None], sl.dlogp[..., None] * (onehot - p), 0.0) / temperature
@@ -99,8 +107,22 @@ def oracle(case, obj: Obj, *, temperature=1.0, num_items=None):
     return sl, full
 
 
-def make_inputs(seed=0, *, B=4, T=9, V=37, dtype="float32", extra=True, scale=2.0, temperature=1.0,
-                off_policy=True, with_ref=True, ris=None, empty_row=None, adv=None):
+def make_inputs(
+    seed=0,
+    *,
+    B=4,
+    T=9,
+    V=37,
+    dtype="float32",
+    extra=True,
+    scale=2.0,
+    temperature=1.0,
+    off_policy=True,
+    with_ref=True,
+    ris=None,
+    empty_row=None,
+    adv=None,
+):
     rng = np.random.default_rng(seed)
     logits = (rng.normal(size=(B, T + int(extra), V)) * scale).astype(DTYPES[dtype])
     mask = ragged_mask(B, T, rng, empty_row=empty_row)
@@ -125,9 +147,19 @@ def make_inputs(seed=0, *, B=4, T=9, V=37, dtype="float32", extra=True, scale=2.
 # Calling the library: one jitted program per (objective, implementation), arrays traced
 # --------------------------------------------------------------------------------------------------
 def _call(objective, implementation, logits, ids, mask, adv, old, ref, ris, num_items, temperature):
-    return gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=objective, old_logps=old,
-                                            ref_logps=ref, rollout_is_ratio=ris, num_items_in_batch=num_items,
-                                            temperature=temperature, implementation=implementation)
+    return gmpo_jax.policy_loss_from_logits(
+        logits,
+        ids,
+        mask,
+        adv,
+        objective=objective,
+        old_logps=old,
+        ref_logps=ref,
+        rollout_is_ratio=ris,
+        num_items_in_batch=num_items,
+        temperature=temperature,
+        implementation=implementation,
+    )
 
 
 def _vg(objective, implementation, logits, *rest):
@@ -140,8 +172,17 @@ _LOSS = jax.jit(_call, static_argnums=(0, 1), compiler_options=FAST_COMPILE)
 
 def _args(case, temperature, num_items):
     j = lambda x: None if x is None else jnp.asarray(x)
-    return (j(case["logits"]), j(case["ids"]), j(case["mask"]), j(case["adv"]), j(case["old"]), j(case["ref"]),
-            j(case["ris"]), None if num_items is None else jnp.float32(num_items), jnp.float32(temperature))
+    return (
+        j(case["logits"]),
+        j(case["ids"]),
+        j(case["mask"]),
+        j(case["adv"]),
+        j(case["old"]),
+        j(case["ref"]),
+        j(case["ris"]),
+        None if num_items is None else jnp.float32(num_items),
+        jnp.float32(temperature),
+    )
 
 
 def value_and_grad(case, obj: Obj, implementation="xla", *, temperature=1.0, num_items=None):
@@ -163,8 +204,9 @@ def check(case, obj: Obj, implementation="xla", *, temperature=1.0, num_items=No
     if obj.beta:
         assert_loss_close(aux.kl, m["kl"], max(abs(m["kl"]), abs(m["kl_uncorrected"])), dtype, what="aux.kl")
     assert float(aux.loss_denominator) == pytest.approx(m["loss_denominator"], rel=1e-6)
-    assert_loss_close(aux.loss_numerator, m["loss_numerator"], want.scale * m["loss_denominator"], dtype,
-                      what="loss_numerator")
+    assert_loss_close(
+        aux.loss_numerator, m["loss_numerator"], want.scale * m["loss_denominator"], dtype, what="loss_numerator"
+    )
     assert g.shape == case["logits"].shape
     assert_grad_close(np.asarray(g), dwant, dtype, "dlogits")
     T = case["ids"].shape[1]
@@ -199,8 +241,7 @@ def test_objectives_xla(obj):
     check(case, obj, temperature=0.7, num_items=23 if obj.loss_type in ("dapo", "cispo") else None)
 
 
-@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("gmpo", beta=0.04, bias_kl=True), Obj("dapo"),
-                                 Obj("sapo")], ids=str)
+@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("gmpo", beta=0.04, bias_kl=True), Obj("dapo"), Obj("sapo")], ids=str)
 def test_on_policy_xla(obj):
     """old = stop_gradient(logp): r = 0 exactly, d r / d logp = 1."""
     check(make_inputs(3, off_policy=False), obj)
@@ -215,8 +256,11 @@ VARIANTS = [  # dtype, [B, T+1, V]?, temperature, scale, objective
 ]
 
 
-@pytest.mark.parametrize("dtype, extra, temperature, scale, obj", VARIANTS,
-                         ids=[f"{d}-{'T+1' if e else 'T'}-tau{t}-x{s}-{o}" for d, e, t, s, o in VARIANTS])
+@pytest.mark.parametrize(
+    "dtype, extra, temperature, scale, obj",
+    VARIANTS,
+    ids=[f"{d}-{'T+1' if e else 'T'}-tau{t}-x{s}-{o}" for d, e, t, s, o in VARIANTS],
+)
 def test_dtypes_xla(dtype, extra, temperature, scale, obj):
     """Gradients come back in the logits' dtype; bf16 / f16 judged against the oracle on the ROUNDED logits."""
     case = make_inputs(4, dtype=dtype, extra=extra, temperature=temperature, scale=scale)
@@ -278,8 +322,14 @@ def test_primal_and_jit_agree_and_deterministic_xla():
     l3, a3 = _LOSS(obj.lib(), "xla", *_args(case, 1.0, None))  # plain evaluation: no gradient work
     assert float(l3) == float(l1) and float(a3.kl) == float(a1.kl)
     l4, _ = gmpo_jax.policy_loss_from_logits(  # eager, default dispatch (CPU: "xla"), no jit
-        jnp.asarray(case["logits"]), case["ids"], case["mask"], case["adv"], objective=obj.lib(),
-        old_logps=case["old"], ref_logps=case["ref"])
+        jnp.asarray(case["logits"]),
+        case["ids"],
+        case["mask"],
+        case["adv"],
+        objective=obj.lib(),
+        old_logps=case["old"],
+        ref_logps=case["ref"],
+    )
     assert float(l4) == pytest.approx(float(l1), rel=1e-6)
 
 
@@ -288,10 +338,24 @@ def test_memory_no_logits_copy_xla():
     B, T, V = 4, 64, 4096
     logits = jax.ShapeDtypeStruct((B, T + 1, V), jnp.bfloat16)
     small = jax.ShapeDtypeStruct((B, T), jnp.float32)
-    f = jax.jit(lambda z, ids, m, a, old: jax.value_and_grad(lambda z: gmpo_jax.policy_loss_from_logits(
-        z, ids, m, a, objective=gmpo_jax.GMPO(), old_logps=old, implementation="xla")[0])(z))
-    mem = f.lower(logits, jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.bool_),
-                  jax.ShapeDtypeStruct((B,), jnp.float32), small).compile().memory_analysis()
+    f = jax.jit(
+        lambda z, ids, m, a, old: jax.value_and_grad(
+            lambda z: gmpo_jax.policy_loss_from_logits(
+                z, ids, m, a, objective=gmpo_jax.GMPO(), old_logps=old, implementation="xla"
+            )[0]
+        )(z)
+    )
+    mem = (
+        f.lower(
+            logits,
+            jax.ShapeDtypeStruct((B, T), jnp.int32),
+            jax.ShapeDtypeStruct((B, T), jnp.bool_),
+            jax.ShapeDtypeStruct((B,), jnp.float32),
+            small,
+        )
+        .compile()
+        .memory_analysis()
+    )
     slice_bf16 = B * T * V * 2
     assert mem.temp_size_in_bytes < slice_bf16 // 4, mem
 
@@ -316,26 +380,32 @@ def test_argument_errors():
         with pytest.raises(BackendUnavailableError):
             gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, implementation="mosaic_gpu")
     with pytest.raises(UnsupportedConfigError, match="dtype"):  # the kernels take bf16 / f16 / f32
-        gmpo_jax.policy_loss_from_logits(z.astype(jnp.float8_e4m3fn), ids, m, a, objective=obj,
-                                         implementation=INTERPRET)
+        gmpo_jax.policy_loss_from_logits(
+            z.astype(jnp.float8_e4m3fn), ids, m, a, objective=obj, implementation=INTERPRET
+        )
     with pytest.raises(UnsupportedConfigError, match="no k meets"):  # 100-column rows: no 128-byte tiling
-        gmpo_jax.policy_loss_from_logits(z[..., :100].astype(jnp.bfloat16), ids, m, a, objective=obj,
-                                         implementation=INTERPRET)
+        gmpo_jax.policy_loss_from_logits(
+            z[..., :100].astype(jnp.bfloat16), ids, m, a, objective=obj, implementation=INTERPRET
+        )
 
 
 # --------------------------------------------------------------------------------------------------
 # The Mosaic GPU kernels, in the Pallas GPU interpreter (CPU), at shapes the device accepts (rows of the
 # kernels' view a multiple of 8, V a multiple of 64) whose rows and vocabulary do not fill the last block.
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype, B, T, V, extra, obj, temperature, backend", [
-    # 2 x 36 = 72 rows (two row blocks, the second slid back), V = 320 = 2.5 tiles of 128
-    ("bfloat16", 2, 35, 320, True, Obj("gmpo", beta=0.04), 0.7, INTERPRET),
-    # 3 x 22 = 66 rows: viewed as 264 rows of 192 columns (k = 4); target gathered outside the kernel
-    ("float16", 3, 22, 768, False, Obj("dapo", level="sequence", delta=1.5), 1.0, INTERPRET_LEAN),
-    # float32 logits: 128-byte rows of 32 elements; 2 x 40 = 80 rows, V = 288 = 2.25 tiles of 128
-    ("float32", 2, 39, 288, True, Obj("cispo", beta=0.04), 1.3, INTERPRET),
-    ("float32", 3, 22, 768, False, Obj("grpo"), 1.0, INTERPRET_LEAN),
-], ids=["bf16-T+1-gmpo-beta", "f16-T-rowsplit4-lean-dapo-seq", "f32-T+1-cispo-beta", "f32-T-rowsplit4-lean-grpo"])
+@pytest.mark.parametrize(
+    "dtype, B, T, V, extra, obj, temperature, backend",
+    [
+        # 2 x 36 = 72 rows (two row blocks, the second slid back), V = 320 = 2.5 tiles of 128
+        ("bfloat16", 2, 35, 320, True, Obj("gmpo", beta=0.04), 0.7, INTERPRET),
+        # 3 x 22 = 66 rows: viewed as 264 rows of 192 columns (k = 4); target gathered outside the kernel
+        ("float16", 3, 22, 768, False, Obj("dapo", level="sequence", delta=1.5), 1.0, INTERPRET_LEAN),
+        # float32 logits: 128-byte rows of 32 elements; 2 x 40 = 80 rows, V = 288 = 2.25 tiles of 128
+        ("float32", 2, 39, 288, True, Obj("cispo", beta=0.04), 1.3, INTERPRET),
+        ("float32", 3, 22, 768, False, Obj("grpo"), 1.0, INTERPRET_LEAN),
+    ],
+    ids=["bf16-T+1-gmpo-beta", "f16-T-rowsplit4-lean-dapo-seq", "f32-T+1-cispo-beta", "f32-T-rowsplit4-lean-grpo"],
+)
 def test_mosaic_gpu_interpret(dtype, B, T, V, extra, obj, temperature, backend):
     case = make_inputs(11, B=B, T=T, V=V, dtype=dtype, extra=extra, temperature=temperature, empty_row=1)
     (loss, aux), g = check(case, obj, backend, temperature=temperature)
@@ -360,8 +430,9 @@ def test_mosaic_gpu_kernels_interpret_extreme(pick_target):
     k = jnp.full((R,), K.LOG2E / tau, jnp.float32)
     cfg = K.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=1, pick_target=pick_target)
     params = INTERPRET._interpret_params()
-    tgt, lse, lse2 = K.logits_merge_splits(*K.logits_lse_partials(jnp.asarray(x), jnp.asarray(ids), k, cfg=cfg,
-                                                                  num_splits=2, interpret=params))
+    tgt, lse, lse2 = K.logits_merge_splits(
+        *K.logits_lse_partials(jnp.asarray(x), jnp.asarray(ids), k, cfg=cfg, num_splits=2, interpret=params)
+    )
     z = _f64(x) / tau
     with np.errstate(invalid="ignore", divide="ignore"):
         zmax = z.max(1)
@@ -385,7 +456,6 @@ def test_mosaic_gpu_kernels_interpret_extreme(pick_target):
     np.testing.assert_allclose(d[ok], want_d, rtol=1e-2, atol=1e-2 * np.abs(want_d).max())
 
 
-
 @pytest.mark.parametrize("backend", [INTERPRET, INTERPRET_LEAN], ids=["pick", "lean"])
 @pytest.mark.parametrize("temperature", [1e-6, 1e-2])
 def test_mosaic_gpu_interpret_tiny_temperature_argmax_targets(backend, temperature):
@@ -397,9 +467,19 @@ def test_mosaic_gpu_interpret_tiny_temperature_argmax_targets(backend, temperatu
     B, T, V = 2, 39, 256  # 80 rows
     z = jnp.asarray(rng.standard_normal((B, T + 1, V)), jnp.bfloat16)
     ids = np.asarray(z[:, :T]).argmax(-1).astype(np.int32)  # argmax of the bf16 logits themselves
-    loss, g = jax.jit(jax.value_and_grad(lambda zl: gmpo_jax.policy_loss_from_logits(
-        zl, ids, np.ones((B, T)), np.ones(B), objective=gmpo_jax.CISPO(epsilon_high=5.0),
-        temperature=temperature, implementation=backend)[0]))(z)
+    loss, g = jax.jit(
+        jax.value_and_grad(
+            lambda zl: gmpo_jax.policy_loss_from_logits(
+                zl,
+                ids,
+                np.ones((B, T)),
+                np.ones(B),
+                objective=gmpo_jax.CISPO(epsilon_high=5.0),
+                temperature=temperature,
+                implementation=backend,
+            )[0]
+        )
+    )(z)
     zt = _f64(z[:, :T]) / temperature
     p = np.exp(zt - zt.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -410,13 +490,18 @@ def test_mosaic_gpu_interpret_tiny_temperature_argmax_targets(backend, temperatu
     np.testing.assert_allclose(_f64(g)[:, :T], want, rtol=0, atol=1e-2 / temperature / (B * T))
     assert np.all(_f64(g)[:, T] == 0)
 
-@pytest.mark.parametrize("B, T, extra, V, lean, dtype", [
-    (2, 1024, True, 128256, False, jnp.bfloat16),   # 2050 rows -> viewed as 8200 x 32064 (k = 4)
-    (16, 1024, True, 128256, True, jnp.bfloat16),   # 16400 rows (k = 1)
-    (3, 22, False, 768, False, jnp.bfloat16),       # 66 rows -> 264 x 192
-    (2, 1024, True, 128256, True, jnp.float32),     # float32: 32-column (128-byte) tiles, 2x the SMEM
-    (2, 1024, True, 128256, "inplace", jnp.bfloat16),  # dlogits into the logits' buffer, 64-column tiles
-], ids=["llama3-2x1025", "llama3-16x1025-lean", "tiny-3x22", "llama3-2x1025-f32-lean", "llama3-2x1025-inplace"])
+
+@pytest.mark.parametrize(
+    "B, T, extra, V, lean, dtype",
+    [
+        (2, 1024, True, 128256, False, jnp.bfloat16),  # 2050 rows -> viewed as 8200 x 32064 (k = 4)
+        (16, 1024, True, 128256, True, jnp.bfloat16),  # 16400 rows (k = 1)
+        (3, 22, False, 768, False, jnp.bfloat16),  # 66 rows -> 264 x 192
+        (2, 1024, True, 128256, True, jnp.float32),  # float32: 32-column (128-byte) tiles, 2x the SMEM
+        (2, 1024, True, 128256, "inplace", jnp.bfloat16),  # dlogits into the logits' buffer, 64-column tiles
+    ],
+    ids=["llama3-2x1025", "llama3-16x1025-lean", "tiny-3x22", "llama3-2x1025-f32-lean", "llama3-2x1025-inplace"],
+)
 def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean, dtype):
     """Both kernels lower to Mosaic GPU for CUDA (jax.export on CPU; no GPU needed): shapes, layouts and
     the tiled bulk copies' divisibility rules are checked at this stage (what failed on the device at
@@ -464,8 +549,9 @@ def test_fused_interpret(obj):
     backend = (FUSED, FUSED_SKIP, FUSED_REREAD_SKIP, FUSED_REREAD)[i % 4]
     dtype, T, V, extra = (("bfloat16", 15, 1152, True), ("float32", 16, 576, False))[i % 2]
     ris = (None, "bt", "b1")[i % 3]
-    case = make_inputs(30 + i, B=4, T=T, V=V, dtype=dtype, extra=extra, empty_row=2, ris=ris, temperature=0.7,
-                       off_policy=i != 3)
+    case = make_inputs(
+        30 + i, B=4, T=T, V=V, dtype=dtype, extra=extra, empty_row=2, ris=ris, temperature=0.7, off_policy=i != 3
+    )
     assert _uses_fused(backend, obj.lib(), case)
     num_items = 29 if obj.loss_type in ("dapo", "cispo") else None
     (loss, aux), g = check(case, obj, backend, temperature=0.7, num_items=num_items)
@@ -522,9 +608,14 @@ def test_fused_interpret_tiny_temperature_unique_max(obj):
     out = {}
     for name, impl in (("fused", FUSED), ("xla", "xla")):
         assert name != "fused" or _uses_fused(FUSED, obj, dict(ids=ids, logits=logits))
-        out[name] = jax.jit(jax.value_and_grad(lambda l: gmpo_jax.policy_loss_from_logits(
-            l, ids, mask, adv, objective=obj, old_logps=old, temperature=tau, implementation=impl),
-            has_aux=True))(logits)
+        out[name] = jax.jit(
+            jax.value_and_grad(
+                lambda l: gmpo_jax.policy_loss_from_logits(
+                    l, ids, mask, adv, objective=obj, old_logps=old, temperature=tau, implementation=impl
+                ),
+                has_aux=True,
+            )
+        )(logits)
     ((loss, aux), g), ((l_x, a_x), _) = out["fused"], out["xla"]
     assert float(loss) == pytest.approx(float(l_x), rel=1e-6, abs=1e-6)
     assert float(aux.log_ratio_min) == float(a_x.log_ratio_min) == 0.0
@@ -554,17 +645,28 @@ def test_fused_token_loss_is_chunk_numerator():
         for old_ in (old, None):
             data = PolicyInputs(mask, adv, old_, ref if obj.beta else None, ris)
             want = jax.grad(lambda lp: o.chunk_numerator(lp, data)[0] / o.denominator(mask, None))(logp)
-            got = jax.grad(lambda lp: jnp.sum(o.token_weights(mask, None) * jnp.where(
-                mask, o.token_loss(lp, old_, data.ref_logps, adv_bt, ris), 0.0)))(logp)
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9,
-                                       err_msg=f"{obj} old={'given' if old_ is not None else 'None'}")
+            got = jax.grad(
+                lambda lp: jnp.sum(
+                    o.token_weights(mask, None)
+                    * jnp.where(mask, o.token_loss(lp, old_, data.ref_logps, adv_bt, ris), 0.0)
+                )
+            )(logp)
+            np.testing.assert_allclose(
+                np.asarray(got),
+                np.asarray(want),
+                rtol=1e-6,
+                atol=1e-9,
+                err_msg=f"{obj} old={'given' if old_ is not None else 'None'}",
+            )
             assert np.any(np.asarray(want) != 0)
 
 
-@pytest.mark.parametrize("V, dtype", [(128256, jnp.bfloat16), (151936, jnp.bfloat16), (128256, jnp.float32)],
-                         ids=["llama3-bf16", "qwen2-bf16", "llama3-f32"])
-@pytest.mark.parametrize("obj", [Obj("grpo", beta=0.04), Obj("cispo", beta=0.04, bias_kl=True), Obj("sapo")],
-                         ids=str)
+@pytest.mark.parametrize(
+    "V, dtype",
+    [(128256, jnp.bfloat16), (151936, jnp.bfloat16), (128256, jnp.float32)],
+    ids=["llama3-bf16", "qwen2-bf16", "llama3-f32"],
+)
+@pytest.mark.parametrize("obj", [Obj("grpo", beta=0.04), Obj("cispo", beta=0.04, bias_kl=True), Obj("sapo")], ids=str)
 def test_fused_lowers_for_cuda(V, dtype, obj):
     """The fused kernel with the device's plan (clusters of CTAs that merge statistics through distributed
     shared memory, which the interpreter lacks) lowers for CUDA, with each objective's gradient inside."""
@@ -577,9 +679,22 @@ def test_fused_lowers_for_cuda(V, dtype, obj):
     i = jax.ShapeDtypeStruct((B, T), jnp.int32)
     b = jax.ShapeDtypeStruct((B,), jnp.float32)
     mask = jnp.ones((B, T), bool)
-    fused = jax.jit(lambda z, i, a, old, ref: backend.logprobs_and_dlogits(
-        z, i, T=T, temperature=jnp.float32(0.9), objective=o, old_logps=old, ref_logps=ref if obj.beta else None,
-        advantages=a, rollout_is_ratio=None, weights=o.token_weights(mask, None), mask=mask, id_ok=mask))
+    fused = jax.jit(
+        lambda z, i, a, old, ref: backend.logprobs_and_dlogits(
+            z,
+            i,
+            T=T,
+            temperature=jnp.float32(0.9),
+            objective=o,
+            old_logps=old,
+            ref_logps=ref if obj.beta else None,
+            advantages=a,
+            rollout_is_ratio=None,
+            weights=o.token_weights(mask, None),
+            mask=mask,
+            id_ok=mask,
+        )
+    )
     text = jax.export.export(fused, platforms=["cuda"])(z, i, b, f, f).mlir_module()
     assert "lse_and_dlogits" in text
 
@@ -589,9 +704,16 @@ def test_fused_lowers_for_cuda(V, dtype, obj):
 # --------------------------------------------------------------------------------------------------
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("extra, obj, dtype", [
-    (True, Obj("gmpo"), "bfloat16"), (False, Obj("dapo", beta=0.04), "bfloat16"),
-    (True, Obj("grpo", level="sequence"), "bfloat16"), (True, Obj("cispo", beta=0.04), "float32")], ids=str)
+@pytest.mark.parametrize(
+    "extra, obj, dtype",
+    [
+        (True, Obj("gmpo"), "bfloat16"),
+        (False, Obj("dapo", beta=0.04), "bfloat16"),
+        (True, Obj("grpo", level="sequence"), "bfloat16"),
+        (True, Obj("cispo", beta=0.04), "float32"),
+    ],
+    ids=str,
+)
 def test_mosaic_gpu_real_vocab(extra, obj, dtype):
     case = make_inputs(13, B=2, T=96, V=128256, dtype=dtype, extra=extra, temperature=0.9, scale=3.0)
     (loss, aux), g = check(case, obj, "mosaic_gpu", temperature=0.9)
@@ -603,9 +725,16 @@ def test_mosaic_gpu_real_vocab(extra, obj, dtype):
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("extra, obj, dtype", [
-    (True, Obj("grpo", beta=0.04), "bfloat16"), (False, Obj("dapo", delta=1.5), "bfloat16"),
-    (True, Obj("cispo", beta=0.04, bias_kl=True), "float32"), (True, Obj("sapo", beta=0.04), "bfloat16")], ids=str)
+@pytest.mark.parametrize(
+    "extra, obj, dtype",
+    [
+        (True, Obj("grpo", beta=0.04), "bfloat16"),
+        (False, Obj("dapo", delta=1.5), "bfloat16"),
+        (True, Obj("cispo", beta=0.04, bias_kl=True), "float32"),
+        (True, Obj("sapo", beta=0.04), "bfloat16"),
+    ],
+    ids=str,
+)
 def test_fused_real_vocab(extra, obj, dtype):
     """The fused kernel on the device (clusters of 4 CTAs per row) against float64 and the xla path, at the
     real vocabulary; bitwise repeatable."""
@@ -639,8 +768,13 @@ def test_fused_full_shape_and_tiny_temperature():
     # a unique maximum whose product with log2(e) / tau is not exact (8.0 would hide a rounding of m k)
     z = jnp.asarray(case["logits"]).at[jnp.arange(2)[:, None], jnp.arange(1024)[None], ids].set(6.90625)
     tau = 1e-6
-    g = jax.jit(jax.grad(lambda zl: gmpo_jax.policy_loss_from_logits(
-        zl, ids, np.ones((2, 1024)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0), temperature=tau)[0]))(z)
+    g = jax.jit(
+        jax.grad(
+            lambda zl: gmpo_jax.policy_loss_from_logits(
+                zl, ids, np.ones((2, 1024)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0), temperature=tau
+            )[0]
+        )
+    )(z)
     assert np.all(np.isfinite(_f64(g)))
     assert np.abs(_f64(g)).max() < 1e-2 / tau / 2048
 
@@ -668,10 +802,14 @@ def test_docstring_example():
     assert result.attempted > 0 and result.failed == 0
 
 
-@pytest.mark.parametrize("B, T, V, extra", [
-    (2, 39, 320, True),    # 80 rows (a slid-back second row block), V = 2.5 tiles: 64-column tiles in place
-    (3, 22, 768, False),   # 66 rows viewed as 264 x 192 (k = 4): slid-back rows, 192 = 3 x 64 columns
-], ids=["80x320", "66x768-rowsplit4"])
+@pytest.mark.parametrize(
+    "B, T, V, extra",
+    [
+        (2, 39, 320, True),  # 80 rows (a slid-back second row block), V = 2.5 tiles: 64-column tiles in place
+        (3, 22, 768, False),  # 66 rows viewed as 264 x 192 (k = 4): slid-back rows, 192 = 3 x 64 columns
+    ],
+    ids=["80x320", "66x768-rowsplit4"],
+)
 def test_mosaic_gpu_inplace_interpret(B, T, V, extra):
     """``MosaicGpuLogitsBackend(inplace=True)``: the backward writes dlogits into the logits' buffer (a
     ``jax.Ref``); the same dlogits as the out-of-place kernel, also under ``donate_argnums``, with slid-back
@@ -685,8 +823,11 @@ def test_mosaic_gpu_inplace_interpret(B, T, V, extra):
     assert float(l1) == float(l0)
     np.testing.assert_allclose(_f64(g1), _f64(g0), rtol=2.0**-7, atol=0)
     logits, *rest = _args(case, 0.8, None)
-    f = jax.jit(lambda z, *rest: jax.grad(lambda z: _call(obj.lib(), inplace, z, *rest)[0])(z), donate_argnums=0,
-                compiler_options=FAST_COMPILE)
+    f = jax.jit(
+        lambda z, *rest: jax.grad(lambda z: _call(obj.lib(), inplace, z, *rest)[0])(z),
+        donate_argnums=0,
+        compiler_options=FAST_COMPILE,
+    )
     np.testing.assert_allclose(_f64(f(jnp.array(logits), *rest)), _f64(g1), rtol=2.0**-7, atol=0)
 
 
@@ -716,9 +857,20 @@ def test_mosaic_gpu_interpret_tie_at_tiny_temperature(backend):
     mask = np.zeros((B, T), bool)
     mask[0, 0] = True
     obj = gmpo_jax.GRPO(loss_type="dapo", epsilon_low=10.0, epsilon_high=10.0)
-    g = jax.jit(jax.grad(lambda x: gmpo_jax.policy_loss_from_logits(
-        x, ids, mask, jnp.array([1.0, 0.0]), objective=obj, old_logps=np.zeros((B, T), np.float32),
-        temperature=tau, implementation=backend)[0]))(jnp.asarray(z, jnp.bfloat16))
+    g = jax.jit(
+        jax.grad(
+            lambda x: gmpo_jax.policy_loss_from_logits(
+                x,
+                ids,
+                mask,
+                jnp.array([1.0, 0.0]),
+                objective=obj,
+                old_logps=np.zeros((B, T), np.float32),
+                temperature=tau,
+                implementation=backend,
+            )[0]
+        )
+    )(jnp.asarray(z, jnp.bfloat16))
     # d loss / d logp = -A e^{logp - old} / N = -0.5 (logp = log 1/2, one token): dz = -0.5 / T (onehot - p)
     c = -0.5 / tau
     np.testing.assert_allclose(_f64(g)[0, 0, [3, 7]], [c * 0.5, -c * 0.5], rtol=1e-2)
@@ -735,9 +887,11 @@ def test_mosaic_gpu_inplace_interpret_eager():
     np.testing.assert_allclose(_f64(jax.grad(f)(logits)), _f64(jax.jit(jax.grad(f))(logits)), rtol=2.0**-7, atol=0)
 
 
-@pytest.mark.parametrize("stages, skip, resident", [
-    (2, True, True), (3, True, True), (2, False, True), (2, True, False), (3, True, False), (2, False, False)],
-    ids=["resident-skip", "resident-3-stages-skip", "resident", "reread-skip", "reread-too-few-tiles", "reread"])
+@pytest.mark.parametrize(
+    "stages, skip, resident",
+    [(2, True, True), (3, True, True), (2, False, True), (2, True, False), (3, True, False), (2, False, False)],
+    ids=["resident-skip", "resident-3-stages-skip", "resident", "reread-skip", "reread-too-few-tiles", "reread"],
+)
 def test_fused_kernel_dead_rows(stages, skip, resident):
     """``logits_lse_and_dlogits`` (interpreter, 3 CTAs of 5-6 rows, 2 tiles per row) on rows marked dead (``live =
     0``: runs of them, the first and the last row, whole CTAs' first rows) whose logits are NaN: with
@@ -763,14 +917,28 @@ def test_fused_kernel_dead_rows(stages, skip, resident):
 
     def run(live_col):
         F = K.RowData
-        rd = K.pack_row_data({F.K: np.full(R, K.LOG2E / tau), F.TARGET_LOGIT: z[np.arange(R), ids], F.OLD: old,
-                              F.REF: np.zeros(R), F.ADV: adv, F.RIS: np.ones(R), F.SCALE: scale, F.LIVE: live_col,
-                              F.WEIGHT: scale * tau})
-        cfg = K.FusedLogitsBlocks(block_rows=64, stages=stages, out_stages=2, num_ctas=3, skip_dead_rows=skip,
-                                  resident=resident)
+        rd = K.pack_row_data(
+            {
+                F.K: np.full(R, K.LOG2E / tau),
+                F.TARGET_LOGIT: z[np.arange(R), ids],
+                F.OLD: old,
+                F.REF: np.zeros(R),
+                F.ADV: adv,
+                F.RIS: np.ones(R),
+                F.SCALE: scale,
+                F.LIVE: live_col,
+                F.WEIGHT: scale * tau,
+            }
+        )
+        cfg = K.FusedLogitsBlocks(
+            block_rows=64, stages=stages, out_stages=2, num_ctas=3, skip_dead_rows=skip, resident=resident
+        )
         x = jnp.asarray(np.nan_to_num(z, nan=0.0) if live_col.all() else z)
-        dz, st = jax.jit(lambda x, rd: K.logits_lse_and_dlogits(x.reshape(R, V // w, w), rd, token_fn, cfg=cfg,
-                                                                 interpret=FUSED._interpret_params()))(x, rd)
+        dz, st = jax.jit(
+            lambda x, rd: K.logits_lse_and_dlogits(
+                x.reshape(R, V // w, w), rd, token_fn, cfg=cfg, interpret=FUSED._interpret_params()
+            )
+        )(x, rd)
         return np.asarray(dz, np.float64).reshape(R, V), np.asarray(st, np.float64)
 
     dz, st = run(live.astype(np.float32))

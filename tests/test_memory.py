@@ -35,8 +35,11 @@ def _inputs():
 @pytest.mark.parametrize("objective", [gmpo_jax.GMPO(), gmpo_jax.GRPO(loss_type="grpo")], ids=["gmpo", "grpo"])
 def test_fused_temporaries_far_below_logits(objective):
     ids, mask, adv = _inputs()
-    fused = _temp_bytes(lambda h, w: gmpo_jax.fused_linear_policy_loss(
-        h, w, ids, mask, adv, objective=objective, chunk_size=2, implementation="xla_chunked")[0])
+    fused = _temp_bytes(
+        lambda h, w: gmpo_jax.fused_linear_policy_loss(
+            h, w, ids, mask, adv, objective=objective, chunk_size=2, implementation="xla_chunked"
+        )[0]
+    )
     dense = _temp_bytes(lambda h, w: reference.policy_loss(h, w, ids, mask, adv, objective=objective)[0])
     # the dense oracle needs at least the logits; the fused path a small fraction of them
     assert dense >= N_V_BYTES, (dense, N_V_BYTES)

@@ -34,8 +34,9 @@ def test_notebook_matches_its_jupytext_twin():
 def test_notebook_executes(tmp_path):
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(IPYNB, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()  # raises CellExecutionError on any failing cell
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "Both objectives learn" in text

@@ -16,9 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import gmpo_jax
-import gmpo_jax.reference
 import spec_numpy as spec
 from conftest import (
     DTYPES,
@@ -35,6 +32,9 @@ from conftest import (
     spec_for,
     tol_for,
 )
+
+import gmpo_jax
+import gmpo_jax.reference
 
 EPS32 = float(np.finfo(np.float32).eps)
 LOSS_TYPES = ("gmpo", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
@@ -96,9 +96,16 @@ def test_objective_off_policy(obj, implementation):
 
 @pytest.mark.parametrize(
     "obj",
-    [Obj("gmpo"), Obj("gmpo", beta=0.04, bias_kl=True), Obj("grpo", level="sequence", beta=0.04, bias_kl=True),
-     Obj("bnpo"), Obj("dr_grpo", max_completion_length=9), Obj("dapo", delta=1.5, beta=0.04),
-     Obj("cispo", epsilon_high=1.3, beta=0.04, bias_kl=True), Obj("sapo", beta=0.04, bias_kl=True)],
+    [
+        Obj("gmpo"),
+        Obj("gmpo", beta=0.04, bias_kl=True),
+        Obj("grpo", level="sequence", beta=0.04, bias_kl=True),
+        Obj("bnpo"),
+        Obj("dr_grpo", max_completion_length=9),
+        Obj("dapo", delta=1.5, beta=0.04),
+        Obj("cispo", epsilon_high=1.3, beta=0.04, bias_kl=True),
+        Obj("sapo", beta=0.04, bias_kl=True),
+    ],
     ids=str,
 )
 def test_objective_on_policy(obj, implementation):
@@ -125,8 +132,11 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("dtype, layout, with_bias, temperature, obj", VARIANTS,
-                         ids=[f"{d}-{l}-{'bias' if b else 'nobias'}-T{t}-{o}" for d, l, b, t, o in VARIANTS])
+@pytest.mark.parametrize(
+    "dtype, layout, with_bias, temperature, obj",
+    VARIANTS,
+    ids=[f"{d}-{l}-{'bias' if b else 'nobias'}-T{t}-{o}" for d, l, b, t, o in VARIANTS],
+)
 def test_head_variants(dtype, layout, with_bias, temperature, obj, implementation):
     """bf16 / f16 cases compare against the oracle run on the ROUNDED inputs (the case holds them)."""
     case = make_case(3, dtype=DTYPES[dtype], layout=layout, with_bias=with_bias, temperature=temperature)
@@ -142,9 +152,14 @@ def test_head_variants(dtype, layout, with_bias, temperature, obj, implementatio
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "obj, ris",
-    [(Obj("grpo", beta=0.04), "bt"), (Obj("dapo", level="sequence"), "b1"), (Obj("bnpo", delta=1.5), "b"),
-     (Obj("cispo", epsilon_high=1.3), "bt"), (Obj("sapo", beta=0.04), "b"),
-     (Obj("dr_grpo", max_completion_length=9, level="sequence"), "bt")],
+    [
+        (Obj("grpo", beta=0.04), "bt"),
+        (Obj("dapo", level="sequence"), "b1"),
+        (Obj("bnpo", delta=1.5), "b"),
+        (Obj("cispo", epsilon_high=1.3), "bt"),
+        (Obj("sapo", beta=0.04), "b"),
+        (Obj("dr_grpo", max_completion_length=9, level="sequence"), "bt"),
+    ],
     ids=lambda x: str(x),
 )
 def test_rollout_is_ratio(obj, ris, implementation):
@@ -160,13 +175,16 @@ def test_rollout_is_ratio_does_not_apply_to_gmpo(implementation):
     f = lib_loss_fn(case, obj.lib(), implementation=implementation)
     with pytest.warns(UserWarning, match="rollout_is_ratio"):  # documented: ignored, with a warning
         (loss, aux), grads = fast_jit(jax.value_and_grad(lambda h, w: f(h, w, None), argnums=(0, 1), has_aux=True))(
-            jnp.asarray(case.hidden), jnp.asarray(case.weight))
+            jnp.asarray(case.hidden), jnp.asarray(case.weight)
+        )
     check_against_spec(loss, aux, (*grads, None), ref, case, obj)
 
 
-@pytest.mark.parametrize("obj", [Obj("dapo", beta=0.04), Obj("cispo", epsilon_high=1.3),
-                                 Obj("dapo", level="sequence", delta=1.5),
-                                 Obj("bnpo")], ids=str)  # bnpo: the override does not apply (oracle ignores it)
+@pytest.mark.parametrize(
+    "obj",
+    [Obj("dapo", beta=0.04), Obj("cispo", epsilon_high=1.3), Obj("dapo", level="sequence", delta=1.5), Obj("bnpo")],
+    ids=str,
+)  # bnpo: the override does not apply (oracle ignores it)
 @pytest.mark.parametrize("num_items", [60, 0.5])  # 0.5 < 1: the normaliser is max(N, 1)
 def test_num_items_in_batch(obj, num_items, implementation):
     case = make_case(5)
@@ -176,8 +194,11 @@ def test_num_items_in_batch(obj, num_items, implementation):
 # --------------------------------------------------------------------------------------------------
 # Chunking: chunk_size 1, 2, B and non-divisors of B; the loss never depends on the chunk.
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("obj", [Obj("gmpo", beta=0.04), Obj("grpo", level="sequence", beta=0.04, bias_kl=True),
-                                 Obj("dapo", delta=1.5)], ids=str)
+@pytest.mark.parametrize(
+    "obj",
+    [Obj("gmpo", beta=0.04), Obj("grpo", level="sequence", beta=0.04, bias_kl=True), Obj("dapo", delta=1.5)],
+    ids=str,
+)
 def test_chunk_sizes(obj, implementation):
     case = make_case(6, with_bias=True)
     results = {}
@@ -221,8 +242,16 @@ def test_all_masked_batch(loss_type, beta, implementation):
     assert float(aux.log_ratio_min) == 0.0 and float(aux.log_ratio_max) == 0.0
 
 
-@pytest.mark.parametrize("obj", [Obj("gmpo", beta=0.04, bias_kl=True), Obj("grpo", level="sequence", beta=0.04),
-                                 Obj("cispo", epsilon_high=1.3), Obj("sapo")], ids=str)
+@pytest.mark.parametrize(
+    "obj",
+    [
+        Obj("gmpo", beta=0.04, bias_kl=True),
+        Obj("grpo", level="sequence", beta=0.04),
+        Obj("cispo", epsilon_high=1.3),
+        Obj("sapo"),
+    ],
+    ids=str,
+)
 def test_masked_positions_influence_nothing(obj, implementation):
     """Whatever masked positions hold (ids -100 / V + 5 / valid, any hidden row, NaN / inf old and ref
     log-probs and IS ratios), the loss, metrics and gradients are bitwise the same, and masked hidden rows
@@ -253,8 +282,9 @@ def test_numeric_masks_equal_bool(mask_dtype, implementation):
     case = make_case(28)
     obj = Obj("grpo", level="sequence", beta=0.04).lib()
     (l0, a0), g0 = lib_value_and_grad(case, obj, implementation=implementation)
-    (l1, a1), g1 = lib_value_and_grad(dataclasses.replace(case, mask=case.mask.astype(mask_dtype)), obj,
-                                      implementation=implementation)
+    (l1, a1), g1 = lib_value_and_grad(
+        dataclasses.replace(case, mask=case.mask.astype(mask_dtype)), obj, implementation=implementation
+    )
     for x, y in zip(jax.tree.leaves(((l0, a0), g0)), jax.tree.leaves(((l1, a1), g1))):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
@@ -275,9 +305,19 @@ def test_unmasked_out_of_range_id_gives_nan(bad_id, implementation):
 # --------------------------------------------------------------------------------------------------
 # Advantages == 0, extreme log ratios, extreme logits
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo"), Obj("bnpo", level="sequence"), Obj("dapo", delta=1.5),
-                                 Obj("dr_grpo", max_completion_length=9), Obj("cispo", epsilon_high=1.3),
-                                 Obj("sapo")], ids=str)
+@pytest.mark.parametrize(
+    "obj",
+    [
+        Obj("gmpo"),
+        Obj("grpo"),
+        Obj("bnpo", level="sequence"),
+        Obj("dapo", delta=1.5),
+        Obj("dr_grpo", max_completion_length=9),
+        Obj("cispo", epsilon_high=1.3),
+        Obj("sapo"),
+    ],
+    ids=str,
+)
 def test_zero_advantage_is_exactly_zero_even_when_ratio_overflows(obj, implementation):
     """A = 0 sequences contribute exactly 0 (loss and gradient), even with r = 100 (exp(r) = inf in f32)."""
     case = make_case(11, adv=np.array([0.0, 1.2, 0.0, -0.8, 0.0], np.float32))
@@ -290,9 +330,20 @@ def test_zero_advantage_is_exactly_zero_even_when_ratio_overflows(obj, implement
     assert np.all(dh[[0, 2, 4]] == 0), "zero-advantage sequences must get exactly zero gradient"
 
 
-@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo"), Obj("grpo", level="sequence"), Obj("dapo", delta=1.5),
-                                 Obj("bnpo"), Obj("dr_grpo", max_completion_length=9), Obj("cispo", epsilon_high=1.3),
-                                 Obj("sapo")], ids=str)
+@pytest.mark.parametrize(
+    "obj",
+    [
+        Obj("gmpo"),
+        Obj("grpo"),
+        Obj("grpo", level="sequence"),
+        Obj("dapo", delta=1.5),
+        Obj("bnpo"),
+        Obj("dr_grpo", max_completion_length=9),
+        Obj("cispo", epsilon_high=1.3),
+        Obj("sapo"),
+    ],
+    ids=str,
+)
 def test_extreme_log_ratios(obj, implementation):
     """|r| = 100 where the float64 value stays representable: A > 0 with r = +100 and A < 0 with r = -100
     are clipped (ratio types, GMPO); CISPO and SAPO saturate for either sign. The clipped branch must
@@ -316,21 +367,41 @@ def _extreme_logits_case(seed, implementation, *, chunk_size=None, dtype=np.floa
     off-policy ratios are built on the implementation's own f32 log-probs and the oracle evaluates the loss
     at those log-probs (``logp_for_loss``); its head backward still uses float64 softmax."""
     case = make_case(seed, logit_scale=3000.0, with_bias=True, off_policy=False, with_ref=False, dtype=dtype)
-    logp32 = lib_logprobs(case.hidden, case.weight, case.ids, case.mask, bias=case.bias,
-                          implementation=implementation, chunk_size=chunk_size)
+    logp32 = lib_logprobs(
+        case.hidden,
+        case.weight,
+        case.ids,
+        case.mask,
+        bias=case.bias,
+        implementation=implementation,
+        chunk_size=chunk_size,
+    )
     zmax = np.max(np.abs(np.asarray(case.hidden, np.float64) @ np.asarray(case.weight, np.float64)))
     assert 3e3 < zmax < 3e4
     return case, logp32, zmax
 
 
-EXTREME = [(o, p, "float32") for o in (Obj("gmpo", beta=0.04), Obj("grpo", level="sequence"), Obj("dapo", beta=0.04),
-                                       Obj("cispo", epsilon_high=1.3), Obj("sapo")) for p in (False, True)]
-EXTREME += [(Obj("gmpo", beta=0.04, bias_kl=True), True, "bfloat16"), (Obj("bnpo", delta=1.5), False, "bfloat16"),
-            (Obj("sapo", beta=0.04), True, "bfloat16")]
+EXTREME = [
+    (o, p, "float32")
+    for o in (
+        Obj("gmpo", beta=0.04),
+        Obj("grpo", level="sequence"),
+        Obj("dapo", beta=0.04),
+        Obj("cispo", epsilon_high=1.3),
+        Obj("sapo"),
+    )
+    for p in (False, True)
+]
+EXTREME += [
+    (Obj("gmpo", beta=0.04, bias_kl=True), True, "bfloat16"),
+    (Obj("bnpo", delta=1.5), False, "bfloat16"),
+    (Obj("sapo", beta=0.04), True, "bfloat16"),
+]
 
 
-@pytest.mark.parametrize("obj, off_policy, dtype", EXTREME,
-                         ids=[f"{o}-{'off' if p else 'on'}-{d}" for o, p, d in EXTREME])
+@pytest.mark.parametrize(
+    "obj, off_policy, dtype", EXTREME, ids=[f"{o}-{'off' if p else 'on'}-{d}" for o, p, d in EXTREME]
+)
 def test_extreme_logits(obj, off_policy, dtype, implementation):
     case, logp32, zmax = _extreme_logits_case(13, implementation, dtype=DTYPES[dtype])
     tol = tol_for(case.dtype)
@@ -402,7 +473,8 @@ def _check_boundary(case, obj, implementation, logp32, expect_clipped):
     # precondition: the loss sees exactly the ratios built here (same f32 log-probs as fused_linear_logprobs)
     r = (logp32.astype(np.float64) - (case.old.astype(np.float64) if case.old is not None else logp32))[case.mask]
     assert float(aux.log_ratio_min) == r.min() and float(aux.log_ratio_max) == r.max(), (
-        "test precondition: the loss's internal log-probs differ from fused_linear_logprobs' bits")
+        "test precondition: the loss's internal log-probs differ from fused_linear_logprobs' bits"
+    )
     ref = spec_for(case, obj, logp_for_loss=logp32)
     check_against_spec(loss, aux, grads, ref, case, obj)
     # exact: clipped tokens (and only they) get a zero hidden-state gradient row
@@ -422,8 +494,11 @@ def test_gmpo_log_space_bounds(adv_sign, implementation):
     old_at = _exact_old(logp32, bound)
     assert np.mean(np.isfinite(old_at[case.mask])) > 0.5, "test setup: too few exact constructions"
     step = np.random.default_rng(0).choice([-1, 0, 1], size=case.mask.shape)
-    old = np.where(step > 0, np.nextafter(old_at, np.float32(-np.inf)),  # r one step above the bound
-                   np.where(step < 0, np.nextafter(old_at, np.float32(np.inf)), old_at))  # one below
+    old = np.where(
+        step > 0,
+        np.nextafter(old_at, np.float32(-np.inf)),  # r one step above the bound
+        np.where(step < 0, np.nextafter(old_at, np.float32(np.inf)), old_at),
+    )  # one below
     old = np.where(np.isfinite(old_at), old, logp32)  # fallback: r = 0 (inside the clip range)
     old = np.where(case.mask, old, 0.0).astype(np.float32)
     case.old = old
@@ -433,10 +508,16 @@ def test_gmpo_log_space_bounds(adv_sign, implementation):
     _check_boundary(case, Obj("gmpo", epsilon_low=eps, epsilon_high=eps), implementation, logp32, expect & case.mask)
 
 
-@pytest.mark.parametrize("obj", [Obj("grpo", epsilon_low=0.0, epsilon_high=0.0),
-                                 Obj("dapo", epsilon_low=0.0, epsilon_high=0.0, level="sequence"),
-                                 Obj("bnpo", epsilon_low=0.0, epsilon_high=0.0, delta=1.0),
-                                 Obj("gmpo", epsilon_low=0.0, epsilon_high=0.0)], ids=str)
+@pytest.mark.parametrize(
+    "obj",
+    [
+        Obj("grpo", epsilon_low=0.0, epsilon_high=0.0),
+        Obj("dapo", epsilon_low=0.0, epsilon_high=0.0, level="sequence"),
+        Obj("bnpo", epsilon_low=0.0, epsilon_high=0.0, delta=1.0),
+        Obj("gmpo", epsilon_low=0.0, epsilon_high=0.0),
+    ],
+    ids=str,
+)
 def test_ratio_at_bound(obj, implementation):
     """eps_low = eps_high = 0 puts the clip bounds at ratio 1 == exp(0): a token with r = 0 exactly sits ON
     both bounds (and on delta = 1). The gradient must pass in full (jnp.minimum / jnp.clip would give 0.5 or
@@ -496,8 +577,10 @@ def test_jit_does_not_retrace(implementation):
     @chex.assert_max_traces(n=1)
     def step(h, w, adv):
         def f(h, w):
-            return gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, objective=obj, old_logps=old,
-                                                     ref_logps=ref, implementation=implementation)
+            return gmpo_jax.fused_linear_policy_loss(
+                h, w, ids, mask, adv, objective=obj, old_logps=old, ref_logps=ref, implementation=implementation
+            )
+
         return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w)
 
     h, w = jnp.asarray(case.hidden), jnp.asarray(case.weight)
@@ -506,9 +589,15 @@ def test_jit_does_not_retrace(implementation):
     assert float(l1) != float(l2) and np.all(np.isfinite(np.asarray(dh)))
 
 
-@pytest.mark.parametrize("obj", [Obj("gmpo", epsilon_low=0.3, epsilon_high=0.35, beta=0.05),
-                                 Obj("dapo", epsilon_low=0.2, epsilon_high=0.28, beta=0.05, delta=1.5),
-                                 Obj("sapo", tau_pos=0.8, tau_neg=1.3, beta=0.05)], ids=str)
+@pytest.mark.parametrize(
+    "obj",
+    [
+        Obj("gmpo", epsilon_low=0.3, epsilon_high=0.35, beta=0.05),
+        Obj("dapo", epsilon_low=0.2, epsilon_high=0.28, beta=0.05, delta=1.5),
+        Obj("sapo", tau_pos=0.8, tau_neg=1.3, beta=0.05),
+    ],
+    ids=str,
+)
 def test_traced_hyperparameters_match_python_floats(obj, implementation):
     """Epsilons, beta, delta, SAPO temperatures and temperature as jnp scalars through jit (a schedule)."""
     case = make_case(20)
@@ -521,11 +610,21 @@ def test_traced_hyperparameters_match_python_floats(obj, implementation):
         elif obj.loss_type == "sapo":
             o = gmpo_jax.SAPO(temperature_pos=hp["tp"], temperature_neg=hp["tn"], beta=hp["beta"])
         else:
-            o = gmpo_jax.GRPO(loss_type=obj.loss_type, epsilon_low=hp["el"], epsilon_high=hp["eh"], beta=hp["beta"],
-                              delta=hp["delta"])
-        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, objective=o, old_logps=old,
-                                                           ref_logps=ref, temperature=temperature,
-                                                           implementation=implementation)
+            o = gmpo_jax.GRPO(
+                loss_type=obj.loss_type, epsilon_low=hp["el"], epsilon_high=hp["eh"], beta=hp["beta"], delta=hp["delta"]
+            )
+        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(
+            h,
+            w,
+            ids,
+            mask,
+            adv,
+            objective=o,
+            old_logps=old,
+            ref_logps=ref,
+            temperature=temperature,
+            implementation=implementation,
+        )
         return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w)
 
     hp = dict(el=obj.epsilon_low, eh=obj.epsilon_high, beta=obj.beta, delta=obj.delta, tp=obj.tau_pos, tn=obj.tau_neg)
@@ -548,12 +647,22 @@ def test_gradient_only_to_hidden_weight_bias(implementation):
 
     def f(adv, old, ref, ris):
         loss, _ = gmpo_jax.fused_linear_policy_loss(
-            jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.ids), jnp.asarray(case.mask), adv,
-            objective=obj, old_logps=old, ref_logps=ref, rollout_is_ratio=ris, implementation=implementation)
+            jnp.asarray(case.hidden),
+            jnp.asarray(case.weight),
+            jnp.asarray(case.ids),
+            jnp.asarray(case.mask),
+            adv,
+            objective=obj,
+            old_logps=old,
+            ref_logps=ref,
+            rollout_is_ratio=ris,
+            implementation=implementation,
+        )
         return loss
 
-    grads = fast_jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*(jnp.asarray(x) for x in (case.adv, case.old, case.ref,
-                                                                                    case.ris)))
+    grads = fast_jit(jax.grad(f, argnums=(0, 1, 2, 3)))(
+        *(jnp.asarray(x) for x in (case.adv, case.old, case.ref, case.ris))
+    )
     for g in grads:
         assert np.all(np.asarray(g) == 0)
 
@@ -563,8 +672,12 @@ def test_cotangent_scaling(implementation):
     case = make_case(22, with_bias=True)
     f = lib_loss_fn(case, Obj("gmpo").lib(), implementation=implementation)
     args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
-    g1, g3 = fast_jit(lambda *a: (jax.grad(lambda *a: f(*a)[0], argnums=(0, 1, 2))(*a),
-                                  jax.grad(lambda *a: -3.0 * f(*a)[0], argnums=(0, 1, 2))(*a)))(*args)
+    g1, g3 = fast_jit(
+        lambda *a: (
+            jax.grad(lambda *a: f(*a)[0], argnums=(0, 1, 2))(*a),
+            jax.grad(lambda *a: -3.0 * f(*a)[0], argnums=(0, 1, 2))(*a),
+        )
+    )(*args)
     for a, b in zip(g1, g3):
         np.testing.assert_allclose(np.asarray(b), -3.0 * np.asarray(a), rtol=1e-6, atol=1e-9)
 
@@ -582,9 +695,20 @@ def test_ref_hidden_path(implementation):
 
     def f(h, w, b, rh, rw):
         return gmpo_jax.fused_linear_policy_loss(
-            h, w, jnp.asarray(case.ids), jnp.asarray(case.mask), jnp.asarray(case.adv), objective=obj.lib(),
-            old_logps=jnp.asarray(case.old), ref_hidden=rh, ref_weight=rw, ref_bias=jnp.asarray(ref_bias), bias=b,
-            weight_layout="vh", implementation=implementation)
+            h,
+            w,
+            jnp.asarray(case.ids),
+            jnp.asarray(case.mask),
+            jnp.asarray(case.adv),
+            objective=obj.lib(),
+            old_logps=jnp.asarray(case.old),
+            ref_hidden=rh,
+            ref_weight=rw,
+            ref_bias=jnp.asarray(ref_bias),
+            bias=b,
+            weight_layout="vh",
+            implementation=implementation,
+        )
 
     args = tuple(jnp.asarray(x) for x in (case.hidden, case.weight, case.bias, ref_hidden, ref_weight))
     (loss, aux), (dh, dw, db, drh, drw) = fast_jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))(*args)
@@ -608,28 +732,44 @@ def test_evaluation_without_grad_matches(implementation):
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "dtype, layout, with_bias, temperature, chunk_size, with_mask",
-    [("float32", "hv", False, 1.0, None, True), ("float32", "vh", True, 0.7, 2, True),
-     ("float32", "hv", True, 1.5, 1, False), ("bfloat16", "vh", True, 1.0, 3, True),
-     ("bfloat16", "hv", False, 0.8, None, False), ("float16", "hv", True, 1.0, 5, True)],
+    [
+        ("float32", "hv", False, 1.0, None, True),
+        ("float32", "vh", True, 0.7, 2, True),
+        ("float32", "hv", True, 1.5, 1, False),
+        ("bfloat16", "vh", True, 1.0, 3, True),
+        ("bfloat16", "hv", False, 0.8, None, False),
+        ("float16", "hv", True, 1.0, 5, True),
+    ],
 )
 def test_logprobs_and_gradient(dtype, layout, with_bias, temperature, chunk_size, with_mask, implementation):
     case = make_case(25, dtype=DTYPES[dtype], layout=layout, with_bias=with_bias, temperature=temperature)
     tol = tol_for(case.dtype)
     ids = case.ids if with_mask else np.where(case.mask, case.ids, 1).astype(np.int32)
     mask = case.mask if with_mask else None
-    want = spec.spec_logprobs(case.hidden, case.weight, ids, mask, bias=case.bias, temperature=temperature,
-                              weight_layout=layout)
+    want = spec.spec_logprobs(
+        case.hidden, case.weight, ids, mask, bias=case.bias, temperature=temperature, weight_layout=layout
+    )
     cot = np.random.default_rng(1).normal(size=ids.shape).astype(np.float32)
-    got, (dh, dw, db) = lib_logprobs(case.hidden, case.weight, ids, mask, bias=case.bias, temperature=temperature,
-                                     weight_layout=layout, chunk_size=chunk_size, implementation=implementation,
-                                     cotangent=cot)
+    got, (dh, dw, db) = lib_logprobs(
+        case.hidden,
+        case.weight,
+        ids,
+        mask,
+        bias=case.bias,
+        temperature=temperature,
+        weight_layout=layout,
+        chunk_size=chunk_size,
+        implementation=implementation,
+        cotangent=cot,
+    )
     assert got.dtype == jnp.float32 and got.shape == ids.shape
     zmax = np.max(np.abs(spec._logits(case.hidden, case.weight, case.bias, temperature, layout)))
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=tol.logp_rtol * (1 + zmax))
     if mask is not None:
         assert np.all(np.asarray(got)[~mask] == 0)
-    wdh, wdw, wdb = spec.spec_head_vjp(case.hidden, case.weight, ids, mask, cot, bias=case.bias,
-                                       temperature=temperature, weight_layout=layout)
+    wdh, wdw, wdb = spec.spec_head_vjp(
+        case.hidden, case.weight, ids, mask, cot, bias=case.bias, temperature=temperature, weight_layout=layout
+    )
     assert_grad_close(np.asarray(dh), wdh, case.dtype, "dhidden")
     assert_grad_close(np.asarray(dw), wdw, case.dtype, "dweight")
     if with_bias:
@@ -640,9 +780,13 @@ def test_logprobs_and_gradient(dtype, layout, with_bias, temperature, chunk_size
 
 @pytest.mark.parametrize(
     "dtype, layout, with_bias, temperature, chunk_size, logit_scale, vocab_size",
-    [("float32", "hv", False, 1.0, None, 1.0, None), ("float32", "vh", True, 0.7, 2, 1.0, None),
-     ("bfloat16", "hv", True, 1.0, 1, 1.0, None), ("float32", "hv", False, 1.0, 3, 30.0, None),
-     ("float32", "vh", False, 1.3, 2, 1.0, 30)],
+    [
+        ("float32", "hv", False, 1.0, None, 1.0, None),
+        ("float32", "vh", True, 0.7, 2, 1.0, None),
+        ("bfloat16", "hv", True, 1.0, 1, 1.0, None),
+        ("float32", "hv", False, 1.0, 3, 30.0, None),
+        ("float32", "vh", False, 1.3, 2, 1.0, 30),
+    ],
     ids=["f32-hv", "f32-vh-bias-T0.7", "bf16-hv-bias", "f32-peaky-logits30", "f32-vh-padded-vocab30"],
 )
 def test_logprobs_entropy(dtype, layout, with_bias, temperature, chunk_size, logit_scale, vocab_size):
@@ -651,11 +795,19 @@ def test_logprobs_entropy(dtype, layout, with_bias, temperature, chunk_size, log
     in ``[0, log V]``; the log-probs and their gradient are those of ``return_entropy=False``; the entropy
     itself carries no gradient. A padded vocabulary (``vocab_size``) is left out of the softmax."""
     from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
+
     case = make_case(27, dtype=DTYPES[dtype], layout=layout, with_bias=with_bias, temperature=temperature)
     w = np.asarray(case.weight) * logit_scale
     backend = XlaChunkedBackend(vocab_block=16)  # several blocks: exercises the rescaled running sums
-    kw = dict(completion_mask=case.mask, bias=case.bias, temperature=temperature, weight_layout=layout,
-              chunk_size=chunk_size, implementation=backend, vocab_size=vocab_size)
+    kw = dict(
+        completion_mask=case.mask,
+        bias=case.bias,
+        temperature=temperature,
+        weight_layout=layout,
+        chunk_size=chunk_size,
+        implementation=backend,
+        vocab_size=vocab_size,
+    )
 
     ids = case.ids if vocab_size is None else case.ids % vocab_size  # real ids only
 
@@ -663,8 +815,9 @@ def test_logprobs_entropy(dtype, layout, with_bias, temperature, chunk_size, log
         return gmpo_jax.fused_linear_logprobs(h, w, ids, return_entropy=entropy, **kw)
 
     logp, ent = jax.jit(lambda h, w: f(h, w, True))(case.hidden, w)
-    want = spec.spec_entropy(case.hidden, w, case.mask, bias=case.bias, temperature=temperature,
-                             weight_layout=layout, vocab_size=vocab_size)
+    want = spec.spec_entropy(
+        case.hidden, w, case.mask, bias=case.bias, temperature=temperature, weight_layout=layout, vocab_size=vocab_size
+    )
     zmax = np.max(np.abs(spec._logits(case.hidden, w, case.bias, temperature, layout)))
     assert ent.dtype == jnp.float32 and ent.shape == case.ids.shape
     np.testing.assert_allclose(np.asarray(ent), want, rtol=0, atol=2e-5 * (1 + zmax))
@@ -680,8 +833,9 @@ def test_logprobs_entropy(dtype, layout, with_bias, temperature, chunk_size, log
 def test_return_entropy_must_be_a_bool():
     case = make_case(28)
     with pytest.raises(TypeError, match="return_entropy"):
-        gmpo_jax.fused_linear_logprobs(case.hidden, case.weight, case.ids, completion_mask=case.mask,
-                                       return_entropy="yes")
+        gmpo_jax.fused_linear_logprobs(
+            case.hidden, case.weight, case.ids, completion_mask=case.mask, return_entropy="yes"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -689,12 +843,14 @@ def test_return_entropy_must_be_a_bool():
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "obj, kw",
-    [(Obj("gmpo", beta=0.04, bias_kl=True), dict(with_bias=True, layout="vh")),
-     (Obj("grpo", level="sequence", beta=0.04), dict(ris="b1")),
-     (Obj("dapo", delta=1.5), dict(temperature=0.7)),
-     (Obj("dr_grpo", max_completion_length=9), dict(dtype=DTYPES["bfloat16"])),
-     (Obj("cispo", epsilon_high=1.3, beta=0.04), dict(ris="bt")),
-     (Obj("sapo", beta=0.04), dict(with_bias=True))],
+    [
+        (Obj("gmpo", beta=0.04, bias_kl=True), dict(with_bias=True, layout="vh")),
+        (Obj("grpo", level="sequence", beta=0.04), dict(ris="b1")),
+        (Obj("dapo", delta=1.5), dict(temperature=0.7)),
+        (Obj("dr_grpo", max_completion_length=9), dict(dtype=DTYPES["bfloat16"])),
+        (Obj("cispo", epsilon_high=1.3, beta=0.04), dict(ris="bt")),
+        (Obj("sapo", beta=0.04), dict(with_bias=True)),
+    ],
     ids=lambda x: str(x) if isinstance(x, Obj) else "-".join(f"{k}={v}" for k, v in x.items()),
 )
 def test_reference_matches_oracle(obj, kw):
@@ -703,8 +859,16 @@ def test_reference_matches_oracle(obj, kw):
     ref = spec_for(case, obj, temperature=temperature)
     (loss, aux), grads = lib_value_and_grad(case, obj.lib(), implementation=REFERENCE, temperature=temperature)
     check_against_spec(loss, aux, grads, ref, case, obj)
-    logp = lib_logprobs(case.hidden, case.weight, case.ids, case.mask, bias=case.bias, temperature=temperature,
-                        weight_layout=case.layout, implementation=REFERENCE)
+    logp = lib_logprobs(
+        case.hidden,
+        case.weight,
+        case.ids,
+        case.mask,
+        bias=case.bias,
+        temperature=temperature,
+        weight_layout=case.layout,
+        implementation=REFERENCE,
+    )
     np.testing.assert_allclose(logp, case.logp64, rtol=0, atol=1e-5)
 
 
@@ -722,8 +886,11 @@ def test_tiny_temperature_gives_finite_float64_value(temperature):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
     # the logits path: logits already computed (float32), divided by the temperature inside
     zl = jnp.asarray(np.einsum("bth,hv->btv", h, w), jnp.float32)
-    loss, aux = jax.jit(lambda zl: gmpo_jax.policy_loss_from_logits(
-        zl, ids, np.ones((2, 5)), np.array([1.0, -1.0]), objective=gmpo_jax.GMPO(), temperature=temperature))(zl)
+    loss, aux = jax.jit(
+        lambda zl: gmpo_jax.policy_loss_from_logits(
+            zl, ids, np.ones((2, 5)), np.array([1.0, -1.0]), objective=gmpo_jax.GMPO(), temperature=temperature
+        )
+    )(zl)
     assert np.isfinite(float(loss)) and np.isfinite(float(aux.log_ratio_max))
 
 
@@ -746,9 +913,18 @@ def test_tiny_temperature_gradients_and_entropy(temperature):
     ent = jax.jit(f)(h)[1]
     np.testing.assert_allclose(np.asarray(ent), spec.spec_entropy(h, w, temperature=temperature), rtol=0, atol=1e-5)
     zl = jnp.asarray(np.concatenate([z32, np.zeros((2, 1, 32), np.float32)], 1))  # [B, T + 1, V]
-    gz = jax.jit(jax.grad(lambda zl: gmpo_jax.policy_loss_from_logits(
-        zl, ids, np.ones((2, 8)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0),
-        temperature=temperature)[0]))(zl)
+    gz = jax.jit(
+        jax.grad(
+            lambda zl: gmpo_jax.policy_loss_from_logits(
+                zl,
+                ids,
+                np.ones((2, 8)),
+                np.ones(2),
+                objective=gmpo_jax.CISPO(epsilon_high=5.0),
+                temperature=temperature,
+            )[0]
+        )
+    )(zl)
     pz = np.exp(spec._log_softmax(z32 / np.float64(temperature)))
     want_z = -(np.eye(32)[ids] - pz) / temperature / 16  # dapo-style mean over 16 tokens, A = 1, w = 1
     np.testing.assert_allclose(np.asarray(gz)[:, :8], want_z, rtol=0, atol=1e-5 / temperature)

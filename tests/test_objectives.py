@@ -14,9 +14,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import spec_numpy as spec
 from conftest import R_GRID, Obj, assert_fraction_close, assert_grad_close, assert_loss_close
+
 from gmpo_jax import CISPO, GMPO, GRPO, SAPO
 from gmpo_jax.objectives import PolicyInputs, evaluate, loss_and_aux
 
@@ -24,8 +24,14 @@ from gmpo_jax.objectives import PolicyInputs, evaluate, loss_and_aux
 def _objective_loss(objective, logp, mask, adv, *, old=None, ref=None, ris=None, num_items=None):
     """``(loss, aux, dlogp)`` of ``objective`` on float32 log-probs (one chunk: the whole batch)."""
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
-    inputs = PolicyInputs(mask=jnp.asarray(mask, bool), advantages=f32(adv), old_logps=f32(old),
-                          ref_logps=f32(ref), rollout_is_ratio=f32(ris), num_items=f32(num_items))
+    inputs = PolicyInputs(
+        mask=jnp.asarray(mask, bool),
+        advantages=f32(adv),
+        old_logps=f32(old),
+        ref_logps=f32(ref),
+        rollout_is_ratio=f32(ris),
+        num_items=f32(num_items),
+    )
     den = objective.denominator(inputs.mask, inputs.num_items)
     num, sums, dlogp = evaluate(objective, f32(logp), inputs, den, with_grads=True)
     loss, aux = loss_and_aux(num, den, sums, inputs.mask)
@@ -67,16 +73,26 @@ def test_objective_matches_spec(obj, num_items):
     """Loss, ``loss_numerator / loss_denominator``, metrics and d loss / d logp against float64."""
     logp, mask, adv, old, ref, ris = _random_case(0)
     ris = None if obj.loss_type == "gmpo" else ris  # GMPO has no rollout correction
-    want = spec.spec_loss_from_logp(logp, mask, adv, old_logps=old, ref_logps=ref if obj.beta else None,
-                                    rollout_is_ratio=ris, num_items_in_batch=num_items, **obj.spec_kwargs())
+    want = spec.spec_loss_from_logp(
+        logp,
+        mask,
+        adv,
+        old_logps=old,
+        ref_logps=ref if obj.beta else None,
+        rollout_is_ratio=ris,
+        num_items_in_batch=num_items,
+        **obj.spec_kwargs(),
+    )
     assert want.margin > 1e-3  # no token within rounding of a clip bound: the same side in float32
-    loss, aux, dlogp = _objective_loss(obj.lib(), logp, mask, adv, old=old, ref=ref if obj.beta else None, ris=ris,
-                                       num_items=num_items)
+    loss, aux, dlogp = _objective_loss(
+        obj.lib(), logp, mask, adv, old=old, ref=ref if obj.beta else None, ris=ris, num_items=num_items
+    )
     m = want.metrics
     assert_loss_close(loss, want.loss, want.scale, np.float32)
     assert float(aux.loss_denominator) == pytest.approx(m["loss_denominator"], rel=1e-6)
-    assert_loss_close(aux.loss_numerator, m["loss_numerator"], want.scale * m["loss_denominator"], np.float32,
-                      what="loss_numerator")
+    assert_loss_close(
+        aux.loss_numerator, m["loss_numerator"], want.scale * m["loss_denominator"], np.float32, what="loss_numerator"
+    )
     for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high"):
         assert_fraction_close(getattr(aux, k), m[k], k)
     for k in ("log_ratio_min", "log_ratio_max"):
@@ -127,8 +143,9 @@ def test_golden_grpo_two_sequences():
     assert float(aux.clip_fraction_low) == pytest.approx(1 / 3, abs=1e-7)
     assert float(aux.clip_fraction_high) == pytest.approx(1 / 3, abs=1e-7)
     assert float(aux.loss_denominator) == 2.0
-    assert (float(aux.log_ratio_min), float(aux.log_ratio_max)) == pytest.approx((math.log(0.5), math.log(1.5)),
-                                                                                 abs=1e-6)
+    assert (float(aux.log_ratio_min), float(aux.log_ratio_max)) == pytest.approx(
+        (math.log(0.5), math.log(1.5)), abs=1e-6
+    )
 
 
 def test_golden_dapo_on_policy_kl():
@@ -138,8 +155,7 @@ def test_golden_dapo_on_policy_kl():
     d loss / d logp = -A rho + beta (1 - e^d) = -2 + 0.5 * (1 - 1.10517092) = -2.05258546.
     """
     d = 0.1
-    loss, aux, dlogp = _objective_loss(GRPO(loss_type="dapo", beta=0.5), [[-1.0]], [[True]], [2.0],
-                                       ref=[[-1.0 + d]])
+    loss, aux, dlogp = _objective_loss(GRPO(loss_type="dapo", beta=0.5), [[-1.0]], [[True]], [2.0], ref=[[-1.0 + d]])
     kl = math.exp(d) - d - 1
     assert float(aux.kl) == pytest.approx(kl, rel=1e-5)
     assert loss == pytest.approx(-2 + 0.5 * kl, rel=1e-6)
@@ -149,22 +165,32 @@ def test_golden_dapo_on_policy_kl():
 # --------------------------------------------------------------------------------------------------
 # Boundaries and non-finite ratios
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("obj,adv,r_at,r_past", [
-    (GMPO(epsilon_low=0.5, epsilon_high=0.5), 1.0, 0.5, float(np.nextafter(np.float32(0.5), np.float32(1)))),
-    (GMPO(epsilon_low=0.5, epsilon_high=0.5), -1.0, -0.5, float(np.nextafter(np.float32(-0.5), np.float32(-1)))),
-    (GRPO(epsilon_low=0.0, epsilon_high=0.0), 1.0, 0.0, 1e-3),    # ratio 1 = 1 + epsilon_high
-    (GRPO(epsilon_low=0.0, epsilon_high=0.0), -1.0, 0.0, -1e-3),  # ratio 1 = 1 - epsilon_low
-    (CISPO(epsilon_high=1.0), 1.0, 0.0, 1e-3),                   # IS weight 1 = epsilon_high
-], ids=["gmpo-high", "gmpo-low", "grpo-high", "grpo-low", "cispo-high"])
+@pytest.mark.parametrize(
+    "obj,adv,r_at,r_past",
+    [
+        (GMPO(epsilon_low=0.5, epsilon_high=0.5), 1.0, 0.5, float(np.nextafter(np.float32(0.5), np.float32(1)))),
+        (GMPO(epsilon_low=0.5, epsilon_high=0.5), -1.0, -0.5, float(np.nextafter(np.float32(-0.5), np.float32(-1)))),
+        (GRPO(epsilon_low=0.0, epsilon_high=0.0), 1.0, 0.0, 1e-3),  # ratio 1 = 1 + epsilon_high
+        (GRPO(epsilon_low=0.0, epsilon_high=0.0), -1.0, 0.0, -1e-3),  # ratio 1 = 1 - epsilon_low
+        (CISPO(epsilon_high=1.0), 1.0, 0.0, 1e-3),  # IS weight 1 = epsilon_high
+    ],
+    ids=["gmpo-high", "gmpo-low", "grpo-high", "grpo-low", "cispo-high"],
+)
 def test_strict_boundary(obj, adv, r_at, r_past):
     """A ratio exactly at its bound is not clipped (the gradient passes, clip fraction 0), as in the
     spec; one float32 step past the bound it is (no gradient, clip fraction 1). Log ratios exactly
     representable: ``logp = r``, ``old = 0``."""
     for r, clipped in ((r_at, False), (r_past, True)):
         loss, aux, dlogp = _objective_loss(obj, [[r]], [[True]], [adv], old=[[0.0]])
-        want = spec.spec_loss_from_logp(np.float32([[r]]), [[True]], [adv], old_logps=[[0.0]],
-                                        loss_type=obj.loss_type, epsilon_low=getattr(obj, "epsilon_low", None),
-                                        epsilon_high=obj.epsilon_high)
+        want = spec.spec_loss_from_logp(
+            np.float32([[r]]),
+            [[True]],
+            [adv],
+            old_logps=[[0.0]],
+            loss_type=obj.loss_type,
+            epsilon_low=getattr(obj, "epsilon_low", None),
+            epsilon_high=obj.epsilon_high,
+        )
         assert float(aux.clip_fraction) == float(clipped) == want.metrics["clip_fraction"], r
         if obj.loss_type == "cispo":  # the clipped IS weight still scales d logp: the gradient never stops
             assert dlogp[0, 0] != 0.0
@@ -173,8 +199,15 @@ def test_strict_boundary(obj, adv, r_at, r_past):
         np.testing.assert_allclose(dlogp, want.dlogp, rtol=1e-5)
 
 
-ALL = [GMPO(), GRPO(loss_type="grpo"), GRPO(loss_type="dapo", delta=2.0), GRPO(importance_sampling_level="sequence"),
-       GRPO(loss_type="bnpo", beta=0.1), CISPO(), SAPO()]
+ALL = [
+    GMPO(),
+    GRPO(loss_type="grpo"),
+    GRPO(loss_type="dapo", delta=2.0),
+    GRPO(importance_sampling_level="sequence"),
+    GRPO(loss_type="bnpo", beta=0.1),
+    CISPO(),
+    SAPO(),
+]
 
 
 @pytest.mark.parametrize("obj", ALL, ids=lambda o: f"{type(o).__name__}-{o.loss_type}-{o.importance_sampling_level}")

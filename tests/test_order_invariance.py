@@ -32,23 +32,42 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import (
+    DLOGITS_SLACK,
+    FAST_COMPILE,
+    LSE_ULPS,
+    ORDER_SLACK,
+    U32,
+    X64_LOGP_ATOL,
+    Obj,
+    assert_fraction_close,
+    assert_grad_close,
+    assert_loss_close,
+    check_against_spec,
+    lib_value_and_grad,
+    make_case,
+    spec_for,
+    tol_for,
+)
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
+from test_logits_loss import oracle
 
 import gmpo_jax
 import gmpo_jax.reference
-from conftest import (DLOGITS_SLACK, FAST_COMPILE, LSE_ULPS, ORDER_SLACK, U32, X64_LOGP_ATOL, Obj, assert_fraction_close,
-                      assert_grad_close, assert_loss_close, check_against_spec, lib_value_and_grad, make_case, spec_for,
-                      tol_for)
+from gmpo_jax import kernels as K
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
-from gmpo_jax import kernels as K
 from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
 from gmpo_jax.logits.xla import XlaLogitsBackend
-from test_logits_loss import oracle
 
-HYP = settings(max_examples=10, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+HYP = settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 OBJECTIVES = [
     Obj("gmpo"),
@@ -62,9 +81,13 @@ OBJECTIVES = [
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 # Interpreter kernels with the device's 128-column blocks so that small vocabularies still span blocks.
-MOSAIC_LOGITS = MosaicGpuLogitsBackend(interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2),
-                                       bwd=K.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=2), num_splits=2,
-                                       fused=False)
+MOSAIC_LOGITS = MosaicGpuLogitsBackend(
+    interpret=True,
+    fwd=K.LogitsBlocks(block_v=128, stages=2),
+    bwd=K.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=2),
+    num_splits=2,
+    fused=False,
+)
 MOSAIC_LOGITS_FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2), num_splits=2)
 MOSAIC_HEAD = MosaicGpuBackend(interpret=True)
 
@@ -80,12 +103,13 @@ def _logits_case(rng, *, B, T, V, dtype, dominant_at, margin, scale=1.0):
     z -= np.max(z, axis=-1, keepdims=True)  # the dominant logit at 0: lse ~ its tail, resolvable in float32
     logits = z.astype(dtype)
     mask = np.ones((B, T), bool)
-    mask[-1, T // 2 + 1:] = False
+    mask[-1, T // 2 + 1 :] = False
     ids = np.where(rng.random((B, T)) < 0.5, dominant_at[:, :T], rng.integers(0, V, (B, T))).astype(np.int32)
     ids = np.where(mask, ids, -100).astype(np.int32)
     adv = np.where(np.arange(B) % 2 == 0, 0.8, -0.6).astype(np.float32)
     case = dict(logits=logits, ids=ids, mask=mask, adv=adv, old=None, ref=None, ris=None)
     from test_logits_loss import oracle_logp
+
     logp = np.nan_to_num(oracle_logp(logits, ids, mask, T, 1.0))
     case["old"] = np.where(mask, logp - rng.choice([-0.3, -0.05, 0.0, 0.1, 0.28], size=(B, T)), 0.0).astype(np.float32)
     case["ref"] = np.where(mask, logp + rng.uniform(-0.5, 0.5, size=(B, T)), 0.0).astype(np.float32)
@@ -102,8 +126,10 @@ def _permute_logits_case(case, perm):
 
 def _loss_from_logits(implementation, objective):
     def f(logits, ids, mask, adv, old, ref):
-        return gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=objective, old_logps=old,
-                                                ref_logps=ref, implementation=implementation)
+        return gmpo_jax.policy_loss_from_logits(
+            logits, ids, mask, adv, objective=objective, old_logps=old, ref_logps=ref, implementation=implementation
+        )
+
     return jax.jit(jax.value_and_grad(f, has_aux=True), compiler_options=FAST_COMPILE)
 
 
@@ -138,46 +164,63 @@ def _check_logits_against_oracle(loss, aux, g, case, obj: Obj):
     c[:, :T, 0] = np.where(case["mask"], np.abs(sl.dlogp), 0.0)
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    rnd = 2.0 ** -8 if dtype != np.float32 else U32
-    tol = (DLOGITS_SLACK * LSE_ULPS * U32 * ((1 + zmax) * np.abs(dz) + (1 + lse) * c * p) + 4 * U32 * c
-           + rnd * np.abs(dz))
+    rnd = 2.0**-8 if dtype != np.float32 else U32
+    tol = (
+        DLOGITS_SLACK * LSE_ULPS * U32 * ((1 + zmax) * np.abs(dz) + (1 + lse) * c * p) + 4 * U32 * c + rnd * np.abs(dz)
+    )
     err = np.abs(np.asarray(g, np.float64) - dz)
     worst = np.unravel_index(np.argmax(err - tol), err.shape)
-    assert np.all(err <= tol), (f"dlogits err {err[worst]:.3e} > tol {tol[worst]:.3e} at {worst}: got "
-                                f"{float(np.asarray(g, np.float64)[worst]):.6e}, want {dz[worst]:.6e} (p = {p[worst]:.3e})")
+    assert np.all(err <= tol), (
+        f"dlogits err {err[worst]:.3e} > tol {tol[worst]:.3e} at {worst}: got "
+        f"{float(np.asarray(g, np.float64)[worst]):.6e}, want {dz[worst]:.6e} (p = {p[worst]:.3e})"
+    )
 
 
 def _check_invariant(a, b, perm, dtype, what):
     """Loss and metrics of the original and of the permuted problem agree (gradients: each against the
     oracle elementwise, see ``_check_logits_against_oracle``)."""
-    (la, auxa, ga), (lb, auxb, gb) = a, b
+    (la, auxa, _), (lb, auxb, _) = a, b  # gradients: checked against the oracle by the callers
     tol = tol_for(dtype)
     scale = max(abs(float(la)), 1e-2)  # a GRPO sum of +/- terms may cancel: its terms are O(|A|) ~ 1
-    assert abs(float(la) - float(lb)) <= ORDER_SLACK * tol.loss_rtol * scale, f"{what}: loss {float(la)!r} != {float(lb)!r}"
+    assert abs(float(la) - float(lb)) <= ORDER_SLACK * tol.loss_rtol * scale, (
+        f"{what}: loss {float(la)!r} != {float(lb)!r}"
+    )
     for name in ("clip_fraction", "kl", "loss_denominator"):
         assert abs(float(getattr(auxa, name)) - float(getattr(auxb, name))) <= ORDER_SLACK * tol.loss_rtol * max(
-            1.0, abs(float(getattr(auxa, name)))), f"{what}: aux.{name}"
+            1.0, abs(float(getattr(auxa, name)))
+        ), f"{what}: aux.{name}"
 
 
 # --------------------------------------------------------------------------------------------------
 # (a) vocabulary-permutation invariance
 # --------------------------------------------------------------------------------------------------
 def _dominant_positions(where, V, shape, rng):
-    return {"first": np.zeros(shape, int), "last": np.full(shape, V - 1),
-            "random": rng.integers(0, V, shape)}[where]
+    return {"first": np.zeros(shape, int), "last": np.full(shape, V - 1), "random": rng.integers(0, V, shape)}[where]
 
 
 @HYP
-@given(obj=st.sampled_from(OBJECTIVES), dtype=st.sampled_from(sorted(DTYPES)), V=st.sampled_from([37, 300, 1031]),
-       margin=st.sampled_from([0.0, 10.0, 17.0, 30.0, 100.0]) | st.floats(0.0, 120.0),
-       where=st.sampled_from(["first", "last", "random"]), seed=st.integers(0, 2 ** 16))
+@given(
+    obj=st.sampled_from(OBJECTIVES),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    V=st.sampled_from([37, 300, 1031]),
+    margin=st.sampled_from([0.0, 10.0, 17.0, 30.0, 100.0]) | st.floats(0.0, 120.0),
+    where=st.sampled_from(["first", "last", "random"]),
+    seed=st.integers(0, 2**16),
+)
 @example(obj=Obj("grpo"), dtype="float32", V=1031, margin=17.0, where="first", seed=0)
 def test_logits_xla_permutation_invariant(obj, dtype, V, margin, where, seed):
     """The dominant logit first / last / anywhere, then a random permutation of the vocabulary."""
     B, T = 2, 3
     rng = np.random.default_rng(seed)
-    case = _logits_case(rng, B=B, T=T, V=V, dtype=DTYPES[dtype], dominant_at=_dominant_positions(where, V, (B, T + 1), rng),
-                        margin=margin)
+    case = _logits_case(
+        rng,
+        B=B,
+        T=T,
+        V=V,
+        dtype=DTYPES[dtype],
+        dominant_at=_dominant_positions(where, V, (B, T + 1), rng),
+        margin=margin,
+    )
     perm = rng.permutation(V)
     be = XlaLogitsBackend()
     a = _run_logits(be, obj, case)
@@ -190,8 +233,7 @@ def test_logits_xla_permutation_invariant(obj, dtype, V, margin, where, seed):
 def _head_case(rng, *, B, T, H, V, dtype, layout, with_bias, dominant_cols, margin):
     """make_case with ``dominant_cols`` given a bias ``margin`` above the rest (each row's dominant logit
     is one of them), so the LM head has the same extreme rows as the logits path."""
-    case = make_case(int(rng.integers(1 << 30)), B=B, T=T, H=H, V=V, dtype=dtype, layout=layout,
-                     with_bias=True)
+    case = make_case(int(rng.integers(1 << 30)), B=B, T=T, H=H, V=V, dtype=dtype, layout=layout, with_bias=True)
     bias = np.asarray(case.bias, np.float64)
     bias[dominant_cols] += margin
     if not with_bias and margin == 0:
@@ -202,8 +244,10 @@ def _head_case(rng, *, B, T, H, V, dtype, layout, with_bias, dominant_cols, marg
 
 def _recompute_oracle_inputs(case, rng):
     import spec_numpy as spec
-    case.logp64 = spec.spec_logprobs(case.hidden, case.weight, case.ids, case.mask, bias=case.bias,
-                                     weight_layout=case.layout)
+
+    case.logp64 = spec.spec_logprobs(
+        case.hidden, case.weight, case.ids, case.mask, bias=case.bias, weight_layout=case.layout
+    )
     r = rng.choice([-0.3, -0.05, 0.0, 0.1, 0.28], size=case.ids.shape)
     case.old = np.where(case.mask, case.logp64 - r, 0.0).astype(np.float32)
     case.ref = np.where(case.mask, case.logp64 + rng.uniform(-0.5, 0.5, size=case.ids.shape), 0.0).astype(np.float32)
@@ -215,8 +259,9 @@ def _permute_head_case(case, perm):
     V = len(perm)
     ids = np.where((case.ids >= 0) & (case.ids < V), inv[np.clip(case.ids, 0, V - 1)], case.ids).astype(np.int32)
     weight = case.weight[:, perm] if case.layout == "hv" else case.weight[perm]
-    new = dataclasses.replace(case, weight=np.ascontiguousarray(weight), ids=ids,
-                              bias=None if case.bias is None else case.bias[perm])
+    new = dataclasses.replace(
+        case, weight=np.ascontiguousarray(weight), ids=ids, bias=None if case.bias is None else case.bias[perm]
+    )
     return new
 
 
@@ -239,14 +284,21 @@ def _head_invariance(implementation, obj, case, perm):
 
 
 @HYP
-@given(data=st.data(), obj=st.sampled_from(OBJECTIVES), dtype=st.sampled_from(sorted(DTYPES)),
-       layout=st.sampled_from(["hv", "vh"]), V=st.sampled_from([37, 300]), block=st.sampled_from([16, 64, None]),
-       margin=st.sampled_from([0.0, 10.0, 17.0, 40.0]))
+@given(
+    data=st.data(),
+    obj=st.sampled_from(OBJECTIVES),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    layout=st.sampled_from(["hv", "vh"]),
+    V=st.sampled_from([37, 300]),
+    block=st.sampled_from([16, 64, None]),
+    margin=st.sampled_from([0.0, 10.0, 17.0, 40.0]),
+)
 def test_lm_head_xla_chunked_permutation_invariant(data, obj, dtype, layout, V, block, margin):
     rng = np.random.default_rng(V + int(margin))
     dom = np.asarray(data.draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=3), label="dominant"))
-    case = _head_case(rng, B=3, T=4, H=8, V=V, dtype=DTYPES[dtype], layout=layout, with_bias=True,
-                      dominant_cols=dom, margin=margin)
+    case = _head_case(
+        rng, B=3, T=4, H=8, V=V, dtype=DTYPES[dtype], layout=layout, with_bias=True, dominant_cols=dom, margin=margin
+    )
     perm = np.asarray(data.draw(st.permutations(range(V)), label="perm"))
     _head_invariance(XlaChunkedBackend(vocab_block=block), obj, case, perm)
 
@@ -270,8 +322,18 @@ def test_logits_mosaic_interpret_permutation_invariant(implementation, obj):
 def test_lm_head_mosaic_interpret_permutation_invariant(layout):
     rng = np.random.default_rng(2)
     V = 300
-    case = _head_case(rng, B=3, T=4, H=64, V=V, dtype=ml_dtypes.bfloat16, layout=layout, with_bias=True,
-                      dominant_cols=np.array([0]), margin=17.0)  # the Mosaic LM head takes 16-bit inputs
+    case = _head_case(
+        rng,
+        B=3,
+        T=4,
+        H=64,
+        V=V,
+        dtype=ml_dtypes.bfloat16,
+        layout=layout,
+        with_bias=True,
+        dominant_cols=np.array([0]),
+        margin=17.0,
+    )  # the Mosaic LM head takes 16-bit inputs
     perm = np.roll(np.arange(V), -1)[::-1].copy()
     _head_invariance(MOSAIC_HEAD, Obj("gmpo"), case, perm)
 
@@ -314,12 +376,16 @@ def _assert_rows(logp, dz, z, ids, c, what):
     ref_logp, ref_dz, p, lse = _oracle_rows(z, ids, c)
     logp_tol = LSE_ULPS * U32 * (1 + np.abs(lse[:, 0]) + np.abs(ref_logp))
     err = np.abs(np.asarray(logp, np.float64) - ref_logp)
-    assert np.all(err <= logp_tol), f"{what}: logp err {err.max():.3e} at row {err.argmax()} > {logp_tol[err.argmax()]:.3e}"
+    assert np.all(err <= logp_tol), (
+        f"{what}: logp err {err.max():.3e} at row {err.argmax()} > {logp_tol[err.argmax()]:.3e}"
+    )
     g_tol = np.abs(c) * (LSE_ULPS * U32 * (1 + np.abs(lse) + np.abs(z.astype(np.float64) - lse)) * p + U32)
     gerr = np.abs(np.asarray(dz, np.float64) - ref_dz)
     worst = np.unravel_index(np.argmax(gerr - g_tol), gerr.shape)
-    assert np.all(gerr <= g_tol), (f"{what}: dlogits err {gerr[worst]:.3e} > {g_tol[worst]:.3e} at {worst} "
-                                   f"(target {ids[worst[0]]}, ref {ref_dz[worst]:.3e}, got {np.asarray(dz)[worst]:.3e})")
+    assert np.all(gerr <= g_tol), (
+        f"{what}: dlogits err {gerr[worst]:.3e} > {g_tol[worst]:.3e} at {worst} "
+        f"(target {ids[worst[0]]}, ref {ref_dz[worst]:.3e}, got {np.asarray(dz)[worst]:.3e})"
+    )
 
 
 KINDS = ["dominant", "near_equal", "p_target_near_1"]
@@ -339,8 +405,14 @@ def test_extreme_rows_logits(kind, implementation):
     c = -1.0 / n  # on-policy GRPO: d loss / d logp = -A / n per token
 
     def f(lg):
-        return gmpo_jax.policy_loss_from_logits(lg, jnp.asarray(ids[None]), jnp.ones((1, n), bool), adv,
-                                                objective=gmpo_jax.GRPO(), implementation=implementation)[0]
+        return gmpo_jax.policy_loss_from_logits(
+            lg,
+            jnp.asarray(ids[None]),
+            jnp.ones((1, n), bool),
+            adv,
+            objective=gmpo_jax.GRPO(),
+            implementation=implementation,
+        )[0]
 
     dz = np.asarray(jax.jit(jax.grad(f))(logits))[0]
     _assert_rows(_lib_logits_logp(implementation, z, ids), dz, z, ids, c, f"logits/{kind}")
@@ -348,14 +420,16 @@ def test_extreme_rows_logits(kind, implementation):
 
 def _lib_logits_logp(implementation, z, ids):
     """The backend's own log-probs of rows ``z`` (via its ``logprobs`` seam)."""
-    logp, _ = implementation.logprobs(jnp.asarray(z[None]), jnp.asarray(ids[None]), T=z.shape[0],
-                                      temperature=jnp.float32(1.0))
+    logp, _ = implementation.logprobs(
+        jnp.asarray(z[None]), jnp.asarray(ids[None]), T=z.shape[0], temperature=jnp.float32(1.0)
+    )
     return np.asarray(logp)[0]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("implementation", [XlaChunkedBackend(vocab_block=256), XlaChunkedBackend()],
-                         ids=["xla_chunked_256", "xla_chunked"])  # Mosaic head: bf16 only, see the permutation test
+@pytest.mark.parametrize(
+    "implementation", [XlaChunkedBackend(vocab_block=256), XlaChunkedBackend()], ids=["xla_chunked_256", "xla_chunked"]
+)  # Mosaic head: bf16 only, see the permutation test
 def test_extreme_rows_lm_head(kind, implementation):
     """hidden = the rows, weight = identity (exact in float32): the LM head's logits are the rows."""
     V, n = 1031, 24
@@ -411,8 +485,14 @@ def _wide_ops(closed):
     return found
 
 
-X64_OBJECTIVES = [Obj("gmpo", beta=0.1, bias_kl=True), Obj("dapo", beta=0.05, delta=1.5),
-                  Obj("dr_grpo", max_completion_length=9), Obj("grpo", level="sequence"), Obj("cispo"), Obj("sapo")]
+X64_OBJECTIVES = [
+    Obj("gmpo", beta=0.1, bias_kl=True),
+    Obj("dapo", beta=0.05, delta=1.5),
+    Obj("dr_grpo", max_completion_length=9),
+    Obj("grpo", level="sequence"),
+    Obj("cispo"),
+    Obj("sapo"),
+]
 
 
 @pytest.mark.parametrize("obj", X64_OBJECTIVES, ids=str)
@@ -421,12 +501,33 @@ def test_x64_lm_head(x64, obj):
     for impl in ("reference", "xla_chunked"):
         if impl == "reference":
             f = lambda h, w, b: gmpo_jax.reference.policy_loss(  # noqa: E731
-                h, w, case.ids, case.mask, case.adv, bias=b, objective=obj.lib(), old_logps=case.old,
-                ref_logps=case.ref, rollout_is_ratio=case.ris, num_items_in_batch=20.0)
+                h,
+                w,
+                case.ids,
+                case.mask,
+                case.adv,
+                bias=b,
+                objective=obj.lib(),
+                old_logps=case.old,
+                ref_logps=case.ref,
+                rollout_is_ratio=case.ris,
+                num_items_in_batch=20.0,
+            )
         else:
             f = lambda h, w, b: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
-                h, w, case.ids, case.mask, case.adv, bias=b, objective=obj.lib(), old_logps=case.old,
-                ref_logps=case.ref, rollout_is_ratio=case.ris, num_items_in_batch=20.0, implementation=impl)
+                h,
+                w,
+                case.ids,
+                case.mask,
+                case.adv,
+                bias=b,
+                objective=obj.lib(),
+                old_logps=case.old,
+                ref_logps=case.ref,
+                rollout_is_ratio=case.ris,
+                num_items_in_batch=20.0,
+                implementation=impl,
+            )
         vg = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
         args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
         wide = _wide_ops(jax.make_jaxpr(vg)(*args))
@@ -443,8 +544,17 @@ def test_x64_logits(x64, obj):
     args = [jnp.asarray(case[k]) for k in ("logits", "ids", "mask", "adv", "old", "ref")]
 
     def f(logits, ids, mask, adv, old, ref):
-        return gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=obj.lib(), old_logps=old,
-                                                ref_logps=ref, implementation="xla", temperature=0.9)
+        return gmpo_jax.policy_loss_from_logits(
+            logits,
+            ids,
+            mask,
+            adv,
+            objective=obj.lib(),
+            old_logps=old,
+            ref_logps=ref,
+            implementation="xla",
+            temperature=0.9,
+        )
 
     vg = jax.value_and_grad(f, has_aux=True)
     assert _wide_ops(jax.make_jaxpr(vg)(*args)) == []
@@ -459,16 +569,30 @@ def test_x64_logprobs_and_objectives(x64):
     case = make_case(7, dtype=np.float32, with_bias=True)
     for impl in ("reference", "xla_chunked"):
         if impl == "reference":
-            f = lambda h: gmpo_jax.reference.logprobs(h, case.weight, case.ids, completion_mask=case.mask,  # noqa
-                                                      bias=case.bias, temperature=0.7)
+            f = lambda h: gmpo_jax.reference.logprobs(
+                h,
+                case.weight,
+                case.ids,
+                completion_mask=case.mask,  # noqa
+                bias=case.bias,
+                temperature=0.7,
+            )
         else:
-            f = lambda h: gmpo_jax.fused_linear_logprobs(h, case.weight, case.ids, completion_mask=case.mask,  # noqa
-                                                         bias=case.bias, temperature=0.7, implementation=impl)
+            f = lambda h: gmpo_jax.fused_linear_logprobs(
+                h,
+                case.weight,
+                case.ids,
+                completion_mask=case.mask,  # noqa
+                bias=case.bias,
+                temperature=0.7,
+                implementation=impl,
+            )
         h = jnp.asarray(case.hidden)
         wide = _wide_ops(jax.make_jaxpr(f)(h))
         logp = f(h)
         assert logp.dtype == jnp.float32
         import spec_numpy as spec
+
         want = spec.spec_logprobs(case.hidden, case.weight, case.ids, case.mask, bias=case.bias, temperature=0.7)
         np.testing.assert_allclose(np.where(case.mask, logp, 0.0), np.where(case.mask, want, 0.0), atol=X64_LOGP_ATOL)
         _assert_no_wide(wide, impl)

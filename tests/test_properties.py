@@ -10,9 +10,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
-
 import spec_numpy as spec
 from conftest import (
     Case,
@@ -25,9 +22,15 @@ from conftest import (
     spec_for,
     tol_for,
 )
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-SETTINGS = dict(deadline=None, derandomize=True, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 RATIO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -97,8 +100,14 @@ def test_loss_and_gradients_match_oracle(data, obj, chunk, extras):
         num_items = extras.draw(st.sampled_from([None, 1, 17, 100]), label="num_items_in_batch")
     ref = spec_for(case, obj, temperature=temperature, num_items_in_batch=num_items)
     assume(ref.margin > 1e-4)  # f32 rounding must not be able to flip a clip decision
-    (loss, aux), grads = lib_value_and_grad(case, obj.lib(), implementation="xla_chunked", chunk_size=chunk_size,
-                                            temperature=temperature, num_items_in_batch=num_items)
+    (loss, aux), grads = lib_value_and_grad(
+        case,
+        obj.lib(),
+        implementation="xla_chunked",
+        chunk_size=chunk_size,
+        temperature=temperature,
+        num_items_in_batch=num_items,
+    )
     check_against_spec(loss, aux, grads, ref, case, obj)
     r = (ref.logp - (case.old if case.old is not None else ref.logp))[case.mask]
     if r.size:
@@ -113,15 +122,26 @@ def test_logprobs_match_oracle(data, chunk, use_mask):
     ids = case.ids if use_mask else np.where(case.mask, case.ids, 0).astype(np.int32)
     mask = case.mask if use_mask else None
     cot = np.random.default_rng(0).normal(size=ids.shape).astype(np.float32)
-    got, (dh, dw, db) = lib_logprobs(case.hidden, case.weight, ids, mask, bias=case.bias, temperature=temperature,
-                                     weight_layout=case.layout, chunk_size=None if chunk == 0 else chunk,
-                                     implementation="xla_chunked", cotangent=cot)
-    want = spec.spec_logprobs(case.hidden, case.weight, ids, mask, bias=case.bias, temperature=temperature,
-                              weight_layout=case.layout)
+    got, (dh, dw, db) = lib_logprobs(
+        case.hidden,
+        case.weight,
+        ids,
+        mask,
+        bias=case.bias,
+        temperature=temperature,
+        weight_layout=case.layout,
+        chunk_size=None if chunk == 0 else chunk,
+        implementation="xla_chunked",
+        cotangent=cot,
+    )
+    want = spec.spec_logprobs(
+        case.hidden, case.weight, ids, mask, bias=case.bias, temperature=temperature, weight_layout=case.layout
+    )
     zmax = np.max(np.abs(spec._logits(case.hidden, case.weight, case.bias, temperature, case.layout)))
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=tol_for(np.float32).logp_rtol * (1 + zmax))
-    wdh, wdw, wdb = spec.spec_head_vjp(case.hidden, case.weight, ids, mask, cot, bias=case.bias,
-                                       temperature=temperature, weight_layout=case.layout)
+    wdh, wdw, wdb = spec.spec_head_vjp(
+        case.hidden, case.weight, ids, mask, cot, bias=case.bias, temperature=temperature, weight_layout=case.layout
+    )
     assert_grad_close(np.asarray(dh), wdh, np.float32, "dhidden")
     assert_grad_close(np.asarray(dw), wdw, np.float32, "dweight")
     if case.bias is not None:
@@ -131,9 +151,18 @@ def test_logprobs_match_oracle(data, chunk, use_mask):
 def _split(case: Case, k: int) -> tuple[Case, Case]:
     def part(sl):
         pick = lambda x: None if x is None else x[sl]
-        return dataclasses.replace(case, hidden=case.hidden[sl], ids=case.ids[sl], mask=case.mask[sl],
-                                   adv=case.adv[sl], logp64=case.logp64[sl], old=pick(case.old), ref=pick(case.ref),
-                                   ris=pick(case.ris))
+        return dataclasses.replace(
+            case,
+            hidden=case.hidden[sl],
+            ids=case.ids[sl],
+            mask=case.mask[sl],
+            adv=case.adv[sl],
+            logp64=case.logp64[sl],
+            old=pick(case.old),
+            ref=pick(case.ref),
+            ris=pick(case.ris),
+        )
+
     return part(slice(0, k)), part(slice(k, None))
 
 
@@ -152,7 +181,8 @@ def test_micro_batch_numerators_and_denominators_add_up(data, obj, split):
     outs = [lib_loss(c, obj.lib(), implementation="xla_chunked", temperature=temperature) for c in (case, a, b)]
     (loss, aux), (_, aux_a), (_, aux_b) = outs
     assert float(aux_a.loss_denominator) + float(aux_b.loss_denominator) == pytest.approx(
-        float(aux.loss_denominator), rel=1e-6)
+        float(aux.loss_denominator), rel=1e-6
+    )
     scale = abs(float(aux_a.loss_numerator)) + abs(float(aux_b.loss_numerator)) + 1e-6
     assert abs(float(aux_a.loss_numerator) + float(aux_b.loss_numerator) - float(aux.loss_numerator)) <= 1e-5 * scale
     assert float(loss) == pytest.approx(float(aux.loss_numerator) / float(aux.loss_denominator), rel=1e-6, abs=1e-7)

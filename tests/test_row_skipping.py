@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import Obj, check_against_spec, make_case, spec_for
 
 import gmpo_jax
-from conftest import Obj, check_against_spec, make_case, spec_for
 from gmpo_jax import tuning
 from gmpo_jax.lm_head import rows
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
@@ -39,8 +39,18 @@ def _batch(seed, B=8, T=64, H=16, V=50, dtype=np.float32, empty_rows=(), zero_ad
 def _run(case, obj, backend, chunk_size=None):
     def f(h, w, b):
         return gmpo_jax.fused_linear_policy_loss(
-            h, w, case.ids, case.mask, case.adv, bias=b, objective=obj, old_logps=case.old, ref_logps=case.ref,
-            chunk_size=chunk_size, implementation=backend)
+            h,
+            w,
+            case.ids,
+            case.mask,
+            case.adv,
+            bias=b,
+            objective=obj,
+            old_logps=case.old,
+            ref_logps=case.ref,
+            chunk_size=chunk_size,
+            implementation=backend,
+        )
 
     args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(*args)
@@ -74,8 +84,18 @@ def test_order_puts_live_rows_first():
     np.testing.assert_array_equal(np.asarray(order.perm)[np.asarray(order.inv)], np.arange(9))
 
 
-@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("gmpo", beta=0.04), Obj("grpo", beta=0.04),
-                                 Obj("dapo", level="sequence"), Obj("cispo"), Obj("sapo")], ids=str)
+@pytest.mark.parametrize(
+    "obj",
+    [
+        Obj("gmpo"),
+        Obj("gmpo", beta=0.04),
+        Obj("grpo", beta=0.04),
+        Obj("dapo", level="sequence"),
+        Obj("cispo"),
+        Obj("sapo"),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("chunk_size", [None, 3])
 def test_skipping_matches_all_rows(obj, chunk_size):
     """Zero-advantage sequences (gradient-free unless beta != 0), an empty sequence, ragged masks; one chunk
@@ -122,10 +142,18 @@ def test_logprobs_skipping(entropy):
 
     def run(rb):
         def f(h, w, b):
-            out = gmpo_jax.fused_linear_logprobs(h, w, case.ids, completion_mask=case.mask, bias=b,
-                                                 return_entropy=entropy, implementation=XlaChunkedBackend(row_buckets=rb))
+            out = gmpo_jax.fused_linear_logprobs(
+                h,
+                w,
+                case.ids,
+                completion_mask=case.mask,
+                bias=b,
+                return_entropy=entropy,
+                implementation=XlaChunkedBackend(row_buckets=rb),
+            )
             logp = out[0] if entropy else out
             return jnp.sum(logp * g), out
+
         args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(*args)
 

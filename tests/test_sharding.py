@@ -28,9 +28,23 @@ def test_sharded_cases_on_8_cpu_devices():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-         str(HERE / "sharding_cases.py")],
-        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            str(HERE / "sharding_cases.py"),
+        ],
+        cwd=HERE.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"tests/sharding_cases.py failed (rc={proc.returncode}):\n{out[-8000:]}"
     assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]
@@ -74,8 +88,9 @@ def test_unmasked_id_in_the_padding_is_nan_masked_one_is_ignored():
     logp = jax.jit(lambda ids: gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6))(ids)  # traced: NaN
     assert np.isnan(logp[0, 1]) and np.all(np.isfinite(np.delete(np.asarray(logp).ravel(), 1)))
     mask = jnp.ones((2, 3), bool).at[0, 1].set(False)
-    loss, _ = gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, jnp.array([1.0, -1.0]), objective=gmpo_jax.GMPO(),
-                                                vocab_size=6)
+    loss, _ = gmpo_jax.fused_linear_policy_loss(
+        h, w, ids, mask, jnp.array([1.0, -1.0]), objective=gmpo_jax.GMPO(), vocab_size=6
+    )
     assert np.isfinite(loss)
 
 

@@ -20,34 +20,47 @@ import pytest
 from flax import nnx
 
 import gmpo_jax
-from gmpo_jax.train import TrainConfig, cli, train
-from gmpo_jax.train import loop, rollout
+from gmpo_jax.train import TrainConfig, cli, loop, rollout, train
 from gmpo_jax.train.checkpoint import Checkpointer
 from gmpo_jax.train.model import Transformer
 from gmpo_jax.train.tasks import TOKENIZER, make_task
 
 # beta > 0 and num_iterations > 1: the run exercises the reference policy and old_logps too
-_TINY = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, batch_size=16, group_size=4, num_iterations=2,
-             beta=0.04, learning_rate=3e-3, warmup_steps=1, progress=False)
+_TINY = dict(
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    d_ff=64,
+    batch_size=16,
+    group_size=4,
+    num_iterations=2,
+    beta=0.04,
+    learning_rate=3e-3,
+    warmup_steps=1,
+    progress=False,
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # configuration errors: one line naming the option, nothing compiled
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv, option", [
-    (["--group-size", "1"], "--group-size"),
-    (["--batch-size", "100", "--group-size", "8"], "--batch-size"),
-    (["--loss-type", "ppo"], "--loss-type"),
-    (["--max-completion-length", "-3"], "--max-completion-length"),
-    (["--digits", "-1"], "--digits"),
-    (["--steps", "0"], "--steps"),
-    (["--temperature", "0"], "--temperature"),
-    (["--top-p", "1.5"], "--top-p"),
-    (["--n-heads", "5"], "--n-heads"),
-    (["--epsilon-low", "-0.1"], "--epsilon-low"),
-    (["--task", "no_such_module_xyz:reward"], "--task"),
-    (["--group-size", "two"], "--group-size"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--group-size", "1"], "--group-size"),
+        (["--batch-size", "100", "--group-size", "8"], "--batch-size"),
+        (["--loss-type", "ppo"], "--loss-type"),
+        (["--max-completion-length", "-3"], "--max-completion-length"),
+        (["--digits", "-1"], "--digits"),
+        (["--steps", "0"], "--steps"),
+        (["--temperature", "0"], "--temperature"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--n-heads", "5"], "--n-heads"),
+        (["--epsilon-low", "-0.1"], "--epsilon-low"),
+        (["--task", "no_such_module_xyz:reward"], "--task"),
+        (["--group-size", "two"], "--group-size"),
+    ],
+)
 def test_bad_configuration_is_one_line_error_before_compiling(argv, option, capsys, compile_counter):
     with pytest.raises(SystemExit) as exc:
         cli.main(["train", *argv])
@@ -66,8 +79,20 @@ def test_group_advantages_hand_computed():
     # group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3); group 2: constant -> 0; group 3: mean 0.75,
     # std sqrt((3 * 0.75**2 + 2.25**2) / 3) = 1.5
     s1 = math.sqrt(1.0 / 3.0)
-    expected = [0.5 / (s1 + 1e-4), -0.5 / (s1 + 1e-4), -0.5 / (s1 + 1e-4), 0.5 / (s1 + 1e-4),
-                0, 0, 0, 0, -0.75 / 1.5001, -0.75 / 1.5001, -0.75 / 1.5001, 2.25 / 1.5001]
+    expected = [
+        0.5 / (s1 + 1e-4),
+        -0.5 / (s1 + 1e-4),
+        -0.5 / (s1 + 1e-4),
+        0.5 / (s1 + 1e-4),
+        0,
+        0,
+        0,
+        0,
+        -0.75 / 1.5001,
+        -0.75 / 1.5001,
+        -0.75 / 1.5001,
+        2.25 / 1.5001,
+    ]
     np.testing.assert_allclose(rollout.group_advantages(rewards, 4), expected, rtol=1e-6)
     dr = rollout.group_advantages(rewards, 4, scale="none")  # Dr. GRPO: centre only
     np.testing.assert_allclose(dr, [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, -0.75, -0.75, -0.75, 2.25], rtol=1e-6)
@@ -88,8 +113,9 @@ def _uniform_model(vocab=4, max_len=12):
 def test_sampler_respects_eos_and_max_length():
     model = _uniform_model()
     prompts = jnp.full((64, 3), 2, jnp.int32)
-    ids, mask = rollout.sample_completions(model, prompts, jax.random.PRNGKey(0), jnp.float32(1.0),
-                                           max_new_tokens=6, eos_id=1, pad_id=0)
+    ids, mask = rollout.sample_completions(
+        model, prompts, jax.random.PRNGKey(0), jnp.float32(1.0), max_new_tokens=6, eos_id=1, pad_id=0
+    )
     ids, mask = np.asarray(ids), np.asarray(mask)
     assert ids.shape == mask.shape == (64, 6)
     n_eos = 0
@@ -98,8 +124,8 @@ def test_sampler_respects_eos_and_max_length():
         if eos.size:  # valid up to and including the first EOS, padding after it
             n_eos += 1
             first = eos[0]
-            assert m[: first + 1].all() and not m[first + 1:].any()
-            assert (row[first + 1:] == 0).all()
+            assert m[: first + 1].all() and not m[first + 1 :].any()
+            assert (row[first + 1 :] == 0).all()
         else:  # truncated at max length: every position valid
             assert m.all()
     assert 0 < n_eos < 64  # both cases occurred (P(EOS) = 1/4 per token)
@@ -108,8 +134,9 @@ def test_sampler_respects_eos_and_max_length():
 def test_top_p_tiny_is_greedy_and_matches_the_full_forward():
     model = Transformer(6, 12, 16, 1, 2, 32, rngs=nnx.Rngs(1))
     prompts = jax.random.randint(jax.random.PRNGKey(1), (8, 3), 2, 6)
-    ids, _ = rollout.sample_completions(model, prompts, jax.random.PRNGKey(2), jnp.float32(1.0),
-                                        max_new_tokens=4, top_p=1e-6, eos_id=-1, pad_id=0)
+    ids, _ = rollout.sample_completions(
+        model, prompts, jax.random.PRNGKey(2), jnp.float32(1.0), max_new_tokens=4, top_p=1e-6, eos_id=-1, pad_id=0
+    )
     # the nucleus of mass 1e-6 is the top token: decoding is greedy, so every sampled token is the argmax
     # of the cache-free forward pass over the prompt and the tokens before it
     logits = nnx.jit(lambda m, x: m.logits(m(x)))(model, jnp.concatenate([prompts, ids], axis=1))
@@ -124,7 +151,7 @@ def test_kv_cache_decode_matches_full_forward():
     h0, cache = decode(model, tokens[:, :4], model.init_cache(3, 10), 0)
     steps = [h0]
     for t in range(4, 7):
-        h, cache = decode(model, tokens[:, t:t + 1], cache, t)
+        h, cache = decode(model, tokens[:, t : t + 1], cache, t)
         steps.append(h)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=2e-5)
 
@@ -132,10 +159,13 @@ def test_kv_cache_decode_matches_full_forward():
 # ---------------------------------------------------------------------------------------------
 # the training loss == the same loss written with the dense reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("objective, tied", [
-    (gmpo_jax.GMPO(epsilon_low=0.1, epsilon_high=0.1, beta=0.05), False),
-    (gmpo_jax.GRPO(loss_type="dapo"), True),
-])
+@pytest.mark.parametrize(
+    "objective, tied",
+    [
+        (gmpo_jax.GMPO(epsilon_low=0.1, epsilon_high=0.1, beta=0.05), False),
+        (gmpo_jax.GRPO(loss_type="dapo"), True),
+    ],
+)
 def test_training_loss_gradient_matches_dense_reference(objective, tied):
     V, P, T, N = 15, 4, 5, 8
     model = Transformer(V, P + T, 32, 2, 2, 64, tie_embeddings=tied, rngs=nnx.Rngs(0))
@@ -149,15 +179,27 @@ def test_training_loss_gradient_matches_dense_reference(objective, tied):
     batch = rollout.RolloutBatch(prompt_ids, ids, mask, adv, old, ref if objective.beta else None)
 
     def dense_loss(m):
-        hidden = m(jnp.concatenate([prompt_ids, ids], axis=1))[:, P - 1:-1]
+        hidden = m(jnp.concatenate([prompt_ids, ids], axis=1))[:, P - 1 : -1]
         head = m.embed if tied else m.lm_head
         weight = head.embedding[...] if tied else head.kernel[...]
         return gmpo_jax.reference.policy_loss(
-            hidden, weight, ids, mask, adv, objective=objective, old_logps=batch.old_logps,
-            ref_logps=batch.ref_logps, temperature=0.9, weight_layout="vh" if tied else "hv")
+            hidden,
+            weight,
+            ids,
+            mask,
+            adv,
+            objective=objective,
+            old_logps=batch.old_logps,
+            ref_logps=batch.ref_logps,
+            temperature=0.9,
+            weight_layout="vh" if tied else "hv",
+        )
 
-    fused = nnx.jit(lambda m: nnx.value_and_grad(
-        lambda m: loop.training_loss(m, batch, objective, temperature=0.9), has_aux=True)(m))
+    fused = nnx.jit(
+        lambda m: nnx.value_and_grad(lambda m: loop.training_loss(m, batch, objective, temperature=0.9), has_aux=True)(
+            m
+        )
+    )
     dense = nnx.jit(lambda m: nnx.value_and_grad(dense_loss, has_aux=True)(m))
     (l1, aux1), g1 = fused(model)
     (l2, aux2), g2 = dense(model)
@@ -173,8 +215,21 @@ def test_training_loss_gradient_matches_dense_reference(objective, tied):
 # ---------------------------------------------------------------------------------------------
 # a short run, checkpoints, resume, CLI, task hook (shared compiled programs: same tiny config)
 # ---------------------------------------------------------------------------------------------
-_FINITE_KEYS = ("reward_mean", "reward_std", "loss", "clip_fraction", "clip_fraction_low", "clip_fraction_high",
-                "kl", "log_ratio_min", "log_ratio_max", "grad_norm", "tokens_per_s", "step_time_s", "lr")
+_FINITE_KEYS = (
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "clip_fraction",
+    "clip_fraction_low",
+    "clip_fraction_high",
+    "kl",
+    "log_ratio_min",
+    "log_ratio_max",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "lr",
+)
 
 
 @pytest.fixture(scope="module")
@@ -242,16 +297,19 @@ def test_cli_runs_and_reports_throughput(tmp_path, capsys):
 
 
 def test_task_hook_with_user_reward_function(tmp_path, monkeypatch):
-    (tmp_path / "my_reward_mod.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_reward_mod.py").write_text(
+        textwrap.dedent("""
         def count_sevens(prompts, completions):
             return [c.count("7") for c in completions]
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     task = make_task("my_reward_mod:count_sevens")
     assert task.rewards(["123>", "456>"], ["77", "1"]).tolist() == [2.0, 0.0]
     assert math.isnan(task.exact_match(["123>"], ["321"]))
-    res = train(TrainConfig(task="my_reward_mod:count_sevens", steps=2, output_dir=str(tmp_path / "run"),
-                            plots=False, **_TINY))
+    res = train(
+        TrainConfig(task="my_reward_mod:count_sevens", steps=2, output_dir=str(tmp_path / "run"), plots=False, **_TINY)
+    )
     assert len(res.history) == 2 and all(math.isfinite(h["loss"]) for h in res.history)
 
 
@@ -271,8 +329,10 @@ def test_make_objective_epsilons():
     """The CLI's objectives: epsilons given are passed on; left out, the objective's default, except
     CISPO's cap on the importance weight (5.0: the library's 0.2 would scale on-policy gradients by 0.2)."""
     from gmpo_jax.train.config import CISPO_EPSILON_HIGH, make_objective
+
     assert make_objective(TrainConfig(loss_type="cispo"), 8) == gmpo_jax.CISPO(epsilon_high=CISPO_EPSILON_HIGH)
     assert make_objective(TrainConfig(loss_type="cispo", epsilon_high=0.3), 8) == gmpo_jax.CISPO(epsilon_high=0.3)
     assert make_objective(TrainConfig(loss_type="gmpo"), 8) == gmpo_jax.GMPO()
     assert make_objective(TrainConfig(loss_type="dapo", epsilon_low=0.1), 8) == gmpo_jax.GRPO(
-        loss_type="dapo", epsilon_low=0.1)
+        loss_type="dapo", epsilon_low=0.1
+    )

@@ -41,17 +41,20 @@ _SAMPLES = ("reward_mean", "reward_std", "completion_length", "exact_match", "eo
 # ---------------------------------------------------------------------------------------------
 # validation: one line naming --mesh, before anything compiles
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mesh, why", [
-    ("data=2x", "must look like data=D,model=M"),
-    ("2,2", "must look like data=D,model=M"),
-    ("", "must look like data=D,model=M"),
-    ("data=1,tensor=2", "axis names are data and model"),
-    ("data=1,data=1", "names the data axis twice"),
-    ("data=0,model=1", "axis sizes must be >= 1"),
-    ("data=-1", "must look like data=D,model=M"),
-    ("data={n},model=1", "needs {n} devices but JAX sees {have}"),  # n = one more device than JAX has
-    ("data=1,model={n}", "needs {n} devices but JAX sees {have}"),
-])
+@pytest.mark.parametrize(
+    "mesh, why",
+    [
+        ("data=2x", "must look like data=D,model=M"),
+        ("2,2", "must look like data=D,model=M"),
+        ("", "must look like data=D,model=M"),
+        ("data=1,tensor=2", "axis names are data and model"),
+        ("data=1,data=1", "names the data axis twice"),
+        ("data=0,model=1", "axis sizes must be >= 1"),
+        ("data=-1", "must look like data=D,model=M"),
+        ("data={n},model=1", "needs {n} devices but JAX sees {have}"),  # n = one more device than JAX has
+        ("data=1,model={n}", "needs {n} devices but JAX sees {have}"),
+    ],
+)
 def test_bad_mesh_is_one_line_error_before_compiling(mesh, why, capsys, compile_counter):
     have = jax.device_count()
     mesh, why = mesh.format(n=have + 1), why.format(n=have + 1, have=have)
@@ -97,8 +100,14 @@ def test_mesh_training_matches_single_device(tmp_path):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.Popen([sys.executable, str(HERE / "train_mesh_cases.py"), str(tmp_path / "mesh")],
-                            cwd=HERE.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "train_mesh_cases.py"), str(tmp_path / "mesh")],
+        cwd=HERE.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:  # the single-device reference, on this process's device while the child compiles its meshes
         cfg = TrainConfig(**train_mesh_cases.TINY, output_dir=str(tmp_path / "single"))
         base = loop.train(cfg, log=lambda s: None).history
@@ -109,7 +118,7 @@ def test_mesh_training_matches_single_device(tmp_path):
             proc.wait()
     assert proc.returncode == 0, f"tests/train_mesh_cases.py failed (rc={proc.returncode}):\n{out[-8000:]}"
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
 
     assert set(result["runs"]) == {"data=2,model=2", "data=4,model=1"}
     for mesh, run in result["runs"].items():

@@ -33,8 +33,18 @@ PAD, EOS = 0, 1
 
 
 def tiny_qwen3(vocab=97, tied=False, seed=0):
-    cfg = qwen3.ModelConfig(num_layers=1, vocab_size=vocab, embed_dim=16, hidden_dim=32, num_heads=2, head_dim=8,
-                            num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6, use_tied_embedding=tied)
+    cfg = qwen3.ModelConfig(
+        num_layers=1,
+        vocab_size=vocab,
+        embed_dim=16,
+        hidden_dim=32,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=1,
+        rope_theta=10_000,
+        norm_eps=1e-6,
+        use_tied_embedding=tied,
+    )
     return qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -44,14 +54,19 @@ def example(B=4, P=3, T=6, vocab=97, *, old=True, ref=False, sampler=False, seed
     prompt = rng.integers(2, vocab, (B, P))
     prompt[0, :1] = PAD
     comp = rng.integers(2, vocab, (B, T))
-    comp[1, T // 2:] = PAD
+    comp[1, T // 2 :] = PAD
     comp[2, :] = PAD
     near = lambda: jnp.asarray(rng.normal(size=(B, T)) * 0.3 - np.log(vocab), jnp.float32)  # noqa: E731
     return TrainExample(
-        prompt_ids=jnp.asarray(prompt), prompt_mask=jnp.asarray(prompt != PAD), completion_ids=jnp.asarray(comp),
-        completion_mask=jnp.asarray(comp != PAD), advantages=jnp.asarray(rng.normal(size=B), jnp.float32),
-        ref_per_token_logps=near() if ref else None, old_per_token_logps=near() if old else None,
-        sampler_is_weights=jnp.asarray(rng.uniform(0.5, 1.5, (B, T)), jnp.float32) if sampler else None)
+        prompt_ids=jnp.asarray(prompt),
+        prompt_mask=jnp.asarray(prompt != PAD),
+        completion_ids=jnp.asarray(comp),
+        completion_mask=jnp.asarray(comp != PAD),
+        advantages=jnp.asarray(rng.normal(size=B), jnp.float32),
+        ref_per_token_logps=near() if ref else None,
+        old_per_token_logps=near() if old else None,
+        sampler_is_weights=jnp.asarray(rng.uniform(0.5, 1.5, (B, T)), jnp.float32) if sampler else None,
+    )
 
 
 def value_and_grad(loss_fn, model, ex, config):
@@ -84,17 +99,22 @@ def with_temperature(config, t):
 
 CASES = {
     # GRPO, per-sequence mean, k3 KL folded into the fused pass, off-policy, rollout temperature
-    "grpo_kl": (lambda: with_temperature(GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl"), 0.9),
-                dict(ref=True)),
+    "grpo_kl": (
+        lambda: with_temperature(GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl"), 0.9),
+        dict(ref=True),
+    ),
     # DAPO: token-mean, clip-higher, sampler importance weights
     "dapo_sampler_is": (lambda: with_temperature(DAPOConfig(num_generations=2), 1.0), dict(sampler=True)),
     # Dr.GRPO: sequence-mean-token-scale, with GSPO-token importance sampling
-    "drgrpo_gspo": (lambda: with_temperature(DrGRPOConfig(num_generations=2, beta=0.0, loss_algo="gspo-token"), 1.0),
-                    dict()),
+    "drgrpo_gspo": (
+        lambda: with_temperature(DrGRPOConfig(num_generations=2, beta=0.0, loss_algo="gspo-token"), 1.0),
+        dict(),
+    ),
     # seq-mean-token-sum, Tunix's default "kl" estimator (second fused pass), on-policy
-    "token_sum_kl_mode": (lambda: with_temperature(GRPOConfig(num_generations=2, beta=0.1,
-                                                              loss_agg_mode="seq-mean-token-sum"), 0.0),
-                          dict(old=False, ref=True)),
+    "token_sum_kl_mode": (
+        lambda: with_temperature(GRPOConfig(num_generations=2, beta=0.1, loss_agg_mode="seq-mean-token-sum"), 0.0),
+        dict(old=False, ref=True),
+    ),
 }
 
 
@@ -108,12 +128,15 @@ def test_matches_tunix_grpo_loss(case):
 
 
 def test_matches_tunix_grpo_loss_tied_embedding():
-    config = with_temperature(GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl",
-                                         loss_agg_mode="token-mean"), 0.7)
+    config = with_temperature(
+        GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", loss_agg_mode="token-mean"), 0.7
+    )
     model, ex = tiny_qwen3(tied=True), example(ref=True, seed=1)
     assert gtx.lm_head(model)[1] == "vh"
-    assert_same(value_and_grad(algo_core.grpo_loss_fn, model, ex, config),
-                value_and_grad(gtx.make_policy_loss_fn(), model, ex, config))
+    assert_same(
+        value_and_grad(algo_core.grpo_loss_fn, model, ex, config),
+        value_and_grad(gtx.make_policy_loss_fn(), model, ex, config),
+    )
 
 
 def test_gmpo_through_tunix_matches_reference():
@@ -127,14 +150,23 @@ def test_gmpo_through_tunix_matches_reference():
         weight, layout = gtx.lm_head(model)
         mask = ex.completion_mask
         loss, aux = gmpo_jax.reference.policy_loss(
-            hidden, weight, ex.completion_ids, mask, ex.advantages,
-            objective=gmpo_jax.GMPO(epsilon_low=0.3, epsilon_high=0.35, beta=0.05), old_logps=ex.old_per_token_logps,
-            ref_logps=ex.ref_per_token_logps, temperature=0.8, weight_layout=layout)
+            hidden,
+            weight,
+            ex.completion_ids,
+            mask,
+            ex.advantages,
+            objective=gmpo_jax.GMPO(epsilon_low=0.3, epsilon_high=0.35, beta=0.05),
+            old_logps=ex.old_per_token_logps,
+            ref_logps=ex.ref_per_token_logps,
+            temperature=0.8,
+            weight_layout=layout,
+        )
         rows = jnp.sum(jnp.sum(mask, -1) > 0)  # Tunix's sequence-mean-token-mean: mean over non-empty rows
         return loss * mask.shape[0] / rows, {"kl": aux.kl, "pg_clipfrac": aux.clip_fraction}
 
-    assert_same(value_and_grad(dense, model, ex, config),
-                value_and_grad(gtx.make_policy_loss_fn(objective), model, ex, config))
+    assert_same(
+        value_and_grad(dense, model, ex, config), value_and_grad(gtx.make_policy_loss_fn(objective), model, ex, config)
+    )
 
 
 def test_register_switches_learner_lookup():
@@ -147,11 +179,14 @@ def test_register_switches_learner_lookup():
         gtx.register("grpo")
 
 
-@pytest.mark.parametrize("bad, match", [
-    (lambda c, e: (c, e.replace(segment_ids=jnp.zeros_like(e.completion_ids))), "packed"),
-    (lambda c, e: (c, e.replace(advantages=jnp.zeros(e.completion_ids.shape))), "token-level advantages"),
-    (lambda c, e: (setattr(c, "epsilon_c", 3.0) or c, e), "dual-clip"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda c, e: (c, e.replace(segment_ids=jnp.zeros_like(e.completion_ids))), "packed"),
+        (lambda c, e: (c, e.replace(advantages=jnp.zeros(e.completion_ids.shape))), "token-level advantages"),
+        (lambda c, e: (setattr(c, "epsilon_c", 3.0) or c, e), "dual-clip"),
+    ],
+)
 def test_unmapped_features_raise(bad, match):
     config, ex = bad(GRPOConfig(num_generations=2, beta=0.0), example())
     with pytest.raises(NotImplementedError, match=match):
@@ -165,8 +200,10 @@ def test_gmpo_rejects_other_aggregations():
 
 
 def _largest_buffer(hlo_text):
-    sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
-             for dims in re.findall(r"(?:f32|bf16|f16)\[([\d,]*)\]", hlo_text)]
+    sizes = [
+        int(np.prod([int(d) for d in dims.split(",") if d]))
+        for dims in re.findall(r"(?:f32|bf16|f16)\[([\d,]*)\]", hlo_text)
+    ]
     return max(sizes)
 
 
@@ -182,6 +219,7 @@ def test_compiled_step_holds_no_logits():
         def step(state, ex):
             def f(state):
                 return loss_fn(nnx.merge(graphdef, state), ex, algo_config=config, pad_id=PAD, eos_id=EOS)
+
             return jax.value_and_grad(f, has_aux=True)(state)
 
         return jax.jit(step).lower(state, ex).compile().as_text()
@@ -197,22 +235,29 @@ def test_grpo_learner_trains_with_fused_gmpo():
     """Two steps of Tunix's GRPOLearner (vanilla sampler, KL to a reference) with the fused GMPO loss."""
     import optax
     from tunix.rl import rl_cluster as rl_cluster_lib
-    from tunix.rl.rollout import base_rollout
     from tunix.rl.grpo.grpo_learner import GRPOLearner
+    from tunix.rl.rollout import base_rollout
     from tunix.tests import test_common
 
     vocab = test_common.MockVocab()
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
     cluster = rl_cluster_lib.RLCluster(
-        actor=tiny_qwen3(vocab=vocab.GetPieceSize()), reference=tiny_qwen3(vocab=vocab.GetPieceSize()),
+        actor=tiny_qwen3(vocab=vocab.GetPieceSize()),
+        reference=tiny_qwen3(vocab=vocab.GetPieceSize()),
         tokenizer=vocab,
         cluster_config=rl_cluster_lib.ClusterConfig(
-            role_to_mesh={role: mesh for role in roles}, rollout_engine="vanilla", offload_to_cpu=False,
-            training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100,
-                                                            max_steps=2),
-            rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=8,
-                                                      kv_cache_size=16, temperature=0.9)))
+            role_to_mesh={role: mesh for role in roles},
+            rollout_engine="vanilla",
+            offload_to_cpu=False,
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100, max_steps=2
+            ),
+            rollout_config=base_rollout.RolloutConfig(
+                max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=16, temperature=0.9
+            ),
+        ),
+    )
     calls = []
     fused = gtx.make_policy_loss_fn(gmpo_jax.GMPO())
 
@@ -221,8 +266,8 @@ def test_grpo_learner_trains_with_fused_gmpo():
         return fused(*args, **kwargs)
 
     function_registry.register_policy_loss_fn("gmpo_jax_learner_test")(counted)
-    config = GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl",
-                        policy_loss_fn="gmpo_jax_learner_test")
+    config = GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", policy_loss_fn="gmpo_jax_learner_test")
+
     def rewards(prompts, completions, **kwargs):
         return list(np.random.default_rng(0).normal(size=len(completions)))
 

@@ -69,8 +69,10 @@ SHAPE_ERRORS = [
     ("rollout_is_ratio", dict(rollout_is_ratio=f32(B, T, 1), objective=gmpo_jax.GRPO())),
     ("ref_hidden", dict(ref_hidden=f32(B + 1, T, H), ref_weight=f32(H, V), objective=gmpo_jax.GMPO(beta=0.1))),
     ("ref_weight", dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V + 1), objective=gmpo_jax.GMPO(beta=0.1))),
-    ("ref_bias", dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V), ref_bias=f32(V - 1),
-                      objective=gmpo_jax.GMPO(beta=0.1))),
+    (
+        "ref_bias",
+        dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V), ref_bias=f32(V - 1), objective=gmpo_jax.GMPO(beta=0.1)),
+    ),
     ("num_items_in_batch", dict(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())),
     ("temperature", dict(temperature=jnp.ones((2,)))),
 ]
@@ -84,16 +86,18 @@ def test_shape_errors_name_the_argument(name, override):
 
 @pytest.mark.parametrize(
     "name, override",
-    [("completion_ids", dict(completion_ids=jnp.zeros((B, T), jnp.float32))),
-     ("completion_ids", dict(completion_ids=jnp.zeros((B, T), bool))),
-     ("hidden", dict(hidden=jnp.zeros((B, T, H), jnp.int32))),
-     ("weight", dict(weight=jnp.zeros((H, V), jnp.int32))),
-     ("advantages", dict(advantages=jnp.zeros((B,), jnp.int32))),
-     ("old_logps", dict(old_logps=jnp.zeros((B, T), jnp.int32))),
-     ("chunk_size", dict(chunk_size=1.5)),
-     ("completion_mask", dict(completion_mask=np.full((B, T), "a"))),
-     ("advantages", dict(advantages=np.full((B,), None, dtype=object))),
-     ("objective", dict(objective="gmpo"))],
+    [
+        ("completion_ids", dict(completion_ids=jnp.zeros((B, T), jnp.float32))),
+        ("completion_ids", dict(completion_ids=jnp.zeros((B, T), bool))),
+        ("hidden", dict(hidden=jnp.zeros((B, T, H), jnp.int32))),
+        ("weight", dict(weight=jnp.zeros((H, V), jnp.int32))),
+        ("advantages", dict(advantages=jnp.zeros((B,), jnp.int32))),
+        ("old_logps", dict(old_logps=jnp.zeros((B, T), jnp.int32))),
+        ("chunk_size", dict(chunk_size=1.5)),
+        ("completion_mask", dict(completion_mask=np.full((B, T), "a"))),
+        ("advantages", dict(advantages=np.full((B,), None, dtype=object))),
+        ("objective", dict(objective="gmpo")),
+    ],
 )
 def test_dtype_errors_are_type_errors(name, override):
     with pytest.raises(TypeError, match=name):
@@ -129,8 +133,11 @@ def test_unknown_implementation():
         call(implementation="triton")
 
 
-@pytest.mark.parametrize("objective", [gmpo_jax.GMPO(beta=0.1), gmpo_jax.GRPO(beta=0.04), gmpo_jax.CISPO(beta=0.1),
-                                       gmpo_jax.SAPO(beta=0.1)], ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+    "objective",
+    [gmpo_jax.GMPO(beta=0.1), gmpo_jax.GRPO(beta=0.04), gmpo_jax.CISPO(beta=0.1), gmpo_jax.SAPO(beta=0.1)],
+    ids=lambda o: type(o).__name__,
+)
 def test_beta_without_reference(objective):
     with pytest.raises(ValueError, match="beta"):
         call(objective=objective)
@@ -242,8 +249,9 @@ LOGPROBS_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("exc, name, override", LOGPROBS_ERRORS,
-                         ids=[f"{n}-{i}" for i, (_, n, _) in enumerate(LOGPROBS_ERRORS)])
+@pytest.mark.parametrize(
+    "exc, name, override", LOGPROBS_ERRORS, ids=[f"{n}-{i}" for i, (_, n, _) in enumerate(LOGPROBS_ERRORS)]
+)
 def test_logprobs_validation(exc, name, override):
     a = good_args()
     a.pop("advantages")
@@ -291,12 +299,16 @@ def test_non_array_and_non_backend_arguments_are_named():
         gmpo_jax.fused_linear_policy_loss(h, w, ids, m, adv, objective=gmpo_jax.GMPO(), implementation=123)
 
 
-@pytest.mark.parametrize("kwargs, error, name", [
-    (dict(epsilon_low="0.4"), TypeError, "epsilon_low"),
-    (dict(epsilon_low=np.float32(-0.1)), ValueError, "epsilon_low"),
-    (dict(beta=jnp.array(-1.0)), ValueError, "beta"),
-    (dict(use_bias_correction_kl="no"), TypeError, "use_bias_correction_kl"),
-], ids=["string", "numpy-negative", "jax-negative", "flag-string"])
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        (dict(epsilon_low="0.4"), TypeError, "epsilon_low"),
+        (dict(epsilon_low=np.float32(-0.1)), ValueError, "epsilon_low"),
+        (dict(beta=jnp.array(-1.0)), ValueError, "beta"),
+        (dict(use_bias_correction_kl="no"), TypeError, "use_bias_correction_kl"),
+    ],
+    ids=["string", "numpy-negative", "jax-negative", "flag-string"],
+)
 def test_objective_hyper_parameter_types(kwargs, error, name):
     with pytest.raises(error, match=name):
         gmpo_jax.GMPO(**kwargs)

@@ -26,9 +26,24 @@ from gmpo_jax.train import TrainConfig, loop, parallel
 # the tiny configuration of tests/test_train.py (beta > 0 and num_iterations > 1: the sharded fused log-probs,
 # old and reference, and the sharded fused loss all run) with a tied head of V = 16 = 8 x M: on model=2 the
 # embedding table and its AdamW moments are stored split along V (the padded V = 15 case is `pad_case`)
-TINY = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, batch_size=16, group_size=4, num_iterations=2,
-            beta=0.04, learning_rate=3e-3, warmup_steps=1, progress=False, plots=False, save_every=0, steps=2,
-            vocab_size=16, tie_embeddings=True)
+TINY = dict(
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    d_ff=64,
+    batch_size=16,
+    group_size=4,
+    num_iterations=2,
+    beta=0.04,
+    learning_rate=3e-3,
+    warmup_steps=1,
+    progress=False,
+    plots=False,
+    save_every=0,
+    steps=2,
+    vocab_size=16,
+    tie_embeddings=True,
+)
 MESHES = ("data=2,model=2", "data=4,model=1")
 
 
@@ -37,10 +52,17 @@ def run_training(out_dir: str) -> dict:
     for mesh in MESHES:
         t0 = time.perf_counter()
         r = loop.train(TrainConfig(**TINY, mesh=mesh, output_dir=f"{out_dir}/{mesh}"), log=lambda s: None)
-        moments = {str(x.sharding.spec) for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(r.optimizer))[0]
-                   if "['embed']['embedding']" in jax.tree_util.keystr(path)}
-        runs[mesh] = {"history": r.history, "seconds": time.perf_counter() - t0,
-                      "head_spec": str(r.model.embed.embedding[...].sharding.spec), "moment_specs": sorted(moments)}
+        moments = {
+            str(x.sharding.spec)
+            for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(r.optimizer))[0]
+            if "['embed']['embedding']" in jax.tree_util.keystr(path)
+        }
+        runs[mesh] = {
+            "history": r.history,
+            "seconds": time.perf_counter() - t0,
+            "head_spec": str(r.model.embed.embedding[...].sharding.spec),
+            "moment_specs": sorted(moments),
+        }
     return runs
 
 
@@ -48,8 +70,9 @@ def pad_case() -> dict:
     """``V = 15`` on ``M = 2`` (the default tokenizer vocabulary): `parallel.fused_head` pads the head to 16
     and passes ``vocab_size=15``. Loss, hidden and weight gradients of the fused loss through the pad, on
     the ``data=2,model=2`` mesh, against the unpadded single-device call; both weight layouts."""
-    import gmpo_jax
     import jax.numpy as jnp
+
+    import gmpo_jax
 
     tm = parallel.make_train_mesh(2, 2)
     rng = np.random.default_rng(1)
@@ -65,17 +88,28 @@ def pad_case() -> dict:
 
         def loss(h, w, train_mesh):
             w2, kw = parallel.fused_head(w, layout, train_mesh)
-            return gmpo_jax.fused_linear_policy_loss(h, w2, ids, mask, adv, objective=gmpo_jax.GMPO(beta=0.04),
-                                                     old_logps=old, ref_logps=old - 0.1, weight_layout=layout,
-                                                     **kw)[0]
+            return gmpo_jax.fused_linear_policy_loss(
+                h,
+                w2,
+                ids,
+                mask,
+                adv,
+                objective=gmpo_jax.GMPO(beta=0.04),
+                old_logps=old,
+                ref_logps=old - 0.1,
+                weight_layout=layout,
+                **kw,
+            )[0]
 
         grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
         ref, (ref_dh, ref_dw) = grad(hidden, w, None)
         val, (dh, dw) = grad(tm.put_batch(hidden), w, tm)
         w2, kw = parallel.fused_head(w, layout, tm)
         out[layout] = {
-            "padded_shape": list(w2.shape), "vocab_size": kw.get("vocab_size"),
-            "loss": float(val), "ref_loss": float(ref),
+            "padded_shape": list(w2.shape),
+            "vocab_size": kw.get("vocab_size"),
+            "loss": float(val),
+            "ref_loss": float(ref),
             "dh_rel": float(jnp.max(jnp.abs(dh - ref_dh)) / jnp.max(jnp.abs(ref_dh))),
             "dw_rel": float(jnp.max(jnp.abs(dw - ref_dw)) / jnp.max(jnp.abs(ref_dw))),
             "dw_shape": list(dw.shape),

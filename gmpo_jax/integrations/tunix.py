@@ -54,26 +54,36 @@ differ only for ratios beyond e^20.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import gmpo_jax
 
-__all__ = ["DEFAULT_NAME", "register", "make_policy_loss_fn", "final_hidden_states", "lm_head",
-           "loss_arguments"]
+__all__ = ["DEFAULT_NAME", "register", "make_policy_loss_fn", "final_hidden_states", "lm_head", "loss_arguments"]
 
 DEFAULT_NAME = "gmpo_jax"
 
-_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale", "seq-mean-token-sum",
-              "sequence-mean-token-sum-norm")
+_AGG_MODES = (
+    "token-mean",
+    "sequence-mean-token-mean",
+    "sequence-mean-token-scale",
+    "seq-mean-token-sum",
+    "sequence-mean-token-sum-norm",
+)
 _TUNIX_BUILTIN_LOSSES = ("grpo", "ppo")
 
 
-def register(name: str = DEFAULT_NAME, objective: Optional[gmpo_jax.GMPO] = None, *,
-             compute_entropy: bool = False, chunk_size: Optional[int] = None,
-             implementation: Optional[Any] = None) -> str:
+def register(
+    name: str = DEFAULT_NAME,
+    objective: gmpo_jax.GMPO | None = None,
+    *,
+    compute_entropy: bool = False,
+    chunk_size: int | None = None,
+    implementation: Any | None = None,
+) -> str:
     """Register the fused policy loss with Tunix under ``name`` and return ``name``.
 
     Pass the result as ``policy_loss_fn=`` of ``GRPOConfig`` / ``DAPOConfig`` / ``DrGRPOConfig`` (they do
@@ -98,14 +108,20 @@ def register(name: str = DEFAULT_NAME, objective: Optional[gmpo_jax.GMPO] = None
 
     if name in _TUNIX_BUILTIN_LOSSES:
         raise ValueError(f"{name=} is a Tunix built-in loss; choose another name (default {DEFAULT_NAME!r})")
-    fn = make_policy_loss_fn(objective, compute_entropy=compute_entropy, chunk_size=chunk_size,
-                             implementation=implementation)
+    fn = make_policy_loss_fn(
+        objective, compute_entropy=compute_entropy, chunk_size=chunk_size, implementation=implementation
+    )
     function_registry.register_policy_loss_fn(name)(fn)
     return name
 
 
-def make_policy_loss_fn(objective: Optional[gmpo_jax.GMPO] = None, *, compute_entropy: bool = False,
-                        chunk_size: Optional[int] = None, implementation: Optional[Any] = None) -> Callable:
+def make_policy_loss_fn(
+    objective: gmpo_jax.GMPO | None = None,
+    *,
+    compute_entropy: bool = False,
+    chunk_size: int | None = None,
+    implementation: Any | None = None,
+) -> Callable:
     """The fused policy loss as a Tunix policy loss function (see :func:`register` for the arguments).
 
     Returns:
@@ -123,30 +139,49 @@ def make_policy_loss_fn(objective: Optional[gmpo_jax.GMPO] = None, *, compute_en
 
         kwargs, scale = loss_arguments(algo_config, train_example, objective)
         ids, mask = train_example.completion_ids, train_example.completion_mask
-        hidden = final_hidden_states(model, train_example.prompt_ids, ids, pad_id=pad_id, eos_id=eos_id,
-                                     segment_ids=getattr(train_example, "segment_ids", None))
+        hidden = final_hidden_states(
+            model,
+            train_example.prompt_ids,
+            ids,
+            pad_id=pad_id,
+            eos_id=eos_id,
+            segment_ids=getattr(train_example, "segment_ids", None),
+        )
         weight, layout = lm_head(model)
         if weight.dtype != hidden.dtype:  # Tunix's heads compute in the activation dtype
             weight = weight.astype(hidden.dtype)
         fused = dict(weight_layout=layout, chunk_size=chunk_size, implementation=implementation)
-        loss, a = gmpo_jax.fused_linear_policy_loss(hidden, weight, ids, mask, train_example.advantages,
-                                                    **kwargs, **fused)
+        loss, a = gmpo_jax.fused_linear_policy_loss(
+            hidden, weight, ids, mask, train_example.advantages, **kwargs, **fused
+        )
         loss = loss * scale
-        aux = {"kl": a.kl, "pg_clipfrac": a.clip_fraction, "pg_clipfrac_low": a.clip_fraction_low,
-               "pg_clipfrac_high": a.clip_fraction_high, "log_ratio/min": a.log_ratio_min,
-               "log_ratio/max": a.log_ratio_max}
+        aux = {
+            "kl": a.kl,
+            "pg_clipfrac": a.clip_fraction,
+            "pg_clipfrac_low": a.clip_fraction_low,
+            "pg_clipfrac_high": a.clip_fraction_high,
+            "log_ratio/min": a.log_ratio_min,
+            "log_ratio/max": a.log_ratio_max,
+        }
 
         ref, beta = train_example.ref_per_token_logps, float(getattr(algo_config, "beta", None) or 0.0)
         kl_separately = ref is not None and kwargs["ref_logps"] is None
         if kl_separately or compute_entropy:
-            out = gmpo_jax.fused_linear_logprobs(hidden, weight, ids, completion_mask=mask,
-                                                 temperature=kwargs["temperature"],
-                                                 return_entropy=compute_entropy, **fused)
+            out = gmpo_jax.fused_linear_logprobs(
+                hidden,
+                weight,
+                ids,
+                completion_mask=mask,
+                temperature=kwargs["temperature"],
+                return_entropy=compute_entropy,
+                **fused,
+            )
             logp, entropy = out if compute_entropy else (out, None)
             agg = algo_config.loss_agg_mode
             if kl_separately:
-                kl = common.compute_kl_divergence(logp, ref, algo_config.kl_loss_mode,
-                                                  clamp_value=getattr(algo_config, "kl_clamp_value", None))
+                kl = common.compute_kl_divergence(
+                    logp, ref, algo_config.kl_loss_mode, clamp_value=getattr(algo_config, "kl_clamp_value", None)
+                )
                 aux["kl"] = jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
                 aux["kl_loss"] = common.aggregate_loss(kl, mask, agg)
                 if beta != 0.0:
@@ -159,8 +194,9 @@ def make_policy_loss_fn(objective: Optional[gmpo_jax.GMPO] = None, *, compute_en
     return policy_loss_fn
 
 
-def loss_arguments(algo_config: Any, train_example: Any,
-                   objective: Optional[gmpo_jax.GMPO] = None) -> tuple[dict, jax.Array]:
+def loss_arguments(
+    algo_config: Any, train_example: Any, objective: gmpo_jax.GMPO | None = None
+) -> tuple[dict, jax.Array]:
     """Map a Tunix GRPO-family config and ``TrainExample`` onto :func:`gmpo_jax.fused_linear_policy_loss`.
 
     Args:
@@ -198,8 +234,12 @@ def loss_arguments(algo_config: Any, train_example: Any,
 
     beta = float(getattr(algo_config, "beta", None) or 0.0)
     ref = train_example.ref_per_token_logps
-    fold_kl = (ref is not None and beta != 0.0 and algo_config.kl_loss_mode == "low_var_kl"
-               and getattr(algo_config, "kl_clamp_value", None) is None)
+    fold_kl = (
+        ref is not None
+        and beta != 0.0
+        and algo_config.kl_loss_mode == "low_var_kl"
+        and getattr(algo_config, "kl_clamp_value", None) is None
+    )
     rows = jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
     scale, num_items = jnp.float32(1.0), None
     sampler_is = getattr(train_example, "sampler_is_weights", None)
@@ -213,8 +253,12 @@ def loss_arguments(algo_config: Any, train_example: Any,
             loss_type = "dapo"
             num_items = {"token-mean": None, "sequence-mean-token-scale": T * rows}.get(agg, rows)
         objective = gmpo_jax.GRPO(
-            loss_type=loss_type, epsilon_low=eps, epsilon_high=eps_high, beta=beta if fold_kl else 0.0,
-            importance_sampling_level="sequence" if loss_algo == "gspo-token" else "token")
+            loss_type=loss_type,
+            epsilon_low=eps,
+            epsilon_high=eps_high,
+            beta=beta if fold_kl else 0.0,
+            importance_sampling_level="sequence" if loss_algo == "gspo-token" else "token",
+        )
     else:
         if objective.beta != 0.0:
             raise ValueError(f"{objective.beta=}: with Tunix set beta in its config (algo_config.beta)")
@@ -224,21 +268,36 @@ def loss_arguments(algo_config: Any, train_example: Any,
             raise NotImplementedError(f"GMPO reduces per sequence; Tunix {agg=} is not supported with it")
         if sampler_is is not None:
             raise NotImplementedError("sampler_is_weights (rollout importance weights) do not apply to GMPO")
-        objective = gmpo_jax.GMPO(epsilon_low=objective.epsilon_low, epsilon_high=objective.epsilon_high,
-                                  beta=beta if fold_kl else 0.0,
-                                  use_bias_correction_kl=objective.use_bias_correction_kl)
+        objective = gmpo_jax.GMPO(
+            epsilon_low=objective.epsilon_low,
+            epsilon_high=objective.epsilon_high,
+            beta=beta if fold_kl else 0.0,
+            use_bias_correction_kl=objective.use_bias_correction_kl,
+        )
         scale = B / jnp.maximum(rows, 1.0)
 
     temperature = getattr(algo_config, "temperature", None)
     temperature = 1.0 if temperature in (None, 0.0, 1.0) else temperature
-    kwargs = dict(objective=objective, old_logps=train_example.old_per_token_logps,
-                  ref_logps=ref if fold_kl else None, rollout_is_ratio=sampler_is,
-                  num_items_in_batch=num_items, temperature=temperature)
+    kwargs = dict(
+        objective=objective,
+        old_logps=train_example.old_per_token_logps,
+        ref_logps=ref if fold_kl else None,
+        rollout_is_ratio=sampler_is,
+        num_items_in_batch=num_items,
+        temperature=temperature,
+    )
     return kwargs, jax.lax.stop_gradient(jnp.asarray(scale, jnp.float32))
 
 
-def final_hidden_states(model: Any, prompt_ids: jax.Array, completion_ids: jax.Array, *, pad_id: int,
-                        eos_id: int, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+def final_hidden_states(
+    model: Any,
+    prompt_ids: jax.Array,
+    completion_ids: jax.Array,
+    *,
+    pad_id: int,
+    eos_id: int,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
     """Final (post-norm) hidden states of a Tunix model at the positions that predict ``completion_ids``.
 
     Runs the model the way Tunix's ``compute_per_token_logps`` does (``tunix.rl.common.process_ids`` for
@@ -267,8 +326,10 @@ def final_hidden_states(model: Any, prompt_ids: jax.Array, completion_ids: jax.A
         raise NotImplementedError("packed batches (segment_ids) are not supported yet")
     params = inspect.signature(model.__call__).parameters
     if "output_hidden_states" not in params:
-        raise NotImplementedError(f"{type(model).__name__}.__call__ has no output_hidden_states argument, so its "
-                                  "final hidden states cannot be read without its logits")
+        raise NotImplementedError(
+            f"{type(model).__name__}.__call__ has no output_hidden_states argument, so its "
+            "final hidden states cannot be read without its logits"
+        )
     tokens, positions, attn_mask, input_seg_ids = common.process_ids(prompt_ids, completion_ids, pad_id, eos_id)
     kwargs = dict(positions=positions, cache=None, attention_mask=attn_mask, output_hidden_states=True)
     if "segment_ids" in params:  # as Tunix passes it: the per-position non-pad mask
@@ -279,7 +340,7 @@ def final_hidden_states(model: Any, prompt_ids: jax.Array, completion_ids: jax.A
     x = x.get_value() if isinstance(x, nnx.Variable) else x
     x = x[-1] if isinstance(x, (tuple, list)) else x
     T = completion_ids.shape[1]
-    return x[:, -T - 1:-1]
+    return x[:, -T - 1 : -1]
 
 
 def lm_head(model: Any) -> tuple[jax.Array, str]:

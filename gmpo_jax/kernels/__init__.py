@@ -12,16 +12,51 @@ The backends (``gmpo_jax.lm_head.mosaic_gpu``, ``gmpo_jax.logits.mosaic_gpu``) c
 points re-exported here.
 """
 
-from gmpo_jax.kernels._common import (BLOCK_ROWS, LN2, LOG2E, LMHeadBlocks, LogitsBlocks, lm_head_num_splits,
-                                      logits_num_splits, merge_splits)
+from gmpo_jax.kernels._common import (
+    BLOCK_ROWS,
+    LN2,
+    LOG2E,
+    LMHeadBlocks,
+    LogitsBlocks,
+    lm_head_num_splits,
+    logits_num_splits,
+    merge_splits,
+)
 from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
 from gmpo_jax.kernels.lm_head_lse import lm_head_lse_epilogue_bytes, lm_head_lse_partials, lm_head_merge_splits
 from gmpo_jax.kernels.logits_dlogits import logits_dlogits
-from gmpo_jax.kernels.logits_fused import (ROW_WIDTH, FusedLogitsBlocks, RowData, RowStats, logits_lse_and_dlogits,
-                                           pack_row_data, slab_width)
+from gmpo_jax.kernels.logits_fused import (
+    ROW_WIDTH,
+    FusedLogitsBlocks,
+    RowData,
+    RowStats,
+    logits_lse_and_dlogits,
+    pack_row_data,
+    slab_width,
+)
 from gmpo_jax.kernels.logits_lse import logits_lse_partials, logits_merge_splits
 
-__all__ = ["BLOCK_ROWS", "LN2", "LOG2E", "LMHeadBlocks", "LogitsBlocks", "FusedLogitsBlocks", "RowData", "RowStats",
-           "ROW_WIDTH", "lm_head_num_splits", "logits_num_splits", "merge_splits", "lm_head_lse_partials",
-           "lm_head_merge_splits", "lm_head_lse_epilogue_bytes", "lm_head_dlogits_window", "logits_lse_partials",
-           "logits_merge_splits", "logits_dlogits", "logits_lse_and_dlogits", "pack_row_data", "slab_width"]
+__all__ = [
+    "BLOCK_ROWS",
+    "LN2",
+    "LOG2E",
+    "LMHeadBlocks",
+    "LogitsBlocks",
+    "FusedLogitsBlocks",
+    "RowData",
+    "RowStats",
+    "ROW_WIDTH",
+    "lm_head_num_splits",
+    "logits_num_splits",
+    "merge_splits",
+    "lm_head_lse_partials",
+    "lm_head_merge_splits",
+    "lm_head_lse_epilogue_bytes",
+    "lm_head_dlogits_window",
+    "logits_lse_partials",
+    "logits_merge_splits",
+    "logits_dlogits",
+    "logits_lse_and_dlogits",
+    "pack_row_data",
+    "slab_width",
+]

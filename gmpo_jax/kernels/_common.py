@@ -31,12 +31,11 @@ import math
 from typing import NamedTuple
 
 import jax
+import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
-import jax.experimental.pallas as pl
 
-from gmpo_jax.kernels._compat import (load_vector, needs_value_matmul, plgpu, value_matmul,
-                                      wgmma)
+from gmpo_jax.kernels._compat import load_vector, needs_value_matmul, plgpu, value_matmul, wgmma
 
 # Hopper: 227 KiB of shared memory per block (232448 bytes).
 SMEM_BYTES = 232448
@@ -51,148 +50,148 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # a per-row vector of a WGMMA tile (a row li
 # Index arithmetic (int32 with or without jax_enable_x64)
 # ------------------------------------------------------------------------------------------------
 def cdiv(a: int, b: int) -> int:
-  """``ceil(a / b)`` of Python ints (or int32 scalars)."""
-  return -(-a // b)
+    """``ceil(a / b)`` of Python ints (or int32 scalars)."""
+    return -(-a // b)
 
 
 def i32(x):
-  """``x`` as an int32 scalar. Loop bounds and ``lax`` operands in the kernels go through it: with
-  ``jax_enable_x64`` a Python int becomes int64 there (``lax.rem(int32, 3)`` fails to trace, a
-  ``fori_loop(0, 3)`` index is int64); without x64 this is what they were anyway."""
-  return jnp.asarray(x, jnp.int32)
+    """``x`` as an int32 scalar. Loop bounds and ``lax`` operands in the kernels go through it: with
+    ``jax_enable_x64`` a Python int becomes int64 there (``lax.rem(int32, 3)`` fails to trace, a
+    ``fori_loop(0, 3)`` index is int64); without x64 this is what they were anyway."""
+    return jnp.asarray(x, jnp.int32)
 
 
 def rem(a, b):
-  """``lax.rem`` of int32 indices (either may be a Python int)."""
-  return lax.rem(i32(a), i32(b))
+    """``lax.rem`` of int32 indices (either may be a Python int)."""
+    return lax.rem(i32(a), i32(b))
 
 
 def div(a, b):
-  """``lax.div`` of int32 indices (either may be a Python int)."""
-  return lax.div(i32(a), i32(b))
+    """``lax.div`` of int32 indices (either may be a Python int)."""
+    return lax.div(i32(a), i32(b))
 
 
 # ------------------------------------------------------------------------------------------------
 # Shared memory, splits, broadcasts, per-row vectors
 # ------------------------------------------------------------------------------------------------
 def smem_transforms(itemsize: int, row_bytes: int = 128):
-  """Transforms of a tile staged in shared memory by bulk tensor copies: 8-row x ``row_bytes`` tiles,
-  swizzled over ``row_bytes`` (32, 64 or 128; wgmma operands and the logits kernels' tiles use 128)."""
-  return (plgpu.TilingTransform((8, row_bytes // itemsize)), plgpu.SwizzleTransform(row_bytes))
+    """Transforms of a tile staged in shared memory by bulk tensor copies: 8-row x ``row_bytes`` tiles,
+    swizzled over ``row_bytes`` (32, 64 or 128; wgmma operands and the logits kernels' tiles use 128)."""
+    return (plgpu.TilingTransform((8, row_bytes // itemsize)), plgpu.SwizzleTransform(row_bytes))
 
 
 def _even_splits(num_tiles: int, splits: int) -> int:
-  """The splits left when ``num_tiles`` are dealt ``ceil(num_tiles / splits)`` per split (none empty)."""
-  return cdiv(num_tiles, cdiv(num_tiles, splits))
+    """The splits left when ``num_tiles`` are dealt ``ceil(num_tiles / splits)`` per split (none empty)."""
+    return cdiv(num_tiles, cdiv(num_tiles, splits))
 
 
 def lm_head_num_splits(num_row_ctas: int, num_vocab_tiles: int, num_sms: int) -> int:
-  """Vocabulary splits per row block of the LM-head kernels so that the grid fills the GPU in whole waves.
+    """Vocabulary splits per row block of the LM-head kernels so that the grid fills the GPU in whole waves.
 
-  Deterministic and cheap: the fewest splits (at most 32) whose CTA count wastes the least of
-  the last wave, counting only splits that leave at least 4 vocabulary tiles per split.
-  """
-  best, best_eff = 1, 0.0
-  for s in range(1, 33):
-    if s > 1 and num_vocab_tiles / s < 4:
-      break
-    ctas = num_row_ctas * s
-    eff = ctas / (cdiv(ctas, num_sms) * num_sms)
-    if eff > best_eff + 1e-9:
-      best, best_eff = s, eff
-    if eff > 0.95:
-      break
-  return _even_splits(num_vocab_tiles, best)
+    Deterministic and cheap: the fewest splits (at most 32) whose CTA count wastes the least of
+    the last wave, counting only splits that leave at least 4 vocabulary tiles per split.
+    """
+    best, best_eff = 1, 0.0
+    for s in range(1, 33):
+        if s > 1 and num_vocab_tiles / s < 4:
+            break
+        ctas = num_row_ctas * s
+        eff = ctas / (cdiv(ctas, num_sms) * num_sms)
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+        if eff > 0.95:
+            break
+    return _even_splits(num_vocab_tiles, best)
 
 
 def logits_num_splits(num_row_blocks: int, num_tiles: int, num_sms: int = 132, ctas_per_sm: int = 2) -> int:
-  """Vocabulary splits of the logits log-sum-exp kernel: enough CTAs for ~4 waves, at least 8 tiles per
-  split."""
-  want = max(1, cdiv(4 * num_sms * ctas_per_sm, num_row_blocks))
-  return _even_splits(num_tiles, max(1, min(want, num_tiles // 8)))
+    """Vocabulary splits of the logits log-sum-exp kernel: enough CTAs for ~4 waves, at least 8 tiles per
+    split."""
+    want = max(1, cdiv(4 * num_sms * ctas_per_sm, num_row_blocks))
+    return _even_splits(num_tiles, max(1, min(want, num_tiles // 8)))
 
 
 def bcast_rows(v, shape):
-  """A per-row vector ``[m]`` broadcast along the columns of a ``shape = (m, n)`` tile."""
-  return lax.broadcast_in_dim(v, shape, [0])
+    """A per-row vector ``[m]`` broadcast along the columns of a ``shape = (m, n)`` tile."""
+    return lax.broadcast_in_dim(v, shape, [0])
 
 
 def bcast_cols(v, shape):
-  """A per-column vector ``[n]`` broadcast along the rows of a ``shape = (m, n)`` tile."""
-  return lax.broadcast_in_dim(v, shape, [1])
+    """A per-column vector ``[n]`` broadcast along the rows of a ``shape = (m, n)`` tile."""
+    return lax.broadcast_in_dim(v, shape, [1])
 
 
 def row_vector(ref, start, size, interpret):
-  """Loads ``ref[start:start+size]`` (GMEM) as a per-row vector of the WGMMA layout."""
-  return load_vector(ref.at[pl.ds(start, size)], ROW, interpret)
+    """Loads ``ref[start:start+size]`` (GMEM) as a per-row vector of the WGMMA layout."""
+    return load_vector(ref.at[pl.ds(start, size)], ROW, interpret)
 
 
 def col_vector(ref, start, size, interpret):
-  """Loads ``ref[start:start+size]`` (GMEM) as a per-column vector of the WGMMA layout."""
-  return load_vector(ref.at[pl.ds(start, size)], plgpu.Layout.WGMMA.reduce(0), interpret)
+    """Loads ``ref[start:start+size]`` (GMEM) as a per-column vector of the WGMMA layout."""
+    return load_vector(ref.at[pl.ds(start, size)], plgpu.Layout.WGMMA.reduce(0), interpret)
 
 
 def load_row_vectors(pairs, row0, barrier, interpret):
-  """Per-row vectors ``ref[row0:row0 + 64]`` in the WGMMA row layout, staged through SMEM by TMA.
+    """Per-row vectors ``ref[row0:row0 + 64]`` in the WGMMA row layout, staged through SMEM by TMA.
 
-  ``pairs``: ``(gmem_ref [R], smem_ref [64])``; ``barrier``: one barrier expecting ``len(pairs)`` copies.
-  """
-  for gmem, smem in pairs:
-    plgpu.copy_gmem_to_smem(gmem.at[pl.ds(row0, BLOCK_ROWS)], smem, barrier.at[0])
-  plgpu.barrier_wait(barrier.at[0])
-  return tuple(load_vector(smem, ROW, interpret) for _, smem in pairs)
+    ``pairs``: ``(gmem_ref [R], smem_ref [64])``; ``barrier``: one barrier expecting ``len(pairs)`` copies.
+    """
+    for gmem, smem in pairs:
+        plgpu.copy_gmem_to_smem(gmem.at[pl.ds(row0, BLOCK_ROWS)], smem, barrier.at[0])
+    plgpu.barrier_wait(barrier.at[0])
+    return tuple(load_vector(smem, ROW, interpret) for _, smem in pairs)
 
 
 # ------------------------------------------------------------------------------------------------
 # Log-sum-exp statistics (base 2): the merge of the splits, the backward's snap
 # ------------------------------------------------------------------------------------------------
 class MergedSplits(NamedTuple):
-  """Per-split log-sum-exp statistics merged along axis 0 (float32, each ``[R]`` unless noted)."""
+    """Per-split log-sum-exp statistics merged along axis 0 (float32, each ``[R]`` unless noted)."""
 
-  m_all: jax.Array   # the maximum of ``z2`` over every split (``-inf``: no finite logit)
-  m_ref: jax.Array   # ``m_all``, 0 where it is ``-inf`` (the reference the sums are re-based to)
-  alpha: jax.Array   # ``[S, R]`` ``exp2(m2 - m_ref)``: each split's rescale factor
-  l_all: jax.Array   # ``sum exp2(z2 - m_ref)`` over every split
-  lse2: jax.Array    # ``m_all + log2(l_all)``: the base-2 log-sum-exp (``-inf`` for an empty row)
+    m_all: jax.Array  # the maximum of ``z2`` over every split (``-inf``: no finite logit)
+    m_ref: jax.Array  # ``m_all``, 0 where it is ``-inf`` (the reference the sums are re-based to)
+    alpha: jax.Array  # ``[S, R]`` ``exp2(m2 - m_ref)``: each split's rescale factor
+    l_all: jax.Array  # ``sum exp2(z2 - m_ref)`` over every split
+    lse2: jax.Array  # ``m_all + log2(l_all)``: the base-2 log-sum-exp (``-inf`` for an empty row)
 
 
 def merge_splits(m2, l) -> MergedSplits:
-  """Merges per-split online log-sum-exp statistics ``m2`` (running max of ``z2``) and ``l`` (sum of
-  ``exp2(z2 - m2)``), both ``[S, R]`` float32, into the row's base-2 log-sum-exp; a split (or a row) with
-  no finite logit (``m2 = -inf``, ``l = 0``) adds nothing (no NaN from ``-inf - -inf``). Used by both
-  ops' log-sum-exp kernels (``lm_head_merge_splits``, ``logits_merge_splits``)."""
-  m_all = m2.max(axis=0)
-  m_ref = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-  alpha = jnp.exp2(m2 - m_ref[None])
-  l_all = (l * alpha).sum(axis=0)
-  return MergedSplits(m_all, m_ref, alpha, l_all, m_all + jnp.log2(l_all))
+    """Merges per-split online log-sum-exp statistics ``m2`` (running max of ``z2``) and ``l`` (sum of
+    ``exp2(z2 - m2)``), both ``[S, R]`` float32, into the row's base-2 log-sum-exp; a split (or a row) with
+    no finite logit (``m2 = -inf``, ``l = 0``) adds nothing (no NaN from ``-inf - -inf``). Used by both
+    ops' log-sum-exp kernels (``lm_head_merge_splits``, ``logits_merge_splits``)."""
+    m_all = m2.max(axis=0)
+    m_ref = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    alpha = jnp.exp2(m2 - m_ref[None])
+    l_all = (l * alpha).sum(axis=0)
+    return MergedSplits(m_all, m_ref, alpha, l_all, m_all + jnp.log2(l_all))
 
 
 # |d| <= 3 * 2**-23 |lse2| is 3 to 6 float32 ulps of the log-sum-exp: what its roundings can move it
 # by (about 2.5 ulps: the forward's fused multiply-add residual, the trip through natural-log units, the
 # backward's residual).
-SNAP_RELATIVE = 3 * 2.0 ** -23
+SNAP_RELATIVE = 3 * 2.0**-23
 
 
 def snap_tolerance(lse2):
-  """Per-row tolerance under which a backward kernel treats ``z2 - lse2`` as exactly 0 (``p = 1``).
+    """Per-row tolerance under which a backward kernel treats ``z2 - lse2`` as exactly 0 (``p = 1``).
 
-  The gradient kernels recompute ``z2 = z * scale`` and subtract a log-sum-exp that reached them
-  through other roundings (natural-log units in between, a fused multiply-add of ``z * scale - lse2``
-  that skips the rounding of ``z * scale``): up to about 2.5 ulps of ``lse2``. At ordinary temperatures
-  that is a relative error of ~1e-7 in one probability; at tiny temperatures (``|z| / T ~ 1e7``) an
-  ulp of ``lse2`` is ~1, so the argmax of a one-hot softmax got ``p = 2**(+-0.5)`` and a gradient of
-  ``~0.4 / T`` instead of 0 (measured on an H200 at ``T = 1e-6``, 2026-11-30). Snapping
-  ``|z2 - lse2| <= SNAP_RELATIVE |lse2| = 3 * 2**-23 |lse2|`` to 0 restores ``p = 1`` there; the XLA paths get the same by
-  setting ``z - ref`` to exactly 0 where ``z == ref`` (``gmpo_jax.lm_head.xla_chunked.shifted``).
+    The gradient kernels recompute ``z2 = z * scale`` and subtract a log-sum-exp that reached them
+    through other roundings (natural-log units in between, a fused multiply-add of ``z * scale - lse2``
+    that skips the rounding of ``z * scale``): up to about 2.5 ulps of ``lse2``. At ordinary temperatures
+    that is a relative error of ~1e-7 in one probability; at tiny temperatures (``|z| / T ~ 1e7``) an
+    ulp of ``lse2`` is ~1, so the argmax of a one-hot softmax got ``p = 2**(+-0.5)`` and a gradient of
+    ``~0.4 / T`` instead of 0 (measured on an H200 at ``T = 1e-6``, 2026-11-30). Snapping
+    ``|z2 - lse2| <= SNAP_RELATIVE |lse2| = 3 * 2**-23 |lse2|`` to 0 restores ``p = 1`` there; the XLA paths get the same by
+    setting ``z - ref`` to exactly 0 where ``z == ref`` (``gmpo_jax.lm_head.xla_chunked.shifted``).
 
-  Limit: a logit whose probability differs from 1 by less than the snap (``|log2 p| <= 3 * 2**-23
-  |lse2|``) counts as the maximum. That is below float32's resolution unless ``|lse2| >= 2**23 / 3``
-  (``|z| / T`` above ~1.9e6 nats), where it also covers exact ties (``p = 1/2``, ``log2 p = -1``): there two tied
-  maxima both get ``p = 1``. At such temperatures float32 cannot resolve those probabilities anyway (the
-  XLA path's are off by ~50 %); a tie at ``|z| / T = 8e4`` is exact (tests).
-  """
-  return jnp.abs(lse2) * SNAP_RELATIVE
+    Limit: a logit whose probability differs from 1 by less than the snap (``|log2 p| <= 3 * 2**-23
+    |lse2|``) counts as the maximum. That is below float32's resolution unless ``|lse2| >= 2**23 / 3``
+    (``|z| / T`` above ~1.9e6 nats), where it also covers exact ties (``p = 1/2``, ``log2 p = -1``): there two tied
+    maxima both get ``p = 1``. At such temperatures float32 cannot resolve those probabilities anyway (the
+    XLA path's are off by ~50 %); a tie at ``|z| / T = 8e4`` is exact (tests).
+    """
+    return jnp.abs(lse2) * SNAP_RELATIVE
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,47 +199,47 @@ def snap_tolerance(lse2):
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LogitsBlocks:
-  """Block sizes of the logits kernels ``logits_lse`` and ``logits_dlogits`` (hashable; a static argument).
+    """Block sizes of the logits kernels ``logits_lse`` and ``logits_dlogits`` (hashable; a static argument).
 
-  block_v: vocabulary columns per tile; a multiple of 128 bytes of the dtype (64 for 16-bit, 32 for
-    float32) and at most 256 (one TMA box).
-  stages: depth of the shared-memory ring (bytes in flight per CTA: stages * 64 * block_v * itemsize,
-    doubled in the backward for the output tiles).
-  tiles_per_cta: backward only: vocabulary tiles each CTA walks (the grid is split over the
-    vocabulary so that many CTAs are in flight; the forward picks its own split, see logits_num_splits).
-  pick_target: forward only: pick the target logit in the kernel (a compare, select and add per
-    element); False leaves it to a ``[B, T]`` gather outside and keeps the running max in raw logit
-    units so that the exponent is one fused multiply-add per element.
-  """
+    block_v: vocabulary columns per tile; a multiple of 128 bytes of the dtype (64 for 16-bit, 32 for
+      float32) and at most 256 (one TMA box).
+    stages: depth of the shared-memory ring (bytes in flight per CTA: stages * 64 * block_v * itemsize,
+      doubled in the backward for the output tiles).
+    tiles_per_cta: backward only: vocabulary tiles each CTA walks (the grid is split over the
+      vocabulary so that many CTAs are in flight; the forward picks its own split, see logits_num_splits).
+    pick_target: forward only: pick the target logit in the kernel (a compare, select and add per
+      element); False leaves it to a ``[B, T]`` gather outside and keeps the running max in raw logit
+      units so that the exponent is one fused multiply-add per element.
+    """
 
-  block_v: int = 128
-  stages: int = 4
-  tiles_per_cta: int = 32
-  pick_target: bool = True
+    block_v: int = 128
+    stages: int = 4
+    tiles_per_cta: int = 32
+    pick_target: bool = True
 
-  def __post_init__(self):
-    if self.block_v % 32 or not 32 <= self.block_v <= 256:
-      raise ValueError(f"{self.block_v=} must be a multiple of 32 in [32, 256]")
-    if self.stages < 1:
-      raise ValueError(f"{self.stages=} must be >= 1")
-    if self.tiles_per_cta < 1:
-      raise ValueError(f"{self.tiles_per_cta=} must be >= 1")
+    def __post_init__(self):
+        if self.block_v % 32 or not 32 <= self.block_v <= 256:
+            raise ValueError(f"{self.block_v=} must be a multiple of 32 in [32, 256]")
+        if self.stages < 1:
+            raise ValueError(f"{self.stages=} must be >= 1")
+        if self.tiles_per_cta < 1:
+            raise ValueError(f"{self.tiles_per_cta=} must be >= 1")
 
-  def check_dtype(self, dtype) -> None:
-    """Raises ``ValueError`` unless ``block_v`` is a multiple of 128 bytes of ``dtype``."""
-    if self.block_v % (128 // jnp.dtype(dtype).itemsize):
-      raise ValueError(f"block_v={self.block_v} must be a multiple of 128 bytes of {jnp.dtype(dtype)}")
+    def check_dtype(self, dtype) -> None:
+        """Raises ``ValueError`` unless ``block_v`` is a multiple of 128 bytes of ``dtype``."""
+        if self.block_v % (128 // jnp.dtype(dtype).itemsize):
+            raise ValueError(f"block_v={self.block_v} must be a multiple of 128 bytes of {jnp.dtype(dtype)}")
 
 
 def row_block_start(rows: int):
-  """First row of this CTA's 64-row block (grid axis ``"rows"``), the last block slid back to end at
-  ``rows``."""
-  return jnp.minimum(lax.axis_index("rows") * BLOCK_ROWS, rows - BLOCK_ROWS)
+    """First row of this CTA's 64-row block (grid axis ``"rows"``), the last block slid back to end at
+    ``rows``."""
+    return jnp.minimum(lax.axis_index("rows") * BLOCK_ROWS, rows - BLOCK_ROWS)
 
 
 def tile_start(j, block_v: int, vocab: int):
-  """Column of vocabulary tile ``j``: nominally ``j * block_v``, slid back to end at ``vocab``."""
-  return jnp.minimum(j * block_v, vocab - block_v)
+    """Column of vocabulary tile ``j``: nominally ``j * block_v``, slid back to end at ``vocab``."""
+    return jnp.minimum(j * block_v, vocab - block_v)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,194 +247,210 @@ def tile_start(j, block_v: int, vocab: int):
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LMHeadBlocks:
-  """Block sizes of the LM-head kernels (``lm_head_lse``, ``lm_head_dlogits``; hashable, static).
+    """Block sizes of the LM-head kernels (``lm_head_lse``, ``lm_head_dlogits``; hashable, static).
 
-  block_m: rows per compute warpgroup (the CTA owns ``2 * block_m`` rows); 64 or 128.
-  block_n: vocabulary columns per logits tile; multiple of 64, at most 256.
-  block_k: hidden columns per pipeline step; 64 (128-byte swizzle of 16-bit operands).
-  num_stages: depth of the shared-memory ring.
-  """
+    block_m: rows per compute warpgroup (the CTA owns ``2 * block_m`` rows); 64 or 128.
+    block_n: vocabulary columns per logits tile; multiple of 64, at most 256.
+    block_k: hidden columns per pipeline step; 64 (128-byte swizzle of 16-bit operands).
+    num_stages: depth of the shared-memory ring.
+    """
 
-  block_m: int = 128
-  block_n: int = 128
-  block_k: int = 64
-  num_stages: int = 4
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
 
-  def __post_init__(self):
-    if self.block_m not in (64, 128):
-      raise ValueError(f"{self.block_m=} must be 64 or 128")
-    if self.block_n % 64 or not 64 <= self.block_n <= 256:
-      raise ValueError(f"{self.block_n=} must be a multiple of 64 in [64, 256]")
-    if self.block_k != 64:
-      raise ValueError(f"{self.block_k=} must be 64")
-    if self.num_stages < 2:
-      raise ValueError(f"{self.num_stages=} must be at least 2")
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"{self.block_m=} must be 64 or 128")
+        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"{self.block_n=} must be a multiple of 64 in [64, 256]")
+        if self.block_k != 64:
+            raise ValueError(f"{self.block_k=} must be 64")
+        if self.num_stages < 2:
+            raise ValueError(f"{self.num_stages=} must be at least 2")
 
-  @property
-  def rows_per_cta(self) -> int:
-    """Rows of one CTA: two compute warpgroups of ``block_m`` rows."""
-    return 2 * self.block_m
+    @property
+    def rows_per_cta(self) -> int:
+        """Rows of one CTA: two compute warpgroups of ``block_m`` rows."""
+        return 2 * self.block_m
 
-  def smem_bytes(self, itemsize: int, extra: int = 0) -> int:
-    """Shared memory of a CTA: the operand ring of ``itemsize``-byte operands plus ``extra`` bytes."""
-    ring = self.num_stages * (self.rows_per_cta + self.block_n) * self.block_k * itemsize
-    return ring + extra + 1024  # barriers, alignment
+    def smem_bytes(self, itemsize: int, extra: int = 0) -> int:
+        """Shared memory of a CTA: the operand ring of ``itemsize``-byte operands plus ``extra`` bytes."""
+        ring = self.num_stages * (self.rows_per_cta + self.block_n) * self.block_k * itemsize
+        return ring + extra + 1024  # barriers, alignment
 
 
 def logits_tile_loop(
     *,
-    hidden_ref,          # GMEM [Rp, H]
-    weight_ref,          # GMEM [H, V] ("hv") or [V, H] ("vh")
+    hidden_ref,  # GMEM [Rp, H]
+    weight_ref,  # GMEM [H, V] ("hv") or [V, H] ("vh")
     weight_layout: str,
-    a_smem,              # SMEM [stages, 2*bm, bk]
-    b_smem,              # SMEM [stages, bk, bn] or [stages, bn, bk]
-    loaded,              # Barrier(num_arrivals=2, num_barriers=stages)
-    consumed,            # Barrier(num_arrivals=2, num_barriers=stages)
-    row0,                # first row of this CTA
-    tile0,               # first vocabulary tile of this CTA
-    num_tiles,           # vocabulary tiles of this CTA (traced int32)
+    a_smem,  # SMEM [stages, 2*bm, bk]
+    b_smem,  # SMEM [stages, bk, bn] or [stages, bn, bk]
+    loaded,  # Barrier(num_arrivals=2, num_barriers=stages)
+    consumed,  # Barrier(num_arrivals=2, num_barriers=stages)
+    row0,  # first row of this CTA
+    tile0,  # first vocabulary tile of this CTA
+    num_tiles,  # vocabulary tiles of this CTA (traced int32)
     k_iters: int,
     cfg: LMHeadBlocks,
-    init_carry,          # () -> carry (compute warpgroups)
-    epilogue,            # (tile_index, z f32[bm, bn] WGMMA layout, carry) -> carry
-    finish,              # (carry) -> None
+    init_carry,  # () -> carry (compute warpgroups)
+    epilogue,  # (tile_index, z f32[bm, bn] WGMMA layout, carry) -> carry
+    finish,  # (carry) -> None
     interpret=None,
 ):
-  """Runs the warp-specialised logits-tile pipeline inside a 3-warpgroup kernel."""
-  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
-  wg = lax.axis_index("wg")
+    """Runs the warp-specialised logits-tile pipeline inside a 3-warpgroup kernel."""
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+    wg = lax.axis_index("wg")
 
-  @pl.when(wg == 2)
-  def _memory_warpgroup():
-    plgpu.set_max_registers(40, action="decrease")
-    total = num_tiles * k_iters
+    @pl.when(wg == 2)
+    def _memory_warpgroup():
+        plgpu.set_max_registers(40, action="decrease")
+        total = num_tiles * k_iters
 
-    @pl.loop(0, total)
-    def _step(step):
-      slot = rem(step, stages)
-      n = tile0 + div(step, k_iters)
-      k = rem(step, k_iters)
+        @pl.loop(0, total)
+        def _step(step):
+            slot = rem(step, stages)
+            n = tile0 + div(step, k_iters)
+            k = rem(step, k_iters)
 
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(consumed.at[slot])
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
 
-      plgpu.copy_gmem_to_smem(
-          hidden_ref.at[pl.ds(row0, 2 * bm), pl.ds(k * bk, bk)], a_smem.at[slot], loaded.at[slot])
-      if weight_layout == "hv":
-        w_src = weight_ref.at[pl.ds(k * bk, bk), pl.ds(n * bn, bn)]
-      else:
-        w_src = weight_ref.at[pl.ds(n * bn, bn), pl.ds(k * bk, bk)]
-      plgpu.copy_gmem_to_smem(w_src, b_smem.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(
+                hidden_ref.at[pl.ds(row0, 2 * bm), pl.ds(k * bk, bk)], a_smem.at[slot], loaded.at[slot]
+            )
+            if weight_layout == "hv":
+                w_src = weight_ref.at[pl.ds(k * bk, bk), pl.ds(n * bn, bn)]
+            else:
+                w_src = weight_ref.at[pl.ds(n * bn, bn), pl.ds(k * bk, bk)]
+            plgpu.copy_gmem_to_smem(w_src, b_smem.at[slot], loaded.at[slot])
 
-    # Observe the last phases of the `consumed` barriers too (every phase of a barrier is
-    # waited on by every thread that waits on it: the interpreter checks this; on the device
-    # it is a no-op that keeps the memory warpgroup alive until the slots are released).
-    @pl.loop(jnp.maximum(total - stages, 0), total)
-    def _drain(step):
-      plgpu.barrier_wait(consumed.at[rem(step, stages)])
+        # Observe the last phases of the `consumed` barriers too (every phase of a barrier is
+        # waited on by every thread that waits on it: the interpreter checks this; on the device
+        # it is a no-op that keeps the memory warpgroup alive until the slots are released).
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _drain(step):
+            plgpu.barrier_wait(consumed.at[rem(step, stages)])
 
-  @pl.when(wg < 2)
-  def _compute_warpgroup():
-    plgpu.set_max_registers(232, action="increase")
-    a_rows = pl.ds(wg * bm, bm)
+    @pl.when(wg < 2)
+    def _compute_warpgroup():
+        plgpu.set_max_registers(232, action="increase")
+        a_rows = pl.ds(wg * bm, bm)
 
-    def tile_body(t, carry):
-      transpose_b = weight_layout == "vh"
+        def tile_body(t, carry):
+            transpose_b = weight_layout == "vh"
 
-      def matmul(acc_ref):
-        def k_body(k, _):
-          slot = rem(t * k_iters + k, stages)
-          plgpu.barrier_wait(loaded.at[slot])
-          wgmma(acc_ref, a_smem.at[slot].at[a_rows], b_smem.at[slot],
-                transpose_b=transpose_b, interpret=interpret)
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(consumed.at[slot])
-          return ()
+            def matmul(acc_ref):
+                def k_body(k, _):
+                    slot = rem(t * k_iters + k, stages)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    wgmma(
+                        acc_ref,
+                        a_smem.at[slot].at[a_rows],
+                        b_smem.at[slot],
+                        transpose_b=transpose_b,
+                        interpret=interpret,
+                    )
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return ()
 
-        lax.fori_loop(0, i32(k_iters), k_body, ())
-        return acc_ref[...]
+                lax.fori_loop(0, i32(k_iters), k_body, ())
+                return acc_ref[...]
 
-      def value_mm():
-        def k_body(k, acc):
-          slot = rem(t * k_iters + k, stages)
-          plgpu.barrier_wait(loaded.at[slot])
-          acc = acc + value_matmul(a_smem.at[slot].at[a_rows], b_smem.at[slot],
-                                   transpose_b=transpose_b)
-          plgpu.barrier_arrive(consumed.at[slot])
-          return acc
+            def value_mm():
+                def k_body(k, acc):
+                    slot = rem(t * k_iters + k, stages)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    acc = acc + value_matmul(a_smem.at[slot].at[a_rows], b_smem.at[slot], transpose_b=transpose_b)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return acc
 
-        return lax.fori_loop(0, i32(k_iters), k_body, jnp.zeros((bm, bn), jnp.float32))
+                return lax.fori_loop(0, i32(k_iters), k_body, jnp.zeros((bm, bn), jnp.float32))
 
-      if needs_value_matmul(transpose_b, interpret):
-        z = value_mm()
-      else:
-        z = pl.run_scoped(matmul, plgpu.ACC((bm, bn), jnp.float32))
-      return epilogue(tile0 + t, z, carry)
+            if needs_value_matmul(transpose_b, interpret):
+                z = value_mm()
+            else:
+                z = pl.run_scoped(matmul, plgpu.ACC((bm, bn), jnp.float32))
+            return epilogue(tile0 + t, z, carry)
 
-    carry = lax.fori_loop(0, num_tiles, tile_body, init_carry())
-    finish(carry)
+        carry = lax.fori_loop(0, num_tiles, tile_body, init_carry())
+        finish(carry)
 
 
 class CtaBlock(NamedTuple):
-  """Where this CTA and warpgroup of an LM-head kernel work (traced int32 scalars)."""
+    """Where this CTA and warpgroup of an LM-head kernel work (traced int32 scalars)."""
 
-  split: jax.Array    # the vocabulary split (grid axis ``"split"``)
-  row0: jax.Array     # the CTA's first row (it owns ``2 * block_m``)
-  my_rows: jax.Array  # this consumer warpgroup's first row
-  tile0: jax.Array    # the split's first vocabulary tile (of ``num_tiles``)
-  n_tiles: jax.Array  # the split's vocabulary tiles (the last split may have fewer)
-  wg: jax.Array       # this warpgroup (grid axis ``"wg"``)
+    split: jax.Array  # the vocabulary split (grid axis ``"split"``)
+    row0: jax.Array  # the CTA's first row (it owns ``2 * block_m``)
+    my_rows: jax.Array  # this consumer warpgroup's first row
+    tile0: jax.Array  # the split's first vocabulary tile (of ``num_tiles``)
+    n_tiles: jax.Array  # the split's vocabulary tiles (the last split may have fewer)
+    wg: jax.Array  # this warpgroup (grid axis ``"wg"``)
 
 
 def cta_block(block_m: int, tiles_per_split: int, num_tiles: int) -> CtaBlock:
-  """This CTA's rows and vocabulary tiles: split ``s`` walks tiles ``[s * tiles_per_split, ...)`` of
-  ``num_tiles``."""
-  row0 = lax.axis_index("rows") * (2 * block_m)
-  split, my_rows = lax.axis_index("split"), row0 + lax.axis_index("wg") * block_m
-  tile0 = split * tiles_per_split
-  return CtaBlock(split, row0, my_rows, tile0, jnp.minimum(tiles_per_split, num_tiles - tile0),
-                  lax.axis_index("wg"))
+    """This CTA's rows and vocabulary tiles: split ``s`` walks tiles ``[s * tiles_per_split, ...)`` of
+    ``num_tiles``."""
+    row0 = lax.axis_index("rows") * (2 * block_m)
+    split, my_rows = lax.axis_index("split"), row0 + lax.axis_index("wg") * block_m
+    tile0 = split * tiles_per_split
+    return CtaBlock(split, row0, my_rows, tile0, jnp.minimum(tiles_per_split, num_tiles - tile0), lax.axis_index("wg"))
 
 
-def launch(body, *, hidden, weight, bias, row_inputs, out_type, epilogue_smem, weight_layout: str,
-           cfg: LMHeadBlocks, num_splits: int, interpret=None):
-  """Runs an LM-head kernel on the grid ``(num_splits, rows / (2 block_m))`` with three warpgroups
-  (two consumers, one memory warpgroup: ``logits_tile_loop``).
+def launch(
+    body,
+    *,
+    hidden,
+    weight,
+    bias,
+    row_inputs,
+    out_type,
+    epilogue_smem,
+    weight_layout: str,
+    cfg: LMHeadBlocks,
+    num_splits: int,
+    interpret=None,
+):
+    """Runs an LM-head kernel on the grid ``(num_splits, rows / (2 block_m))`` with three warpgroups
+    (two consumers, one memory warpgroup: ``logits_tile_loop``).
 
-  ``body(h_ref, w_ref, b_ref, row_refs, out_refs, smem)`` gets the references of ``hidden``, ``weight``,
-  ``bias`` (None without one), the per-row inputs ``row_inputs`` and the outputs ``out_type`` (a tuple,
-  or one ``ShapeDtypeStruct``), and ``smem = (a_smem, b_smem, epilogue, loaded, consumed)``: the
-  operand rings of ``logits_tile_loop``, the scratch ``epilogue_smem`` (a ``plgpu.SMEM``) of the
-  kernel's own epilogue, and the ring's two barriers.
-  """
-  dtype = hidden.dtype
-  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
-  transforms = smem_transforms(jnp.dtype(dtype).itemsize)
-  b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
-  has_bias = bias is not None
-  n_rows = len(row_inputs)
+    ``body(h_ref, w_ref, b_ref, row_refs, out_refs, smem)`` gets the references of ``hidden``, ``weight``,
+    ``bias`` (None without one), the per-row inputs ``row_inputs`` and the outputs ``out_type`` (a tuple,
+    or one ``ShapeDtypeStruct``), and ``smem = (a_smem, b_smem, epilogue, loaded, consumed)``: the
+    operand rings of ``logits_tile_loop``, the scratch ``epilogue_smem`` (a ``plgpu.SMEM``) of the
+    kernel's own epilogue, and the ring's two barriers.
+    """
+    dtype = hidden.dtype
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+    transforms = smem_transforms(jnp.dtype(dtype).itemsize)
+    b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
+    has_bias = bias is not None
+    n_rows = len(row_inputs)
 
-  def kernel(h_ref, w_ref, *refs):
-    b_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
-    body(h_ref, w_ref, b_ref, refs[:n_rows], refs[n_rows:-1], refs[-1])
+    def kernel(h_ref, w_ref, *refs):
+        b_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+        body(h_ref, w_ref, b_ref, refs[:n_rows], refs[n_rows:-1], refs[-1])
 
-  scratch = [
-      plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
-      plgpu.SMEM(b_shape, dtype, transforms=transforms),
-      epilogue_smem,
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-  ]
-  call = plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=[scratch],
-      grid=(num_splits, hidden.shape[0] // (2 * bm)),
-      grid_names=("split", "rows"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )
-  return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs)
+    scratch = [
+        plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
+        plgpu.SMEM(b_shape, dtype, transforms=transforms),
+        epilogue_smem,
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
+    call = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=[scratch],
+        grid=(num_splits, hidden.shape[0] // (2 * bm)),
+        grid_names=("split", "rows"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+    return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs)

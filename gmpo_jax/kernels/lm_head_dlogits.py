@@ -26,93 +26,135 @@ atomics), so results are bitwise reproducible.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import jax.experimental.pallas as pl
+import jax.numpy as jnp
 
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
 
 
-def lm_head_dlogits_window(hidden, weight, bias, ids, row_scale, row_lse2, row_coef, *, weight_layout: str,
-                           vocab_size: int, window_start: int, window_tiles: int, cfg: C.LMHeadBlocks,
-                           num_splits: int, interpret=None):
-  """``dz = row_coef (onehot(ids) - exp2(z * row_scale - row_lse2))`` for the vocabulary columns
-  ``[window_start, window_start + window_tiles * block_n)``, the logits ``z = hidden W + bias`` recomputed.
+def lm_head_dlogits_window(
+    hidden,
+    weight,
+    bias,
+    ids,
+    row_scale,
+    row_lse2,
+    row_coef,
+    *,
+    weight_layout: str,
+    vocab_size: int,
+    window_start: int,
+    window_tiles: int,
+    cfg: C.LMHeadBlocks,
+    num_splits: int,
+    interpret=None,
+):
+    """``dz = row_coef (onehot(ids) - exp2(z * row_scale - row_lse2))`` for the vocabulary columns
+    ``[window_start, window_start + window_tiles * block_n)``, the logits ``z = hidden W + bias`` recomputed.
 
-  Args:
-    hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
-    weight: ``[H, V]`` (``"hv"``) or ``[V, H]`` (``"vh"``).
-    bias: ``[num_tiles * block_n]`` f32 zero-padded, or None.
-    ids: ``[Rp]`` int32.
-    row_scale: ``[Rp]`` f32 ``log2(e) / T``.
-    row_lse2: ``[Rp]`` f32 ``lse * log2(e)``.
-    row_coef: ``[Rp]`` f32 ``dlogp / T`` (0 on padding rows).
-    window_start: first column, a multiple of ``block_n``.
+    Args:
+      hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
+      weight: ``[H, V]`` (``"hv"``) or ``[V, H]`` (``"vh"``).
+      bias: ``[num_tiles * block_n]`` f32 zero-padded, or None.
+      ids: ``[Rp]`` int32.
+      row_scale: ``[Rp]`` f32 ``log2(e) / T``.
+      row_lse2: ``[Rp]`` f32 ``lse * log2(e)``.
+      row_coef: ``[Rp]`` f32 ``dlogp / T`` (0 on padding rows).
+      window_start: first column, a multiple of ``block_n``.
 
-  Returns:
-    ``(dz, rowsum)``: ``dz`` ``[Rp, window_tiles * block_n]`` in ``hidden.dtype`` (columns past ``V`` are
-    0); ``rowsum`` ``[num_splits, Rp]`` float32, each split's sum of its stored ``dz`` entries.
-  """
-  rows, hdim = hidden.shape
-  bm, bn = cfg.block_m, cfg.block_n
-  assert window_start % bn == 0
-  first_tile = window_start // bn
-  tiles_per_split = C.cdiv(window_tiles, num_splits)
-  assert C.cdiv(window_tiles, tiles_per_split) == num_splits
-  k_iters = hdim // cfg.block_k
-  dtype = hidden.dtype
-  has_bias = bias is not None
+    Returns:
+      ``(dz, rowsum)``: ``dz`` ``[Rp, window_tiles * block_n]`` in ``hidden.dtype`` (columns past ``V`` are
+      0); ``rowsum`` ``[num_splits, Rp]`` float32, each split's sum of its stored ``dz`` entries.
+    """
+    rows, hdim = hidden.shape
+    bm, bn = cfg.block_m, cfg.block_n
+    assert window_start % bn == 0
+    first_tile = window_start // bn
+    tiles_per_split = C.cdiv(window_tiles, num_splits)
+    assert C.cdiv(window_tiles, tiles_per_split) == num_splits
+    k_iters = hdim // cfg.block_k
+    dtype = hidden.dtype
+    has_bias = bias is not None
 
-  def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
-    ids_ref, scale_ref, lse_ref, coef_ref = row_refs
-    dz_out, rowsum_out = outs
-    a_smem, b_smem, (out_smem, sum_smem), loaded, consumed = smem
-    split, row0, my_rows, local0, n_tiles, wg = C.cta_block(bm, tiles_per_split, window_tiles)
+    def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
+        ids_ref, scale_ref, lse_ref, coef_ref = row_refs
+        dz_out, rowsum_out = outs
+        a_smem, b_smem, (out_smem, sum_smem), loaded, consumed = smem
+        split, row0, my_rows, local0, n_tiles, wg = C.cta_block(bm, tiles_per_split, window_tiles)
 
-    def init_carry():
-      lse2_v = C.row_vector(lse_ref, my_rows, bm, interpret)
-      return (C.row_vector(ids_ref, my_rows, bm, interpret),
-              C.row_vector(scale_ref, my_rows, bm, interpret),
-              lse2_v, C.snap_tolerance(lse2_v),
-              C.row_vector(coef_ref, my_rows, bm, interpret),
-              layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret))
+        def init_carry():
+            lse2_v = C.row_vector(lse_ref, my_rows, bm, interpret)
+            return (
+                C.row_vector(ids_ref, my_rows, bm, interpret),
+                C.row_vector(scale_ref, my_rows, bm, interpret),
+                lse2_v,
+                C.snap_tolerance(lse2_v),
+                C.row_vector(coef_ref, my_rows, bm, interpret),
+                layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret),
+            )
 
-    def epilogue(tile, z, carry):
-      ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum = carry
-      shape = (bm, bn)
-      if has_bias:
-        z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
-      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
-      z2 = z * C.bcast_rows(scale_v, shape) - C.bcast_rows(lse2_v, shape)
-      z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance
-      p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
-      onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
-      dz = (C.bcast_rows(coef_v, shape) * (onehot - p)).astype(dtype)
-      rowsum = rowsum + dz.astype(jnp.float32).sum(axis=1)  # the stored values' rounding error
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
-      out_smem[wg] = dz
-      plgpu.commit_smem()
-      local_col = (tile - first_tile) * bn
-      plgpu.copy_smem_to_gmem(out_smem.at[wg], dz_out.at[pl.ds(my_rows, bm), pl.ds(local_col, bn)])
-      return ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum
+        def epilogue(tile, z, carry):
+            ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum = carry
+            shape = (bm, bn)
+            if has_bias:
+                z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
+            col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
+            z2 = z * C.bcast_rows(scale_v, shape) - C.bcast_rows(lse2_v, shape)
+            z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance
+            p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
+            onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
+            dz = (C.bcast_rows(coef_v, shape) * (onehot - p)).astype(dtype)
+            rowsum = rowsum + dz.astype(jnp.float32).sum(axis=1)  # the stored values' rounding error
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
+            out_smem[wg] = dz
+            plgpu.commit_smem()
+            local_col = (tile - first_tile) * bn
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], dz_out.at[pl.ds(my_rows, bm), pl.ds(local_col, bn)])
+            return ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum
 
-    def finish(carry):
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      sum_smem[wg] = carry[-1]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(sum_smem.at[wg], rowsum_out.at[split, pl.ds(my_rows, bm)])
-      plgpu.wait_smem_to_gmem(0)
+        def finish(carry):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            sum_smem[wg] = carry[-1]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(sum_smem.at[wg], rowsum_out.at[split, pl.ds(my_rows, bm)])
+            plgpu.wait_smem_to_gmem(0)
 
-    C.logits_tile_loop(
-        hidden_ref=h_ref, weight_ref=w_ref, weight_layout=weight_layout,
-        a_smem=a_smem, b_smem=b_smem, loaded=loaded, consumed=consumed,
-        row0=row0, tile0=first_tile + local0, num_tiles=n_tiles, k_iters=k_iters, cfg=cfg,
-        init_carry=init_carry, epilogue=epilogue, finish=finish, interpret=interpret)
+        C.logits_tile_loop(
+            hidden_ref=h_ref,
+            weight_ref=w_ref,
+            weight_layout=weight_layout,
+            a_smem=a_smem,
+            b_smem=b_smem,
+            loaded=loaded,
+            consumed=consumed,
+            row0=row0,
+            tile0=first_tile + local0,
+            num_tiles=n_tiles,
+            k_iters=k_iters,
+            cfg=cfg,
+            init_carry=init_carry,
+            epilogue=epilogue,
+            finish=finish,
+            interpret=interpret,
+        )
 
-  return C.launch(
-      body, hidden=hidden, weight=weight, bias=bias, row_inputs=(ids, row_scale, row_lse2, row_coef),
-      out_type=(jax.ShapeDtypeStruct((rows, window_tiles * bn), dtype),
-                jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)),
-      epilogue_smem=(plgpu.SMEM((2, bm, bn), dtype, transforms=C.smem_transforms(jnp.dtype(dtype).itemsize)),
-                     plgpu.SMEM((2, bm), jnp.float32)),
-      weight_layout=weight_layout, cfg=cfg, num_splits=num_splits, interpret=interpret)
+    return C.launch(
+        body,
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        row_inputs=(ids, row_scale, row_lse2, row_coef),
+        out_type=(
+            jax.ShapeDtypeStruct((rows, window_tiles * bn), dtype),
+            jax.ShapeDtypeStruct((num_splits, rows), jnp.float32),
+        ),
+        epilogue_smem=(
+            plgpu.SMEM((2, bm, bn), dtype, transforms=C.smem_transforms(jnp.dtype(dtype).itemsize)),
+            plgpu.SMEM((2, bm), jnp.float32),
+        ),
+        weight_layout=weight_layout,
+        cfg=cfg,
+        num_splits=num_splits,
+        interpret=interpret,
+    )

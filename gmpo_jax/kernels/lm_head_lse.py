@@ -30,159 +30,195 @@ bytes per row (250 KiB at Llama-3's vocabulary) written once, against ``2 H V`` 
 
 from __future__ import annotations
 
-
 import jax
-import jax.numpy as jnp
 import jax.experimental.pallas as pl
+import jax.numpy as jnp
 
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
 
 
-def lm_head_lse_partials(hidden, weight, bias, ids, row_scale, *, weight_layout: str, vocab_size: int,
-                 cfg: C.LMHeadBlocks, num_splits: int, with_entropy: bool = False, save_tiles: int = 0,
-                         interpret=None):
-  """Per-split online log-sum-exp statistics of the logits ``z = (hidden W + bias) / T``, never stored.
+def lm_head_lse_partials(
+    hidden,
+    weight,
+    bias,
+    ids,
+    row_scale,
+    *,
+    weight_layout: str,
+    vocab_size: int,
+    cfg: C.LMHeadBlocks,
+    num_splits: int,
+    with_entropy: bool = False,
+    save_tiles: int = 0,
+    interpret=None,
+):
+    """Per-split online log-sum-exp statistics of the logits ``z = (hidden W + bias) / T``, never stored.
 
-  Args:
-    hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
-    weight: ``[H, V]`` (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``), same dtype.
-    bias: ``[num_tiles * block_n]`` f32 (zero-padded past ``V``) or None.
-    ids: ``[Rp]`` int32 target ids (any value; ids outside ``[0, V)`` pick nothing).
-    row_scale: ``[Rp]`` f32, ``log2(e) / temperature`` per row.
-    with_entropy: also accumulate ``e2`` (two more float32 operations per logit).
-    save_tiles: also return the first ``save_tiles`` logits tiles (module docstring; at most the number
-      of tiles); the epilogue then stages a ``[block_m, block_n]`` float16 tile per warpgroup in shared
-      memory (``cfg`` must leave room).
+    Args:
+      hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
+      weight: ``[H, V]`` (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``), same dtype.
+      bias: ``[num_tiles * block_n]`` f32 (zero-padded past ``V``) or None.
+      ids: ``[Rp]`` int32 target ids (any value; ids outside ``[0, V)`` pick nothing).
+      row_scale: ``[Rp]`` f32, ``log2(e) / temperature`` per row.
+      with_entropy: also accumulate ``e2`` (two more float32 operations per logit).
+      save_tiles: also return the first ``save_tiles`` logits tiles (module docstring; at most the number
+        of tiles); the epilogue then stages a ``[block_m, block_n]`` float16 tile per warpgroup in shared
+        memory (``cfg`` must leave room).
 
-  Returns:
-    ``(m2, l, t2)`` or, with ``with_entropy``, ``(m2, l, t2, e2)``, each ``[num_splits, Rp]`` f32:
-    per split the running max of ``z2 = z * log2 e``, the sum of ``exp2(z2 - m2)``, the target's
-    ``z2`` (0 when the split does not hold the target) and ``sum exp2(z2 - m2) (z2 - m2)``. With
-    ``save_tiles``, two more: ``d`` ``[Rp, save_tiles * block_n]`` f16 (``z2 - m``, ``-inf`` past ``V``)
-    and ``m`` ``[save_tiles, Rp]`` f32 (the running maximum after each tile, 0 while it is ``-inf``).
-  """
-  rows, hdim = hidden.shape
-  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-  num_tiles = C.cdiv(vocab_size, bn)
-  tiles_per_split = C.cdiv(num_tiles, num_splits)
-  assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits)
-  assert rows % (2 * bm) == 0 and hdim % bk == 0
-  k_iters = hdim // bk
-  has_bias = bias is not None
-  n_stats = 4 if with_entropy else 3
-  assert 0 <= save_tiles <= num_tiles, (save_tiles, num_tiles)
-  save_logits = save_tiles > 0
+    Returns:
+      ``(m2, l, t2)`` or, with ``with_entropy``, ``(m2, l, t2, e2)``, each ``[num_splits, Rp]`` f32:
+      per split the running max of ``z2 = z * log2 e``, the sum of ``exp2(z2 - m2)``, the target's
+      ``z2`` (0 when the split does not hold the target) and ``sum exp2(z2 - m2) (z2 - m2)``. With
+      ``save_tiles``, two more: ``d`` ``[Rp, save_tiles * block_n]`` f16 (``z2 - m``, ``-inf`` past ``V``)
+      and ``m`` ``[save_tiles, Rp]`` f32 (the running maximum after each tile, 0 while it is ``-inf``).
+    """
+    rows, hdim = hidden.shape
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    num_tiles = C.cdiv(vocab_size, bn)
+    tiles_per_split = C.cdiv(num_tiles, num_splits)
+    assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits)
+    assert rows % (2 * bm) == 0 and hdim % bk == 0
+    k_iters = hdim // bk
+    has_bias = bias is not None
+    n_stats = 4 if with_entropy else 3
+    assert 0 <= save_tiles <= num_tiles, (save_tiles, num_tiles)
+    save_logits = save_tiles > 0
 
-  def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
-    ids_ref, scale_ref = row_refs
-    a_smem, b_smem, epi_smem, loaded, consumed = smem
-    stat_smem, tile_smem = epi_smem if save_logits else (epi_smem, None)
-    outs, saved = (outs[:n_stats], outs[n_stats:]) if save_logits else (outs, ())
-    split, row0, my_rows, tile0, n_tiles, wg = C.cta_block(bm, tiles_per_split, num_tiles)
+    def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
+        ids_ref, scale_ref = row_refs
+        a_smem, b_smem, epi_smem, loaded, consumed = smem
+        stat_smem, tile_smem = epi_smem if save_logits else (epi_smem, None)
+        outs, saved = (outs[:n_stats], outs[n_stats:]) if save_logits else (outs, ())
+        split, row0, my_rows, tile0, n_tiles, wg = C.cta_block(bm, tiles_per_split, num_tiles)
 
-    def init_carry():
-      ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)
-      scale_v = C.row_vector(scale_ref, my_rows, bm, interpret)
-      m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
-      l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
-      t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
-      stats = (m2, l, t2) + ((layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret),)
-                             if with_entropy else ())
-      return (ids_v, scale_v) + stats
+        def init_carry():
+            ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)
+            scale_v = C.row_vector(scale_ref, my_rows, bm, interpret)
+            m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
+            l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+            t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+            stats = (m2, l, t2) + (
+                (layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret),) if with_entropy else ()
+            )
+            return (ids_v, scale_v) + stats
 
-    def epilogue(tile, z, carry):
-      ids_v, scale_v, m2, l, t2, *e2 = carry  # e2: [the entropy's sum] with_entropy, else []
-      shape = (bm, bn)
-      if has_bias:
-        z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
-      z2 = z * C.bcast_rows(scale_v, shape)
-      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
-      z2 = jnp.where(col < vocab_size, z2, -jnp.inf)
-      m_new = jnp.maximum(m2, z2.max(axis=1))
-      # a row whose logits so far are all -inf (a split of masked / padded vocabulary: a -inf bias):
-      # keep l = 0 and m = -inf instead of exp2(-inf - -inf) = NaN
-      m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      d = z2 - C.bcast_rows(m_ref, shape)
-      p = jnp.exp2(d)
-      rescale = jnp.exp2(m2 - m_ref)
-      if with_entropy:
-        # e2 = sum_v p_v (z2_v - m): moves with the maximum like l (the shift is 0 while l is 0, and
-        # max(d, -256) keeps p * d = 0 * -inf away from masked columns)
-        shift = jnp.where(m2 == -jnp.inf, 0.0, m2 - m_ref)
-        e2 = [rescale * (e2[0] + l * shift) + (p * jnp.maximum(d, -256.0)).sum(axis=1)]
-      l = l * rescale + p.sum(axis=1)
-      t2 = t2 + jnp.where(col == C.bcast_rows(ids_v, shape), z2, 0.0).sum(axis=1)
-      if save_logits:
-        d_out, m_out = saved
+        def epilogue(tile, z, carry):
+            ids_v, scale_v, m2, l, t2, *e2 = carry  # e2: [the entropy's sum] with_entropy, else []
+            shape = (bm, bn)
+            if has_bias:
+                z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
+            z2 = z * C.bcast_rows(scale_v, shape)
+            col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
+            z2 = jnp.where(col < vocab_size, z2, -jnp.inf)
+            m_new = jnp.maximum(m2, z2.max(axis=1))
+            # a row whose logits so far are all -inf (a split of masked / padded vocabulary: a -inf bias):
+            # keep l = 0 and m = -inf instead of exp2(-inf - -inf) = NaN
+            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            d = z2 - C.bcast_rows(m_ref, shape)
+            p = jnp.exp2(d)
+            rescale = jnp.exp2(m2 - m_ref)
+            if with_entropy:
+                # e2 = sum_v p_v (z2_v - m): moves with the maximum like l (the shift is 0 while l is 0, and
+                # max(d, -256) keeps p * d = 0 * -inf away from masked columns)
+                shift = jnp.where(m2 == -jnp.inf, 0.0, m2 - m_ref)
+                e2 = [rescale * (e2[0] + l * shift) + (p * jnp.maximum(d, -256.0)).sum(axis=1)]
+            l = l * rescale + p.sum(axis=1)
+            t2 = t2 + jnp.where(col == C.bcast_rows(ids_v, shape), z2, 0.0).sum(axis=1)
+            if save_logits:
+                d_out, m_out = saved
 
-        def store():
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left SMEM
-          tile_smem[wg] = d.astype(jnp.float16)
-          stat_smem[wg, n_stats] = m_ref
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(tile_smem.at[wg], d_out.at[pl.ds(my_rows, bm), pl.ds(tile * bn, bn)])
-          plgpu.copy_smem_to_gmem(stat_smem.at[wg, n_stats], m_out.at[tile, pl.ds(my_rows, bm)])
+                def store():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left SMEM
+                    tile_smem[wg] = d.astype(jnp.float16)
+                    stat_smem[wg, n_stats] = m_ref
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(tile_smem.at[wg], d_out.at[pl.ds(my_rows, bm), pl.ds(tile * bn, bn)])
+                    plgpu.copy_smem_to_gmem(stat_smem.at[wg, n_stats], m_out.at[tile, pl.ds(my_rows, bm)])
 
-        if save_tiles == num_tiles:
-          store()
-        else:
-          pl.when(tile < save_tiles)(store)
-      return (ids_v, scale_v, m_new, l, t2, *e2)
+                if save_tiles == num_tiles:
+                    store()
+                else:
+                    pl.when(tile < save_tiles)(store)
+            return (ids_v, scale_v, m_new, l, t2, *e2)
 
-    def finish(carry):
-      for i, v in enumerate(carry[2:]):
-        stat_smem[wg, i] = v
-      plgpu.commit_smem()
-      dst = (split, pl.ds(my_rows, bm))
-      for i, out in enumerate(outs):
-        plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], out.at[dst])
-      plgpu.wait_smem_to_gmem(0)
+        def finish(carry):
+            for i, v in enumerate(carry[2:]):
+                stat_smem[wg, i] = v
+            plgpu.commit_smem()
+            dst = (split, pl.ds(my_rows, bm))
+            for i, out in enumerate(outs):
+                plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], out.at[dst])
+            plgpu.wait_smem_to_gmem(0)
 
-    C.logits_tile_loop(
-        hidden_ref=h_ref, weight_ref=w_ref, weight_layout=weight_layout,
-        a_smem=a_smem, b_smem=b_smem, loaded=loaded, consumed=consumed,
-        row0=row0, tile0=tile0, num_tiles=n_tiles, k_iters=k_iters, cfg=cfg,
-        init_carry=init_carry, epilogue=epilogue, finish=finish, interpret=interpret)
+        C.logits_tile_loop(
+            hidden_ref=h_ref,
+            weight_ref=w_ref,
+            weight_layout=weight_layout,
+            a_smem=a_smem,
+            b_smem=b_smem,
+            loaded=loaded,
+            consumed=consumed,
+            row0=row0,
+            tile0=tile0,
+            num_tiles=n_tiles,
+            k_iters=k_iters,
+            cfg=cfg,
+            init_carry=init_carry,
+            epilogue=epilogue,
+            finish=finish,
+            interpret=interpret,
+        )
 
-  stat = jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)
-  out_type = (stat,) * n_stats
-  epilogue_smem = plgpu.SMEM((2, n_stats + save_logits, bm), jnp.float32)  # sized in lm_head_lse_epilogue_bytes
-  if save_logits:
-    out_type += (jax.ShapeDtypeStruct((rows, save_tiles * bn), jnp.float16),
-                 jax.ShapeDtypeStruct((save_tiles, rows), jnp.float32))
-    epilogue_smem = (epilogue_smem, plgpu.SMEM((2, bm, bn), jnp.float16, transforms=C.smem_transforms(2)))
-  return C.launch(
-      body, hidden=hidden, weight=weight, bias=bias, row_inputs=(ids, row_scale), out_type=out_type,
-      epilogue_smem=epilogue_smem, weight_layout=weight_layout, cfg=cfg,
-      num_splits=num_splits, interpret=interpret)
+    stat = jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)
+    out_type = (stat,) * n_stats
+    epilogue_smem = plgpu.SMEM((2, n_stats + save_logits, bm), jnp.float32)  # sized in lm_head_lse_epilogue_bytes
+    if save_logits:
+        out_type += (
+            jax.ShapeDtypeStruct((rows, save_tiles * bn), jnp.float16),
+            jax.ShapeDtypeStruct((save_tiles, rows), jnp.float32),
+        )
+        epilogue_smem = (epilogue_smem, plgpu.SMEM((2, bm, bn), jnp.float16, transforms=C.smem_transforms(2)))
+    return C.launch(
+        body,
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        row_inputs=(ids, row_scale),
+        out_type=out_type,
+        epilogue_smem=epilogue_smem,
+        weight_layout=weight_layout,
+        cfg=cfg,
+        num_splits=num_splits,
+        interpret=interpret,
+    )
 
 
 def lm_head_lse_epilogue_bytes(cfg: C.LMHeadBlocks, *, n_stats: int, save: bool) -> int:
-  """Shared memory of :func:`lm_head_lse_partials`' epilogue: the ``n_stats`` statistics' staging per warpgroup,
-  plus with ``save_tiles`` one more row of it (the running maxima) and the two float16 logits tiles."""
-  return 2 * (n_stats + save) * cfg.block_m * 4 + save * 2 * cfg.block_m * cfg.block_n * 2
+    """Shared memory of :func:`lm_head_lse_partials`' epilogue: the ``n_stats`` statistics' staging per warpgroup,
+    plus with ``save_tiles`` one more row of it (the running maxima) and the two float16 logits tiles."""
+    return 2 * (n_stats + save) * cfg.block_m * 4 + save * 2 * cfg.block_m * cfg.block_n * 2
 
 
 def lm_head_merge_splits(m2, l, t2, e2=None):
-  """Merges per-split statistics into ``(logp, lse)``, or ``(logp, lse, entropy)`` given ``e2``, in
-  natural-log units.
+    """Merges per-split statistics into ``(logp, lse)``, or ``(logp, lse, entropy)`` given ``e2``, in
+    natural-log units.
 
-  ``logp = (t2 - lse2) * ln 2`` is formed in the kernels' base-2 units, where the target's ``t2`` and
-  the running max are the same rounded number at a one-hot softmax (tiny temperatures): converting
-  each to natural units first and subtracting could leave an ulp (~0.5 at ``|z| / T ~ 1e7``) and a
-  positive log-prob. ``logp <= 0`` is then exact (as in the XLA paths). The entropy
-  ``H = lse - E_p[z] = (log2 l - e2 / l) ln 2`` (relative to the max: no cancellation of large
-  logits) is clipped to ``[0, log V]`` like the XLA path's and is 0 for a row with no finite logit.
-  """
-  m_all, m_ref, alpha, l_all, lse2 = C.merge_splits(m2, l)  # a row with no finite logit: lse = -inf
-  logp = jnp.minimum((t2.sum(axis=0) - lse2) * C.LN2, 0.0)
-  if e2 is None:
-    return logp, lse2 * C.LN2
-  # each split's sum re-based to the global max; an empty split (l = 0, m2 = -inf) adds nothing
-  shift = jnp.where(l > 0, m2 - m_ref[None], 0.0)
-  e_all = (alpha * (e2 + l * shift)).sum(axis=0)
-  empty = m_all == -jnp.inf
-  safe_l = jnp.where(empty, 1.0, l_all)
-  ent = jnp.where(empty, 0.0, (jnp.log2(safe_l) - e_all / safe_l) * C.LN2)
-  return logp, lse2 * C.LN2, ent
+    ``logp = (t2 - lse2) * ln 2`` is formed in the kernels' base-2 units, where the target's ``t2`` and
+    the running max are the same rounded number at a one-hot softmax (tiny temperatures): converting
+    each to natural units first and subtracting could leave an ulp (~0.5 at ``|z| / T ~ 1e7``) and a
+    positive log-prob. ``logp <= 0`` is then exact (as in the XLA paths). The entropy
+    ``H = lse - E_p[z] = (log2 l - e2 / l) ln 2`` (relative to the max: no cancellation of large
+    logits) is clipped to ``[0, log V]`` like the XLA path's and is 0 for a row with no finite logit.
+    """
+    m_all, m_ref, alpha, l_all, lse2 = C.merge_splits(m2, l)  # a row with no finite logit: lse = -inf
+    logp = jnp.minimum((t2.sum(axis=0) - lse2) * C.LN2, 0.0)
+    if e2 is None:
+        return logp, lse2 * C.LN2
+    # each split's sum re-based to the global max; an empty split (l = 0, m2 = -inf) adds nothing
+    shift = jnp.where(l > 0, m2 - m_ref[None], 0.0)
+    e_all = (alpha * (e2 + l * shift)).sum(axis=0)
+    empty = m_all == -jnp.inf
+    safe_l = jnp.where(empty, 1.0, l_all)
+    ent = jnp.where(empty, 0.0, (jnp.log2(safe_l) - e_all / safe_l) * C.LN2)
+    return logp, lse2 * C.LN2, ent

@@ -26,9 +26,9 @@ the result does not depend on the grid. Constraints (checked by the backend): ``
 from __future__ import annotations
 
 import jax
+import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
-import jax.experimental.pallas as pl
 
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
@@ -37,120 +37,125 @@ __all__ = ["logits_lse_partials", "logits_merge_splits"]
 
 
 def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int, interpret=None):
-  """Per-split online log-sum-exp statistics (base 2) of the rows of ``x``.
+    """Per-split online log-sum-exp statistics (base 2) of the rows of ``x``.
 
-  Args:
-    x: ``[R, V]`` bf16 / f16 / f32 logits.
-    ids: ``[R]`` int32 target ids (a value outside ``[0, V)`` picks nothing).
-    k_rows: ``[R]`` float32, ``log2(e) / temperature`` per row.
-    cfg: block sizes (``block_v``, ``stages``, ``pick_target``).
-    num_splits: vocabulary splits (every split non-empty, see ``_common.logits_num_splits``).
+    Args:
+      x: ``[R, V]`` bf16 / f16 / f32 logits.
+      ids: ``[R]`` int32 target ids (a value outside ``[0, V)`` picks nothing).
+      k_rows: ``[R]`` float32, ``log2(e) / temperature`` per row.
+      cfg: block sizes (``block_v``, ``stages``, ``pick_target``).
+      num_splits: vocabulary splits (every split non-empty, see ``_common.logits_num_splits``).
 
-  Returns:
-    ``(m2, l, t2)``, each ``[num_splits, R]`` float32: running max of ``z2 = x * k``, sum of
-    ``exp2(z2 - m2)`` and the target's ``z2`` (0 where the split does not hold it; 0 everywhere without
-    ``cfg.pick_target``).
-  """
-  R, V = x.shape
-  bm, bv, stages = C.BLOCK_ROWS, cfg.block_v, cfg.stages
-  cfg.check_dtype(x.dtype)
-  num_tiles = C.cdiv(V, bv)
-  tps = C.cdiv(num_tiles, num_splits)
-  assert C.cdiv(num_tiles, tps) == num_splits, (num_tiles, num_splits)
-  assert R >= bm and V >= bv, (R, V)
-  shape = (bm, bv)
+    Returns:
+      ``(m2, l, t2)``, each ``[num_splits, R]`` float32: running max of ``z2 = x * k``, sum of
+      ``exp2(z2 - m2)`` and the target's ``z2`` (0 where the split does not hold it; 0 everywhere without
+      ``cfg.pick_target``).
+    """
+    R, V = x.shape
+    bm, bv, stages = C.BLOCK_ROWS, cfg.block_v, cfg.stages
+    cfg.check_dtype(x.dtype)
+    num_tiles = C.cdiv(V, bv)
+    tps = C.cdiv(num_tiles, num_splits)
+    assert C.cdiv(num_tiles, tps) == num_splits, (num_tiles, num_splits)
+    assert R >= bm and V >= bv, (R, V)
+    shape = (bm, bv)
 
-  def kernel(x_ref, ids_ref, k_ref, m_out, l_out, t_out, stat_smem, ids_smem, k_smem, vec_barrier):
-    split = lax.axis_index("split")
-    row0 = C.row_block_start(R)
-    tile0 = split * tps
-    n_tiles = jnp.minimum(tps, num_tiles - tile0)
-    ids_v, k_v = C.load_row_vectors(((ids_ref, ids_smem), (k_ref, k_smem)), row0, vec_barrier, interpret)
-    neg_inf = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
-    zero = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+    def kernel(x_ref, ids_ref, k_ref, m_out, l_out, t_out, stat_smem, ids_smem, k_smem, vec_barrier):
+        split = lax.axis_index("split")
+        row0 = C.row_block_start(R)
+        tile0 = split * tps
+        n_tiles = jnp.minimum(tps, num_tiles - tile0)
+        ids_v, k_v = C.load_row_vectors(((ids_ref, ids_smem), (k_ref, k_smem)), row0, vec_barrier, interpret)
+        neg_inf = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
+        zero = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
 
-    def body(idx, x_smem, carry):
-      m2, l, t2 = carry
-      j = tile0 + idx[0]
-      nominal = j * bv
-      start = C.tile_start(j, bv, V)
-      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)  # column within the tile
-      z2 = x_smem[...].astype(jnp.float32) * C.bcast_rows(k_v, shape)
-      z2 = jnp.where(col >= nominal - start, z2, -jnp.inf)  # columns a slid-back tile already saw
-      # online log-sum-exp: the new running max, the sum rescaled to it
-      m_new = jnp.maximum(m2, z2.max(axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf row so far: no NaN
-      p = jnp.exp2(z2 - C.bcast_rows(m_safe, shape))
-      l = l * jnp.exp2(m2 - m_safe) + p.sum(axis=1)
-      # the target's column within the tile; one below `nominal` was picked by an earlier tile
-      want = jnp.where(ids_v >= nominal, ids_v - start, -1)
-      t2 = t2 + jnp.where(col == C.bcast_rows(want, shape), z2, 0.0).sum(axis=1)
-      return m_new, l, t2
+        def body(idx, x_smem, carry):
+            m2, l, t2 = carry
+            j = tile0 + idx[0]
+            nominal = j * bv
+            start = C.tile_start(j, bv, V)
+            col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)  # column within the tile
+            z2 = x_smem[...].astype(jnp.float32) * C.bcast_rows(k_v, shape)
+            z2 = jnp.where(col >= nominal - start, z2, -jnp.inf)  # columns a slid-back tile already saw
+            # online log-sum-exp: the new running max, the sum rescaled to it
+            m_new = jnp.maximum(m2, z2.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf row so far: no NaN
+            p = jnp.exp2(z2 - C.bcast_rows(m_safe, shape))
+            l = l * jnp.exp2(m2 - m_safe) + p.sum(axis=1)
+            # the target's column within the tile; one below `nominal` was picked by an earlier tile
+            want = jnp.where(ids_v >= nominal, ids_v - start, -1)
+            t2 = t2 + jnp.where(col == C.bcast_rows(want, shape), z2, 0.0).sum(axis=1)
+            return m_new, l, t2
 
-    def body_lean(idx, x_smem, carry):
-      m, l, t2 = carry  # m: running max of the raw logits (k > 0: the max commutes with the scale)
-      j = tile0 + idx[0]
-      start = C.tile_start(j, bv, V)
-      col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)
-      xr = jnp.where(col >= j * bv - start, x_smem[...].astype(jnp.float32), -jnp.inf)
-      m_new = jnp.maximum(m, xr.max(axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp2(xr * C.bcast_rows(k_v, shape) - C.bcast_rows(m_safe * k_v, shape))
-      l = l * jnp.exp2((m - m_safe) * k_v) + p.sum(axis=1)
-      return m_new, l, t2
+        def body_lean(idx, x_smem, carry):
+            m, l, t2 = carry  # m: running max of the raw logits (k > 0: the max commutes with the scale)
+            j = tile0 + idx[0]
+            start = C.tile_start(j, bv, V)
+            col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)
+            xr = jnp.where(col >= j * bv - start, x_smem[...].astype(jnp.float32), -jnp.inf)
+            m_new = jnp.maximum(m, xr.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp2(xr * C.bcast_rows(k_v, shape) - C.bcast_rows(m_safe * k_v, shape))
+            l = l * jnp.exp2((m - m_safe) * k_v) + p.sum(axis=1)
+            return m_new, l, t2
 
-    def index_map(t):
-      return (row0, C.tile_start(tile0 + t, bv, V))
+        def index_map(t):
+            return (row0, C.tile_start(tile0 + t, bv, V))
 
-    # Traced in 32-bit mode: with jax_enable_x64 the pipeline's own `lax.min(max_concurrent_steps,
-    # num_steps)` of a dynamic grid takes the Python int as int64 against its int32 step count and fails
-    # (jax 0.10.2); everything it and the bodies compute is 32-bit anyway (a no-op without x64).
-    with jax.enable_x64(False):
-      m2, l, t2 = plgpu.emit_pipeline(
-          body if cfg.pick_target else body_lean,
-          grid=(n_tiles,),
-          in_specs=[plgpu.BlockSpec((pl.Element(bm), pl.Element(bv)), index_map,
-                                    transforms=C.smem_transforms(jnp.dtype(x.dtype).itemsize))],
-          max_concurrent_steps=stages,
-          init_carry=(neg_inf, zero, zero),
-      )(x_ref)
-    if not cfg.pick_target:
-      m2 = m2 * k_v  # to the base-2 units of z2 (-inf stays -inf: k > 0)
-    stat_smem[0] = m2
-    stat_smem[1] = l
-    stat_smem[2] = t2
-    plgpu.commit_smem()
-    dst = (split, pl.ds(row0, bm))
-    plgpu.copy_smem_to_gmem(stat_smem.at[0], m_out.at[dst])
-    plgpu.copy_smem_to_gmem(stat_smem.at[1], l_out.at[dst])
-    plgpu.copy_smem_to_gmem(stat_smem.at[2], t_out.at[dst])
-    plgpu.wait_smem_to_gmem(0)
+        # Traced in 32-bit mode: with jax_enable_x64 the pipeline's own `lax.min(max_concurrent_steps,
+        # num_steps)` of a dynamic grid takes the Python int as int64 against its int32 step count and fails
+        # (jax 0.10.2); everything it and the bodies compute is 32-bit anyway (a no-op without x64).
+        with jax.enable_x64(False):
+            m2, l, t2 = plgpu.emit_pipeline(
+                body if cfg.pick_target else body_lean,
+                grid=(n_tiles,),
+                in_specs=[
+                    plgpu.BlockSpec(
+                        (pl.Element(bm), pl.Element(bv)),
+                        index_map,
+                        transforms=C.smem_transforms(jnp.dtype(x.dtype).itemsize),
+                    )
+                ],
+                max_concurrent_steps=stages,
+                init_carry=(neg_inf, zero, zero),
+            )(x_ref)
+        if not cfg.pick_target:
+            m2 = m2 * k_v  # to the base-2 units of z2 (-inf stays -inf: k > 0)
+        stat_smem[0] = m2
+        stat_smem[1] = l
+        stat_smem[2] = t2
+        plgpu.commit_smem()
+        dst = (split, pl.ds(row0, bm))
+        plgpu.copy_smem_to_gmem(stat_smem.at[0], m_out.at[dst])
+        plgpu.copy_smem_to_gmem(stat_smem.at[1], l_out.at[dst])
+        plgpu.copy_smem_to_gmem(stat_smem.at[2], t_out.at[dst])
+        plgpu.wait_smem_to_gmem(0)
 
-  # Row pitch of the statistics padded to whole row blocks: a TMA stride must be a multiple of 16 bytes.
-  stat = jax.ShapeDtypeStruct((num_splits, C.cdiv(R, bm) * bm), jnp.float32)
-  call = plgpu.kernel(
-      kernel,
-      out_type=(stat, stat, stat),
-      scratch_types=[
-          plgpu.SMEM((3, bm), jnp.float32),
-          plgpu.SMEM((bm,), jnp.int32),
-          plgpu.SMEM((bm,), jnp.float32),
-          plgpu.Barrier(num_arrivals=2, num_barriers=1),
-      ],
-      grid=(num_splits, C.cdiv(R, bm)),
-      grid_names=("split", "rows"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )
-  return tuple(o[:, :R] for o in call(x, ids, k_rows))
+    # Row pitch of the statistics padded to whole row blocks: a TMA stride must be a multiple of 16 bytes.
+    stat = jax.ShapeDtypeStruct((num_splits, C.cdiv(R, bm) * bm), jnp.float32)
+    call = plgpu.kernel(
+        kernel,
+        out_type=(stat, stat, stat),
+        scratch_types=[
+            plgpu.SMEM((3, bm), jnp.float32),
+            plgpu.SMEM((bm,), jnp.int32),
+            plgpu.SMEM((bm,), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        ],
+        grid=(num_splits, C.cdiv(R, bm)),
+        grid_names=("split", "rows"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+    return tuple(o[:, :R] for o in call(x, ids, k_rows))
 
 
 def logits_merge_splits(m2, l, t2):
-  """Merges per-split statistics (``[S, R]`` float32 each, see :func:`logits_lse_partials`) into
-  ``(target z / T, log-sum-exp of z / T, lse2)``, each ``[R]`` float32.
+    """Merges per-split statistics (``[S, R]`` float32 each, see :func:`logits_lse_partials`) into
+    ``(target z / T, log-sum-exp of z / T, lse2)``, each ``[R]`` float32.
 
-  ``lse2`` is the base-2 log-sum-exp of ``z2 = z * log2(e) / T``, the unit the backward uses; a row with
-  no finite logit has ``lse = lse2 = -inf``.
-  """
-  lse2 = C.merge_splits(m2, l).lse2
-  return t2.sum(axis=0) * C.LN2, lse2 * C.LN2, lse2
+    ``lse2`` is the base-2 log-sum-exp of ``z2 = z * log2(e) / T``, the unit the backward uses; a row with
+    no finite logit has ``lse = lse2 = -inf``.
+    """
+    lse2 = C.merge_splits(m2, l).lse2
+    return t2.sum(axis=0) * C.LN2, lse2 * C.LN2, lse2

@@ -12,9 +12,11 @@ from gmpo_jax.lm_head.api import fused_linear_logprobs, fused_linear_policy_loss
 def __getattr__(name):  # the backend classes import their kernels lazily
     if name == "MosaicGpuBackend":
         from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+
         return MosaicGpuBackend
     if name == "XlaChunkedBackend":
         from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
+
         return XlaChunkedBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -7,7 +7,7 @@ No math lives here: the objectives are in ``gmpo_jax.objectives``, the chunk sca
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,18 @@ ScalarLike = Union[float, Float[Array, ""]]
 AxisName = Union[str, tuple[str, ...]]
 
 
-def _config(hidden, weight, bias, T: int, V: int, chunk_size, weight_layout: str, implementation, plan,
-            with_entropy: bool = False) -> LMHeadConfig:
+def _config(
+    hidden,
+    weight,
+    bias,
+    T: int,
+    V: int,
+    chunk_size,
+    weight_layout: str,
+    implementation,
+    plan,
+    with_entropy: bool = False,
+) -> LMHeadConfig:
     """The static configuration: the backend resolved for one device's rows and vocabulary shard."""
     B, H = hidden.shape[0], hidden.shape[2]
     if plan is not None:
@@ -39,13 +49,26 @@ def _config(hidden, weight, bias, T: int, V: int, chunk_size, weight_layout: str
         V_local = V
     chunk = min(chunk_size or tuning.default_chunk_size(B, T), B)
     backend = backend_lib.resolve(
-        implementation, hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V_local, rows=chunk * T,
-        weight_layout=weight_layout, has_bias=bias is not None,
-        **({"with_entropy": True} if with_entropy else {}))
-    return LMHeadConfig(backend=sharding.local_backend(backend, plan, V), chunk_size=chunk,
-                        weight_layout=weight_layout, weight_dtype=weight.dtype,
-                        bias_dtype=None if bias is None else bias.dtype, with_entropy=with_entropy, plan=plan,
-                        row_buckets=tuning.row_buckets(backend))
+        implementation,
+        hidden_dtype=hidden.dtype,
+        weight_dtype=weight.dtype,
+        H=H,
+        V=V_local,
+        rows=chunk * T,
+        weight_layout=weight_layout,
+        has_bias=bias is not None,
+        **({"with_entropy": True} if with_entropy else {}),
+    )
+    return LMHeadConfig(
+        backend=sharding.local_backend(backend, plan, V),
+        chunk_size=chunk,
+        weight_layout=weight_layout,
+        weight_dtype=weight.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
+        with_entropy=with_entropy,
+        plan=plan,
+        row_buckets=tuning.row_buckets(backend),
+    )
 
 
 def _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout):
@@ -71,28 +94,28 @@ def _plan_kwargs(plan) -> dict:
 
 def fused_linear_policy_loss(
     hidden: Float[Array, "B T H"],
-    weight: Union[Float[Array, "H V"], Float[Array, "V H"]],
+    weight: Float[Array, "H V"] | Float[Array, "V H"],
     completion_ids: Int[Array, "B T"],
     completion_mask: Num[Array, "B T"] | Bool[Array, "B T"],
     advantages: Float[Array, " B"],
     *,
     objective: Objective,
-    old_logps: Optional[Float[Array, "B T"]] = None,
-    ref_logps: Optional[Float[Array, "B T"]] = None,
-    ref_hidden: Optional[Float[Array, "B T Hr"]] = None,
-    ref_weight: Optional[Array] = None,
-    bias: Optional[Float[Array, " V"]] = None,
-    ref_bias: Optional[Float[Array, " V"]] = None,
-    rollout_is_ratio: Optional[Array] = None,
-    num_items_in_batch: Optional[ScalarLike] = None,
+    old_logps: Float[Array, "B T"] | None = None,
+    ref_logps: Float[Array, "B T"] | None = None,
+    ref_hidden: Float[Array, "B T Hr"] | None = None,
+    ref_weight: Array | None = None,
+    bias: Float[Array, " V"] | None = None,
+    ref_bias: Float[Array, " V"] | None = None,
+    rollout_is_ratio: Array | None = None,
+    num_items_in_batch: ScalarLike | None = None,
     temperature: ScalarLike = 1.0,
     weight_layout: str = "hv",
-    chunk_size: Optional[int] = None,
-    implementation: Optional[Any] = None,
-    vocab_size: Optional[int] = None,
-    mesh: Optional[jax.sharding.Mesh] = None,
-    data_axis: Optional[AxisName] = None,
-    vocab_axis: Optional[AxisName] = None,
+    chunk_size: int | None = None,
+    implementation: Any | None = None,
+    vocab_size: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: AxisName | None = None,
+    vocab_axis: AxisName | None = None,
 ) -> tuple[Float[Array, ""], LossAux]:
     r"""Policy-gradient loss (GMPO or the GRPO family) fused with the LM head.
 
@@ -200,20 +223,53 @@ def fused_linear_policy_loss(
       -0.25
     """
     B, T, H, V = V_.check_policy_inputs(
-        hidden=hidden, weight=weight, completion_ids=completion_ids, completion_mask=completion_mask,
-        advantages=advantages, objective=objective, old_logps=old_logps, ref_logps=ref_logps,
-        ref_hidden=ref_hidden, ref_weight=ref_weight, bias=bias, ref_bias=ref_bias,
-        rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch, temperature=temperature,
-        weight_layout=weight_layout, chunk_size=chunk_size, vocab_size=vocab_size)
+        hidden=hidden,
+        weight=weight,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        objective=objective,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        ref_hidden=ref_hidden,
+        ref_weight=ref_weight,
+        bias=bias,
+        ref_bias=ref_bias,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+        weight_layout=weight_layout,
+        chunk_size=chunk_size,
+        vocab_size=vocab_size,
+    )
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
-    inputs = V_.policy_inputs(objective, completion_ids, completion_mask, advantages, old_logps=old_logps,
-                              ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
-                              num_items_in_batch=num_items_in_batch, temperature=temperature)
+    inputs = V_.policy_inputs(
+        objective,
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+    )
     if ref_hidden is not None:
-        ref_logps = lax.stop_gradient(fused_linear_logprobs(
-            ref_hidden, ref_weight, inputs.ids, completion_mask=inputs.mask, bias=ref_bias,
-            temperature=inputs.temperature, weight_layout=weight_layout, chunk_size=chunk_size,
-            implementation=implementation, vocab_size=vocab_size, **_plan_kwargs(plan)))
+        ref_logps = lax.stop_gradient(
+            fused_linear_logprobs(
+                ref_hidden,
+                ref_weight,
+                inputs.ids,
+                completion_mask=inputs.mask,
+                bias=ref_bias,
+                temperature=inputs.temperature,
+                weight_layout=weight_layout,
+                chunk_size=chunk_size,
+                implementation=implementation,
+                vocab_size=vocab_size,
+                **_plan_kwargs(plan),
+            )
+        )
         inputs = inputs._replace(ref_logps=ref_logps)
     ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
@@ -223,21 +279,21 @@ def fused_linear_policy_loss(
 
 def fused_linear_logprobs(
     hidden: Float[Array, "B T H"],
-    weight: Union[Float[Array, "H V"], Float[Array, "V H"]],
+    weight: Float[Array, "H V"] | Float[Array, "V H"],
     completion_ids: Int[Array, "B T"],
     *,
-    completion_mask: Optional[Num[Array, "B T"] | Bool[Array, "B T"]] = None,
-    bias: Optional[Float[Array, " V"]] = None,
+    completion_mask: Num[Array, "B T"] | Bool[Array, "B T"] | None = None,
+    bias: Float[Array, " V"] | None = None,
     temperature: ScalarLike = 1.0,
     weight_layout: str = "hv",
-    chunk_size: Optional[int] = None,
-    implementation: Optional[Any] = None,
-    vocab_size: Optional[int] = None,
-    mesh: Optional[jax.sharding.Mesh] = None,
-    data_axis: Optional[AxisName] = None,
-    vocab_axis: Optional[AxisName] = None,
+    chunk_size: int | None = None,
+    implementation: Any | None = None,
+    vocab_size: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: AxisName | None = None,
+    vocab_axis: AxisName | None = None,
     return_entropy: bool = False,
-) -> Union[Float[Array, "B T"], tuple[Float[Array, "B T"], Float[Array, "B T"]]]:
+) -> Float[Array, "B T"] | tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     r"""Per-token log-probs (and optionally entropies) through the LM head without materialising the logits.
 
     .. math::
@@ -295,8 +351,9 @@ def fused_linear_logprobs(
     mask = jnp.ones((B, T), jnp.bool_) if completion_mask is None else V_.as_mask(completion_mask)
     ids, bias = sharding.mask_padded_vocab(jnp.where(mask, V_.as_ids(completion_ids), 0), bias, V, vocab_size)
     inputs = PolicyInputs(mask=mask, advantages=None, ids=ids, temperature=jnp.asarray(temperature, jnp.float32))
-    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan,
-                  with_entropy=bool(return_entropy))
+    cfg = _config(
+        hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan, with_entropy=bool(return_entropy)
+    )
     out = fused_logprobs(cfg, *_placed(plan, Head(hidden, weight, bias), inputs))
     if return_entropy:
         return out[0], lax.stop_gradient(out[1])

@@ -28,8 +28,18 @@ class LMHeadBackend(Protocol):
 
     name: str
 
-    def check_supported(self, *, hidden_dtype, weight_dtype, H: int, V: int, rows: int,
-                        weight_layout: str, has_bias: bool, with_entropy: bool = False) -> None:
+    def check_supported(
+        self,
+        *,
+        hidden_dtype,
+        weight_dtype,
+        H: int,
+        V: int,
+        rows: int,
+        weight_layout: str,
+        has_bias: bool,
+        with_entropy: bool = False,
+    ) -> None:
         """Raise ``UnsupportedConfigError`` / ``BackendUnavailableError`` if this call cannot be served."""
 
     def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
@@ -64,7 +74,6 @@ IMPLEMENTATIONS: dict[str, str] = {
 def resolve(implementation, **config) -> LMHeadBackend:
     """The LM-head backend for a call (see :func:`dispatch`); ``config`` goes to ``check_supported``."""
     return dispatch(implementation, IMPLEMENTATIONS, "fused LM head", **config)
-
 
 
 def cancel_rounding(dh, rowsum, weight, ids, weight_layout: str):

@@ -44,379 +44,479 @@ __all__ = ["MosaicGpuBackend", "supported_on", "block_config"]
 
 
 def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = False, device_kind: str | None = None):
-  """Block sizes of the kernel ``kind`` (``"logprob"``, ``"logprob_saved"``, ``"grad"``) from the reviewed table
-  ``gmpo_jax.tuning.MOSAIC_BLOCKS`` (keyed by GPU and head; ``device_kind`` defaults to the first
-  device's). The gradient kernel runs 64-row warpgroup blocks when ``rows <= 128`` (less padding)."""
-  from gmpo_jax.kernels._common import LMHeadBlocks
-  if interpret:  # small tiles: the interpreter's cost grows with the tile count and sizes
-    return LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)
-  if device_kind is None:
-    device_kind = getattr(jax.devices()[0], "device_kind", "")
-  block_m, block_n, block_k, stages = tuning.mosaic_blocks(device_kind, H, V, kind)
-  if kind == "grad" and rows <= 128:
-    block_m = 64
-  return LMHeadBlocks(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages)
+    """Block sizes of the kernel ``kind`` (``"logprob"``, ``"logprob_saved"``, ``"grad"``) from the reviewed table
+    ``gmpo_jax.tuning.MOSAIC_BLOCKS`` (keyed by GPU and head; ``device_kind`` defaults to the first
+    device's). The gradient kernel runs 64-row warpgroup blocks when ``rows <= 128`` (less padding)."""
+    from gmpo_jax.kernels._common import LMHeadBlocks
+
+    if interpret:  # small tiles: the interpreter's cost grows with the tile count and sizes
+        return LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)
+    if device_kind is None:
+        device_kind = getattr(jax.devices()[0], "device_kind", "")
+    block_m, block_n, block_k, stages = tuning.mosaic_blocks(device_kind, H, V, kind)
+    if kind == "grad" and rows <= 128:
+        block_m = 64
+    return LMHeadBlocks(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
 def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
-  """Shared memory of a kernel's epilogue beyond its operand ring (``kind`` as in :func:`block_config`)."""
-  from gmpo_jax.kernels.lm_head_lse import lm_head_lse_epilogue_bytes
-  if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
-    return lm_head_lse_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
-  return 2 * cfg.block_m * (cfg.block_n * itemsize + 4)  # the dz kernel's two output tiles and row sums
+    """Shared memory of a kernel's epilogue beyond its operand ring (``kind`` as in :func:`block_config`)."""
+    from gmpo_jax.kernels.lm_head_lse import lm_head_lse_epilogue_bytes
+
+    if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
+        return lm_head_lse_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
+    return 2 * cfg.block_m * (cfg.block_n * itemsize + 4)  # the dz kernel's two output tiles and row sums
 
 
 class SavedLogits(NamedTuple):
-  """The logits of a chunk as the log-prob kernel saved them (``save_logits``): ``d = z2 - m`` ``[Rp,
-  n_tiles * block_n]`` float16 and the running maxima ``m`` ``[n_tiles, Rp]`` float32, ``z2`` in base-2
-  units (``z * log2(e) / T``)."""
+    """The logits of a chunk as the log-prob kernel saved them (``save_logits``): ``d = z2 - m`` ``[Rp,
+    n_tiles * block_n]`` float16 and the running maxima ``m`` ``[n_tiles, Rp]`` float32, ``z2`` in base-2
+    units (``z * log2(e) / T``)."""
 
-  d: jax.Array
-  m: jax.Array
+    d: jax.Array
+    m: jax.Array
 
-  @property
-  def block_n(self) -> int:
-    return self.d.shape[1] // self.m.shape[0]
+    @property
+    def block_n(self) -> int:
+        return self.d.shape[1] // self.m.shape[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
-  """Pallas Mosaic GPU kernels; ``interpret=True`` runs them in the interpreter (CPU tests).
+    """Pallas Mosaic GPU kernels; ``interpret=True`` runs them in the interpreter (CPU tests).
 
-  workspace_bytes bounds the temporaries of one vocabulary window of the gradient pass: the 16-bit
-  ``dz [rows, window]``, the weight slice and the float32 dW block (one window is live at a time).
-  When the whole ``dz`` fits it, one window covers the vocabulary (no weight slice) and its float32
-  dW block is ``[H, V]``: the float32 weight copy the memory target allows.
-  save_logits: let ``logprobs_for_grads`` keep the logits (all, or the leading vocabulary tiles that fit
-  its budget) for the gradient pass (False: always recompute them), for hidden sizes
-  ``H >= save_min_hidden`` (``tuning.SAVED_LOGITS_MIN_H``: below it keeping was measured no faster).
-  """
+    workspace_bytes bounds the temporaries of one vocabulary window of the gradient pass: the 16-bit
+    ``dz [rows, window]``, the weight slice and the float32 dW block (one window is live at a time).
+    When the whole ``dz`` fits it, one window covers the vocabulary (no weight slice) and its float32
+    dW block is ``[H, V]``: the float32 weight copy the memory target allows.
+    save_logits: let ``logprobs_for_grads`` keep the logits (all, or the leading vocabulary tiles that fit
+    its budget) for the gradient pass (False: always recompute them), for hidden sizes
+    ``H >= save_min_hidden`` (``tuning.SAVED_LOGITS_MIN_H``: below it keeping was measured no faster).
+    """
 
-  interpret: bool = False
-  workspace_bytes: int = 256 * 2**20
-  save_logits: bool = True
-  save_min_hidden: int = tuning.SAVED_LOGITS_MIN_H
-  row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
-  cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
-  name: str = "mosaic_gpu"
+    interpret: bool = False
+    workspace_bytes: int = 256 * 2**20
+    save_logits: bool = True
+    save_min_hidden: int = tuning.SAVED_LOGITS_MIN_H
+    row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
+    cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
+    name: str = "mosaic_gpu"
 
-  # -- seam -------------------------------------------------------------------------------------
-  def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias,
-                      with_entropy=False):
-    from gmpo_jax.kernels import _common as C
-    if not self.interpret and not any(supported_on(d) for d in jax.devices()):
-      raise BackendUnavailableError("Pallas Mosaic GPU kernels need a Hopper (sm_90) or newer GPU")
-    if weight_layout not in ("hv", "vh"):
-      raise UnsupportedConfigError(f"{weight_layout=} must be 'hv' or 'vh'")
-    hd, wd = jnp.dtype(hidden_dtype), jnp.dtype(weight_dtype)
-    if hd != wd or hd not in C.SUPPORTED_DTYPES:
-      raise UnsupportedConfigError(
-          f"mosaic_gpu needs hidden and weight of one 16-bit dtype (bf16/f16), got {hd}, {wd}")
-    if H % 64 or H <= 0:
-      raise UnsupportedConfigError(f"mosaic_gpu needs H a positive multiple of 64, got {H=}")
-    if V <= 0 or rows <= 0:
-      raise UnsupportedConfigError(f"empty problem: {V=}, {rows=}")
-    if V >= 2**31 - 2**20 or rows >= 2**31 - 2**20:
-      raise UnsupportedConfigError(f"{V=} / {rows=} overflow int32 indexing")
-    item = hd.itemsize
-    for kind in ("logprob", "grad") + (("logprob_saved",) if self.save_logits else ()):
-      cfg = block_config(rows=rows, H=H, V=V, kind=kind, interpret=self.interpret)
-      extra = epilogue_bytes(kind, cfg, item)
-      if cfg.smem_bytes(item, extra) > C.SMEM_BYTES:
-        raise UnsupportedConfigError(
-            f"{kind} kernel needs {cfg.smem_bytes(item, extra)} bytes of shared memory "
-            f"(> {C.SMEM_BYTES}) with {cfg}")
+    # -- seam -------------------------------------------------------------------------------------
+    def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias, with_entropy=False):
+        from gmpo_jax.kernels import _common as C
 
-  def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
-    R, H = hidden.shape
-    V = _vocab(weight, weight_layout)
-    self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
-                         weight_layout=weight_layout, has_bias=bias is not None, with_entropy=with_entropy)
-    with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
-      out, _ = self._logprobs(hidden, weight, bias, ids, temperature, weight_layout=weight_layout,
-                              with_entropy=with_entropy, save_tiles=0)
-    return out
+        if not self.interpret and not any(supported_on(d) for d in jax.devices()):
+            raise BackendUnavailableError("Pallas Mosaic GPU kernels need a Hopper (sm_90) or newer GPU")
+        if weight_layout not in ("hv", "vh"):
+            raise UnsupportedConfigError(f"{weight_layout=} must be 'hv' or 'vh'")
+        hd, wd = jnp.dtype(hidden_dtype), jnp.dtype(weight_dtype)
+        if hd != wd or hd not in C.SUPPORTED_DTYPES:
+            raise UnsupportedConfigError(
+                f"mosaic_gpu needs hidden and weight of one 16-bit dtype (bf16/f16), got {hd}, {wd}"
+            )
+        if H % 64 or H <= 0:
+            raise UnsupportedConfigError(f"mosaic_gpu needs H a positive multiple of 64, got {H=}")
+        if V <= 0 or rows <= 0:
+            raise UnsupportedConfigError(f"empty problem: {V=}, {rows=}")
+        if V >= 2**31 - 2**20 or rows >= 2**31 - 2**20:
+            raise UnsupportedConfigError(f"{V=} / {rows=} overflow int32 indexing")
+        item = hd.itemsize
+        for kind in ("logprob", "grad") + (("logprob_saved",) if self.save_logits else ()):
+            cfg = block_config(rows=rows, H=H, V=V, kind=kind, interpret=self.interpret)
+            extra = epilogue_bytes(kind, cfg, item)
+            if cfg.smem_bytes(item, extra) > C.SMEM_BYTES:
+                raise UnsupportedConfigError(
+                    f"{kind} kernel needs {cfg.smem_bytes(item, extra)} bytes of shared memory "
+                    f"(> {C.SMEM_BYTES}) with {cfg}"
+                )
 
-  def save_plan(self, *, rows: int, H: int, V: int, budget_bytes: int) -> int:
-    """How many leading vocabulary tiles of the logits ``logprobs_for_grads`` keeps (0: none): the most
-    whose peak extra memory (:meth:`saved_bytes`) fits ``budget_bytes``; 0 without ``save_logits``, for
-    ``H < save_min_hidden``, or when the log-prob kernel's saved tiles and the dz kernel's tiles differ in
-    shape (table entries)."""
-    from gmpo_jax.kernels import _common as C
-    cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
-    grad = block_config(rows=rows, H=H, V=V, kind="grad", interpret=self.interpret)
-    if not self.save_logits or H < self.save_min_hidden or (cfg.block_m, cfg.block_n) != (grad.block_m, grad.block_n):
-      return 0
-    Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
-    n_tiles = C.cdiv(V, cfg.block_n)
-    for t in range(n_tiles, 0, -1):  # not monotone in t: the recomputed rest's window shrinks as t grows
-      if self._saved_bytes(Rp, H, n_tiles, cfg.block_n, t) <= budget_bytes:
-        return t
-    return 0
+    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
+        R, H = hidden.shape
+        V = _vocab(weight, weight_layout)
+        self.check_supported(
+            hidden_dtype=hidden.dtype,
+            weight_dtype=weight.dtype,
+            H=H,
+            V=V,
+            rows=R,
+            weight_layout=weight_layout,
+            has_bias=bias is not None,
+            with_entropy=with_entropy,
+        )
+        with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
+            out, _ = self._logprobs(
+                hidden,
+                weight,
+                bias,
+                ids,
+                temperature,
+                weight_layout=weight_layout,
+                with_entropy=with_entropy,
+                save_tiles=0,
+            )
+        return out
 
-  def keeps_logits(self, *, rows: int, H: int, V: int, weight_dtype, budget_bytes: int) -> bool:
-    """Whether :meth:`logprobs_for_grads` would keep any logits tile of ``rows`` rows (a bfloat16 weight and
-    :meth:`save_plan` > 0): the seam's optional hint, so that a caller that cannot use kept logits (row
-    skipping with separate forward and backward prefixes) takes the plain path when nothing is kept."""
-    return (jnp.dtype(weight_dtype) == jnp.dtype(jnp.bfloat16)
-            and self.save_plan(rows=rows, H=H, V=V, budget_bytes=budget_bytes) > 0)
+    def save_plan(self, *, rows: int, H: int, V: int, budget_bytes: int) -> int:
+        """How many leading vocabulary tiles of the logits ``logprobs_for_grads`` keeps (0: none): the most
+        whose peak extra memory (:meth:`saved_bytes`) fits ``budget_bytes``; 0 without ``save_logits``, for
+        ``H < save_min_hidden``, or when the log-prob kernel's saved tiles and the dz kernel's tiles differ in
+        shape (table entries)."""
+        from gmpo_jax.kernels import _common as C
 
-  def saved_bytes(self, *, rows: int, H: int, V: int, save_tiles: int) -> int:
-    """Peak device memory that ``logprobs_for_grads`` and ``grads`` use beyond the inputs and the
-    returned gradients when ``save_tiles`` leading tiles of the logits are kept: the float32 hidden-state
-    gradient plus the larger of (the float16 tiles and their per-tile maxima, with one window of the
-    saved part) and (one window of the recomputed rest, after the kept tiles are freed)."""
-    from gmpo_jax.kernels import _common as C
-    cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
-    Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
-    return self._saved_bytes(Rp, H, C.cdiv(V, cfg.block_n), cfg.block_n, save_tiles)
+        cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
+        grad = block_config(rows=rows, H=H, V=V, kind="grad", interpret=self.interpret)
+        if (
+            not self.save_logits
+            or H < self.save_min_hidden
+            or (cfg.block_m, cfg.block_n) != (grad.block_m, grad.block_n)
+        ):
+            return 0
+        Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
+        n_tiles = C.cdiv(V, cfg.block_n)
+        for t in range(n_tiles, 0, -1):  # not monotone in t: the recomputed rest's window shrinks as t grows
+            if self._saved_bytes(Rp, H, n_tiles, cfg.block_n, t) <= budget_bytes:
+                return t
+        return 0
 
-  def _saved_bytes(self, Rp: int, H: int, n_tiles: int, bn: int, save_tiles: int) -> int:
-    per_column = _per_column(Rp, H, 2)
-    kept = Rp * save_tiles * (bn * 2 + 4) + self._window_tiles(Rp, H, save_tiles, bn, 2, kept=True) * bn * per_column
-    rest = self._window_tiles(Rp, H, n_tiles - save_tiles, bn, 2) * bn * per_column if save_tiles < n_tiles else 0
-    return Rp * H * 4 + max(kept, rest)
+    def keeps_logits(self, *, rows: int, H: int, V: int, weight_dtype, budget_bytes: int) -> bool:
+        """Whether :meth:`logprobs_for_grads` would keep any logits tile of ``rows`` rows (a bfloat16 weight and
+        :meth:`save_plan` > 0): the seam's optional hint, so that a caller that cannot use kept logits (row
+        skipping with separate forward and backward prefixes) takes the plain path when nothing is kept."""
+        return (
+            jnp.dtype(weight_dtype) == jnp.dtype(jnp.bfloat16)
+            and self.save_plan(rows=rows, H=H, V=V, budget_bytes=budget_bytes) > 0
+        )
 
-  def _window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int, *, kept: bool = False) -> int:
-    """Vocabulary tiles per gradient window over ``n_tiles`` tiles: all when their dz fits
-    ``workspace_bytes`` (no weight slice, few rows: N = 512), else as many as the workspace holds (dz,
-    weight slice, dW), or half of it for the kept tiles (room for the kept logits: Llama-3 at 8192 rows)."""
-    if self.workspace_bytes >= Rp * n_tiles * bn * item:
-      return n_tiles
-    workspace = self.workspace_bytes // 2 if kept else self.workspace_bytes
-    return max(1, min(n_tiles, workspace // (_per_column(Rp, H, item) * bn)))
+    def saved_bytes(self, *, rows: int, H: int, V: int, save_tiles: int) -> int:
+        """Peak device memory that ``logprobs_for_grads`` and ``grads`` use beyond the inputs and the
+        returned gradients when ``save_tiles`` leading tiles of the logits are kept: the float32 hidden-state
+        gradient plus the larger of (the float16 tiles and their per-tile maxima, with one window of the
+        saved part) and (one window of the recomputed rest, after the kept tiles are freed)."""
+        from gmpo_jax.kernels import _common as C
 
-  def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
-    """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
-    tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes).
+        cfg = block_config(rows=rows, H=H, V=V, kind="logprob_saved", interpret=self.interpret)
+        Rp = C.cdiv(rows, cfg.rows_per_cta) * cfg.rows_per_cta
+        return self._saved_bytes(Rp, H, C.cdiv(V, cfg.block_n), cfg.block_n, save_tiles)
 
-    Only for a bfloat16 weight: with ``saved``, ``grads`` returns the weight gradient in the weight's
-    dtype, and the custom VJP multiplies it by the loss's cotangent afterwards. bfloat16 has float32's
-    range, so a scaled loss (a loss weight, microbatch averaging, loss scaling) cannot overflow or
-    underflow there as float16 could (a 1e-3-scaled loss gave inf in float16); a float16 weight keeps
-    the float32 accumulator and recomputes."""
-    R, H = hidden.shape
-    V = _vocab(weight, weight_layout)
-    self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
-                         weight_layout=weight_layout, has_bias=bias is not None)
-    save_tiles = 0
-    if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
-      save_tiles = self.save_plan(rows=R, H=H, V=V, budget_bytes=budget_bytes)
-    with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
-      (logp, lse), saved = self._logprobs(hidden, weight, bias, ids, temperature, weight_layout=weight_layout,
-                                          with_entropy=False, save_tiles=save_tiles)
-    return logp, lse, saved
+    def _saved_bytes(self, Rp: int, H: int, n_tiles: int, bn: int, save_tiles: int) -> int:
+        per_column = _per_column(Rp, H, 2)
+        kept = (
+            Rp * save_tiles * (bn * 2 + 4) + self._window_tiles(Rp, H, save_tiles, bn, 2, kept=True) * bn * per_column
+        )
+        rest = self._window_tiles(Rp, H, n_tiles - save_tiles, bn, 2) * bn * per_column if save_tiles < n_tiles else 0
+        return Rp * H * 4 + max(kept, rest)
 
-  def _logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles):
-    from gmpo_jax.kernels import _common as C
-    from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
-    R, H = hidden.shape
-    V = _vocab(weight, weight_layout)
-    kind = "logprob_saved" if save_tiles else "logprob"
-    cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
-    hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
-    n_tiles = C.cdiv(V, cfg.block_n)
-    splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
-    out = lm_head_lse_partials(hp, _aligned(weight, weight_layout), bias_p, ids_p, scale,
-                               weight_layout=weight_layout, vocab_size=V, cfg=cfg, num_splits=splits,
-                               with_entropy=with_entropy, save_tiles=save_tiles,
-                               interpret=self._interpret_params())
-    stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
-    logp, lse, *ent = (x[:R] for x in lm_head_merge_splits(*stats))
-    valid = (ids >= 0) & (ids < V)
-    logp = jnp.where(valid, logp, jnp.nan)
-    if with_entropy:  # in [0, log V], as the XLA path's
-      return (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))), saved
-    return (logp, lse), saved
+    def _window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int, *, kept: bool = False) -> int:
+        """Vocabulary tiles per gradient window over ``n_tiles`` tiles: all when their dz fits
+        ``workspace_bytes`` (no weight slice, few rows: N = 512), else as many as the workspace holds (dz,
+        weight slice, dW), or half of it for the kept tiles (room for the kept logits: Llama-3 at 8192 rows)."""
+        if self.workspace_bytes >= Rp * n_tiles * bn * item:
+            return n_tiles
+        workspace = self.workspace_bytes // 2 if kept else self.workspace_bytes
+        return max(1, min(n_tiles, workspace // (_per_column(Rp, H, item) * bn)))
 
-  def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc,
-            db_acc, saved=None):
-    """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
-    the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
+    def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
+        """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
+        tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes).
 
-    ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned (float32, or the weight's
-    dtype when ``saved`` is given), each window's block written once."""
-    from gmpo_jax.kernels import _common as C
-    R, H = hidden.shape
-    V = _vocab(weight, weight_layout)
-    self.check_supported(hidden_dtype=hidden.dtype, weight_dtype=weight.dtype, H=H, V=V, rows=R,
-                         weight_layout=weight_layout, has_bias=bias is not None)
-    cfg = block_config(rows=R, H=H, V=V, kind="grad", interpret=self.interpret)
-    bn = cfg.block_n
-    with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
-      hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
-      if saved is not None and (saved.block_n != bn or saved.d.shape[0] != Rp):
-        raise ValueError(f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
-                         f"not match the gradient kernel's {bn} / {Rp} (see save_plan)")
-      t = jnp.asarray(temperature, jnp.float32)
-      fresh = dw_acc is None
-      if fresh:
-        dw_acc = jnp.zeros(weight.shape, weight.dtype if saved is not None else jnp.float32)
-      gp = _GradPass(backend=self, cfg=cfg, V=V, layout=weight_layout, hp=hp, ids_p=ids_p, scale=scale,
-                     bias_p=bias_p, w_kernel=_aligned(weight, weight_layout),
-                     coef=jnp.pad(dlogp.astype(jnp.float32) / t, (0, Rp - R)),
-                     lse2=jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, Rp - R)), saved=saved, fresh=fresh)
-      n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
-      item = hp.dtype.itemsize
-      carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc, jnp.zeros((Rp,), jnp.float32))
-      if save_tiles:
-        carry = gp.windows(carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, item, kept=True), True)
-      if save_tiles < n_tiles:
-        carry = gp.windows(carry, save_tiles, n_tiles, self._window_tiles(Rp, H, n_tiles - save_tiles, bn, item),
-                           False)
-      dh, dw_acc, db_acc, rowsum = carry
-      if self.cancel_rounding:
-        dh = cancel_rounding(dh, rowsum, weight, ids_p, weight_layout)
-    return dh[:R].astype(hidden.dtype), dw_acc, db_acc
+        Only for a bfloat16 weight: with ``saved``, ``grads`` returns the weight gradient in the weight's
+        dtype, and the custom VJP multiplies it by the loss's cotangent afterwards. bfloat16 has float32's
+        range, so a scaled loss (a loss weight, microbatch averaging, loss scaling) cannot overflow or
+        underflow there as float16 could (a 1e-3-scaled loss gave inf in float16); a float16 weight keeps
+        the float32 accumulator and recomputes."""
+        R, H = hidden.shape
+        V = _vocab(weight, weight_layout)
+        self.check_supported(
+            hidden_dtype=hidden.dtype,
+            weight_dtype=weight.dtype,
+            H=H,
+            V=V,
+            rows=R,
+            weight_layout=weight_layout,
+            has_bias=bias is not None,
+        )
+        save_tiles = 0
+        if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
+            save_tiles = self.save_plan(rows=R, H=H, V=V, budget_bytes=budget_bytes)
+        with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
+            (logp, lse), saved = self._logprobs(
+                hidden,
+                weight,
+                bias,
+                ids,
+                temperature,
+                weight_layout=weight_layout,
+                with_entropy=False,
+                save_tiles=save_tiles,
+            )
+        return logp, lse, saved
 
-  # -- helpers ----------------------------------------------------------------------------------
-  def _interpret_params(self):
-    if not self.interpret:
-      return None
-    from gmpo_jax.kernels._compat import interpret_params
-    return interpret_params()
+    def _logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles):
+        from gmpo_jax.kernels import _common as C
+        from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
+
+        R, H = hidden.shape
+        V = _vocab(weight, weight_layout)
+        kind = "logprob_saved" if save_tiles else "logprob"
+        cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
+        hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
+        n_tiles = C.cdiv(V, cfg.block_n)
+        splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
+        out = lm_head_lse_partials(
+            hp,
+            _aligned(weight, weight_layout),
+            bias_p,
+            ids_p,
+            scale,
+            weight_layout=weight_layout,
+            vocab_size=V,
+            cfg=cfg,
+            num_splits=splits,
+            with_entropy=with_entropy,
+            save_tiles=save_tiles,
+            interpret=self._interpret_params(),
+        )
+        stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
+        logp, lse, *ent = (x[:R] for x in lm_head_merge_splits(*stats))
+        valid = (ids >= 0) & (ids < V)
+        logp = jnp.where(valid, logp, jnp.nan)
+        if with_entropy:  # in [0, log V], as the XLA path's
+            return (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))), saved
+        return (logp, lse), saved
+
+    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc, saved=None):
+        """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
+        the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
+
+        ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned (float32, or the weight's
+        dtype when ``saved`` is given), each window's block written once."""
+        from gmpo_jax.kernels import _common as C
+
+        R, H = hidden.shape
+        V = _vocab(weight, weight_layout)
+        self.check_supported(
+            hidden_dtype=hidden.dtype,
+            weight_dtype=weight.dtype,
+            H=H,
+            V=V,
+            rows=R,
+            weight_layout=weight_layout,
+            has_bias=bias is not None,
+        )
+        cfg = block_config(rows=R, H=H, V=V, kind="grad", interpret=self.interpret)
+        bn = cfg.block_n
+        with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
+            hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
+            if saved is not None and (saved.block_n != bn or saved.d.shape[0] != Rp):
+                raise ValueError(
+                    f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
+                    f"not match the gradient kernel's {bn} / {Rp} (see save_plan)"
+                )
+            t = jnp.asarray(temperature, jnp.float32)
+            fresh = dw_acc is None
+            if fresh:
+                dw_acc = jnp.zeros(weight.shape, weight.dtype if saved is not None else jnp.float32)
+            gp = _GradPass(
+                backend=self,
+                cfg=cfg,
+                V=V,
+                layout=weight_layout,
+                hp=hp,
+                ids_p=ids_p,
+                scale=scale,
+                bias_p=bias_p,
+                w_kernel=_aligned(weight, weight_layout),
+                coef=jnp.pad(dlogp.astype(jnp.float32) / t, (0, Rp - R)),
+                lse2=jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, Rp - R)),
+                saved=saved,
+                fresh=fresh,
+            )
+            n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
+            item = hp.dtype.itemsize
+            carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc, jnp.zeros((Rp,), jnp.float32))
+            if save_tiles:
+                carry = gp.windows(
+                    carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, item, kept=True), True
+                )
+            if save_tiles < n_tiles:
+                carry = gp.windows(
+                    carry, save_tiles, n_tiles, self._window_tiles(Rp, H, n_tiles - save_tiles, bn, item), False
+                )
+            dh, dw_acc, db_acc, rowsum = carry
+            if self.cancel_rounding:
+                dh = cancel_rounding(dh, rowsum, weight, ids_p, weight_layout)
+        return dh[:R].astype(hidden.dtype), dw_acc, db_acc
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _interpret_params(self):
+        if not self.interpret:
+            return None
+        from gmpo_jax.kernels._compat import interpret_params
+
+        return interpret_params()
 
 
 @dataclasses.dataclass
 class _GradPass:
-  """One ``grads`` call's vocabulary windows: per window, ``dz`` (the kernel, or the kept logits) and
-  ``dh += dz W^T``, ``dW[:, window] (+)= h^T dz``, ``db[window] += sum_rows dz``. Rows padded to ``Rp``."""
+    """One ``grads`` call's vocabulary windows: per window, ``dz`` (the kernel, or the kept logits) and
+    ``dh += dz W^T``, ``dW[:, window] (+)= h^T dz``, ``db[window] += sum_rows dz``. Rows padded to ``Rp``."""
 
-  backend: MosaicGpuBackend
-  cfg: Any            # the gradient kernel's block configuration
-  V: int
-  layout: str
-  hp: jax.Array       # [Rp, H] hidden, row-padded
-  ids_p: jax.Array    # [Rp] int32 (-1 on padding rows)
-  scale: jax.Array    # [Rp] log2(e) / temperature
-  bias_p: Any         # [tiles * block_n] float32 or None
-  w_kernel: jax.Array  # the weight as the bulk copies read it (_aligned)
-  coef: jax.Array     # [Rp] dlogp / temperature
-  lse2: jax.Array     # [Rp] log-sum-exp in base 2
-  saved: Any          # SavedLogits or None
-  fresh: bool         # dW blocks are written, not accumulated (a single chunk)
+    backend: MosaicGpuBackend
+    cfg: Any  # the gradient kernel's block configuration
+    V: int
+    layout: str
+    hp: jax.Array  # [Rp, H] hidden, row-padded
+    ids_p: jax.Array  # [Rp] int32 (-1 on padding rows)
+    scale: jax.Array  # [Rp] log2(e) / temperature
+    bias_p: Any  # [tiles * block_n] float32 or None
+    w_kernel: jax.Array  # the weight as the bulk copies read it (_aligned)
+    coef: jax.Array  # [Rp] dlogp / temperature
+    lse2: jax.Array  # [Rp] log-sum-exp in base 2
+    saved: Any  # SavedLogits or None
+    fresh: bool  # dW blocks are written, not accumulated (a single chunk)
 
-  @property
-  def axis(self) -> int:
-    return 1 if self.layout == "hv" else 0  # the weight's vocabulary axis
+    @property
+    def axis(self) -> int:
+        return 1 if self.layout == "hv" else 0  # the weight's vocabulary axis
 
-  def dz(self, w_blk, b_blk, ids_w, v0, width, wt, kept):
-    """dz of one window, ``[Rp, wt * block_n]`` (its weight columns ``w_blk``, ids relative to it), and
-    the row sums ``[Rp]`` of its stored entries (see ``backend.cancel_rounding``)."""
-    from gmpo_jax.kernels import _common as C
-    from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
-    if kept:
-      dz = _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
-      return dz, jnp.sum(dz.astype(jnp.float32), axis=1)
-    cfg = self.cfg
-    splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret))
-    dz, rowsum = lm_head_dlogits_window(self.hp, w_blk, b_blk, ids_w, self.scale, self.lse2, self.coef,
-                                        weight_layout=self.layout, vocab_size=width, window_start=0,
-                                        window_tiles=wt, cfg=cfg, num_splits=splits,
-                                        interpret=self.backend._interpret_params())
-    return dz, jnp.sum(rowsum, axis=0)
+    def dz(self, w_blk, b_blk, ids_w, v0, width, wt, kept):
+        """dz of one window, ``[Rp, wt * block_n]`` (its weight columns ``w_blk``, ids relative to it), and
+        the row sums ``[Rp]`` of its stored entries (see ``backend.cancel_rounding``)."""
+        from gmpo_jax.kernels import _common as C
+        from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
 
-  def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
-    """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""
-    dh, dw_acc, db_acc, rowsum = carry
-    axis, bn = self.axis, self.cfg.block_n
-    if w_blk is None:  # a full window inside the loop: dynamic slices of static width
-      w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
-      b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
-    dz, rowsum_w = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
-    rowsum = rowsum + rowsum_w
-    if dz.shape[1] != width:
-      dz = dz[:, :width]
-    if w_blk.shape[axis] != width:  # the aligned copy's padding columns
-      w_blk = lax.slice_in_dim(w_blk, 0, width, axis=axis)
-    dh = dh + lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())), preferred_element_type=jnp.float32)
-    a, b = (self.hp, dz) if axis == 1 else (dz, self.hp)          # dW block in the weight's layout
-    dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    if not self.fresh:
-      dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
-    dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
-    if db_acc is not None:
-      db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
-      db_acc = lax.dynamic_update_slice_in_dim(db_acc, lax.dynamic_slice_in_dim(db_acc, v0, width) + db_blk, v0,
-                                               axis=0)
-    return dh, dw_acc, db_acc, rowsum
+        if kept:
+            dz = _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
+            return dz, jnp.sum(dz.astype(jnp.float32), axis=1)
+        cfg = self.cfg
+        splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret))
+        dz, rowsum = lm_head_dlogits_window(
+            self.hp,
+            w_blk,
+            b_blk,
+            ids_w,
+            self.scale,
+            self.lse2,
+            self.coef,
+            weight_layout=self.layout,
+            vocab_size=width,
+            window_start=0,
+            window_tiles=wt,
+            cfg=cfg,
+            num_splits=splits,
+            interpret=self.backend._interpret_params(),
+        )
+        return dz, jnp.sum(rowsum, axis=0)
 
-  def windows(self, carry, tile0, tile1, wt, kept):
-    """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one
-    weight slice alive at a time by construction, accumulators updated in place; a Python loop left
-    the order to XLA's scheduler, which hoisted dz kernels and took several times the memory:
-    docs/performance.md), then the partial one, with static shapes (columns past V are masked)."""
-    from gmpo_jax.kernels import _common as C
-    bn = self.cfg.block_n
-    c0, c1 = tile0 * bn, min(tile1 * bn, self.V)
-    n_full = (c1 - c0) // (wt * bn) if wt < tile1 - tile0 else 0   # one window: no loop, no slice
-    if n_full:
-      carry, _ = lax.scan(lambda c, k: (self.window(c, c0 + k * (wt * bn), wt * bn, wt, kept), None),
-                          carry, jnp.arange(n_full, dtype=jnp.int32))
-    v0 = c0 + n_full * wt * bn
-    if v0 < c1:
-      end = min(v0 + C.cdiv(c1 - v0, bn) * bn, self.w_kernel.shape[self.axis])
-      w_blk = lax.slice_in_dim(self.w_kernel, v0, end, axis=self.axis)
-      b_blk = None if self.bias_p is None else self.bias_p[v0:v0 + C.cdiv(c1 - v0, bn) * bn]
-      carry = self.window(carry, v0, c1 - v0, C.cdiv(c1 - v0, bn), kept, w_blk, b_blk)
-    return carry
+    def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
+        """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""
+        dh, dw_acc, db_acc, rowsum = carry
+        axis, bn = self.axis, self.cfg.block_n
+        if w_blk is None:  # a full window inside the loop: dynamic slices of static width
+            w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
+            b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
+        dz, rowsum_w = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
+        rowsum = rowsum + rowsum_w
+        if dz.shape[1] != width:
+            dz = dz[:, :width]
+        if w_blk.shape[axis] != width:  # the aligned copy's padding columns
+            w_blk = lax.slice_in_dim(w_blk, 0, width, axis=axis)
+        dh = dh + lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())), preferred_element_type=jnp.float32)
+        a, b = (self.hp, dz) if axis == 1 else (dz, self.hp)  # dW block in the weight's layout
+        dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        if not self.fresh:
+            dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
+        dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
+        if db_acc is not None:
+            db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
+            db_acc = lax.dynamic_update_slice_in_dim(
+                db_acc, lax.dynamic_slice_in_dim(db_acc, v0, width) + db_blk, v0, axis=0
+            )
+        return dh, dw_acc, db_acc, rowsum
+
+    def windows(self, carry, tile0, tile1, wt, kept):
+        """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one
+        weight slice alive at a time by construction, accumulators updated in place; a Python loop left
+        the order to XLA's scheduler, which hoisted dz kernels and took several times the memory:
+        docs/performance.md), then the partial one, with static shapes (columns past V are masked)."""
+        from gmpo_jax.kernels import _common as C
+
+        bn = self.cfg.block_n
+        c0, c1 = tile0 * bn, min(tile1 * bn, self.V)
+        n_full = (c1 - c0) // (wt * bn) if wt < tile1 - tile0 else 0  # one window: no loop, no slice
+        if n_full:
+            carry, _ = lax.scan(
+                lambda c, k: (self.window(c, c0 + k * (wt * bn), wt * bn, wt, kept), None),
+                carry,
+                jnp.arange(n_full, dtype=jnp.int32),
+            )
+        v0 = c0 + n_full * wt * bn
+        if v0 < c1:
+            end = min(v0 + C.cdiv(c1 - v0, bn) * bn, self.w_kernel.shape[self.axis])
+            w_blk = lax.slice_in_dim(self.w_kernel, v0, end, axis=self.axis)
+            b_blk = None if self.bias_p is None else self.bias_p[v0 : v0 + C.cdiv(c1 - v0, bn) * bn]
+            carry = self.window(carry, v0, c1 - v0, C.cdiv(c1 - v0, bn), kept, w_blk, b_blk)
+        return carry
 
 
 def _aligned(weight, weight_layout):
-  """The weight as the kernels' bulk copies can read it: its vocabulary dimension a multiple of the
-  shared-memory tiling along it ((8, 64) tiles: V minor in ``"hv"`` needs ``V % 64 == 0``, major in
-  ``"vh"`` ``V % 8 == 0``). Real heads (151936, 128256, 32000) are the weight itself; others (GPT-2's
-  50257) get a zero-padded copy, whose extra columns the kernels mask as ``>= vocab_size``."""
-  axis = 1 if weight_layout == "hv" else 0
-  align = 64 if weight_layout == "hv" else 8
-  V = _vocab(weight, weight_layout)
-  if V % align == 0:
-    return weight
-  pad = [(0, 0), (0, 0)]
-  pad[axis] = (0, -V % align)
-  return jnp.pad(weight, pad)
+    """The weight as the kernels' bulk copies can read it: its vocabulary dimension a multiple of the
+    shared-memory tiling along it ((8, 64) tiles: V minor in ``"hv"`` needs ``V % 64 == 0``, major in
+    ``"vh"`` ``V % 8 == 0``). Real heads (151936, 128256, 32000) are the weight itself; others (GPT-2's
+    50257) get a zero-padded copy, whose extra columns the kernels mask as ``>= vocab_size``."""
+    axis = 1 if weight_layout == "hv" else 0
+    align = 64 if weight_layout == "hv" else 8
+    V = _vocab(weight, weight_layout)
+    if V % align == 0:
+        return weight
+    pad = [(0, 0), (0, 0)]
+    pad[axis] = (0, -V % align)
+    return jnp.pad(weight, pad)
 
 
 def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dtype):
-  """``dz = coef (onehot - exp2(d + m - lse2))`` of the window of ``wt`` saved tiles from column ``v0``
-  (one XLA fusion: the float16 tiles read once, ``dz`` written once), ``[Rp, wt * block_n]``; columns
-  ``>= width`` and ``-inf`` logits give 0, and ``|z2 - lse2|`` within ``snap_tolerance`` counts as 0
-  (``p = 1``) as in the dz kernel."""
-  from gmpo_jax.kernels import _common as C
-  bn = saved.block_n
-  Rp = saved.d.shape[0]
-  d = lax.dynamic_slice_in_dim(saved.d, v0, wt * bn, axis=1).reshape(Rp, wt, bn).astype(jnp.float32)
-  m = lax.dynamic_slice_in_dim(saved.m, v0 // bn, wt, axis=0).T                  # [Rp, wt]
-  z = d + (m - lse2[:, None])[:, :, None]
-  z = jnp.where(jnp.abs(z) <= C.snap_tolerance(lse2)[:, None, None], 0.0, z).reshape(Rp, wt * bn)
-  col = lax.broadcasted_iota(jnp.int32, z.shape, 1)
-  p = jnp.where(col < width, jnp.exp2(z), 0.0)
-  onehot = jnp.where(col == ids_w[:, None], 1.0, 0.0)
-  return (coef[:, None] * (onehot - p)).astype(dtype)
+    """``dz = coef (onehot - exp2(d + m - lse2))`` of the window of ``wt`` saved tiles from column ``v0``
+    (one XLA fusion: the float16 tiles read once, ``dz`` written once), ``[Rp, wt * block_n]``; columns
+    ``>= width`` and ``-inf`` logits give 0, and ``|z2 - lse2|`` within ``snap_tolerance`` counts as 0
+    (``p = 1``) as in the dz kernel."""
+    from gmpo_jax.kernels import _common as C
+
+    bn = saved.block_n
+    Rp = saved.d.shape[0]
+    d = lax.dynamic_slice_in_dim(saved.d, v0, wt * bn, axis=1).reshape(Rp, wt, bn).astype(jnp.float32)
+    m = lax.dynamic_slice_in_dim(saved.m, v0 // bn, wt, axis=0).T  # [Rp, wt]
+    z = d + (m - lse2[:, None])[:, :, None]
+    z = jnp.where(jnp.abs(z) <= C.snap_tolerance(lse2)[:, None, None], 0.0, z).reshape(Rp, wt * bn)
+    col = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    p = jnp.where(col < width, jnp.exp2(z), 0.0)
+    onehot = jnp.where(col == ids_w[:, None], 1.0, 0.0)
+    return (coef[:, None] * (onehot - p)).astype(dtype)
 
 
 def _per_column(Rp: int, H: int, item: int) -> int:
-  """Bytes per vocabulary column of a gradient window: dz ``[Rp]`` and the weight slice ``[H]`` in 16 bits,
-  the float32 dW block ``[H]``."""
-  return Rp * item + H * (item + 4)
+    """Bytes per vocabulary column of a gradient window: dz ``[Rp]`` and the weight slice ``[H]`` in 16 bits,
+    the float32 dW block ``[H]``."""
+    return Rp * item + H * (item + 4)
 
 
 def _vocab(weight, weight_layout):
-  return weight.shape[1] if weight_layout == "hv" else weight.shape[0]
+    return weight.shape[1] if weight_layout == "hv" else weight.shape[0]
 
 
 def _prepare(hidden, ids, bias, temperature, cfg, V):
-  """Row padding to the CTA row block and the per-row / per-column vectors the kernels read."""
-  from gmpo_jax.kernels import _common as C
-  R = hidden.shape[0]
-  Rp = C.cdiv(R, cfg.rows_per_cta) * cfg.rows_per_cta
-  pad = Rp - R
-  hp = jnp.pad(hidden, ((0, pad), (0, 0))) if pad else hidden
-  ids_p = jnp.pad(ids.astype(jnp.int32), (0, pad), constant_values=-1)
-  t = jnp.asarray(temperature, jnp.float32)
-  scale = jnp.broadcast_to(jnp.float32(C.LOG2E) / t, (Rp,)).astype(jnp.float32)
-  bias_p = None
-  if bias is not None:
-    n_cols = C.cdiv(V, cfg.block_n) * cfg.block_n
-    bias_p = jnp.pad(bias.astype(jnp.float32), (0, n_cols - V))
-  return hp, ids_p, scale, bias_p, Rp
+    """Row padding to the CTA row block and the per-row / per-column vectors the kernels read."""
+    from gmpo_jax.kernels import _common as C
+
+    R = hidden.shape[0]
+    Rp = C.cdiv(R, cfg.rows_per_cta) * cfg.rows_per_cta
+    pad = Rp - R
+    hp = jnp.pad(hidden, ((0, pad), (0, 0))) if pad else hidden
+    ids_p = jnp.pad(ids.astype(jnp.int32), (0, pad), constant_values=-1)
+    t = jnp.asarray(temperature, jnp.float32)
+    scale = jnp.broadcast_to(jnp.float32(C.LOG2E) / t, (Rp,)).astype(jnp.float32)
+    bias_p = None
+    if bias is not None:
+        n_cols = C.cdiv(V, cfg.block_n) * cfg.block_n
+        bias_p = jnp.pad(bias.astype(jnp.float32), (0, n_cols - V))
+    return hp, ids_p, scale, bias_p, Rp

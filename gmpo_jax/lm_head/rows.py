@@ -15,7 +15,8 @@ hidden states per pass, a scatter of the results, and one compiled program per b
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,7 @@ def last_nonzero(x: jax.Array) -> jax.Array:
 def prefix_sizes(rows: int, buckets: int) -> tuple[int, ...]:
     """The static prefix sizes: ``buckets`` steps of ``rows / buckets``, rounded up to
     ``tuning.ROW_ALIGN`` rows (the kernels' row blocks), the last being ``rows``."""
+
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
 

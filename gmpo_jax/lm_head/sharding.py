@@ -76,15 +76,14 @@ Design decisions (and why):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["ShardingPlan", "VocabParallelBackend", "make_plan", "infer_axes", "mask_padded_vocab"]
 
@@ -95,7 +94,7 @@ AxisName = Union[str, tuple[str, ...]]
 shard_map = jax.shard_map
 
 
-def _axes(axis: Optional[AxisName]) -> Optional[tuple[str, ...]]:
+def _axes(axis: AxisName | None) -> tuple[str, ...] | None:
     if axis is None:
         return None
     axes = (axis,) if isinstance(axis, str) else tuple(axis)
@@ -104,7 +103,7 @@ def _axes(axis: Optional[AxisName]) -> Optional[tuple[str, ...]]:
     return axes
 
 
-def _spec_entry(axes: Optional[tuple[str, ...]]):
+def _spec_entry(axes: tuple[str, ...] | None):
     if axes is None:
         return None
     return axes[0] if len(axes) == 1 else axes
@@ -115,8 +114,8 @@ class ShardingPlan:
     """How one fused call is laid out on a mesh (hashable: a static argument of the custom VJP)."""
 
     mesh: Any  # jax.sharding.Mesh or AbstractMesh
-    data_axis: Optional[tuple[str, ...]]
-    vocab_axis: Optional[tuple[str, ...]]
+    data_axis: tuple[str, ...] | None
+    vocab_axis: tuple[str, ...] | None
     data_shards: int
     vocab_shards: int
     weight_layout: str
@@ -156,6 +155,7 @@ class ShardingPlan:
 
     def place_all(self, args: tuple, specs: tuple) -> tuple:
         """Every array of ``args`` (a tuple of pytrees) placed on its spec (``specs``: a tree prefix)."""
+
         def place(spec, sub):
             return jax.tree.map(lambda x: self.place(x, spec) if isinstance(x, jax.Array) and x.ndim else x, sub)
 
@@ -166,16 +166,18 @@ class ShardingPlan:
 
         ``check_vma=False``: nothing is differentiated through the collectives (the custom VJP's forward
         computes the gradients), so the scan carries need no ``pcast``."""
-        return shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)(*self.place_all(args, in_specs))
+        return shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+            *self.place_all(args, in_specs)
+        )
 
     def sum_data(self, x):
         """``x`` summed over the data axis (inside :meth:`run`); None and unsharded batches pass through."""
         return x if (x is None or self.data_axis is None) else lax.psum(x, self.data_axis)
 
 
-def make_plan(mesh, data_axis: Optional[AxisName], vocab_axis: Optional[AxisName], *, B: int, V: int,
-              weight_layout: str) -> Optional[ShardingPlan]:
+def make_plan(
+    mesh, data_axis: AxisName | None, vocab_axis: AxisName | None, *, B: int, V: int, weight_layout: str
+) -> ShardingPlan | None:
     """Validate the mesh arguments of a public call; None when neither axis is given (single-device path).
 
     Raises:
@@ -191,23 +193,26 @@ def make_plan(mesh, data_axis: Optional[AxisName], vocab_axis: Optional[AxisName
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh is None or mesh.empty:
-            raise ValueError("data_axis= / vocab_axis= need mesh= (a jax.sharding.Mesh) or a mesh set with "
-                             "jax.set_mesh(...)")
+            raise ValueError(
+                "data_axis= / vocab_axis= need mesh= (a jax.sharding.Mesh) or a mesh set with jax.set_mesh(...)"
+            )
     named = (d or ()) + (v or ())
     for a in named:
         if a not in mesh.axis_names:
             raise ValueError(f"mesh axis {a!r} is not in the mesh, whose axes are {tuple(mesh.axis_names)}")
     if len(set(named)) != len(named):
-        raise ValueError(f"a mesh axis may split one array axis only, got data_axis={data_axis!r}, "
-                         f"vocab_axis={vocab_axis!r}")
+        raise ValueError(
+            f"a mesh axis may split one array axis only, got data_axis={data_axis!r}, vocab_axis={vocab_axis!r}"
+        )
     nd = math.prod(mesh.shape[a] for a in d) if d else 1
     nv = math.prod(mesh.shape[a] for a in v) if v else 1
     if B % nd:
-        raise ValueError(f"hidden's batch B={B} must be a multiple of the {nd} data shards of "
-                         f"data_axis={data_axis!r}")
+        raise ValueError(f"hidden's batch B={B} must be a multiple of the {nd} data shards of data_axis={data_axis!r}")
     if V % nv:
-        raise ValueError(f"the vocabulary V={V} must be a multiple of the {nv} shards of vocab_axis={vocab_axis!r}: "
-                         f"pad the LM head to {-(-V // nv) * nv} and pass vocab_size={V}")
+        raise ValueError(
+            f"the vocabulary V={V} must be a multiple of the {nv} shards of vocab_axis={vocab_axis!r}: "
+            f"pad the LM head to {-(-V // nv) * nv} and pass vocab_size={V}"
+        )
     return ShardingPlan(mesh, d, v, nd, nv, weight_layout)
 
 
@@ -231,12 +236,14 @@ def infer_axes(hidden, weight, weight_layout: str):
     ws = tuple(sw.spec) + (None,) * (2 - len(sw.spec)) if isinstance(sw, NamedSharding) else (None,) * 2
     v_entry, h_entry = (ws[1], ws[0]) if weight_layout == "hv" else (ws[0], ws[1])
     if hs[1] is not None or hs[2] is not None or h_entry is not None:
-        raise ValueError(f"only hidden's batch axis and weight's vocabulary axis may be sharded, got "
-                         f"hidden sharded as {sh.spec} and weight as {sw.spec}")
+        raise ValueError(
+            f"only hidden's batch axis and weight's vocabulary axis may be sharded, got "
+            f"hidden sharded as {sh.spec} and weight as {sw.spec}"
+        )
     return mesh, hs[0], v_entry
 
 
-def mask_padded_vocab(ids, bias, V: int, vocab_size: Optional[int]):
+def mask_padded_vocab(ids, bias, V: int, vocab_size: int | None):
     """``(ids, bias)`` with vocabulary columns ``>= vocab_size`` masked out of the softmax.
 
     The padded columns get a ``-inf`` bias (``0`` where the caller has no bias, otherwise its own
@@ -282,8 +289,15 @@ class VocabParallelBackend:
 
     def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
         local, owned = self._local(ids)
-        out = self.inner.logprobs(hidden, weight, bias, local, temperature, weight_layout=weight_layout,
-                                  **({"with_entropy": True} if with_entropy else {}))
+        out = self.inner.logprobs(
+            hidden,
+            weight,
+            bias,
+            local,
+            temperature,
+            weight_layout=weight_layout,
+            **({"with_entropy": True} if with_entropy else {}),
+        )
         logp_k, lse_k = out[:2]
         with jax.named_scope("gmpo_jax/vocab_parallel/combine"):
             m = lax.pmax(lse_k, self.axis)
@@ -301,14 +315,24 @@ class VocabParallelBackend:
         return logp, lse, ent
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
-        dh, dw, db = self.inner.grads(hidden, weight, bias, self._local(ids)[0], dlogp, lse, temperature,
-                                      weight_layout=weight_layout, dw_acc=dw_acc, db_acc=db_acc)
+        dh, dw, db = self.inner.grads(
+            hidden,
+            weight,
+            bias,
+            self._local(ids)[0],
+            dlogp,
+            lse,
+            temperature,
+            weight_layout=weight_layout,
+            dw_acc=dw_acc,
+            db_acc=db_acc,
+        )
         with jax.named_scope("gmpo_jax/vocab_parallel/dhidden"):
             dh = lax.psum(dh.astype(jnp.float32), self.axis).astype(hidden.dtype)
         return dh, dw, db
 
 
-def local_backend(backend, plan: Optional[ShardingPlan], V: int):
+def local_backend(backend, plan: ShardingPlan | None, V: int):
     """The backend each device runs: ``backend`` itself, or wrapped for vocabulary parallelism over a
     ``V``-column vocabulary (``V`` the global size)."""
     if plan is None or plan.vocab_axis is None:

@@ -37,12 +37,11 @@ Design decisions (and why):
   and weight gradients are summed over the data axis once. Without a plan nothing changes.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +82,7 @@ class LMHeadConfig:
     weight_dtype: Any
     bias_dtype: Any = None
     with_entropy: bool = False
-    plan: Optional[ShardingPlan] = None
+    plan: ShardingPlan | None = None
     row_buckets: int = 1
 
 
@@ -93,7 +92,7 @@ class Head(NamedTuple):
 
     hidden: jax.Array
     weight: jax.Array
-    bias: Optional[jax.Array] = None
+    bias: jax.Array | None = None
 
 
 def _chunk_plan(B: int, c: int):
@@ -134,20 +133,34 @@ def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool):
     gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy as budget)."""
     weight, lay = head.weight, cfg.weight_layout
     if keep:
-        return cfg.backend.logprobs_for_grads(h, weight, head.bias, ids, t, weight_layout=lay,
-                                              budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK)
+        return cfg.backend.logprobs_for_grads(
+            h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK
+        )
     return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None)
 
 
 def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, saved):
     """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``."""
     kw = {} if saved is None else {"saved": saved}
-    return cfg.backend.grads(h, head.weight, head.bias, ids, dlogp, lse, t, weight_layout=cfg.weight_layout,
-                             dw_acc=dw, db_acc=db, **kw)
+    return cfg.backend.grads(
+        h, head.weight, head.bias, ids, dlogp, lse, t, weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, **kw
+    )
 
 
-def _chunk_step(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk: PolicyInputs, denominator, dw, db, *,
-                with_grads: bool, keep: bool):
+def _chunk_step(
+    cfg: LMHeadConfig,
+    objective,
+    head: Head,
+    h,
+    ids,
+    chunk: PolicyInputs,
+    denominator,
+    dw,
+    db,
+    *,
+    with_grads: bool,
+    keep: bool,
+):
     """One chunk on all its rows: ``(numerator, sums, dh [R, H] or None, dw, db)``."""
     t = chunk.temperature
     logp, lse, saved = _forward(cfg, head, h, ids, t, keep=keep)
@@ -157,8 +170,20 @@ def _chunk_step(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk: PolicyI
     return (num, sums, *_backward(cfg, head, h, ids, dlogp.reshape(-1), lse, t, dw, db, saved))
 
 
-def _chunk_step_skipping(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk: PolicyInputs, denominator, dw,
-                         db, *, with_grads: bool, keep: bool):
+def _chunk_step_skipping(
+    cfg: LMHeadConfig,
+    objective,
+    head: Head,
+    h,
+    ids,
+    chunk: PolicyInputs,
+    denominator,
+    dw,
+    db,
+    *,
+    with_grads: bool,
+    keep: bool,
+):
     """:func:`_chunk_step` on a static prefix of the reordered rows (``gmpo_jax.lm_head.rows``): the
     forward on the unmasked rows, the backward up to the last row with a non-zero ``d loss / d logp``.
     With ``keep`` both passes share the forward's prefix (the kept logits hold those rows)."""
@@ -171,12 +196,14 @@ def _chunk_step_skipping(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk
         return evaluate(objective, logp_rows.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
 
     if keep:
+
         def run(S):
             hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
             logp_s, lse_s, saved = _forward(cfg, head, hs, ids_s, t, keep=True)
             num, sums, dlogp = objective_on(rows.scatter_back(logp_s, order))
-            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, rows.take(dlogp.reshape(-1), order, S), lse_s, t,
-                                       None, db, saved)
+            dh_s, dw_, db_ = _backward(
+                cfg, head, hs, ids_s, rows.take(dlogp.reshape(-1), order, S), lse_s, t, None, db, saved
+            )
             return num, sums, rows.scatter_back(dh_s, order), dw_, db_
 
         def empty():
@@ -196,8 +223,9 @@ def _chunk_step_skipping(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk
     dlogp_p = jnp.take(dlogp.reshape(-1), order.perm)
 
     def backward(S):
-        dh_s, dw_, db_ = _backward(cfg, head, rows.take(h, order, S), rows.take(ids, order, S), dlogp_p[:S],
-                                   lse_p[:S], t, dw, db, None)
+        dh_s, dw_, db_ = _backward(
+            cfg, head, rows.take(h, order, S), rows.take(ids, order, S), dlogp_p[:S], lse_p[:S], t, dw, db, None
+        )
         return rows.scatter_back(dh_s, order), dw_, db_
 
     def nothing():
@@ -213,12 +241,14 @@ def _keeps_logits(backend, rows: int, H: int, weight) -> bool:
         return False
     hint = getattr(backend, "keeps_logits", None)
     V = weight.size // H
-    return hint is None or hint(rows=rows, H=H, V=V, weight_dtype=weight.dtype,
-                                budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK)
+    return hint is None or hint(
+        rows=rows, H=H, V=V, weight_dtype=weight.dtype, budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK
+    )
 
 
-def _scan_policy(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs, denominator, *,
-                 with_grads: bool):
+def _scan_policy(
+    cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs, denominator, *, with_grads: bool
+):
     """``(numerator, MetricSums, Head of gradients)`` of these rows over the given (global) denominator.
 
     The weight gradient is float32, or the weight's dtype when a single chunk's backend kept its logits
@@ -235,8 +265,9 @@ def _scan_policy(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: Po
     def body(carry, i):
         num, sums, dh, dw, db = carry
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        num_c, sums_c, dh_c, dw, db = step(cfg, objective, head, h, ids, chunk, denominator, dw, db,
-                                           with_grads=with_grads, keep=keep)
+        num_c, sums_c, dh_c, dw, db = step(
+            cfg, objective, head, h, ids, chunk, denominator, dw, db, with_grads=with_grads, keep=keep
+        )
         if with_grads:
             dh = _merge_rows(dh, start, fresh, dh_c.reshape(cfg.chunk_size, T, H))
         return (num + num_c, sums.combine(sums_c), dh, dw, db), None
@@ -270,9 +301,12 @@ def _sharded_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInpu
             return plan.sum_data(num), sums.all_reduce(plan.data_axis), grads
 
     specs = Head(*plan.head)
-    return plan.run(local, (objective, head, inputs, denominator),
-                    in_specs=(P(), specs, inputs.specs(plan.batch, P()), P()),
-                    out_specs=(P(), P(), specs if with_grads else P()))
+    return plan.run(
+        local,
+        (objective, head, inputs, denominator),
+        in_specs=(P(), specs, inputs.specs(plan.batch, P()), P()),
+        out_specs=(P(), P(), specs if with_grads else P()),
+    )
 
 
 def _run_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInputs, *, with_grads: bool):
@@ -284,7 +318,9 @@ def _run_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInputs, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_policy_loss(cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
+def fused_policy_loss(
+    cfg: LMHeadConfig, objective: Objective, head: Head, inputs: PolicyInputs
+) -> tuple[jax.Array, LossAux]:
     """Fused loss ``(loss, aux)``; arguments checked and normalised by ``gmpo_jax.lm_head.api``."""
     loss, aux, _ = _run_policy(cfg, objective, head, inputs, with_grads=False)
     return loss, aux
@@ -298,9 +334,11 @@ def _fused_policy_loss_fwd(cfg, objective, head, inputs):
 def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:
     """The stored gradients times the cotangent ``g``, in the primal dtypes."""
     g = g.astype(jnp.float32)
-    return Head((grads.hidden.astype(jnp.float32) * g).astype(grads.hidden.dtype),
-                (grads.weight * g).astype(cfg.weight_dtype),
-                None if grads.bias is None else (grads.bias * g).astype(cfg.bias_dtype))
+    return Head(
+        (grads.hidden.astype(jnp.float32) * g).astype(grads.hidden.dtype),
+        (grads.weight * g).astype(cfg.weight_dtype),
+        None if grads.bias is None else (grads.bias * g).astype(cfg.bias_dtype),
+    )
 
 
 def _fused_policy_loss_bwd(cfg, grads, cotangents):
@@ -348,8 +386,16 @@ def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
 
     def body(carry, i):
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        out = _on_rows(cfg, chunk.mask, None, h, ids, lambda hs, ids_s: backend.logprobs(
-            hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout, **kw))
+        out = _on_rows(
+            cfg,
+            chunk.mask,
+            None,
+            h,
+            ids,
+            lambda hs, ids_s: backend.logprobs(
+                hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout, **kw
+            ),
+        )
         m = chunk.mask
         new = [jnp.where(m, x.reshape(m.shape), 0.0) if k != 1 else x.reshape(m.shape) for k, x in enumerate(out)]
         return tuple(_merge_rows(a, start, fresh, x) for a, x in zip(carry, new)), None
@@ -373,13 +419,34 @@ def _scan_logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse
         cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=c, axis=0)
         dlogp = jnp.where(chunk.mask, cut(g).astype(jnp.float32), 0.0).reshape(-1)
         lse_c = cut(lse).reshape(-1)
-        dh_c, dw, db = _on_rows(cfg, dlogp != 0, (dw, db), h, ids, lambda hs, ids_s, dlogp_s, lse_s: backend.grads(
-            hs, weight, bias, ids_s, dlogp_s, lse_s, inputs.temperature, weight_layout=cfg.weight_layout, dw_acc=dw,
-            db_acc=db), dlogp, lse_c)
+        dh_c, dw, db = _on_rows(
+            cfg,
+            dlogp != 0,
+            (dw, db),
+            h,
+            ids,
+            lambda hs, ids_s, dlogp_s, lse_s: backend.grads(
+                hs,
+                weight,
+                bias,
+                ids_s,
+                dlogp_s,
+                lse_s,
+                inputs.temperature,
+                weight_layout=cfg.weight_layout,
+                dw_acc=dw,
+                db_acc=db,
+            ),
+            dlogp,
+            lse_c,
+        )
         return (_merge_rows(dh, start, fresh, dh_c.reshape(c, *hidden.shape[1:])), dw, db), None
 
-    init = (jnp.zeros_like(hidden), jnp.zeros(weight.shape, jnp.float32),
-            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+    init = (
+        jnp.zeros_like(hidden),
+        jnp.zeros(weight.shape, jnp.float32),
+        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+    )
     with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs_grad"):
         grads, _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
     return Head(*grads)
@@ -390,8 +457,12 @@ def _run_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
     if plan is None:
         return _scan_logprobs(cfg, head, inputs)
     out_specs = (plan.batch,) * (3 if cfg.with_entropy else 2)
-    return plan.run(functools.partial(_scan_logprobs, cfg), (head, inputs),
-                    in_specs=(Head(*plan.head), inputs.specs(plan.batch, P())), out_specs=out_specs)
+    return plan.run(
+        functools.partial(_scan_logprobs, cfg),
+        (head, inputs),
+        in_specs=(Head(*plan.head), inputs.specs(plan.batch, P())),
+        out_specs=out_specs,
+    )
 
 
 def _logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse, g) -> Head:
@@ -404,8 +475,12 @@ def _logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse, g) 
         return grads._replace(weight=plan.sum_data(grads.weight), bias=plan.sum_data(grads.bias))
 
     specs = Head(*plan.head)
-    return plan.run(local, (head, inputs, lse, g), in_specs=(specs, inputs.specs(plan.batch, P()), plan.batch,
-                                                            plan.batch), out_specs=specs)
+    return plan.run(
+        local,
+        (head, inputs, lse, g),
+        in_specs=(specs, inputs.specs(plan.batch, P()), plan.batch, plan.batch),
+        out_specs=specs,
+    )
 
 
 def _primal(cfg: LMHeadConfig, out):

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gmpo_jax import tuning
 from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax.lm_head.backend import cancel_rounding
-from gmpo_jax import tuning
 
 __all__ = ["XlaChunkedBackend", "shifted"]
 
@@ -43,8 +43,7 @@ def _weight_block(weight, start, size, layout):
 def _block_logits(hidden, w_blk, b_blk, temperature, layout, precision):
     """``(hidden @ W_blk + b_blk) / temperature`` as float32 ``[R, size]``."""
     contract = ((1,), (0,)) if layout == "hv" else ((1,), (1,))
-    z = lax.dot_general(hidden, w_blk, (contract, ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32)
+    z = lax.dot_general(hidden, w_blk, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
     if b_blk is not None:
         z = z + b_blk.astype(jnp.float32)[None, :]
     return z / temperature
@@ -95,8 +94,7 @@ class XlaChunkedBackend:
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
     name: str = "xla_chunked"
 
-    def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias,
-                        with_entropy=False):
+    def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias, with_entropy=False):
         if weight_layout not in ("hv", "vh"):
             raise UnsupportedConfigError(f"weight_layout={weight_layout!r}")
 
@@ -110,8 +108,9 @@ class XlaChunkedBackend:
         prec = _precision(hidden.dtype, weight.dtype)
 
         def body(tgt, j):
-            _, _, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
-                                                layout=weight_layout, precision=prec)
+            _, _, z, cols, fresh = _vocab_block(
+                j, hidden, weight, bias, temperature, size=size, V=V, layout=weight_layout, precision=prec
+            )
             # this block's partials, relative to its OWN maximum (merged after the scan, see below)
             m_j = jnp.max(z, axis=1)
             d = shifted(z, jnp.where(jnp.isneginf(m_j), 0.0, m_j)[:, None])
@@ -157,28 +156,35 @@ class XlaChunkedBackend:
 
         def body(carry, j):
             dh, dw, db, rowsum = carry
-            start, w_blk, z, cols, fresh = _vocab_block(j, hidden, weight, bias, temperature, size=size, V=V,
-                                                        layout=weight_layout, precision=prec)
+            start, w_blk, z, cols, fresh = _vocab_block(
+                j, hidden, weight, bias, temperature, size=size, V=V, layout=weight_layout, precision=prec
+            )
             p = jnp.where(fresh[None, :], jnp.exp(shifted(z, lse[:, None])), 0.0)
             onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
             dz_c = dz.astype(cdt)
             rowsum = rowsum + jnp.sum(dz_c.astype(jnp.float32), axis=1)  # the stored dz's rounding error
             if weight_layout == "hv":  # dh += dz W_b^T ; dW_b = h^T dz  ([H, size])
-                dh = dh + lax.dot_general(dz_c, w_blk, (((1,), (1,)), ((), ())), precision=prec,
-                                          preferred_element_type=jnp.float32)
-                dw_blk = lax.dot_general(hidden, dz_c, (((0,), (0,)), ((), ())), precision=prec,
-                                         preferred_element_type=jnp.float32)
+                dh = dh + lax.dot_general(
+                    dz_c, w_blk, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+                )
+                dw_blk = lax.dot_general(
+                    hidden, dz_c, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+                )
             else:  # W_b is [size, H]: dh += dz W_b ; dW_b = dz^T h ([size, H])
-                dh = dh + lax.dot_general(dz_c, w_blk, (((1,), (0,)), ((), ())), precision=prec,
-                                          preferred_element_type=jnp.float32)
-                dw_blk = lax.dot_general(dz_c, hidden, (((0,), (0,)), ((), ())), precision=prec,
-                                         preferred_element_type=jnp.float32)
+                dh = dh + lax.dot_general(
+                    dz_c, w_blk, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+                )
+                dw_blk = lax.dot_general(
+                    dz_c, hidden, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+                )
             dw = lax.dynamic_update_slice_in_dim(
-                dw, lax.dynamic_slice_in_dim(dw, start, size, axis=axis) + dw_blk, start, axis=axis)
+                dw, lax.dynamic_slice_in_dim(dw, start, size, axis=axis) + dw_blk, start, axis=axis
+            )
             if db is not None:
                 db = lax.dynamic_update_slice_in_dim(
-                    db, lax.dynamic_slice_in_dim(db, start, size) + jnp.sum(dz, axis=0), start, axis=0)
+                    db, lax.dynamic_slice_in_dim(db, start, size) + jnp.sum(dz, axis=0), start, axis=0
+                )
             return (dh, dw, db, rowsum), None
 
         if dw_acc is None:  # the seam's "no accumulator": this chunk's own gradient

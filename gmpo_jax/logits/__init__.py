@@ -12,9 +12,11 @@ from gmpo_jax.logits.api import policy_loss_from_logits
 def __getattr__(name):  # the backend classes import their kernels lazily
     if name == "MosaicGpuLogitsBackend":
         from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
+
         return MosaicGpuLogitsBackend
     if name == "XlaLogitsBackend":
         from gmpo_jax.logits.xla import XlaLogitsBackend
+
         return XlaLogitsBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

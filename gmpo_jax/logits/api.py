@@ -6,7 +6,7 @@ backends (``xla.py``, ``mosaic_gpu.py``); the objectives in ``gmpo_jax.objective
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +23,19 @@ __all__ = ["policy_loss_from_logits"]
 ScalarLike = Union[float, Float[Array, ""]]
 
 
-def _check_inputs(*, logits, completion_ids, completion_mask, advantages, objective, old_logps, ref_logps,
-                  rollout_is_ratio, num_items_in_batch, temperature) -> tuple[int, int, int, int]:
+def _check_inputs(
+    *,
+    logits,
+    completion_ids,
+    completion_mask,
+    advantages,
+    objective,
+    old_logps,
+    ref_logps,
+    rollout_is_ratio,
+    num_items_in_batch,
+    temperature,
+) -> tuple[int, int, int, int]:
     """All argument checks (trace time, named errors); returns (B, T, Tl, V) with ``Tl`` = T or T + 1."""
     V_.require_rank("logits", logits, 3, "[B, T + 1, V] or [B, T, V]")
     V_.require_float("logits", logits)
@@ -32,31 +43,45 @@ def _check_inputs(*, logits, completion_ids, completion_mask, advantages, object
     B, T = np.shape(completion_ids)
     _, Tl, V = np.shape(logits)
     if B < 1 or T < 1 or V < 1:
-        raise ValueError(f"completion_ids [B, T] and logits [B, T(+1), V] must be non-empty, got "
-                         f"completion_ids.shape={np.shape(completion_ids)}, logits.shape={np.shape(logits)}")
+        raise ValueError(
+            f"completion_ids [B, T] and logits [B, T(+1), V] must be non-empty, got "
+            f"completion_ids.shape={np.shape(completion_ids)}, logits.shape={np.shape(logits)}"
+        )
     if np.shape(logits)[0] != B or Tl not in (T, T + 1):
-        raise ValueError(f"logits must have shape [B, T + 1, V] or [B, T, V] with B, T = {(B, T)} (from "
-                         f"completion_ids), got logits.shape={np.shape(logits)}")
-    V_.check_token_inputs(B=B, T=T, V=V, completion_ids=completion_ids, completion_mask=completion_mask,
-                          advantages=advantages, objective=objective, old_logps=old_logps, ref_logps=ref_logps,
-                          rollout_is_ratio=rollout_is_ratio, num_items_in_batch=num_items_in_batch,
-                          temperature=temperature)
+        raise ValueError(
+            f"logits must have shape [B, T + 1, V] or [B, T, V] with B, T = {(B, T)} (from "
+            f"completion_ids), got logits.shape={np.shape(logits)}"
+        )
+    V_.check_token_inputs(
+        B=B,
+        T=T,
+        V=V,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        objective=objective,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+    )
     if objective.requires_reference and ref_logps is None:
         raise ValueError(f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps")
     return B, T, Tl, V
 
 
 def policy_loss_from_logits(
-    logits: Union[Float[Array, "B T+1 V"], Float[Array, "B T V"]],
+    logits: Float[Array, "B T+1 V"] | Float[Array, "B T V"],
     completion_ids: Int[Array, "B T"],
     completion_mask: Num[Array, "B T"] | Bool[Array, "B T"],
     advantages: Float[Array, " B"],
     *,
     objective: Objective,
-    old_logps: Optional[Float[Array, "B T"]] = None,
-    ref_logps: Optional[Float[Array, "B T"]] = None,
-    rollout_is_ratio: Optional[Array] = None,
-    num_items_in_batch: Optional[ScalarLike] = None,
+    old_logps: Float[Array, "B T"] | None = None,
+    ref_logps: Float[Array, "B T"] | None = None,
+    rollout_is_ratio: Array | None = None,
+    num_items_in_batch: ScalarLike | None = None,
     temperature: ScalarLike = 1.0,
     implementation: Any = None,
 ) -> tuple[Float[Array, ""], LossAux]:
@@ -138,12 +163,28 @@ def policy_loss_from_logits(
       (2, 4, 11)
     """
     B, T, Tl, V = _check_inputs(
-        logits=logits, completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages,
-        objective=objective, old_logps=old_logps, ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch, temperature=temperature)
-    inputs = V_.policy_inputs(objective, completion_ids, completion_mask, advantages, old_logps=old_logps,
-                              ref_logps=ref_logps, rollout_is_ratio=rollout_is_ratio,
-                              num_items_in_batch=num_items_in_batch, temperature=temperature)
+        logits=logits,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        objective=objective,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+    )
+    inputs = V_.policy_inputs(
+        objective,
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        rollout_is_ratio=rollout_is_ratio,
+        num_items_in_batch=num_items_in_batch,
+        temperature=temperature,
+    )
     logits = jnp.asarray(logits)
     backend = backend_lib.resolve(implementation, dtype=logits.dtype, B=B, T=T, Tl=Tl, V=V)
     with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss_from_logits"):

@@ -10,7 +10,6 @@ blocks at sequence ends; their statistics are dropped. The backward kernel write
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +111,8 @@ class MosaicGpuLogitsBackend:
             raise UnsupportedConfigError(
                 f"B * T(+1) = {B * Tl} rows of V = {V} {dtype} logits: the kernels view them as [rows * k, V / k] "
                 f"with k in (1, 2, 4, 8), and need rows * k a multiple of 8 and >= {K.BLOCK_ROWS} (one row "
-                f"block), V / k a multiple of {g} (128 bytes) and >= {wide} (block_v); no k meets all four")
+                f"block), V / k a multiple of {g} (128 bytes) and >= {wide} (block_v); no k meets all four"
+            )
 
     def _splits(self, R, W):
         if self.num_splits is not None:
@@ -135,14 +135,24 @@ class MosaicGpuLogitsBackend:
         x, ids_r, R, k = self._rows(logits, ids, T)
         kk = jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R * k,))
         with jax.named_scope("gmpo_jax/mosaic_gpu/logits_lse"):
-            parts = K.logits_lse_partials(x, ids_r, kk, cfg=self.fwd, num_splits=self._splits(R * k, x.shape[1]),
-                                   interpret=self._interpret_params())
+            parts = K.logits_lse_partials(
+                x,
+                ids_r,
+                kk,
+                cfg=self.fwd,
+                num_splits=self._splits(R * k, x.shape[1]),
+                interpret=self._interpret_params(),
+            )
             # [S, R * k] -> [S * k, R]: the row pieces are more splits of the same row
             parts = [jnp.moveaxis(p.reshape(-1, R, k), 2, 1).reshape(-1, R) for p in parts]
             tgt, lse, lse2 = K.logits_merge_splits(*parts)
         tgt, lse = tgt.reshape(B, Tl)[:, :T], lse.reshape(B, Tl)[:, :T]
         if not self.fwd.pick_target:  # a [B, T] gather from the full array (no slice of the logits)
-            tgt = logits[jnp.arange(B, dtype=jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[None, :], jnp.clip(ids, 0, V - 1)]
+            tgt = logits[
+                jnp.arange(B, dtype=jnp.int32)[:, None],
+                jnp.arange(T, dtype=jnp.int32)[None, :],
+                jnp.clip(ids, 0, V - 1),
+            ]
             tgt = tgt.astype(jnp.float32) / temperature
         # logp <= 0 exactly: at tiny temperatures (|z| / T ~ 1e7) the target and the log-sum-exp reach
         # natural units through different roundings and could differ by an ulp (~0.5) the wrong way
@@ -158,12 +168,12 @@ class MosaicGpuLogitsBackend:
         if self.inplace and x.shape[1] % cfg.block_v:  # no slid-back column tile in place
             cfg = dataclasses.replace(cfg, block_v=128 // jnp.dtype(logits.dtype).itemsize)
         with jax.named_scope("gmpo_jax/mosaic_gpu/dlogits"):
-            dz = K.logits_dlogits(x, ids_r, kk, rep(lse2), c, cfg=cfg, inplace=self.inplace,
-                           interpret=self._interpret_params())
+            dz = K.logits_dlogits(
+                x, ids_r, kk, rep(lse2), c, cfg=cfg, inplace=self.inplace, interpret=self._interpret_params()
+            )
         return dz.reshape(B, Tl, V)
 
-
-    def fused_plan(self, *, dtype, R: int, V: int) -> Optional[tuple[int, K.FusedLogitsBlocks]]:
+    def fused_plan(self, *, dtype, R: int, V: int) -> tuple[int, K.FusedLogitsBlocks] | None:
         """``(w, config)`` of the fused kernel for ``R`` rows of ``V`` logits, or None (then the three-pass
         path runs): the rows must view as ``[R, V / w, w]`` slabs (``V`` a multiple of 128 bf16 / 64 f32
         columns, see ``kernels.slab_width``) at least 64 slab rows long (bf16 ``V = 2048``: 64 rows
@@ -197,11 +207,32 @@ class MosaicGpuLogitsBackend:
             sms = num_sms()
             clusters = {4: sms * plan["clusters_of_4_per_132_sms"] // 132, 2: sms, 1: 2 * sms}[cluster]
             num_ctas = cluster * clusters
-        return w, K.FusedLogitsBlocks(block_rows=bs, stages=stages, out_stages=plan["out_stages"], cluster=cluster, num_ctas=num_ctas,
-                                skip_dead_rows=self.skip_masked_rows, resident=self.resident_rows)
+        return w, K.FusedLogitsBlocks(
+            block_rows=bs,
+            stages=stages,
+            out_stages=plan["out_stages"],
+            cluster=cluster,
+            num_ctas=num_ctas,
+            skip_dead_rows=self.skip_masked_rows,
+            resident=self.resident_rows,
+        )
 
-    def logprobs_and_dlogits(self, logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
-                             rollout_is_ratio, weights, mask, id_ok):
+    def logprobs_and_dlogits(
+        self,
+        logits,
+        ids,
+        *,
+        T,
+        temperature,
+        objective,
+        old_logps,
+        ref_logps,
+        advantages,
+        rollout_is_ratio,
+        weights,
+        mask,
+        id_ok,
+    ):
         """Log-probs and, for a unit cotangent, ``dlogits`` of a token-local objective in one kernel.
 
         ``weights``: ``[B, T]`` token weights of the loss (``objective.token_weights``; 0 = no gradient);
@@ -218,16 +249,25 @@ class MosaicGpuLogitsBackend:
         w, cfg = self.fused_plan(dtype=logits.dtype, R=R, V=V)
         pad = lambda a: jnp.pad(jnp.broadcast_to(a, (B, T)).astype(jnp.float32), ((0, 0), (0, Tl - T))).reshape(R)
         safe = jnp.clip(ids, 0, V - 1)
-        x_t = logits[jnp.arange(B, dtype=jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[None, :], safe].astype(jnp.float32)
+        x_t = logits[jnp.arange(B, dtype=jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[None, :], safe].astype(
+            jnp.float32
+        )
         x_t = jnp.where(id_ok, x_t, jnp.nan)
         zeros = jnp.zeros((R,), jnp.float32)
         F = K.RowData
-        row_data = K.pack_row_data({
-            F.K: jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)), F.TARGET_LOGIT: pad(x_t),
-            F.OLD: zeros if old_logps is None else pad(old_logps),
-            F.REF: zeros if ref_logps is None else pad(ref_logps),
-            F.ADV: pad(advantages[:, None]), F.RIS: zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
-            F.SCALE: pad(weights) / temperature, F.LIVE: pad(mask), F.WEIGHT: pad(weights)})
+        row_data = K.pack_row_data(
+            {
+                F.K: jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R,)),
+                F.TARGET_LOGIT: pad(x_t),
+                F.OLD: zeros if old_logps is None else pad(old_logps),
+                F.REF: zeros if ref_logps is None else pad(ref_logps),
+                F.ADV: pad(advantages[:, None]),
+                F.RIS: zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
+                F.SCALE: pad(weights) / temperature,
+                F.LIVE: pad(mask),
+                F.WEIGHT: pad(weights),
+            }
+        )
         # hyper-parameters enter the kernel as constants (the caller checked they are concrete)
         obj = jax.tree.map(float, objective)
         has = (old_logps is not None, ref_logps is not None, rollout_is_ratio is not None)
@@ -238,8 +278,14 @@ class MosaicGpuLogitsBackend:
             return tuple(_inline(jax.make_jaxpr(fn)(logp), logp))
 
         with jax.named_scope("gmpo_jax/mosaic_gpu/lse_and_dlogits"):
-            dz, stats = K.logits_lse_and_dlogits(logits.reshape(R, V // w, w), row_data, token_fn, cfg=cfg,
-                                          num_sms=num_sms(), interpret=self._interpret_params())
+            dz, stats = K.logits_lse_and_dlogits(
+                logits.reshape(R, V // w, w),
+                row_data,
+                token_fn,
+                cfg=cfg,
+                num_sms=num_sms(),
+                interpret=self._interpret_params(),
+            )
             S_ = K.RowStats
             logp, c, loss = stats[:, S_.LOGP], stats[:, S_.GRAD_SCALE], jnp.sum(stats[:, S_.LOSS_TERM])
             # the one-hot's term at the target: c (1 - p) with p = exp(logp), in float32 (the kernel wrote -c p)

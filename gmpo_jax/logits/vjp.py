@@ -35,7 +35,6 @@ Design decisions of the custom VJP (and why):
   the temperature and the objective's hyper-parameters are data (zero cotangents), as in TRL / Liger.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -124,17 +123,28 @@ def _fused(cfg: LogitsConfig, objective: Objective, logits) -> bool:
 def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs):
     id_ok = _id_ok(inputs, logits.shape[-1])
     logp, loss, dlogits = cfg.backend.logprobs_and_dlogits(
-        logits, inputs.ids, T=cfg.T, temperature=inputs.temperature, objective=objective,
-        old_logps=inputs.old_logps, ref_logps=inputs.ref_logps, advantages=inputs.advantages,
-        rollout_is_ratio=inputs.rollout_is_ratio, weights=objective.token_weights(inputs.mask, inputs.num_items),
-        mask=inputs.mask, id_ok=id_ok)
+        logits,
+        inputs.ids,
+        T=cfg.T,
+        temperature=inputs.temperature,
+        objective=objective,
+        old_logps=inputs.old_logps,
+        ref_logps=inputs.ref_logps,
+        advantages=inputs.advantages,
+        rollout_is_ratio=inputs.rollout_is_ratio,
+        weights=objective.token_weights(inputs.mask, inputs.num_items),
+        mask=inputs.mask,
+        id_ok=id_ok,
+    )
     logp = jnp.where(id_ok, logp, jnp.nan)
     loss, aux, _ = _objective(objective, logp, inputs, with_grads=False, loss=loss)
     return loss, aux, dlogits
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def logits_policy_loss(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
+def logits_policy_loss(
+    cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs
+) -> tuple[jax.Array, LossAux]:
     """``(loss, aux)``; arguments checked and normalised by ``gmpo_jax.logits.api``."""
     loss, aux, _ = _run(cfg, objective, logits, inputs, with_grads=False)
     return loss, aux

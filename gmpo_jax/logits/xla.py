@@ -64,8 +64,9 @@ def _online_lse(z):
     if nw * k != V:  # a partial last window: -inf columns add nothing (fused into the reduction's input)
         z = jnp.pad(z, [(0, 0)] * (z.ndim - 1) + [(0, nw * k - V)], constant_values=-jnp.inf)
     zw = z.reshape(z.shape[:-1] + (nw, k))
-    m_w, s_w = lax.reduce((zw, jnp.ones_like(zw)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _lse_combine,
-                          (zw.ndim - 1,))
+    m_w, s_w = lax.reduce(
+        (zw, jnp.ones_like(zw)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _lse_combine, (zw.ndim - 1,)
+    )
     m = jnp.max(m_w, axis=-1)
     empty = m == -jnp.inf
     m_safe = jnp.where(empty, 0.0, m)

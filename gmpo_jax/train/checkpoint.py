@@ -9,7 +9,7 @@ run draws exactly the batches an uninterrupted run would.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -35,7 +35,7 @@ class Checkpointer:
     def _state(model, optimizer) -> dict:
         return {"model": nnx.to_pure_dict(nnx.state(model)), "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self) -> int | None:
         """The newest saved step, or None when the folder holds no checkpoint."""
         return self._manager.latest_step()
 
@@ -50,7 +50,7 @@ class Checkpointer:
             force=True,
         )
 
-    def restore(self, model, optimizer, step: Optional[int] = None) -> dict[str, Any]:
+    def restore(self, model, optimizer, step: int | None = None) -> dict[str, Any]:
         """Load a checkpoint into ``model`` and ``optimizer`` in place (their structure must match).
 
         Args:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from gmpo_jax.train.config import (
     BUILTIN_TASKS,
@@ -48,12 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a small Flax NNX policy with GMPO on a verifiable-reward task",
         description="On-policy RL (GMPO by default) of a small decoder-only transformer on a built-in "
-                    "verifiable task. The defaults shown are the cpu preset's (under a minute on an idle 2-core "
-                    "CPU); --preset gpu changes model, batch and dtype, and explicit options win.",
+        "verifiable task. The defaults shown are the cpu preset's (under a minute on an idle 2-core "
+        "CPU); --preset gpu changes model, batch and dtype, and explicit options win.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="defaults: cpu (small) or gpu (H=512, 6 layers, 1024 completions/step, bf16)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="cpu",
+        help="defaults: cpu (small) or gpu (H=512, 6 layers, 1024 completions/step, bf16)",
+    )
     g = p.add_argument_group("run")
     _add(g, "name", "run name (default <loss-type>-<task><digits>-s<seed>[-<preset>])", type=str)
     _add(g, "output_dir", "output folder (default runs/<name>)", type=str)
@@ -63,25 +67,42 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "resume", "continue from the newest checkpoint in the output folder", action="store_true")
     _add(g, "plots", "write training.png at the end (default on)", action=argparse.BooleanOptionalAction)
     _add(g, "progress", "progress bar (default on)", action=argparse.BooleanOptionalAction)
-    _add(g, "mesh", "data=D,model=M: split the batch over D devices and the LM head's vocabulary over M "
-                    "(fused loss sharded with jax.shard_map; V padded to a multiple of M and masked); D*M "
-                    "devices, D must divide --batch-size; on CPU simulate devices with "
-                    "XLA_FLAGS=--xla_force_host_platform_device_count=N (default: one device)", type=str)
+    _add(
+        g,
+        "mesh",
+        "data=D,model=M: split the batch over D devices and the LM head's vocabulary over M "
+        "(fused loss sharded with jax.shard_map; V padded to a multiple of M and masked); D*M "
+        "devices, D must divide --batch-size; on CPU simulate devices with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N (default: one device)",
+        type=str,
+    )
     g = p.add_argument_group("task")
-    _add(g, "task", f"{' | '.join(BUILTIN_TASKS)} | module:function (a Task, or a reward function "
-                    f"(prompts, completions) -> rewards) (default {_D.task})", type=str)
+    _add(
+        g,
+        "task",
+        f"{' | '.join(BUILTIN_TASKS)} | module:function (a Task, or a reward function "
+        f"(prompts, completions) -> rewards) (default {_D.task})",
+        type=str,
+    )
     _add(g, "digits", f"digits per operand: task difficulty (default {_D.digits})", type=int)
-    _add(g, "partial_credit", f"reward per correct answer position; exact answer = 1 (default {_D.partial_credit})",
-         type=float)
-    _add(g, "prompt_task", f"prompts scored by a module:function reward function (default {_D.prompt_task})",
-         type=str)
+    _add(
+        g,
+        "partial_credit",
+        f"reward per correct answer position; exact answer = 1 (default {_D.partial_credit})",
+        type=float,
+    )
+    _add(g, "prompt_task", f"prompts scored by a module:function reward function (default {_D.prompt_task})", type=str)
     g = p.add_argument_group("policy")
     _add(g, "d_model", f"hidden size H (default {_D.d_model})", type=int)
     _add(g, "n_layers", f"transformer blocks (default {_D.n_layers})", type=int)
     _add(g, "n_heads", f"attention heads (default {_D.n_heads})", type=int)
     _add(g, "d_ff", f"MLP width (default {_D.d_ff})", type=int)
-    _add(g, "tie_embeddings", "LM head = input embedding (nnx.Embed, layout vh) instead of an nnx.Linear (hv)",
-         action=argparse.BooleanOptionalAction)
+    _add(
+        g,
+        "tie_embeddings",
+        "LM head = input embedding (nnx.Embed, layout vh) instead of an nnx.Linear (hv)",
+        action=argparse.BooleanOptionalAction,
+    )
     _add(g, "vocab_size", "policy vocabulary (default: the tokenizer's 15; larger pads the head)", type=int)
     _add(g, "dtype", f"activation dtype: {' | '.join(DTYPES)} (default {_D.dtype})", type=str)
     g = p.add_argument_group("rollout")
@@ -93,12 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("objective")
     _add(g, "loss_type", f"{' | '.join(LOSS_TYPES)} (default {_D.loss_type})", type=str)
     _add(g, "epsilon_low", "lower clip range (default: the objective's, 0.4 gmpo / 0.2 others)", type=float)
-    _add(g, "epsilon_high", "upper clip range (default: the objective's; 5.0 for cispo, whose bound caps the ratio itself)", type=float)
+    _add(
+        g,
+        "epsilon_high",
+        "upper clip range (default: the objective's; 5.0 for cispo, whose bound caps the ratio itself)",
+        type=float,
+    )
     _add(g, "beta", f"KL coefficient to the frozen initial policy (default {_D.beta})", type=float)
-    _add(g, "scale_rewards", f"advantage scaling: {' | '.join(SCALE_REWARDS)} (none = Dr. GRPO) "
-                             f"(default {_D.scale_rewards})", type=str)
-    _add(g, "num_iterations", f"optimizer passes per rollout batch; > 1 is off-policy (default {_D.num_iterations})",
-         type=int)
+    _add(
+        g,
+        "scale_rewards",
+        f"advantage scaling: {' | '.join(SCALE_REWARDS)} (none = Dr. GRPO) (default {_D.scale_rewards})",
+        type=str,
+    )
+    _add(
+        g,
+        "num_iterations",
+        f"optimizer passes per rollout batch; > 1 is off-policy (default {_D.num_iterations})",
+        type=int,
+    )
     g = p.add_argument_group("optimizer")
     _add(g, "learning_rate", f"peak AdamW learning rate (default {_D.learning_rate})", type=float)
     _add(g, "lr_schedule", f"{' | '.join(LR_SCHEDULES)} after linear warmup (default {_D.lr_schedule})", type=str)
@@ -109,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
+def config_from_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse ``train`` options into a validated `TrainConfig` (preset defaults, explicit options win).
 
     Raises:
@@ -128,7 +162,7 @@ def config_from_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
         parser.exit(2, f"gmpo-jax train: error: {e}\n")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Console script ``gmpo-jax``: parse, validate, resolve the task and objective, then train.
 
     Returns:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Optional
+from typing import Any
 
 __all__ = [
     "ConfigError",
@@ -73,8 +73,8 @@ class TrainConfig:
     """
 
     # run
-    name: Optional[str] = None
-    output_dir: Optional[str] = None
+    name: str | None = None
+    output_dir: str | None = None
     seed: int = 0
     steps: int = 150
     save_every: int = 50
@@ -82,7 +82,7 @@ class TrainConfig:
     plots: bool = True
     progress: bool = True
     preset: str = "cpu"
-    mesh: Optional[str] = None
+    mesh: str | None = None
     # task
     task: str = "reverse"
     digits: int = 6
@@ -94,18 +94,18 @@ class TrainConfig:
     n_heads: int = 4
     d_ff: int = 256
     tie_embeddings: bool = False
-    vocab_size: Optional[int] = None
+    vocab_size: int | None = None
     dtype: str = "float32"
     # rollout
     batch_size: int = 256
     group_size: int = 16
-    max_completion_length: Optional[int] = None
+    max_completion_length: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     # objective
     loss_type: str = "gmpo"
-    epsilon_low: Optional[float] = None
-    epsilon_high: Optional[float] = None
+    epsilon_low: float | None = None
+    epsilon_high: float | None = None
     beta: float = 0.0
     scale_rewards: str = "group"
     num_iterations: int = 2
@@ -138,7 +138,7 @@ class TrainConfig:
         """Prompts per step, ``batch_size // group_size``."""
         return self.batch_size // self.group_size
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` applied (not validated; call `validate`)."""
         return dataclasses.replace(self, **changes)
 
@@ -146,7 +146,7 @@ class TrainConfig:
         """The configuration as a JSON object (one line)."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
-    def mesh_shape(self) -> Optional[tuple[int, int]]:
+    def mesh_shape(self) -> tuple[int, int] | None:
         """``(D, M)`` of ``--mesh data=D,model=M``, checked against the devices and the batch; None
         without ``--mesh``. Asks JAX for its device count (initialises the backend, compiles nothing).
 
@@ -167,12 +167,13 @@ class TrainConfig:
         if d * m > n:
             raise ConfigError(
                 f"--mesh data={d},model={m} needs {d * m} devices but JAX sees {n} ({jax.default_backend()}); "
-                f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={d * m} before starting")
+                f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={d * m} before starting"
+            )
         if self.batch_size % d:
             raise ConfigError(f"--mesh data={d} must divide --batch-size={self.batch_size}, got {self.mesh!r}")
         return d, m
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Check every field with plain Python; nothing compiles (``--mesh`` asks JAX for its device count).
 
         Returns:
@@ -244,8 +245,10 @@ class TrainConfig:
         if self.mesh is not None:
             self.mesh_shape()
         if self.loss_type == "sapo" and (self.epsilon_low is not None or self.epsilon_high is not None):
-            raise bad("epsilon_high" if self.epsilon_high is not None else "epsilon_low",
-                      "does not apply to --loss-type sapo (it has no clip range)")
+            raise bad(
+                "epsilon_high" if self.epsilon_high is not None else "epsilon_low",
+                "does not apply to --loss-type sapo (it has no clip range)",
+            )
         if self.loss_type == "cispo" and self.epsilon_low is not None:
             raise bad("epsilon_low", "does not apply to --loss-type cispo (it clips the ratio from above only)")
         return self

@@ -36,7 +36,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,7 @@ from gmpo_jax.train.config import ConfigError, TrainConfig, make_objective
 from gmpo_jax.train.model import Transformer
 from gmpo_jax.train.tasks import TOKENIZER, Task, make_task
 
-__all__ = ["Plan", "TrainResult", "plan", "build_model", "make_optimizer", "policy_loss", "train_step", "train"]
+__all__ = ["Plan", "TrainResult", "plan", "build_model", "make_optimizer", "training_loss", "train_step", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +88,9 @@ def plan(config: TrainConfig) -> Plan:
     """
     config.validate()
     try:
-        task = make_task(config.task, digits=config.digits, partial_credit=config.partial_credit,
-                         prompt_task=config.prompt_task)
+        task = make_task(
+            config.task, digits=config.digits, partial_credit=config.partial_credit, prompt_task=config.prompt_task
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     t = config.max_completion_length or task.answer_length + 1
@@ -101,12 +102,21 @@ def plan(config: TrainConfig) -> Plan:
     return Plan(config, task, t, vocab, make_objective(config, t), train_mesh)
 
 
-def build_model(p: Plan, seed: Optional[int] = None) -> Transformer:
+def build_model(p: Plan, seed: int | None = None) -> Transformer:
     """The policy of plan ``p``, initialised from ``seed`` (default ``p.config.seed``)."""
     c = p.config
     seed = c.seed if seed is None else seed
-    return Transformer(p.vocab_size, p.max_len, c.d_model, c.n_layers, c.n_heads, c.d_ff,
-                       tie_embeddings=c.tie_embeddings, dtype=jnp.dtype(c.dtype), rngs=nnx.Rngs(seed))
+    return Transformer(
+        p.vocab_size,
+        p.max_len,
+        c.d_model,
+        c.n_layers,
+        c.n_heads,
+        c.d_ff,
+        tie_embeddings=c.tie_embeddings,
+        dtype=jnp.dtype(c.dtype),
+        rngs=nnx.Rngs(seed),
+    )
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
@@ -115,8 +125,9 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
     warmup = min(config.warmup_steps, max(total - 1, 0))
     if config.lr_schedule == "constant":
         return optax.warmup_constant_schedule(0.0, config.learning_rate, max(warmup, 1))
-    return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, max(warmup, 1), max(total, warmup + 1),
-                                              end_value=0.1 * config.learning_rate)
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, max(warmup, 1), max(total, warmup + 1), end_value=0.1 * config.learning_rate
+    )
 
 
 def make_optimizer(config: TrainConfig, model: Transformer) -> nnx.Optimizer:
@@ -128,8 +139,14 @@ def make_optimizer(config: TrainConfig, model: Transformer) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def training_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective, *, temperature: float = 1.0,
-                train_mesh: Optional[parallel.TrainMesh] = None):
+def training_loss(
+    model: Transformer,
+    batch: rollout_lib.RolloutBatch,
+    objective,
+    *,
+    temperature: float = 1.0,
+    train_mesh: parallel.TrainMesh | None = None,
+):
     """The training loss: ``gmpo_jax.fused_linear_policy_loss`` on the policy's completion hidden states.
 
     Args:
@@ -147,14 +164,29 @@ def training_loss(model: Transformer, batch: rollout_lib.RolloutBatch, objective
     weight, layout = rollout_lib.head_weight(model, hidden.dtype)
     weight, mesh_kwargs = parallel.fused_head(weight, layout, train_mesh)
     return gmpo_jax.fused_linear_policy_loss(
-        hidden, weight, batch.completion_ids, batch.completion_mask, batch.advantages,
-        objective=objective, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
-        temperature=temperature, weight_layout=layout, **mesh_kwargs)
+        hidden,
+        weight,
+        batch.completion_ids,
+        batch.completion_mask,
+        batch.advantages,
+        objective=objective,
+        old_logps=batch.old_logps,
+        ref_logps=batch.ref_logps,
+        temperature=temperature,
+        weight_layout=layout,
+        **mesh_kwargs,
+    )
 
 
 @nnx.jit(static_argnames=("objective", "temperature", "train_mesh"))
-def train_step(model: Transformer, optimizer: nnx.Optimizer, batch: rollout_lib.RolloutBatch, objective,
-               temperature: float = 1.0, train_mesh: Optional[parallel.TrainMesh] = None) -> dict:
+def train_step(
+    model: Transformer,
+    optimizer: nnx.Optimizer,
+    batch: rollout_lib.RolloutBatch,
+    objective,
+    temperature: float = 1.0,
+    train_mesh: parallel.TrainMesh | None = None,
+) -> dict:
     """One optimizer update on ``batch`` (compiled; updates ``model`` and ``optimizer`` in place).
 
     Returns:
@@ -206,8 +238,15 @@ def _rollout(p: Plan, model, ref_model, step: int):
         prompt_ids = tm.put_batch(prompt_ids)
     key = jax.random.fold_in(jax.random.PRNGKey(c.seed), step)
     ids, mask = rollout_lib.sample_completions(
-        model, prompt_ids, key, jnp.float32(c.temperature), max_new_tokens=p.max_completion_length,
-        top_p=float(c.top_p), eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
+        model,
+        prompt_ids,
+        key,
+        jnp.float32(c.temperature),
+        max_new_tokens=p.max_completion_length,
+        top_p=float(c.top_p),
+        eos_id=TOKENIZER.eos_id,
+        pad_id=TOKENIZER.pad_id,
+    )
     ids_np = np.asarray(ids)
     completions = [TOKENIZER.decode(row) for row in ids_np]
     rewards = p.task.rewards(prompts, completions)
@@ -239,8 +278,10 @@ def _rollout(p: Plan, model, ref_model, step: int):
 def _update(p: Plan, model, optimizer, batch) -> dict:
     """Step 5: ``num_iterations`` compiled updates; metrics averaged (ratio range: min / max)."""
     kw = {} if p.train_mesh is None else {"train_mesh": p.train_mesh}
-    outs = [train_step(model, optimizer, batch, p.objective, temperature=float(p.config.temperature), **kw)
-            for _ in range(p.config.num_iterations)]
+    outs = [
+        train_step(model, optimizer, batch, p.objective, temperature=float(p.config.temperature), **kw)
+        for _ in range(p.config.num_iterations)
+    ]
     outs = jax.device_get(outs)
     m = {k: float(np.mean([o[k] for o in outs])) for k in _STEP_KEYS_MEAN}
     m["log_ratio_min"] = float(min(o["log_ratio_min"] for o in outs))
@@ -275,9 +316,9 @@ def _summarise(history: list, new_rows: list, wall: float) -> dict:
         "steps_per_s": len(timed) / t if t > 0 else float("nan"),
         "tokens_per_s": tok / t if t > 0 else float("nan"),
         "reward_first10": mean("reward_mean", history[:k]),
-        "reward_last10": mean("reward_mean", history[len(history) - k:]),
+        "reward_last10": mean("reward_mean", history[len(history) - k :]),
         "exact_first10": mean("exact_match", history[:k]),
-        "exact_last10": mean("exact_match", history[len(history) - k:]),
+        "exact_last10": mean("exact_match", history[len(history) - k :]),
     }
 
 
@@ -340,15 +381,24 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
 
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     head = "tied nnx.Embed head (vh)" if c.tie_embeddings else "nnx.Linear head (hv)"
-    log(f"{c.run_name}: {p.objective} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
+    log(
+        f"{c.run_name}: {p.objective} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
         f"{c.n_layers} layers, V={p.vocab_size}, {head}, {c.dtype}) | {c.batch_size} completions/step = "
         f"{c.num_prompts} prompts x {c.group_size}, T={p.max_completion_length}, {c.num_iterations} update(s) "
         f"per batch | {jax.devices()[0].device_kind}"
-        f"{'' if tm is None else f' x {tm.data * tm.model}, {tm.describe()}'} | {c.steps} steps -> {run_dir}/")
+        f"{'' if tm is None else f' x {tm.data * tm.model}, {tm.describe()}'} | {c.steps} steps -> {run_dir}/"
+    )
     schedule = learning_rate_schedule(c)
     tokens_per_step = c.batch_size * p.max_len
-    bar = tqdm(total=c.steps, initial=start, desc=c.run_name, unit="step", disable=not c.progress,
-               dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=c.steps,
+        initial=start,
+        desc=c.run_name,
+        unit="step",
+        disable=not c.progress,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     t_start = time.perf_counter()
     new_rows = []
     with open(metrics_path, "a") as mf:
@@ -375,8 +425,13 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
             mf.flush()
             new_rows.append(row)
             sample = stats["sample"]
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3f}",
-                            clip=f"{row['clip_fraction']:.3f}", kl=f"{row['kl']:.4f}", refresh=False)
+            bar.set_postfix(
+                reward=f"{row['reward_mean']:.3f}",
+                loss=f"{row['loss']:.3f}",
+                clip=f"{row['clip_fraction']:.3f}",
+                kl=f"{row['kl']:.4f}",
+                refresh=False,
+            )
             bar.update(1)
             if c.save_every and (step + 1) % c.save_every == 0 and step + 1 < c.steps:
                 ckpt.save(step + 1, model, optimizer, {"config": json.loads(c.to_json())})
@@ -394,13 +449,19 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if new_rows:
-        speed = (f"; after compilation {summary['steps_per_s']:.2f} steps/s, {summary['tokens_per_s']:,.0f} tokens/s"
-                 if len(new_rows) > 1 else "")
-        log(f"{c.run_name}: {len(new_rows)} step(s) in {wall:.1f} s (first step, incl. compilation: "
-            f"{summary['first_step_s']:.1f} s){speed}")
-    log(f"reward (mean of 10 steps): first {summary['reward_first10']:.3f} -> last {summary['reward_last10']:.3f}; "
+        speed = (
+            f"; after compilation {summary['steps_per_s']:.2f} steps/s, {summary['tokens_per_s']:,.0f} tokens/s"
+            if len(new_rows) > 1
+            else ""
+        )
+        log(
+            f"{c.run_name}: {len(new_rows)} step(s) in {wall:.1f} s (first step, incl. compilation: "
+            f"{summary['first_step_s']:.1f} s){speed}"
+        )
+    log(
+        f"reward (mean of 10 steps): first {summary['reward_first10']:.3f} -> last {summary['reward_last10']:.3f}; "
         f"exact answers {summary['exact_first10']:.1%} -> {summary['exact_last10']:.1%}"
-        + (f"; last sample: {sample!r}" if sample else ""))
-    log(f"outputs: {run_dir}/ (metrics.jsonl, checkpoints/{c.steps}"
-        f"{', training.png' if 'plot' in summary else ''})")
+        + (f"; last sample: {sample!r}" if sample else "")
+    )
+    log(f"outputs: {run_dir}/ (metrics.jsonl, checkpoints/{c.steps}{', training.png' if 'plot' in summary else ''})")
     return TrainResult(c, run_dir, history, summary, model, optimizer)

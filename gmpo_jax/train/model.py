@@ -15,7 +15,7 @@ against a key/value cache for incremental sampling.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,14 +45,21 @@ class _Block(nnx.Module):
         self.head_dim = d_model // n_heads
         self.norm1 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
         self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
-        self.proj = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs,
-                               kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2)))
+        self.proj = nnx.Linear(
+            d_model,
+            d_model,
+            use_bias=False,
+            dtype=dtype,
+            rngs=rngs,
+            kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2)),
+        )
         self.norm2 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
         self.up = nnx.Linear(d_model, d_ff, dtype=dtype, rngs=rngs)
-        self.down = nnx.Linear(d_ff, d_model, dtype=dtype, rngs=rngs,
-                               kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2)))
+        self.down = nnx.Linear(
+            d_ff, d_model, dtype=dtype, rngs=rngs, kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2))
+        )
 
-    def __call__(self, x, q_pos, kv: Optional[tuple] = None, start=None):
+    def __call__(self, x, q_pos, kv: tuple | None = None, start=None):
         """``x [B, S, D]``; ``q_pos [S]`` absolute positions. With ``kv = (k [B,Smax,h,d], v)``, this
         block's cache, the new keys/values are written at ``start`` and attention runs over the cache."""
         b, s, d = x.shape
@@ -89,8 +96,19 @@ class Transformer(nnx.Module):
       rngs: ``nnx.Rngs`` for the initialisation.
     """
 
-    def __init__(self, vocab_size: int, max_len: int, d_model: int, n_layers: int, n_heads: int,
-                 d_ff: int, *, tie_embeddings: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        vocab_size: int,
+        max_len: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        tie_embeddings: bool = False,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         if d_model % n_heads:
             raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
         self.vocab_size = vocab_size

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["MESH_AXES", "TrainMesh", "parse_mesh", "make_train_mesh", "fused_head"]
 
@@ -78,12 +78,12 @@ class TrainMesh:
     model: int
 
     @property
-    def data_axis(self) -> Optional[str]:
+    def data_axis(self) -> str | None:
         """``"data"`` when the batch is split (``D > 1``), else None."""
         return "data" if self.data > 1 else None
 
     @property
-    def vocab_axis(self) -> Optional[str]:
+    def vocab_axis(self) -> str | None:
         """``"model"`` when the vocabulary is split (``M > 1``), else None."""
         return "model" if self.model > 1 else None
 
@@ -93,7 +93,8 @@ class TrainMesh:
     # -- placement -------------------------------------------------------------------------------
     def batch_sharding(self):
         """``NamedSharding`` of arrays whose leading axis is the batch."""
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         return NamedSharding(self.mesh, P("data"))
 
@@ -105,7 +106,8 @@ class TrainMesh:
 
     def put_replicated(self, x):
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         return jax.device_put(x, NamedSharding(self.mesh, P()))
 
@@ -118,7 +120,8 @@ class TrainMesh:
         """
         import jax
         from flax import nnx
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         head_path = ("lm_head", "kernel") if weight_layout == "hv" else ("embed", "embedding")
         split = self.vocab_axis is not None and vocab_size % self.model == 0
@@ -128,8 +131,9 @@ class TrainMesh:
             keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", "")))) for k in path]
             while keys and keys[-1] == "value":  # a Variable flattened to its value
                 keys.pop()
-            is_head = (split and getattr(x, "ndim", 0) == 2 and x.shape[v_dim] == vocab_size
-                       and tuple(keys[-2:]) == head_path)
+            is_head = (
+                split and getattr(x, "ndim", 0) == 2 and x.shape[v_dim] == vocab_size and tuple(keys[-2:]) == head_path
+            )
             if is_head:
                 return NamedSharding(self.mesh, P(None, "model") if v_dim == 1 else P("model", None))
             return NamedSharding(self.mesh, P())
@@ -149,7 +153,7 @@ def make_train_mesh(data: int, model: int) -> TrainMesh:
     return TrainMesh(mesh, data, model)
 
 
-def fused_head(weight, weight_layout: str, train_mesh: Optional[TrainMesh]):
+def fused_head(weight, weight_layout: str, train_mesh: TrainMesh | None):
     """``(weight, kwargs)`` for ``gmpo_jax.fused_linear_policy_loss`` / ``fused_linear_logprobs``.
 
     Without a mesh (or on a 1 x 1 mesh): the weight unchanged and no keyword arguments (the single-device

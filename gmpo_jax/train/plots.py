@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 __all__ = ["plot_history"]
 
 
-def plot_history(history: Sequence[dict], path: str, *, title: Optional[str] = None) -> str:
+def plot_history(history: Sequence[dict], path: str, *, title: str | None = None) -> str:
     """Save a 2 x 3 figure of a run: reward, loss, clip fractions, KL, token log-ratio range, throughput.
 
     Args:

@@ -9,7 +9,7 @@ batch is reused for several optimizer passes) and of the frozen reference (``ref
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,12 @@ from flax import nnx
 import gmpo_jax
 
 __all__ = [
-    "RolloutBatch", "sample_completions", "group_advantages", "completion_hidden", "lm_head", "policy_logprobs",
+    "RolloutBatch",
+    "sample_completions",
+    "group_advantages",
+    "completion_hidden",
+    "head_weight",
+    "policy_logprobs",
 ]
 
 
@@ -39,8 +44,8 @@ class RolloutBatch(NamedTuple):
     completion_ids: jax.Array
     completion_mask: jax.Array
     advantages: jax.Array
-    old_logps: Optional[jax.Array] = None
-    ref_logps: Optional[jax.Array] = None
+    old_logps: jax.Array | None = None
+    ref_logps: jax.Array | None = None
 
 
 def _top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
@@ -55,8 +60,17 @@ def _top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
 
 
 @nnx.jit(static_argnames=("max_new_tokens", "top_p", "eos_id", "pad_id"))
-def sample_completions(model, prompt_ids: jax.Array, key: jax.Array, temperature: jax.Array, *,
-                       max_new_tokens: int, top_p: float = 1.0, eos_id: int = 1, pad_id: int = 0):
+def sample_completions(
+    model,
+    prompt_ids: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+    *,
+    max_new_tokens: int,
+    top_p: float = 1.0,
+    eos_id: int = 1,
+    pad_id: int = 0,
+):
     """Sample one completion per prompt row, autoregressively with a KV cache (one compiled program).
 
     The prompt is prefilled in one pass; then a ``lax.scan`` of ``max_new_tokens`` steps samples a token
@@ -125,7 +139,9 @@ def group_advantages(rewards, group_size: int, *, scale: str = "group", eps: flo
     """
     r = np.asarray(rewards, dtype=np.float64).reshape(-1)
     if group_size < 2 or r.shape[0] % group_size:
-        raise ValueError(f"rewards of length {r.shape[0]} cannot be split into groups of group_size={group_size} (>= 2)")
+        raise ValueError(
+            f"rewards of length {r.shape[0]} cannot be split into groups of group_size={group_size} (>= 2)"
+        )
     if scale not in ("group", "none"):
         raise ValueError(f"scale must be 'group' or 'none', got scale={scale!r}")
     g = r.reshape(-1, group_size)
@@ -147,7 +163,7 @@ def completion_hidden(model, prompt_ids: jax.Array, completion_ids: jax.Array) -
     """
     p = prompt_ids.shape[1]
     hidden = model(jnp.concatenate([prompt_ids, completion_ids], axis=1))
-    return hidden[:, p - 1:-1]
+    return hidden[:, p - 1 : -1]
 
 
 def head_weight(model, dtype):
@@ -157,8 +173,14 @@ def head_weight(model, dtype):
 
 
 @nnx.jit(static_argnames=("temperature", "train_mesh"))
-def policy_logprobs(model, batch_prompt_ids: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array,
-                    temperature: float = 1.0, train_mesh=None) -> jax.Array:
+def policy_logprobs(
+    model,
+    batch_prompt_ids: jax.Array,
+    completion_ids: jax.Array,
+    completion_mask: jax.Array,
+    temperature: float = 1.0,
+    train_mesh=None,
+) -> jax.Array:
     """Per-token log-probs of the completions under ``model`` via ``gmpo_jax.fused_linear_logprobs``.
 
     Used for ``old_logps`` (the behaviour policy, before the first update on a batch) and ``ref_logps``
@@ -179,6 +201,13 @@ def policy_logprobs(model, batch_prompt_ids: jax.Array, completion_ids: jax.Arra
     h = completion_hidden(model, batch_prompt_ids, completion_ids)
     weight, layout = head_weight(model, h.dtype)
     weight, mesh_kwargs = fused_head(weight, layout, train_mesh)
-    logps = gmpo_jax.fused_linear_logprobs(h, weight, completion_ids, completion_mask=completion_mask,
-                                           temperature=temperature, weight_layout=layout, **mesh_kwargs)
+    logps = gmpo_jax.fused_linear_logprobs(
+        h,
+        weight,
+        completion_ids,
+        completion_mask=completion_mask,
+        temperature=temperature,
+        weight_layout=layout,
+        **mesh_kwargs,
+    )
     return jax.lax.stop_gradient(logps)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -108,7 +109,7 @@ class Task:
     answer_length: int
     make_prompts: Callable[[np.random.Generator, int], list]
     reward_fn: RewardFn
-    answer_fn: Optional[Callable[[str], str]] = None
+    answer_fn: Callable[[str], str] | None = None
 
     def exact_match(self, prompts: Sequence[str], completions: Sequence[str]) -> float:
         """Fraction of ``completions`` equal to their prompt's answer; NaN without ``answer_fn``."""
@@ -124,8 +125,9 @@ class Task:
         """
         r = np.asarray(self.reward_fn(list(prompts), list(completions)), dtype=np.float32).reshape(-1)
         if r.shape[0] != len(completions):
-            raise ValueError(f"task {self.name!r}: reward function returned {r.shape[0]} values for "
-                             f"{len(completions)} completions")
+            raise ValueError(
+                f"task {self.name!r}: reward function returned {r.shape[0]} values for {len(completions)} completions"
+            )
         if not np.all(np.isfinite(r)):
             raise ValueError(f"task {self.name!r}: reward function returned a non-finite value")
         return r
