@@ -58,7 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="defaults: cpu (small) or gpu (H=512, 6 layers, 1024 completions/step, bf16)",
     )
-    g = p.add_argument_group("run")
+    _run_args(p.add_argument_group("run"))
+    _task_args(p.add_argument_group("task"))
+    _policy_args(p.add_argument_group("policy"))
+    _rollout_args(p.add_argument_group("rollout"))
+    _objective_args(p.add_argument_group("objective"))
+    _optimizer_args(p.add_argument_group("optimizer"))
+    return parser
+
+
+def _run_args(g) -> None:
+    """The ``run`` options."""
     _add(g, "name", "run name (default <loss-type>-<task><digits>-s<seed>[-<preset>])", type=str)
     _add(g, "output_dir", "output folder (default runs/<name>)", type=str)
     _add(g, "seed", f"seed of the initialisation, prompts and sampling (default {_D.seed})", type=int)
@@ -76,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         "XLA_FLAGS=--xla_force_host_platform_device_count=N (default: one device)",
         type=str,
     )
-    g = p.add_argument_group("task")
+
+
+def _task_args(g) -> None:
+    """The ``task`` options."""
     _add(
         g,
         "task",
@@ -92,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
     )
     _add(g, "prompt_task", f"prompts scored by a module:function reward function (default {_D.prompt_task})", type=str)
-    g = p.add_argument_group("policy")
+
+
+def _policy_args(g) -> None:
+    """The ``policy`` options."""
     _add(g, "d_model", f"hidden size H (default {_D.d_model})", type=int)
     _add(g, "n_layers", f"transformer blocks (default {_D.n_layers})", type=int)
     _add(g, "n_heads", f"attention heads (default {_D.n_heads})", type=int)
@@ -105,13 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(g, "vocab_size", "policy vocabulary (default: the tokenizer's 15; larger pads the head)", type=int)
     _add(g, "dtype", f"activation dtype: {' | '.join(DTYPES)} (default {_D.dtype})", type=str)
-    g = p.add_argument_group("rollout")
+
+
+def _rollout_args(g) -> None:
+    """The ``rollout`` options."""
     _add(g, "batch_size", f"completions per step = prompts x group size (default {_D.batch_size})", type=int)
     _add(g, "group_size", f"completions per prompt G, >= 2 (default {_D.group_size})", type=int)
     _add(g, "max_completion_length", "completion tokens T (default: answer length + 1 for EOS)", type=int)
     _add(g, "temperature", f"sampling temperature (default {_D.temperature})", type=float)
     _add(g, "top_p", f"nucleus sampling mass in (0, 1] (default {_D.top_p})", type=float)
-    g = p.add_argument_group("objective")
+
+
+def _objective_args(g) -> None:
+    """The ``objective`` options."""
     _add(g, "loss_type", f"{' | '.join(LOSS_TYPES)} (default {_D.loss_type})", type=str)
     _add(g, "epsilon_low", "lower clip range (default: the objective's, 0.4 gmpo / 0.2 others)", type=float)
     _add(
@@ -133,14 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
         f"optimizer passes per rollout batch; > 1 is off-policy (default {_D.num_iterations})",
         type=int,
     )
-    g = p.add_argument_group("optimizer")
+
+
+def _optimizer_args(g) -> None:
+    """The ``optimizer`` options."""
     _add(g, "learning_rate", f"peak AdamW learning rate (default {_D.learning_rate})", type=float)
     _add(g, "lr_schedule", f"{' | '.join(LR_SCHEDULES)} after linear warmup (default {_D.lr_schedule})", type=str)
     _add(g, "warmup_steps", f"warmup updates (default {_D.warmup_steps})", type=int)
     _add(g, "weight_decay", f"AdamW weight decay (default {_D.weight_decay})", type=float)
     _add(g, "max_grad_norm", f"global gradient-norm clip (default {_D.max_grad_norm})", type=float)
     _add(g, "adam_b2", f"AdamW beta2 (default {_D.adam_b2})", type=float)
-    return parser
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> TrainConfig:

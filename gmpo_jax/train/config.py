@@ -182,76 +182,87 @@ class TrainConfig:
         Raises:
           ConfigError: the first invalid field, as a one-line message naming its ``--option``.
         """
-
-        def bad(field: str, why: str) -> ConfigError:
-            value = getattr(self, field)
-            return ConfigError(f"--{field.replace('_', '-')} {why}, got {value!r}")
-
-        def need_int(field: str, lo: int) -> None:
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-                raise bad(field, f"must be an integer >= {lo}")
-
-        def need_float(field: str, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
-            value = getattr(self, field)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
-            if not ok:
-                rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-                raise bad(field, f"must be a finite number in {rng}")
-
-        def need_choice(field: str, choices: tuple[str, ...]) -> None:
-            if getattr(self, field) not in choices:
-                raise bad(field, f"must be one of {', '.join(choices)}")
-
-        need_int("seed", 0)
-        need_int("steps", 1)
-        need_int("save_every", 0)
-        need_choice("loss_type", LOSS_TYPES)
+        f = _Fields(self)
+        f.need_int("seed", 0)
+        f.need_int("steps", 1)
+        f.need_int("save_every", 0)
+        f.need_choice("loss_type", LOSS_TYPES)
         if not (self.task in BUILTIN_TASKS or _looks_like_hook(self.task)):
-            raise bad("task", f"must be one of {', '.join(BUILTIN_TASKS)} or 'module:function'")
-        need_choice("prompt_task", BUILTIN_TASKS)
-        need_int("digits", 1)
-        need_float("partial_credit", 0.0)
-        need_int("d_model", 1)
-        need_int("n_layers", 1)
-        need_int("n_heads", 1)
-        need_int("d_ff", 1)
-        if self.d_model % self.n_heads:
-            raise bad("n_heads", f"must divide --d-model={self.d_model}")
-        if self.vocab_size is not None:
-            need_int("vocab_size", 1)
-        need_choice("dtype", DTYPES)
-        need_int("group_size", 2)  # group-normalised advantages need two samples per prompt
-        need_int("batch_size", 2)
-        if self.batch_size % self.group_size:
-            raise bad("batch_size", f"must be divisible by --group-size={self.group_size}")
-        if self.max_completion_length is not None:
-            need_int("max_completion_length", 1)
-        need_float("temperature", 0.0, lo_open=True)
-        need_float("top_p", 0.0, 1.0, lo_open=True)
-        for field in ("epsilon_low", "epsilon_high"):
-            if getattr(self, field) is not None:
-                need_float(field, 0.0)
-        need_float("beta", 0.0)
-        need_choice("scale_rewards", SCALE_REWARDS)
-        need_int("num_iterations", 1)
-        need_float("learning_rate", 0.0, lo_open=True)
-        need_choice("lr_schedule", LR_SCHEDULES)
-        need_int("warmup_steps", 0)
-        need_float("weight_decay", 0.0)
-        need_float("max_grad_norm", 0.0, lo_open=True)
-        need_float("adam_b2", 0.0, 1.0)
+            raise f.bad("task", f"must be one of {', '.join(BUILTIN_TASKS)} or 'module:function'")
+        f.need_choice("prompt_task", BUILTIN_TASKS)
+        f.need_int("digits", 1)
+        f.need_float("partial_credit", 0.0)
+        self._validate_policy(f)
+        self._validate_rl(f)
         if self.mesh is not None:
             self.mesh_shape()
+        return self
+
+    def _validate_policy(self, f: _Fields) -> None:
+        for field in ("d_model", "n_layers", "n_heads", "d_ff"):
+            f.need_int(field, 1)
+        if self.d_model % self.n_heads:
+            raise f.bad("n_heads", f"must divide --d-model={self.d_model}")
+        if self.vocab_size is not None:
+            f.need_int("vocab_size", 1)
+        f.need_choice("dtype", DTYPES)
+
+    def _validate_rl(self, f: _Fields) -> None:
+        f.need_int("group_size", 2)  # group-normalised advantages need two samples per prompt
+        f.need_int("batch_size", 2)
+        if self.batch_size % self.group_size:
+            raise f.bad("batch_size", f"must be divisible by --group-size={self.group_size}")
+        if self.max_completion_length is not None:
+            f.need_int("max_completion_length", 1)
+        f.need_float("temperature", 0.0, lo_open=True)
+        f.need_float("top_p", 0.0, 1.0, lo_open=True)
+        for field in ("epsilon_low", "epsilon_high"):
+            if getattr(self, field) is not None:
+                f.need_float(field, 0.0)
+        f.need_float("beta", 0.0)
+        f.need_choice("scale_rewards", SCALE_REWARDS)
+        f.need_int("num_iterations", 1)
+        f.need_float("learning_rate", 0.0, lo_open=True)
+        f.need_choice("lr_schedule", LR_SCHEDULES)
+        f.need_int("warmup_steps", 0)
+        f.need_float("weight_decay", 0.0)
+        f.need_float("max_grad_norm", 0.0, lo_open=True)
+        f.need_float("adam_b2", 0.0, 1.0)
         if self.loss_type == "sapo" and (self.epsilon_low is not None or self.epsilon_high is not None):
-            raise bad(
+            raise f.bad(
                 "epsilon_high" if self.epsilon_high is not None else "epsilon_low",
                 "does not apply to --loss-type sapo (it has no clip range)",
             )
         if self.loss_type == "cispo" and self.epsilon_low is not None:
-            raise bad("epsilon_low", "does not apply to --loss-type cispo (it clips the ratio from above only)")
-        return self
+            raise f.bad("epsilon_low", "does not apply to --loss-type cispo (it clips the ratio from above only)")
+
+
+class _Fields:
+    """Field checks of :meth:`TrainConfig.validate`: each raises a ConfigError naming the ``--option``."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+
+    def bad(self, field: str, why: str) -> ConfigError:
+        value = getattr(self.config, field)
+        return ConfigError(f"--{field.replace('_', '-')} {why}, got {value!r}")
+
+    def need_int(self, field: str, lo: int) -> None:
+        value = getattr(self.config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise self.bad(field, f"must be an integer >= {lo}")
+
+    def need_float(self, field: str, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
+        value = getattr(self.config, field)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
+        if not ok:
+            rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+            raise self.bad(field, f"must be a finite number in {rng}")
+
+    def need_choice(self, field: str, choices: tuple[str, ...]) -> None:
+        if getattr(self.config, field) not in choices:
+            raise self.bad(field, f"must be one of {', '.join(choices)}")
 
 
 def _looks_like_hook(task: str) -> bool:

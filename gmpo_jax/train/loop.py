@@ -349,47 +349,17 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
     c = p.config
     if log is None:
         log = (lambda s: tqdm.write(s, file=sys.stderr)) if c.progress else (lambda s: None)
-    run_dir = c.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if not c.resume:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        if os.path.exists(metrics_path):
-            os.remove(metrics_path)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        f.write(c.to_json() + "\n")
-
-    model = build_model(p)
-    ref_model = build_model(p) if c.beta > 0 else None  # frozen copy of the initial policy
-    optimizer = make_optimizer(c, model)
-    tm = p.train_mesh
-    if tm is not None:  # before restoring: the checkpoint is read into the placed arrays' shardings
-        layout = "vh" if c.tie_embeddings else "hv"
-        for module in (model, ref_model, optimizer):
-            if module is not None:
-                tm.place_module(module, p.vocab_size, layout)
+    metrics_path, ckpt_dir = _prepare_run_dir(c)
+    model, ref_model, optimizer = _build_state(p)
     ckpt = Checkpointer(ckpt_dir)
     start = 0
     if c.resume and ckpt.latest_step() is not None:
         start = int(ckpt.restore(model, optimizer)["step"])
-        log(f"resumed {run_dir} at step {start}")
+        log(f"resumed {c.run_dir} at step {start}")
     history = _read_history(metrics_path, start)
-    sample = ""
     with open(metrics_path, "w") as f:
         f.writelines(json.dumps(h) + "\n" for h in history)
-
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    head = "tied nnx.Embed head (vh)" if c.tie_embeddings else "nnx.Linear head (hv)"
-    log(
-        f"{c.run_name}: {p.objective} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
-        f"{c.n_layers} layers, V={p.vocab_size}, {head}, {c.dtype}) | {c.batch_size} completions/step = "
-        f"{c.num_prompts} prompts x {c.group_size}, T={p.max_completion_length}, {c.num_iterations} update(s) "
-        f"per batch | {jax.devices()[0].device_kind}"
-        f"{'' if tm is None else f' x {tm.data * tm.model}, {tm.describe()}'} | {c.steps} steps -> {run_dir}/"
-    )
-    schedule = learning_rate_schedule(c)
-    tokens_per_step = c.batch_size * p.max_len
+    log(_describe(p, model))
     bar = tqdm(
         total=c.steps,
         initial=start,
@@ -400,31 +370,15 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
         file=sys.stderr,
     )
     t_start = time.perf_counter()
-    new_rows = []
+    new_rows, sample = [], ""
     with open(metrics_path, "a") as mf:
         for step in range(start, c.steps):
-            t0 = time.perf_counter()
-            batch, stats = _rollout(p, model, ref_model, step)
-            t1 = time.perf_counter()
-            upd = _update(p, model, optimizer, batch)
-            t2 = time.perf_counter()
-            row = {
-                "step": step + 1,
-                **{k: v for k, v in stats.items() if k != "sample"},
-                **upd,
-                "lr": float(schedule((step + 1) * c.num_iterations - 1)),
-                "tokens": tokens_per_step,
-                "rollout_time_s": t1 - t0,
-                "update_time_s": t2 - t1,
-                "step_time_s": t2 - t0,
-                "tokens_per_s": tokens_per_step / (t2 - t0),
-            }
+            row, sample = _train_step_row(p, model, ref_model, optimizer, step)
             if not all(math.isfinite(v) for k, v in row.items() if isinstance(v, float) and k != "exact_match"):
                 log(f"warning: non-finite metric at step {step + 1}: {row}")
             mf.write(json.dumps(row) + "\n")
             mf.flush()
             new_rows.append(row)
-            sample = stats["sample"]
             bar.set_postfix(
                 reward=f"{row['reward_mean']:.3f}",
                 loss=f"{row['loss']:.3f}",
@@ -441,12 +395,85 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
         ckpt.save(c.steps, model, optimizer, {"config": json.loads(c.to_json())})
     ckpt.close()
     history = history + new_rows
+    summary = _finish(c, history, new_rows, wall, sample, log)
+    return TrainResult(c, c.run_dir, history, summary, model, optimizer)
+
+
+def _prepare_run_dir(c: TrainConfig) -> tuple[str, str]:
+    """``(metrics.jsonl path, checkpoints dir)`` of the run folder, written ``config.json``; without
+    ``resume`` the previous metrics and checkpoints are removed."""
+    os.makedirs(c.run_dir, exist_ok=True)
+    metrics_path = os.path.join(c.run_dir, "metrics.jsonl")
+    ckpt_dir = os.path.join(c.run_dir, "checkpoints")
+    if not c.resume:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        if os.path.exists(metrics_path):
+            os.remove(metrics_path)
+    with open(os.path.join(c.run_dir, "config.json"), "w") as f:
+        f.write(c.to_json() + "\n")
+    return metrics_path, ckpt_dir
+
+
+def _build_state(p: Plan):
+    """``(model, frozen reference or None, optimizer)``, placed on the training mesh when there is one
+    (before a checkpoint is restored into them: it is read into the placed arrays' shardings)."""
+    c = p.config
+    model = build_model(p)
+    ref_model = build_model(p) if c.beta > 0 else None  # frozen copy of the initial policy
+    optimizer = make_optimizer(c, model)
+    if p.train_mesh is not None:
+        layout = "vh" if c.tie_embeddings else "hv"
+        for module in (model, ref_model, optimizer):
+            if module is not None:
+                p.train_mesh.place_module(module, p.vocab_size, layout)
+    return model, ref_model, optimizer
+
+
+def _describe(p: Plan, model) -> str:
+    """The run's one-line header: objective, task, policy size, batch, device, mesh."""
+    c, tm = p.config, p.train_mesh
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    head = "tied nnx.Embed head (vh)" if c.tie_embeddings else "nnx.Linear head (hv)"
+    return (
+        f"{c.run_name}: {p.objective} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
+        f"{c.n_layers} layers, V={p.vocab_size}, {head}, {c.dtype}) | {c.batch_size} completions/step = "
+        f"{c.num_prompts} prompts x {c.group_size}, T={p.max_completion_length}, {c.num_iterations} update(s) "
+        f"per batch | {jax.devices()[0].device_kind}"
+        f"{'' if tm is None else f' x {tm.data * tm.model}, {tm.describe()}'} | {c.steps} steps -> {c.run_dir}/"
+    )
+
+
+def _train_step_row(p: Plan, model, ref_model, optimizer, step: int) -> tuple[dict, str]:
+    """One rollout and its updates: ``(metrics row, a decoded sample)``."""
+    c = p.config
+    tokens_per_step = c.batch_size * p.max_len
+    t0 = time.perf_counter()
+    batch, stats = _rollout(p, model, ref_model, step)
+    t1 = time.perf_counter()
+    upd = _update(p, model, optimizer, batch)
+    t2 = time.perf_counter()
+    row = {
+        "step": step + 1,
+        **{k: v for k, v in stats.items() if k != "sample"},
+        **upd,
+        "lr": float(learning_rate_schedule(c)((step + 1) * c.num_iterations - 1)),
+        "tokens": tokens_per_step,
+        "rollout_time_s": t1 - t0,
+        "update_time_s": t2 - t1,
+        "step_time_s": t2 - t0,
+        "tokens_per_s": tokens_per_step / (t2 - t0),
+    }
+    return row, stats["sample"]
+
+
+def _finish(c: TrainConfig, history, new_rows, wall: float, sample: str, log) -> dict:
+    """The run's summary (``summary.json``, the plot) and its closing log lines."""
     summary = _summarise(history, new_rows, wall)
     if c.plots and history:
         from gmpo_jax.train.plots import plot_history
 
-        summary["plot"] = plot_history(history, os.path.join(run_dir, "training.png"), title=c.run_name)
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        summary["plot"] = plot_history(history, os.path.join(c.run_dir, "training.png"), title=c.run_name)
+    with open(os.path.join(c.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if new_rows:
         speed = (
@@ -463,5 +490,5 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
         f"exact answers {summary['exact_first10']:.1%} -> {summary['exact_last10']:.1%}"
         + (f"; last sample: {sample!r}" if sample else "")
     )
-    log(f"outputs: {run_dir}/ (metrics.jsonl, checkpoints/{c.steps}{', training.png' if 'plot' in summary else ''})")
-    return TrainResult(c, run_dir, history, summary, model, optimizer)
+    log(f"outputs: {c.run_dir}/ (metrics.jsonl, checkpoints/{c.steps}{', training.png' if 'plot' in summary else ''})")
+    return summary
