@@ -17,6 +17,20 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import spec_numpy as spec  # noqa: E402
 
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--x64",
+        action="store_true",
+        help="run the whole session with jax_enable_x64 (issue 16: the API keeps its dtypes under x64)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--x64", default=False):
+        jax.config.update("jax_enable_x64", True)
+
+
 # --------------------------------------------------------------------------------------------------
 # Implementations under test. ONE list: the kernel suite joins by adding its name here (e.g.
 # "mosaic_gpu", which also runs in Pallas interpret mode on CPU). "reference" (the dense float32
