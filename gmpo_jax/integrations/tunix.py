@@ -135,8 +135,6 @@ def make_policy_loss_fn(
 
     def policy_loss_fn(model, train_example, algo_config, pad_id, eos_id, **unused):
         del unused
-        from tunix.rl import common
-
         kwargs, scale = loss_arguments(algo_config, train_example, objective)
         ids, mask = train_example.completion_ids, train_example.completion_mask
         hidden = final_hidden_states(
@@ -164,34 +162,50 @@ def make_policy_loss_fn(
             "log_ratio/max": a.log_ratio_max,
         }
 
-        ref, beta = train_example.ref_per_token_logps, float(getattr(algo_config, "beta", None) or 0.0)
-        kl_separately = ref is not None and kwargs["ref_logps"] is None
-        if kl_separately or compute_entropy:
-            out = gmpo_jax.fused_linear_logprobs(
+        ref = train_example.ref_per_token_logps
+        if (ref is not None and kwargs["ref_logps"] is None) or compute_entropy:
+            extra, more = _second_pass(
                 hidden,
                 weight,
                 ids,
-                completion_mask=mask,
-                temperature=kwargs["temperature"],
-                return_entropy=compute_entropy,
-                **fused,
+                mask,
+                ref if kwargs["ref_logps"] is None else None,
+                algo_config,
+                kwargs["temperature"],
+                fused,
+                compute_entropy,
             )
-            logp, entropy = out if compute_entropy else (out, None)
-            agg = algo_config.loss_agg_mode
-            if kl_separately:
-                kl = common.compute_kl_divergence(
-                    logp, ref, algo_config.kl_loss_mode, clamp_value=getattr(algo_config, "kl_clamp_value", None)
-                )
-                aux["kl"] = jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
-                aux["kl_loss"] = common.aggregate_loss(kl, mask, agg)
-                if beta != 0.0:
-                    loss = loss + beta * aux["kl_loss"]
-            if compute_entropy:
-                aux["entropy"] = common.aggregate_loss(entropy, mask, agg)
+            loss = loss + extra
+            aux.update(more)
         return loss, aux
 
     policy_loss_fn.__name__ = policy_loss_fn.__qualname__ = "gmpo_jax_policy_loss_fn"
     return policy_loss_fn
+
+
+def _second_pass(hidden, weight, ids, mask, ref, algo_config, temperature, fused: dict, compute_entropy: bool):
+    """``(loss term, metrics)`` of what the fused objective cannot fold in: Tunix's other KL modes (``ref``
+    not None) and the entropy metric, from one more fused log-prob pass and Tunix's own functions."""
+    from tunix.rl import common
+
+    out = gmpo_jax.fused_linear_logprobs(
+        hidden, weight, ids, completion_mask=mask, temperature=temperature, return_entropy=compute_entropy, **fused
+    )
+    logp, entropy = out if compute_entropy else (out, None)
+    agg = algo_config.loss_agg_mode
+    extra, aux = jnp.float32(0.0), {}
+    if ref is not None:
+        kl = common.compute_kl_divergence(
+            logp, ref, algo_config.kl_loss_mode, clamp_value=getattr(algo_config, "kl_clamp_value", None)
+        )
+        aux["kl"] = jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
+        aux["kl_loss"] = common.aggregate_loss(kl, mask, agg)
+        beta = float(getattr(algo_config, "beta", None) or 0.0)
+        if beta != 0.0:
+            extra = beta * aux["kl_loss"]
+    if compute_entropy:
+        aux["entropy"] = common.aggregate_loss(entropy, mask, agg)
+    return extra, aux
 
 
 def loss_arguments(
@@ -219,19 +233,9 @@ def loss_arguments(
     """
     agg = algo_config.loss_agg_mode
     loss_algo = getattr(algo_config, "loss_algo", "grpo")
-    if agg not in _AGG_MODES:
-        raise ValueError(f"unknown Tunix {agg=}; expected one of {_AGG_MODES}")
-    if loss_algo not in ("grpo", "gspo-token"):
-        raise ValueError(f"unknown Tunix {loss_algo=}; expected 'grpo' or 'gspo-token'")
-    if getattr(algo_config, "epsilon_c", None) is not None:
-        raise NotImplementedError("dual-clip PPO (algo_config.epsilon_c) is not supported by gmpo_jax")
-    if getattr(train_example, "segment_ids", None) is not None:
-        raise NotImplementedError("packed batches (train_example.segment_ids) are not supported yet")
-    mask, adv = train_example.completion_mask, train_example.advantages
-    if adv.ndim != 1:
-        raise NotImplementedError(f"token-level advantages ({adv.shape=}) are not supported; gmpo_jax takes [B]")
+    _check_supported(algo_config, train_example, agg, loss_algo)
+    mask = train_example.completion_mask
     B, T = mask.shape
-
     beta = float(getattr(algo_config, "beta", None) or 0.0)
     ref = train_example.ref_per_token_logps
     fold_kl = (
@@ -241,40 +245,12 @@ def loss_arguments(
         and getattr(algo_config, "kl_clamp_value", None) is None
     )
     rows = jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
-    scale, num_items = jnp.float32(1.0), None
     sampler_is = getattr(train_example, "sampler_is_weights", None)
-
+    kl_beta = beta if fold_kl else 0.0
     if objective is None:
-        eps = algo_config.epsilon
-        eps_high = getattr(algo_config, "epsilon_high", eps)
-        if agg == "sequence-mean-token-mean":
-            loss_type, scale = "grpo", B / jnp.maximum(rows, 1.0)
-        else:
-            loss_type = "dapo"
-            num_items = {"token-mean": None, "sequence-mean-token-scale": T * rows}.get(agg, rows)
-        objective = gmpo_jax.GRPO(
-            loss_type=loss_type,
-            epsilon_low=eps,
-            epsilon_high=eps_high,
-            beta=beta if fold_kl else 0.0,
-            importance_sampling_level="sequence" if loss_algo == "gspo-token" else "token",
-        )
+        objective, scale, num_items = _tunix_objective(algo_config, agg, loss_algo, kl_beta, B, T, rows)
     else:
-        if objective.beta != 0.0:
-            raise ValueError(f"{objective.beta=}: with Tunix set beta in its config (algo_config.beta)")
-        if loss_algo != "grpo":
-            raise NotImplementedError(f"GMPO is token-level; Tunix {loss_algo=} has no GMPO counterpart")
-        if agg != "sequence-mean-token-mean":
-            raise NotImplementedError(f"GMPO reduces per sequence; Tunix {agg=} is not supported with it")
-        if sampler_is is not None:
-            raise NotImplementedError("sampler_is_weights (rollout importance weights) do not apply to GMPO")
-        objective = gmpo_jax.GMPO(
-            epsilon_low=objective.epsilon_low,
-            epsilon_high=objective.epsilon_high,
-            beta=beta if fold_kl else 0.0,
-            use_bias_correction_kl=objective.use_bias_correction_kl,
-        )
-        scale = B / jnp.maximum(rows, 1.0)
+        objective, scale, num_items = _gmpo_objective(objective, agg, loss_algo, kl_beta, sampler_is, B, rows)
 
     temperature = getattr(algo_config, "temperature", None)
     temperature = 1.0 if temperature in (None, 0.0, 1.0) else temperature
@@ -287,6 +263,60 @@ def loss_arguments(
         temperature=temperature,
     )
     return kwargs, jax.lax.stop_gradient(jnp.asarray(scale, jnp.float32))
+
+
+def _check_supported(algo_config: Any, train_example: Any, agg: str, loss_algo: str) -> None:
+    """Raise for the Tunix features with no gmpo_jax counterpart (the module docstring lists them)."""
+    if agg not in _AGG_MODES:
+        raise ValueError(f"unknown Tunix {agg=}; expected one of {_AGG_MODES}")
+    if loss_algo not in ("grpo", "gspo-token"):
+        raise ValueError(f"unknown Tunix {loss_algo=}; expected 'grpo' or 'gspo-token'")
+    if getattr(algo_config, "epsilon_c", None) is not None:
+        raise NotImplementedError("dual-clip PPO (algo_config.epsilon_c) is not supported by gmpo_jax")
+    if getattr(train_example, "segment_ids", None) is not None:
+        raise NotImplementedError("packed batches (train_example.segment_ids) are not supported yet")
+    adv = train_example.advantages
+    if adv.ndim != 1:
+        raise NotImplementedError(f"token-level advantages ({adv.shape=}) are not supported; gmpo_jax takes [B]")
+
+
+def _tunix_objective(algo_config: Any, agg: str, loss_algo: str, beta: float, B: int, T: int, rows):
+    """``(GRPO objective, loss scale, num_items_in_batch)`` reproducing Tunix's own loss and aggregation."""
+    eps = algo_config.epsilon
+    eps_high = getattr(algo_config, "epsilon_high", eps)
+    scale, num_items = jnp.float32(1.0), None
+    if agg == "sequence-mean-token-mean":
+        loss_type, scale = "grpo", B / jnp.maximum(rows, 1.0)
+    else:
+        loss_type = "dapo"
+        num_items = {"token-mean": None, "sequence-mean-token-scale": T * rows}.get(agg, rows)
+    objective = gmpo_jax.GRPO(
+        loss_type=loss_type,
+        epsilon_low=eps,
+        epsilon_high=eps_high,
+        beta=beta,
+        importance_sampling_level="sequence" if loss_algo == "gspo-token" else "token",
+    )
+    return objective, scale, num_items
+
+
+def _gmpo_objective(objective, agg: str, loss_algo: str, beta: float, sampler_is, B: int, rows):
+    """``(GMPO objective with Tunix's beta, loss scale, None)``; raises where Tunix's options do not apply."""
+    if objective.beta != 0.0:
+        raise ValueError(f"{objective.beta=}: with Tunix set beta in its config (algo_config.beta)")
+    if loss_algo != "grpo":
+        raise NotImplementedError(f"GMPO is token-level; Tunix {loss_algo=} has no GMPO counterpart")
+    if agg != "sequence-mean-token-mean":
+        raise NotImplementedError(f"GMPO reduces per sequence; Tunix {agg=} is not supported with it")
+    if sampler_is is not None:
+        raise NotImplementedError("sampler_is_weights (rollout importance weights) do not apply to GMPO")
+    objective = gmpo_jax.GMPO(
+        epsilon_low=objective.epsilon_low,
+        epsilon_high=objective.epsilon_high,
+        beta=beta,
+        use_bias_correction_kl=objective.use_bias_correction_kl,
+    )
+    return objective, B / jnp.maximum(rows, 1.0), None
 
 
 def final_hidden_states(
