@@ -163,6 +163,26 @@ def check_mask(mask, B: int, T: int) -> None:
             )
 
 
+TOKEN_ARGS = (
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "objective",
+    "old_logps",
+    "ref_logps",
+    "rollout_is_ratio",
+    "num_items_in_batch",
+    "temperature",
+)
+
+
+def token_args(arguments: dict) -> dict:
+    """The per-token arguments both ops share (``TOKEN_ARGS``), picked from a public function's arguments
+    (its ``locals()``): what :func:`check_token_inputs` and
+    :func:`policy_inputs` take."""
+    return {name: arguments[name] for name in TOKEN_ARGS}
+
+
 def check_token_inputs(
     *,
     B: int,

@@ -79,37 +79,19 @@ def policy_loss(
 ):
     """Dense counterpart of :func:`gmpo_jax.fused_linear_policy_loss`: same arguments (no chunking /
     implementation), same ``(loss, LossAux)`` result, gradients by ``jax.grad`` through full logits."""
+    token_args = V_.token_args(locals())
     V_.check_policy_inputs(
         hidden=hidden,
         weight=weight,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        advantages=advantages,
-        objective=objective,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
         ref_hidden=ref_hidden,
         ref_weight=ref_weight,
         bias=bias,
         ref_bias=ref_bias,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
         weight_layout=weight_layout,
+        **token_args,
         chunk_size=None,
     )
-    inputs = V_.policy_inputs(
-        objective,
-        completion_ids,
-        completion_mask,
-        advantages,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
-        warn=False,
-    )
+    inputs = V_.policy_inputs(**token_args, warn=False)
     if ref_hidden is not None:
         inputs = inputs._replace(
             ref_logps=lax.stop_gradient(
@@ -119,9 +101,9 @@ def policy_loss(
                     inputs.ids,
                     completion_mask=inputs.mask,
                     bias=ref_bias,
-                    temperature=temperature,
                     weight_layout=weight_layout,
                     upcast=upcast,
+                    temperature=temperature,
                 )
             )
         )
@@ -146,31 +128,13 @@ def policy_loss_from_logits(
     logits): float32 ``log_softmax`` of the first ``T`` positions, the same ``(loss, LossAux)``, gradients
     by ``jax.grad``."""
     B, T = jnp.shape(completion_ids)
+    token_args = V_.token_args(locals())
     V_.check_token_inputs(
         B=B,
         T=T,
         V=jnp.shape(logits)[-1],
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        advantages=advantages,
-        objective=objective,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
+        **token_args,
     )
-    inputs = V_.policy_inputs(
-        objective,
-        completion_ids,
-        completion_mask,
-        advantages,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
-        warn=False,
-    )
+    inputs = V_.policy_inputs(**token_args, warn=False)
     z = jnp.asarray(logits)[:, :T].astype(jnp.float32) / inputs.temperature
     return _loss(objective, _target_logprobs(z, inputs.ids), inputs)

@@ -222,38 +222,21 @@ def fused_linear_policy_loss(
       >>> float(loss)  # on-policy: -mean_b A_b * exp(0)
       -0.25
     """
+    token_args = V_.token_args(locals())
     B, T, H, V = V_.check_policy_inputs(
         hidden=hidden,
         weight=weight,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        advantages=advantages,
-        objective=objective,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
         ref_hidden=ref_hidden,
         ref_weight=ref_weight,
         bias=bias,
         ref_bias=ref_bias,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
         weight_layout=weight_layout,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
+        **token_args,
     )
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
-    inputs = V_.policy_inputs(
-        objective,
-        completion_ids,
-        completion_mask,
-        advantages,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
-    )
+    inputs = V_.policy_inputs(**token_args)
     if ref_hidden is not None:
         ref_logps = lax.stop_gradient(
             fused_linear_logprobs(

@@ -132,18 +132,7 @@ class MosaicGpuBackend:
                 )
 
     def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
-        R, H = hidden.shape
-        V = _vocab(weight, weight_layout)
-        self.check_supported(
-            hidden_dtype=hidden.dtype,
-            weight_dtype=weight.dtype,
-            H=H,
-            V=V,
-            rows=R,
-            weight_layout=weight_layout,
-            has_bias=bias is not None,
-            with_entropy=with_entropy,
-        )
+        R, H, V = self._check_call(hidden, weight, bias, weight_layout, with_entropy=with_entropy)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
             out, _ = self._logprobs(
                 hidden,
@@ -225,17 +214,7 @@ class MosaicGpuBackend:
         range, so a scaled loss (a loss weight, microbatch averaging, loss scaling) cannot overflow or
         underflow there as float16 could (a 1e-3-scaled loss gave inf in float16); a float16 weight keeps
         the float32 accumulator and recomputes."""
-        R, H = hidden.shape
-        V = _vocab(weight, weight_layout)
-        self.check_supported(
-            hidden_dtype=hidden.dtype,
-            weight_dtype=weight.dtype,
-            H=H,
-            V=V,
-            rows=R,
-            weight_layout=weight_layout,
-            has_bias=bias is not None,
-        )
+        R, H, V = self._check_call(hidden, weight, bias, weight_layout)
         save_tiles = 0
         if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
             save_tiles = self.save_plan(rows=R, H=H, V=V, budget_bytes=budget_bytes)
@@ -293,17 +272,7 @@ class MosaicGpuBackend:
         dtype when ``saved`` is given), each window's block written once."""
         from gmpo_jax.kernels import _common as C
 
-        R, H = hidden.shape
-        V = _vocab(weight, weight_layout)
-        self.check_supported(
-            hidden_dtype=hidden.dtype,
-            weight_dtype=weight.dtype,
-            H=H,
-            V=V,
-            rows=R,
-            weight_layout=weight_layout,
-            has_bias=bias is not None,
-        )
+        R, H, V = self._check_call(hidden, weight, bias, weight_layout)
         cfg = block_config(rows=R, H=H, V=V, kind="grad", interpret=self.interpret)
         bn = cfg.block_n
         with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
@@ -349,6 +318,22 @@ class MosaicGpuBackend:
         return dh[:R].astype(hidden.dtype), dw_acc, db_acc
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _check_call(self, hidden, weight, bias, weight_layout: str, with_entropy: bool = False):
+        """``(R, H, V)`` of a seam call, after :meth:`check_supported` accepted it."""
+        R, H = hidden.shape
+        V = _vocab(weight, weight_layout)
+        self.check_supported(
+            hidden_dtype=hidden.dtype,
+            weight_dtype=weight.dtype,
+            H=H,
+            V=V,
+            rows=R,
+            weight_layout=weight_layout,
+            has_bias=bias is not None,
+            with_entropy=with_entropy,
+        )
+        return R, H, V
+
     def _interpret_params(self):
         if not self.interpret:
             return None

@@ -23,20 +23,10 @@ __all__ = ["policy_loss_from_logits"]
 ScalarLike = Union[float, Float[Array, ""]]
 
 
-def _check_inputs(
-    *,
-    logits,
-    completion_ids,
-    completion_mask,
-    advantages,
-    objective,
-    old_logps,
-    ref_logps,
-    rollout_is_ratio,
-    num_items_in_batch,
-    temperature,
-) -> tuple[int, int, int, int]:
-    """All argument checks (trace time, named errors); returns (B, T, Tl, V) with ``Tl`` = T or T + 1."""
+def _check_inputs(logits, token_args: dict) -> tuple[int, int, int, int]:
+    """All argument checks (trace time, named errors); returns (B, T, Tl, V) with ``Tl`` = T or T + 1.
+    ``token_args``: the per-token arguments (``_validation.token_args``)."""
+    completion_ids, objective = token_args["completion_ids"], token_args["objective"]
     V_.require_rank("logits", logits, 3, "[B, T + 1, V] or [B, T, V]")
     V_.require_float("logits", logits)
     V_.require_rank("completion_ids", completion_ids, 2, "[B, T]")
@@ -56,17 +46,9 @@ def _check_inputs(
         B=B,
         T=T,
         V=V,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        advantages=advantages,
-        objective=objective,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
+        **token_args,
     )
-    if objective.requires_reference and ref_logps is None:
+    if objective.requires_reference and token_args["ref_logps"] is None:
         raise ValueError(f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps")
     return B, T, Tl, V
 
@@ -162,29 +144,9 @@ def policy_loss_from_logits(
       ...     z, ids, mask, jnp.array([1.0, -0.5]), objective=gmpo_jax.GMPO())[0])(logits).shape
       (2, 4, 11)
     """
-    B, T, Tl, V = _check_inputs(
-        logits=logits,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        advantages=advantages,
-        objective=objective,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
-    )
-    inputs = V_.policy_inputs(
-        objective,
-        completion_ids,
-        completion_mask,
-        advantages,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
-    )
+    token_args = V_.token_args(locals())
+    B, T, Tl, V = _check_inputs(logits, token_args)
+    inputs = V_.policy_inputs(**token_args)
     logits = jnp.asarray(logits)
     backend = backend_lib.resolve(implementation, dtype=logits.dtype, B=B, T=T, Tl=Tl, V=V)
     with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss_from_logits"):
