@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import jax.numpy as jnp
+from jax import lax
 
 from gmpo_jax._dispatch import dispatch
 
-__all__ = ["LMHeadBackend", "IMPLEMENTATIONS", "resolve", "cancel_rounding"]
+__all__ = ["LMHeadBackend", "IMPLEMENTATIONS", "resolve", "cancel_rounding", "stored_rowsum"]
 
 
 @runtime_checkable
@@ -95,3 +96,19 @@ def cancel_rounding(dh, rowsum, weight, ids, weight_layout: str):
     cols = jnp.take(weight, safe, axis=vocab_axis)
     cols = cols.T if weight_layout == "hv" else cols
     return dh - rowsum[:, None] * cols.astype(jnp.float32)
+
+
+def stored_rowsum(dz, axis: int = 1):
+    """The float32 sums along ``axis`` of a 16-bit ``dz`` exactly as stored: :func:`cancel_rounding`'s ``rowsum``.
+
+    Not ``jnp.sum(dz.astype(jnp.float32))``: where ``dz = x.astype(bfloat16)`` in the same computation, XLA's
+    ``SimplifyFPConversions`` (run on GPUs under the default ``xla_allow_excess_precision``; not on the CPU,
+    so CPU tests cannot see it) folds the ``f32 -> bf16 -> f32`` chain and sums ``x``, whose row sum is
+    about 0, and the cancellation does nothing. bfloat16 is widened with integer operations (no conversion
+    to fold); float16 passes an optimization barrier first; float32 is summed as it is."""
+    if dz.dtype == jnp.float32:
+        return jnp.sum(dz, axis=axis)
+    if dz.dtype == jnp.bfloat16:
+        bits = lax.bitcast_convert_type(dz, jnp.uint16).astype(jnp.uint32) << 16
+        return jnp.sum(lax.bitcast_convert_type(bits, jnp.float32), axis=axis)
+    return jnp.sum(lax.optimization_barrier(dz).astype(jnp.float32), axis=axis)

@@ -38,7 +38,7 @@ from jax import lax
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.lm_head.backend import cancel_rounding
+from gmpo_jax.lm_head.backend import cancel_rounding, stored_rowsum
 
 __all__ = ["MosaicGpuBackend", "supported_on", "block_config"]
 
@@ -373,7 +373,7 @@ class _GradPass:
 
         if kept:
             dz = _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
-            return dz, jnp.sum(dz.astype(jnp.float32), axis=1)
+            return dz, stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
         cfg = self.cfg
         splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret))
         dz, rowsum = lm_head_dlogits_window(

@@ -26,7 +26,7 @@ from jax import lax
 
 from gmpo_jax import tuning
 from gmpo_jax._dispatch import UnsupportedConfigError
-from gmpo_jax.lm_head.backend import cancel_rounding
+from gmpo_jax.lm_head.backend import cancel_rounding, stored_rowsum
 
 __all__ = ["XlaChunkedBackend", "shifted"]
 
@@ -163,7 +163,7 @@ class XlaChunkedBackend:
             onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
             dz_c = dz.astype(cdt)
-            rowsum = rowsum + jnp.sum(dz_c.astype(jnp.float32), axis=1)  # the stored dz's rounding error
+            rowsum = rowsum + stored_rowsum(dz_c)  # the stored dz's rounding error
             if weight_layout == "hv":  # dh += dz W_b^T ; dW_b = h^T dz  ([H, size])
                 dh = dh + lax.dot_general(
                     dz_c, w_blk, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
