@@ -43,23 +43,36 @@ def _make(registry: dict[str, str], name: str):
     return getattr(module, class_name)()
 
 
-def dispatch(implementation, registry: dict[str, str], what: str, **config):
+def dispatch(implementation, registry: dict[str, str], what: str, *, required: tuple[str, ...] = (), **config):
     """Pick a backend from ``registry`` (ordered name -> ``"module.path:ClassName"``); shared by every op's dispatch.
 
     ``implementation`` is None (try the registry in order: a ``BackendUnavailableError`` falls through
     silently, an ``UnsupportedConfigError`` with one warning), a registered name (explicit: never falls
     back) or a backend instance (explicit, e.g. a kernel backend in interpret mode for tests). ``config``
-    goes to ``check_supported``; ``what`` names the op in logs and errors.
+    goes to ``check_supported``; ``what`` names the op in logs and errors; ``required``: the methods a
+    backend instance of this op must have (another op's backend is a TypeError, not a confusing call).
 
     Raises:
+      TypeError: a backend class instead of an instance, or an instance of another op's backend.
       ValueError: unknown ``implementation`` name.
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested backend cannot serve.
     """
+    if isinstance(implementation, type):
+        raise TypeError(
+            f"implementation must be a backend instance, not the class: pass {implementation.__name__}() "
+            f"(or a name in {tuple(registry)})"
+        )
     if implementation is not None and not isinstance(implementation, str):
         if not callable(getattr(implementation, "check_supported", None)):
             raise TypeError(
                 f"implementation must be None, a name in {tuple(registry)} or a backend instance, "
                 f"got implementation={implementation!r}"
+            )
+        missing = [m for m in required if not callable(getattr(implementation, m, None))]
+        if missing:
+            raise TypeError(
+                f"implementation={implementation!r} is not a {what} backend (it has no {', '.join(missing)}); "
+                f"this op's backends are {tuple(registry)}"
             )
         implementation.check_supported(**config)
         logger.info("gmpo_jax: %s implementation=%r (explicit instance)", what, implementation)

@@ -207,6 +207,10 @@ def check_token_inputs(
     _dtype(advantages, "advantages")
     require_shape("advantages", advantages, (B,), "[B]")
     require_float("advantages", advantages)
+    adv = _concrete(advantages)
+    if adv is not None and not np.all(np.isfinite(adv.astype(np.float64))):
+        bad = int(np.flatnonzero(~np.isfinite(adv.astype(np.float64)))[0])
+        raise ValueError(f"advantages must be finite, got advantages[{bad}] = {float(adv[bad])!r}")
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
         if x is not None:
             require_shape(name, x, (B, T), "[B, T]")
@@ -223,8 +227,9 @@ def check_token_inputs(
             isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
         ):
             raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
-        if isinstance(num_items_in_batch, numbers.Real) and num_items_in_batch < 0:
-            raise ValueError(f"num_items_in_batch must be >= 0, got num_items_in_batch={num_items_in_batch!r}")
+        value = _concrete(num_items_in_batch)
+        if value is not None and not float(value) >= 0:  # NaN fails too
+            raise ValueError(f"num_items_in_batch must be >= 0, got num_items_in_batch={float(value)!r}")
     check_temperature(temperature)
     check_ids_in_range(completion_ids, completion_mask, V)
 
@@ -288,7 +293,8 @@ def check_policy_inputs(
     has_ref = ref_logps is not None or ref_hidden is not None
     if objective.requires_reference and not has_ref:
         raise ValueError(
-            f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps, or ref_hidden and ref_weight"
+            f"objective.beta={objective.beta!r} (non-zero or traced) needs a reference: pass ref_logps, or "
+            "ref_hidden and ref_weight (or beta=0.0 as a Python number for no KL term)"
         )
     check_chunk_size(chunk_size)
     return B, T, H, V

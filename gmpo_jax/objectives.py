@@ -259,12 +259,14 @@ class Objective:
     # --- shared ---------------------------------------------------------------------------
     @property
     def requires_reference(self) -> bool:
-        """True iff ``beta`` is a concrete non-zero number: then a reference must be given at call time.
+        """True unless ``beta`` is a concrete 0: a non-zero or a traced ``beta`` needs a reference at call time.
 
-        Whether the KL term exists is decided by whether a reference is given, never by a traced value.
+        Whether the KL term exists is decided by whether a reference is given, never by a traced value; a
+        traced ``beta`` without a reference would silently train without the KL term (a schedule with a
+        forgotten reference), so it is an error: pass ``beta=0.0`` as a number to train without KL.
         """
         v = _concrete_value(getattr(self, "beta", 0.0))
-        return v is not None and v != 0
+        return v is None or v != 0
 
     def _kl_term(self, logp, data: PolicyInputs, log_weight) -> jax.Array | None:
         """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``.

@@ -102,7 +102,9 @@ def row_buckets(backend) -> int:
 
     own = getattr(backend, "row_buckets", None)
     if own is not None:
-        return int(own)
+        if isinstance(own, bool) or not isinstance(own, int) or own < 1:
+            raise ValueError(f"row_buckets must be None or an int >= 1 (1: no skipping), got row_buckets={own!r}")
+        return own
     if getattr(backend, "interpret", False) or jax.default_backend() != "gpu":
         return 1
     return ROW_BUCKETS

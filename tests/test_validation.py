@@ -123,9 +123,10 @@ def test_chunk_size_at_least_one(chunk_size):
         call(chunk_size=chunk_size)
 
 
-def test_negative_num_items_in_batch():
+@pytest.mark.parametrize("num_items", [-3, jnp.float32(-5.0), np.float32(np.nan)], ids=["int", "jax", "nan"])
+def test_negative_num_items_in_batch(num_items):
     with pytest.raises(ValueError, match="num_items_in_batch"):
-        call(num_items_in_batch=-3, objective=gmpo_jax.GRPO())
+        call(num_items_in_batch=num_items, objective=gmpo_jax.GRPO())
 
 
 def test_unknown_implementation():
@@ -143,12 +144,40 @@ def test_beta_without_reference(objective):
         call(objective=objective)
 
 
-def test_traced_beta_without_reference_means_no_kl_term():
-    """Only a Python-number beta != 0 can be checked; with a traced beta the KL term exists iff a reference is
-    given (documented in Objective.requires_reference), so no reference = the beta-free loss."""
-    got = jax.jit(lambda beta: call(objective=gmpo_jax.GMPO(beta=beta))[0])(jnp.float32(0.1))
-    want, _ = call(objective=gmpo_jax.GMPO(beta=0.0))
-    assert float(got) == pytest.approx(float(want), rel=1e-6)
+def test_traced_beta_without_reference_raises():
+    """A traced beta cannot be checked for 0, so without a reference it is an error (it used to drop the KL
+    term silently: a beta schedule with a forgotten reference); with a reference it traces fine."""
+    with pytest.raises(ValueError, match="beta.*traced.*reference"):
+        jax.jit(lambda beta: call(objective=gmpo_jax.GMPO(beta=beta))[0])(jnp.float32(0.1))
+    with pytest.raises(ValueError, match="beta.*traced.*reference"):
+        jax.jit(
+            lambda beta: gmpo_jax.policy_loss_from_logits(
+                jnp.zeros((B, T + 1, 7)),
+                jnp.zeros((B, T), jnp.int32),
+                jnp.ones((B, T)),
+                jnp.ones((B,)),
+                objective=gmpo_jax.GRPO(beta=beta),
+            )[0]
+        )(jnp.float32(0.1))
+    got = jax.jit(lambda beta: call(objective=gmpo_jax.GMPO(beta=beta), ref_logps=f32(B, T) - 1.0)[0])(0.1)
+    assert np.isfinite(float(got))
+
+
+def test_concrete_non_finite_advantages_raise():
+    with pytest.raises(ValueError, match=r"advantages must be finite.*advantages\[1\]"):
+        call(advantages=jnp.array([1.0, jnp.nan] + [0.5] * (B - 2)))
+
+
+def test_backend_classes_and_other_ops_backends_are_type_errors():
+    from gmpo_jax.lm_head import XlaChunkedBackend
+    from gmpo_jax.logits import XlaLogitsBackend
+
+    with pytest.raises(TypeError, match="instance, not the class"):
+        call(implementation=XlaChunkedBackend)
+    with pytest.raises(TypeError, match="not a fused LM head backend"):
+        call(implementation=XlaLogitsBackend())
+    with pytest.raises(ValueError, match="row_buckets"):
+        call(implementation=XlaChunkedBackend(row_buckets=0))
 
 
 def test_beta_zero_with_reference_is_fine():

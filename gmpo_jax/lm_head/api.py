@@ -204,7 +204,7 @@ def fused_linear_policy_loss(
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a concrete ``beta != 0`` without a reference, a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.

@@ -74,7 +74,7 @@ IMPLEMENTATIONS: dict[str, str] = {
 
 def resolve(implementation, **config) -> LMHeadBackend:
     """The LM-head backend for a call (see :func:`dispatch`); ``config`` goes to ``check_supported``."""
-    return dispatch(implementation, IMPLEMENTATIONS, "fused LM head", **config)
+    return dispatch(implementation, IMPLEMENTATIONS, "fused LM head", required=("logprobs", "grads"), **config)
 
 
 def cancel_rounding(dh, rowsum, weight, ids, weight_layout: str):

@@ -49,7 +49,10 @@ def _check_inputs(logits, token_args: dict) -> tuple[int, int, int, int]:
         **token_args,
     )
     if objective.requires_reference and token_args["ref_logps"] is None:
-        raise ValueError(f"objective.beta={objective.beta!r} != 0 needs a reference: pass ref_logps")
+        raise ValueError(
+            f"objective.beta={objective.beta!r} (non-zero or traced) needs a reference: pass ref_logps "
+            "(or beta=0.0 as a Python number for no KL term)"
+        )
     return B, T, Tl, V
 
 
@@ -123,7 +126,7 @@ def policy_loss_from_logits(
       TypeError: non-floating logits / advantages / log-probs, non-integer ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
         not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
-        outside ``[0, V)``, a concrete ``beta != 0`` without ``ref_logps``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /

@@ -41,4 +41,6 @@ def resolve(implementation, **config):
       ValueError: unknown implementation name.
       UnsupportedConfigError / BackendUnavailableError: an explicit implementation cannot serve.
     """
-    return dispatch(implementation, IMPLEMENTATIONS, "policy_loss_from_logits", **config)
+    return dispatch(
+        implementation, IMPLEMENTATIONS, "policy_loss_from_logits", required=("logprobs", "dlogits"), **config
+    )
