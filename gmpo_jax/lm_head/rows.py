@@ -3,13 +3,11 @@
 A trained policy's RL batch has many rows that need no LM-head work: padding and masked tokens (no
 log-prob is needed), and rows whose ``d loss / d logp`` is exactly zero (sequences with advantage 0 and
 no KL term, clipped tokens), which need no gradient GEMMs. XLA shapes are static, so the chunk's rows
-are reordered (a stable ``argsort`` of a small integer key: unmasked rows with a non-zero advantage,
-then unmasked rows with a zero advantage, then masked rows) and the backend runs on a *prefix* of the
-reordered rows, chosen by ``lax.switch`` among a few static sizes (``tuning.ROW_BUCKETS``): the
-smallest that holds every row the pass needs. The forward needs the unmasked rows; the backward the
-rows up to the last one whose ``d loss / d logp`` is non-zero, which, in this order, excludes the
-zero-advantage sequences when they have no gradient. Nothing is approximated: the skipped rows'
-log-probs are never read and their gradients are exactly zero. The cost is one gather of the rows'
+are reordered (a stable ``argsort`` of "needs work": live rows first) and the backend runs on a *prefix*
+of the reordered rows, chosen by ``lax.switch`` among a few static sizes (``tuning.ROW_BUCKETS``): the
+smallest that holds every live row. The forward's live rows are the unmasked ones; the backward's those
+whose ``d loss / d logp`` is non-zero (each pass orders its own). Nothing is approximated: the skipped
+rows' log-probs are never read and their gradients are exactly zero. The cost is one gather of the rows'
 hidden states per pass, a scatter of the results, and one compiled program per bucket size.
 """
 
@@ -24,7 +22,7 @@ from jax import lax
 
 from gmpo_jax import tuning
 
-__all__ = ["RowOrder", "order", "prefix_sizes", "on_prefix", "take", "scatter_back"]
+__all__ = ["RowOrder", "order", "prefix_sizes", "on_prefix", "on_live_rows", "take", "scatter_back"]
 
 
 class RowOrder(NamedTuple):
@@ -33,7 +31,7 @@ class RowOrder(NamedTuple):
     Attributes:
       perm: ``[R]`` int32, position -> row.
       inv: ``[R]`` int32, row -> position.
-      n_live: int32 scalar, the number of unmasked rows (the forward's prefix).
+      n_live: int32 scalar, the number of live rows.
     """
 
     perm: jax.Array
@@ -41,20 +39,12 @@ class RowOrder(NamedTuple):
     n_live: jax.Array
 
 
-def order(mask: jax.Array, advantages) -> RowOrder:
-    """The order of ``mask``'s rows (``[C, T]`` bool, flattened): unmasked with ``advantages != 0``
-    (``[C]``; None: all), unmasked with a zero advantage, masked; stable within each group."""
-    key = jnp.where(mask, 0 if advantages is None else jnp.where(advantages[:, None] != 0, 0, 1), 2)
-    key = key.reshape(-1).astype(jnp.int32)
+def order(live: jax.Array) -> RowOrder:
+    """The order of the rows of ``live`` (bool, flattened): live rows first, stable within each group."""
+    key = jnp.where(live.reshape(-1), 0, 1).astype(jnp.int32)
     perm = jnp.argsort(key, stable=True).astype(jnp.int32)
     inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.size, dtype=jnp.int32))
-    return RowOrder(perm, inv, jnp.sum(key < 2, dtype=jnp.int32))
-
-
-def last_nonzero(x: jax.Array) -> jax.Array:
-    """1 + the last position of ``x`` (``[R]``) that is not exactly zero (NaN counts), 0 if none."""
-    pos = jnp.arange(1, x.size + 1, dtype=jnp.int32)
-    return jnp.max(jnp.where(x != 0, pos, 0))
+    return RowOrder(perm, inv, jnp.sum(key == 0, dtype=jnp.int32))
 
 
 def prefix_sizes(rows: int, buckets: int) -> tuple[int, ...]:
@@ -80,17 +70,45 @@ def scatter_back(x: jax.Array, order_: RowOrder) -> jax.Array:
     return jnp.take(full, order_.inv, axis=0)
 
 
-def on_prefix(n: jax.Array, sizes: tuple[int, ...], run: Callable, empty: Callable):
+def on_prefix(n: jax.Array, sizes: tuple[int, ...], run: Callable, empty: Callable | None = None):
     """``run(S)`` for the smallest ``S`` in ``sizes`` with ``S >= n``, or ``empty()`` when ``n == 0``
     (``lax.switch``: one branch runs). Outputs whose dtype differs between the ``run`` branches (e.g. a
     16-bit weight gradient where the backend kept its logits, float32 where it did not) are promoted to
-    a common one; ``empty``'s outputs take those dtypes."""
+    a common one; ``empty``'s outputs take those dtypes (None: zeros shaped like ``run``'s outputs)."""
     runs = [lambda S=S: run(S) for S in sizes]
     shapes = [jax.eval_shape(b) for b in runs]
     target = jax.tree.map(lambda *s: jnp.result_type(*(x.dtype for x in s)), *shapes)
+    if empty is None:
+        empty = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])  # noqa: E731
 
     def cast(b):
         return lambda: jax.tree.map(lambda x, d: x.astype(d), b(), target)
 
     index = jnp.where(n == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n, side="left"))
     return lax.switch(index.astype(jnp.int32), [cast(b) for b in [empty] + runs])
+
+
+def on_live_rows(buckets: int, live: jax.Array, fn: Callable, arrays: tuple, accumulators=None):
+    """``fn(*arrays)`` (each ``[R, ...]``) on every row when ``buckets <= 1``, else on the static prefix of the
+    rows reordered live first (``live``: ``R`` bools in any shape) that holds every live row, its per-row
+    outputs scattered back (zeros elsewhere).
+
+    ``accumulators``: None for a forward (every output per-row); else ``fn`` returns ``(dh, *accumulators)``
+    (the weight / bias gradients it accumulated into), and when no row is live they pass through unchanged."""
+    if buckets <= 1:
+        return fn(*arrays)
+    order_ = order(live)
+    R = order_.perm.size
+
+    def run(S):
+        out = fn(*(take(x, order_, S) for x in arrays))
+        if accumulators is not None:
+            return scatter_back(out[0], order_), *out[1:]
+        return tuple(scatter_back(x, order_) for x in out)
+
+    empty = (
+        None
+        if accumulators is None
+        else (lambda: (jnp.zeros((R, *arrays[0].shape[1:]), arrays[0].dtype), *accumulators))
+    )
+    return on_prefix(order_.n_live, prefix_sizes(R, buckets), run, empty)

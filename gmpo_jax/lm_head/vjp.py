@@ -48,7 +48,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from gmpo_jax import tuning
 from gmpo_jax.lm_head import rows
 from gmpo_jax.lm_head.backend import LMHeadBackend
 from gmpo_jax.lm_head.sharding import ShardingPlan
@@ -128,13 +127,19 @@ def _chunk_rows(cfg: LMHeadConfig, hidden, inputs: PolicyInputs, locate, i):
 # ------------------------------------------------------------------------------------------------
 # The policy loss
 # ------------------------------------------------------------------------------------------------
+def _saved_budget(weight) -> int:
+    """Device memory a single chunk may spend on kept logits: the float32 weight copy it does not make,
+    plus ``SAVED_LOGITS_SLACK``."""
+    return 4 * weight.size + SAVED_LOGITS_SLACK
+
+
 def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool):
     """``(logp [R], lse [R], saved or None)`` of rows ``h [R, H]``; ``keep``: the backend may keep what its
     gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy as budget)."""
     weight, lay = head.weight, cfg.weight_layout
     if keep:
         return cfg.backend.logprobs_for_grads(
-            h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK
+            h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight)
         )
     return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None)
 
@@ -184,54 +189,42 @@ def _chunk_step_skipping(
     with_grads: bool,
     keep: bool,
 ):
-    """:func:`_chunk_step` on a static prefix of the reordered rows (``gmpo_jax.lm_head.rows``): the
-    forward on the unmasked rows, the backward up to the last row with a non-zero ``d loss / d logp``.
-    With ``keep`` both passes share the forward's prefix (the kept logits hold those rows)."""
-    t, R = chunk.temperature, ids.size
-    order = rows.order(chunk.mask, chunk.advantages)
-    sizes = rows.prefix_sizes(R, cfg.row_buckets)
-    zeros_r = jnp.zeros((R,), jnp.float32)
-
-    def objective_on(logp_rows):
-        return evaluate(objective, logp_rows.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
-
-    if keep:
+    """:func:`_chunk_step` on static prefixes of the reordered rows (``gmpo_jax.lm_head.rows``): the forward
+    on the unmasked rows, the backward on the rows with a non-zero ``d loss / d logp``. With ``keep`` both
+    passes share the forward's prefix (the kept logits hold those rows)."""
+    t, buckets = chunk.temperature, cfg.row_buckets
+    if keep:  # only under differentiation
+        order = rows.order(chunk.mask)
 
         def run(S):
             hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
             logp_s, lse_s, saved = _forward(cfg, head, hs, ids_s, t, keep=True)
-            num, sums, dlogp = objective_on(rows.scatter_back(logp_s, order))
-            dh_s, dw_, db_ = _backward(
-                cfg, head, hs, ids_s, rows.take(dlogp.reshape(-1), order, S), lse_s, t, None, db, saved
-            )
+            logp = rows.scatter_back(logp_s, order).reshape(chunk.mask.shape)
+            num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
+            dlogp_s = rows.take(dlogp.reshape(-1), order, S)
+            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, None, db, saved)
             return num, sums, rows.scatter_back(dh_s, order), dw_, db_
 
         def empty():
-            num, sums, _ = objective_on(zeros_r)
+            num, sums, _ = evaluate(objective, jnp.zeros(chunk.mask.shape), chunk, denominator, with_grads=False)
             return num, sums, jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32), db
 
-        return rows.on_prefix(order.n_live, sizes, run, empty)
-
-    def forward(S):
-        logp_s, lse_s, _ = _forward(cfg, head, rows.take(h, order, S), rows.take(ids, order, S), t, keep=False)
-        return jnp.pad(logp_s, (0, R - S)), jnp.pad(lse_s, (0, R - S))
-
-    logp_p, lse_p = rows.on_prefix(order.n_live, sizes, forward, lambda: (zeros_r, zeros_r))
-    num, sums, dlogp = objective_on(jnp.take(logp_p, order.inv))
+        return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
+    logp, lse = rows.on_live_rows(
+        buckets, chunk.mask, lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False)[:2], (h, ids)
+    )
+    num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
     if not with_grads:
         return num, sums, None, dw, db
-    dlogp_p = jnp.take(dlogp.reshape(-1), order.perm)
-
-    def backward(S):
-        dh_s, dw_, db_ = _backward(
-            cfg, head, rows.take(h, order, S), rows.take(ids, order, S), dlogp_p[:S], lse_p[:S], t, dw, db, None
-        )
-        return rows.scatter_back(dh_s, order), dw_, db_
-
-    def nothing():
-        return jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db
-
-    return (num, sums, *rows.on_prefix(rows.last_nonzero(dlogp_p), sizes, backward, nothing))
+    dlogp = dlogp.reshape(-1)
+    grads = rows.on_live_rows(
+        buckets,
+        dlogp != 0,
+        lambda hs, ids_s, dlogp_s, lse_s: _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, None),
+        (h, ids, dlogp, lse),
+        accumulators=(jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db),
+    )
+    return (num, sums, *grads)
 
 
 def _keeps_logits(backend, rows: int, H: int, weight) -> bool:
@@ -241,9 +234,7 @@ def _keeps_logits(backend, rows: int, H: int, weight) -> bool:
         return False
     hint = getattr(backend, "keeps_logits", None)
     V = weight.size // H
-    return hint is None or hint(
-        rows=rows, H=H, V=V, weight_dtype=weight.dtype, budget_bytes=4 * weight.size + SAVED_LOGITS_SLACK
-    )
+    return hint is None or hint(rows=rows, H=H, V=V, weight_dtype=weight.dtype, budget_bytes=_saved_budget(weight))
 
 
 def _scan_policy(
@@ -352,30 +343,6 @@ fused_policy_loss.defvjp(_fused_policy_loss_fwd, _fused_policy_loss_bwd)
 # ------------------------------------------------------------------------------------------------
 # Log-probs alone (rollout-time old / reference log-probs; composable into any user loss)
 # ------------------------------------------------------------------------------------------------
-def _on_rows(cfg: LMHeadConfig, live, accumulators, h, ids, fn, *row_args):
-    """``fn(h, ids, *row_args)`` on every row, or, with row skipping, on a static prefix of the rows
-    reordered live first (``live``: ``[R]`` or ``[C, T]`` bool), its ``[rows, ...]`` outputs scattered back
-    (zeros elsewhere). ``accumulators``: None for a forward (outputs all per-row), else the ``(dw, db)``
-    passed through unchanged when no row is live (``fn`` then returns ``(dh, dw, db)``)."""
-    if cfg.row_buckets <= 1:
-        return fn(h, ids, *row_args)
-    order = rows.order(live.reshape(-1, 1), None)
-    R = ids.shape[0]
-
-    def run(S):
-        out = fn(*(rows.take(x, order, S) for x in (h, ids, *row_args)))
-        if accumulators is not None:
-            return rows.scatter_back(out[0], order), *out[1:]
-        return tuple(rows.scatter_back(x, order) for x in out)
-
-    def empty():
-        if accumulators is not None:
-            return jnp.zeros_like(h), *accumulators
-        return tuple(jnp.zeros(x.shape, x.dtype) for x in jax.eval_shape(lambda: run(min(R, tuning.ROW_ALIGN))))
-
-    return rows.on_prefix(order.n_live, rows.prefix_sizes(R, cfg.row_buckets), run, empty)
-
-
 def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
     """``(logp, lse[, entropy])``, each ``[B, T]`` float32 (0 at masked tokens but ``lse``)."""
     hidden, weight, bias = head
@@ -386,15 +353,13 @@ def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
 
     def body(carry, i):
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        out = _on_rows(
-            cfg,
+        out = rows.on_live_rows(
+            cfg.row_buckets,
             chunk.mask,
-            None,
-            h,
-            ids,
             lambda hs, ids_s: backend.logprobs(
                 hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout, **kw
             ),
+            (h, ids),
         )
         m = chunk.mask
         new = [jnp.where(m, x.reshape(m.shape), 0.0) if k != 1 else x.reshape(m.shape) for k, x in enumerate(out)]
@@ -418,27 +383,14 @@ def _scan_logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
         cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=c, axis=0)
         dlogp = jnp.where(chunk.mask, cut(g).astype(jnp.float32), 0.0).reshape(-1)
-        lse_c = cut(lse).reshape(-1)
-        dh_c, dw, db = _on_rows(
-            cfg,
+        dh_c, dw, db = rows.on_live_rows(
+            cfg.row_buckets,
             dlogp != 0,
-            (dw, db),
-            h,
-            ids,
-            lambda hs, ids_s, dlogp_s, lse_s: backend.grads(
-                hs,
-                weight,
-                bias,
-                ids_s,
-                dlogp_s,
-                lse_s,
-                inputs.temperature,
-                weight_layout=cfg.weight_layout,
-                dw_acc=dw,
-                db_acc=db,
+            lambda hs, ids_s, dlogp_s, lse_s: _backward(
+                cfg, head, hs, ids_s, dlogp_s, lse_s, inputs.temperature, dw, db, None
             ),
-            dlogp,
-            lse_c,
+            (h, ids, dlogp, cut(lse).reshape(-1)),
+            accumulators=(dw, db),
         )
         return (_merge_rows(dh, start, fresh, dh_c.reshape(c, *hidden.shape[1:])), dw, db), None
 

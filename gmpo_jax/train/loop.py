@@ -369,11 +369,12 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
         dynamic_ncols=True,
         file=sys.stderr,
     )
+    schedule = learning_rate_schedule(c)
     t_start = time.perf_counter()
     new_rows, sample = [], ""
     with open(metrics_path, "a") as mf:
         for step in range(start, c.steps):
-            row, sample = _train_step_row(p, model, ref_model, optimizer, step)
+            row, sample = _train_step_row(p, model, ref_model, optimizer, step, schedule)
             if not all(math.isfinite(v) for k, v in row.items() if isinstance(v, float) and k != "exact_match"):
                 log(f"warning: non-finite metric at step {step + 1}: {row}")
             mf.write(json.dumps(row) + "\n")
@@ -443,7 +444,7 @@ def _describe(p: Plan, model) -> str:
     )
 
 
-def _train_step_row(p: Plan, model, ref_model, optimizer, step: int) -> tuple[dict, str]:
+def _train_step_row(p: Plan, model, ref_model, optimizer, step: int, schedule) -> tuple[dict, str]:
     """One rollout and its updates: ``(metrics row, a decoded sample)``."""
     c = p.config
     tokens_per_step = c.batch_size * p.max_len
@@ -456,7 +457,7 @@ def _train_step_row(p: Plan, model, ref_model, optimizer, step: int) -> tuple[di
         "step": step + 1,
         **{k: v for k, v in stats.items() if k != "sample"},
         **upd,
-        "lr": float(learning_rate_schedule(c)((step + 1) * c.num_iterations - 1)),
+        "lr": float(schedule((step + 1) * c.num_iterations - 1)),
         "tokens": tokens_per_step,
         "rollout_time_s": t1 - t0,
         "update_time_s": t2 - t1,
