@@ -173,6 +173,7 @@ TOKEN_ARGS = (
     "rollout_is_ratio",
     "num_items_in_batch",
     "temperature",
+    "segment_ids",
 )
 
 
@@ -197,6 +198,7 @@ def check_token_inputs(
     rollout_is_ratio,
     num_items_in_batch,
     temperature,
+    segment_ids=None,
 ) -> None:
     """The checks both ops share: the objective, the ``[B, T]`` / ``[B]`` per-token inputs, the scalars, and
     (when concrete) that every unmasked id lies in ``[0, V)``."""
@@ -205,12 +207,17 @@ def check_token_inputs(
     check_ids(completion_ids, B, T)
     check_mask(completion_mask, B, T)
     _dtype(advantages, "advantages")
-    require_shape("advantages", advantages, (B,), "[B]")
+    if _shape(advantages) not in ((B,), (B, T)):
+        raise ValueError(
+            f"advantages must have shape [B] = {(B,)} or [B, T] = {(B, T)}, got advantages.shape={_shape(advantages)}"
+        )
     require_float("advantages", advantages)
     adv = _concrete(advantages)
     if adv is not None and not np.all(np.isfinite(adv.astype(np.float64))):
-        bad = int(np.flatnonzero(~np.isfinite(adv.astype(np.float64)))[0])
-        raise ValueError(f"advantages must be finite, got advantages[{bad}] = {float(adv[bad])!r}")
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(adv.astype(np.float64)))[0])
+        where = bad[0] if len(bad) == 1 else bad
+        raise ValueError(f"advantages must be finite, got advantages[{where}] = {float(adv[bad])!r}")
+    check_segment_ids(segment_ids, B, T)
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
         if x is not None:
             require_shape(name, x, (B, T), "[B, T]")
@@ -234,6 +241,22 @@ def check_token_inputs(
     check_ids_in_range(completion_ids, completion_mask, V)
 
 
+def check_segment_ids(segment_ids, B: int, T: int) -> None:
+    """``segment_ids``: None, or a ``[B, T]`` integer array of non-negative ids (checked when concrete)."""
+    if segment_ids is None:
+        return
+    require_shape("segment_ids", segment_ids, (B, T), "[B, T]")
+    dt = _dtype(segment_ids, "segment_ids")
+    if not (jnp.issubdtype(dt, jnp.integer) and not jnp.issubdtype(dt, jnp.bool_)):
+        raise TypeError(f"segment_ids must be an integer array, got dtype {dt}")
+    seg = _concrete(segment_ids)
+    if seg is not None and seg.size and seg.min() < 0:
+        bad = tuple(int(i) for i in np.argwhere(seg < 0)[0])
+        raise ValueError(
+            f"segment_ids must be >= 0 (0 marks padding), got segment_ids[{bad[0]}, {bad[1]}] = {int(seg[bad])}"
+        )
+
+
 def check_policy_inputs(
     *,
     hidden,
@@ -254,6 +277,7 @@ def check_policy_inputs(
     weight_layout,
     chunk_size,
     vocab_size=None,
+    segment_ids=None,
 ) -> tuple[int, int, int, int]:
     """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
     if not isinstance(objective, Objective):
@@ -273,6 +297,7 @@ def check_policy_inputs(
         rollout_is_ratio=rollout_is_ratio,
         num_items_in_batch=num_items_in_batch,
         temperature=temperature,
+        segment_ids=segment_ids,
     )
     if ref_logps is not None and ref_hidden is not None:
         raise ValueError("give either ref_logps or ref_hidden (+ ref_weight), not both")
@@ -334,13 +359,17 @@ def policy_inputs(
     rollout_is_ratio=None,
     num_items_in_batch=None,
     temperature=1.0,
+    segment_ids=None,
     warn: bool = True,
 ):
     """The checked per-token arguments as one :class:`~gmpo_jax.objectives.PolicyInputs`: bool mask, int32
     ids (0 under the mask), float32 advantages / log-probs / ratio / scalars. ``rollout_is_ratio`` ``[B]``
     becomes ``[B, 1]``; for GMPO, to which it does not apply (SPEC.md), it is dropped, with a warning when
-    ``warn``."""
+    ``warn``. ``segment_ids`` become int32, and their padding (id 0) is masked."""
     mask = as_mask(completion_mask)
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+        mask = mask & (segment_ids > 0)
     ris = None
     if rollout_is_ratio is not None and isinstance(objective, GMPO):
         if warn:
@@ -357,4 +386,5 @@ def policy_inputs(
         ids=jnp.where(mask, as_ids(completion_ids), 0),
         num_items=_f32(num_items_in_batch),
         temperature=jnp.asarray(temperature, jnp.float32),
+        segment_ids=segment_ids,
     )

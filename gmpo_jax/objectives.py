@@ -57,13 +57,13 @@ _SAPO_LOG_RATIO_CAP = 80.0
 class PolicyInputs(NamedTuple):
     """The per-token inputs of one policy-loss call, built once by the public function (a pytree).
 
-    The objectives read ``mask``, ``advantages``, ``old_logps``, ``ref_logps`` and ``rollout_is_ratio``;
-    the LM-head and logits passes read ``ids`` and ``temperature``; ``num_items`` feeds the normaliser.
-    A chunk of whole sequences is the same pytree over ``C`` rows (:meth:`rows`).
+    The objectives read ``mask``, ``advantages``, ``old_logps``, ``ref_logps``, ``rollout_is_ratio`` and
+    ``segment_ids``; the LM-head and logits passes read ``ids`` and ``temperature``; ``num_items`` feeds
+    the normaliser. A chunk of whole rows is the same pytree over ``C`` rows (:meth:`rows`).
 
     Attributes:
       mask: ``[B, T]`` bool; False for padding, masked tokens and sequences outside a chunk.
-      advantages: ``[B]`` float32.
+      advantages: ``[B]`` (one per row) or ``[B, T]`` (per token) float32.
       old_logps: ``[B, T]`` float32 or None (on-policy: ``old = stop_gradient(logp)``).
       ref_logps: ``[B, T]`` float32 or None (no KL term).
       rollout_is_ratio: ``[B, T]`` or ``[B, 1]`` float32 or None.
@@ -71,6 +71,9 @@ class PolicyInputs(NamedTuple):
         where only the objective is evaluated.
       num_items: float32 scalar or None: the dapo / cispo normaliser override.
       temperature: float32 scalar (``> 0``) dividing the logits, or None where only the objective runs.
+      segment_ids: ``[B, T]`` int32 or None. None: row ``b`` is sequence ``b`` (the padded layout).
+        Otherwise a packed batch: each maximal run of equal positive ids in a row is one sequence, id 0
+        is padding (its tokens are masked).
     """
 
     mask: jax.Array
@@ -81,10 +84,12 @@ class PolicyInputs(NamedTuple):
     ids: jax.Array | None = None
     num_items: jax.Array | None = None
     temperature: jax.Array | None = None
+    segment_ids: jax.Array | None = None
 
     def rows(self, start, size: int, live=None) -> PolicyInputs:
-        """Sequences ``[start, start + size)`` (``start`` may be traced); ``live`` (``[size]`` bool) masks
-        sequences out of the slice (those another chunk owns)."""
+        """Rows ``[start, start + size)`` (``start`` may be traced); ``live`` (``[size]`` bool) masks rows
+        out of the slice (those another chunk owns). A sequence never spans rows, so a chunk of rows
+        holds whole sequences."""
 
         def cut(x):
             return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
@@ -97,12 +102,84 @@ class PolicyInputs(NamedTuple):
             ref_logps=cut(self.ref_logps),
             rollout_is_ratio=cut(self.rollout_is_ratio),
             ids=cut(self.ids),
+            segment_ids=cut(self.segment_ids),
         )
 
     def specs(self, rows, scalar) -> PolicyInputs:
         """The same pytree holding ``rows`` for every per-sequence field and ``scalar`` for the scalars
         (e.g. the ``jax.shard_map`` partition specs of a data-parallel call)."""
-        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar)
+        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar, rows)
+
+    def token_advantages(self) -> jax.Array:
+        """``[B, T]`` float32: each token's advantage (a ``[B]`` advantage broadcast over its row)."""
+        a = self.advantages.astype(jnp.float32)
+        return a if a.ndim == 2 else jnp.broadcast_to(a[:, None], self.mask.shape)
+
+    def sequences(self) -> Sequences:
+        """Where this batch's sequences lie (:class:`Sequences`)."""
+        return Sequences.of(self.mask, self.segment_ids)
+
+
+class Sequences(NamedTuple):
+    """The sequences of a ``[B, T]`` batch, for the objectives' per-sequence reductions.
+
+    Padded layout (``segment_ids`` None): row ``b`` is sequence ``b`` (``B`` of them, empty rows counted).
+    Packed layout: each maximal run of equal positive ``segment_ids`` within a row is a sequence; the
+    runs get slots ``0 .. B*T - 1`` in row-major order (runs of id 0, padding, get slots with no
+    unmasked token). Per-sequence vectors have one entry per slot; a slot without an unmasked token
+    contributes nothing to any objective.
+
+    Attributes:
+      index: ``[B, T]`` int32 slot of each token, or None (padded: the row).
+      heads: ``[B, T]`` bool, the first token of each sequence (positive id), or None (padded).
+      slots: number of slots (static): ``B`` padded, ``B * T`` packed.
+    """
+
+    index: jax.Array | None
+    heads: jax.Array | None
+    slots: int
+
+    @staticmethod
+    def of(mask: jax.Array, segment_ids: jax.Array | None) -> Sequences:
+        if segment_ids is None:
+            return Sequences(None, None, mask.shape[0])
+        seg = segment_ids
+        start = seg != jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)  # t = 0 starts a run
+        index = (jnp.cumsum(start.reshape(-1), dtype=jnp.int32) - 1).reshape(seg.shape)
+        return Sequences(index, start & (seg > 0), seg.size)
+
+    def sum(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        """Per-sequence sums ``[slots]`` of ``x`` over the unmasked tokens (float32)."""
+        x = jnp.where(mask, x, 0.0)
+        if self.index is None:
+            return jnp.sum(x, axis=1)
+        return jax.ops.segment_sum(x.reshape(-1), self.index.reshape(-1), self.slots, indices_are_sorted=True)
+
+    def lengths(self, mask: jax.Array) -> jax.Array:
+        """Unmasked tokens per sequence ``[slots]`` (float32, counted in int32)."""
+        if self.index is None:
+            return jnp.sum(mask, axis=1, dtype=jnp.int32).astype(jnp.float32)
+        m = mask.reshape(-1).astype(jnp.int32)
+        return jax.ops.segment_sum(m, self.index.reshape(-1), self.slots, indices_are_sorted=True).astype(jnp.float32)
+
+    def tokens(self, v: jax.Array, shape) -> jax.Array:
+        """A per-sequence vector ``[slots]`` spread over the tokens: ``[B, T]``."""
+        return jnp.broadcast_to(v[:, None], shape) if self.index is None else v[self.index]
+
+    def count(self) -> jax.Array:
+        """The number of sequences (float32): ``B`` padded, the positive-id runs packed (at least 1, so
+        that a packed batch of padding only has loss 0, not 0 / 0)."""
+        if self.heads is None:
+            return jnp.asarray(self.slots, jnp.float32)
+        return jnp.maximum(jnp.sum(self.heads, dtype=jnp.int32), 1).astype(jnp.float32)
+
+    def mean_advantages(self, inputs: PolicyInputs) -> jax.Array:
+        """One advantage per sequence ``[slots]``: a ``[B]`` advantage as given (padded layout), else the
+        mean of the sequence's unmasked tokens' advantages (0 for an empty sequence)."""
+        if self.index is None and inputs.advantages.ndim == 1:
+            return inputs.advantages.astype(jnp.float32)
+        m = inputs.mask
+        return self.sum(inputs.token_advantages(), m) / jnp.maximum(self.lengths(m), 1.0)
 
 
 class MetricSums(NamedTuple):
@@ -232,8 +309,11 @@ class Objective:
         """Loss numerator of a chunk (float32 scalar) and its metric sums; differentiable in ``logp``."""
         raise NotImplementedError
 
-    def denominator(self, mask: jax.Array, num_items_in_batch: jax.Array | None) -> jax.Array:
-        """Global loss normaliser (float32 scalar) from the whole call's ``[B, T]`` mask."""
+    def denominator(
+        self, mask: jax.Array, num_items_in_batch: jax.Array | None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """Global loss normaliser (float32 scalar) from the whole call's ``[B, T]`` mask (and its
+        ``segment_ids``, which decide the number of sequences of a packed batch)."""
         raise NotImplementedError
 
     # --- token-local objectives (optional) ---------------------------------------------------
@@ -252,7 +332,7 @@ class Objective:
         gradient whatever its values (its loss is weighted by 0). Only for :attr:`token_local` objectives."""
         raise NotImplementedError(f"{type(self).__name__} is not token-local")
 
-    def token_weights(self, mask, num_items_in_batch):
+    def token_weights(self, mask, num_items_in_batch, segment_ids=None):
         """``[B, T]`` float32 weight of each token's :meth:`token_loss` in the loss (0 where masked)."""
         raise NotImplementedError(f"{type(self).__name__} is not token-local")
 
@@ -311,7 +391,8 @@ class GMPO(Objective):
         \mathcal{L} = \frac{1}{B}\sum_b e_b\,(-A_b\, e^{s_b})
         + \beta \frac{1}{B}\sum_b \frac{\sum_t m\,\mathrm{kl}}{\max(\sum_t m, 1)}
 
-    with :math:`e_b = 1` iff sequence ``b`` has an unmasked token, and k3 KL
+    over the ``B`` sequences (rows, or the sequences of a packed batch: ``segment_ids``), with
+    :math:`e_b = 1` iff sequence ``b`` has an unmasked token, and k3 KL
     :math:`\mathrm{kl} = e^{ref - \log\pi} - (ref - \log\pi) - 1` (times :math:`e^{r}` with
     ``use_bias_correction_kl``). A token is clipped only strictly past its bound.
 
@@ -321,6 +402,8 @@ class GMPO(Objective):
       beta: KL coefficient, ``>= 0``; a non-zero Python float needs a reference (``ref_logps`` or
         ``ref_hidden``/``ref_weight``) at call time.
       use_bias_correction_kl: multiply the per-token KL by the unclipped ratio ``exp(r)`` (static).
+      importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
+        compatibility; ``"sequence"`` raises).
 
     Raises:
       ValueError: a negative epsilon or beta given as a Python number.
@@ -347,12 +430,14 @@ class GMPO(Objective):
     def loss_type(self) -> str:
         return "gmpo"
 
-    def denominator(self, mask, num_items_in_batch):
-        return jnp.asarray(mask.shape[0], jnp.float32)
+    def denominator(self, mask, num_items_in_batch, segment_ids=None):
+        return Sequences.of(mask, segment_ids).count()
 
     def chunk_numerator(self, logp, data):
         m = data.mask
-        a = data.advantages.astype(jnp.float32)[:, None]
+        seqs = data.sequences()
+        adv = seqs.mean_advantages(data)
+        a = seqs.tokens(adv, m.shape)
         r = _log_ratio(logp, data)
         r_v = jax.lax.stop_gradient(r)
         eh = jnp.asarray(self.epsilon_high, jnp.float32)
@@ -361,21 +446,19 @@ class GMPO(Objective):
         low = r_v < -el
         # one-sided log-space clip; jnp.where passes the gradient to the selected branch only
         c = jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r))
-        n_tok = jnp.sum(m, axis=1, dtype=jnp.int32).astype(jnp.float32)
-        s = _masked_sum(c, m, axis=1) / jnp.maximum(n_tok, 1.0)
-        adv = a[:, 0]
+        n_tok = seqs.lengths(m)
+        s = seqs.sum(c, m) / jnp.maximum(n_tok, 1.0)
         live = (n_tok > 0) & (adv != 0)
         seq_term = jnp.where(live, -adv * jnp.exp(jnp.where(live, s, 0.0)), 0.0)
         numerator = jnp.sum(seq_term)
         kl = self._kl_term(logp, data, r)
         kl_sum = jnp.zeros((), jnp.float32)
         if kl is not None:
-            kl_seq = _masked_sum(kl, m, axis=1) / jnp.maximum(n_tok, 1.0)
+            kl_seq = seqs.sum(kl, m) / jnp.maximum(n_tok, 1.0)
             numerator = numerator + jnp.asarray(self.beta, jnp.float32) * jnp.sum(kl_seq)
             kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
-        a_b = jnp.broadcast_to(a, m.shape)
-        cl = m & low & (a_b < 0)
-        ch = m & high & (a_b > 0)
+        cl = m & low & (a < 0)
+        ch = m & high & (a > 0)
         sums = MetricSums(
             kl=kl_sum,
             clipped=jnp.sum(cl | ch, dtype=jnp.int32).astype(jnp.float32),
@@ -397,29 +480,25 @@ _GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 _IS_LEVELS = ("token", "sequence")
 
 
-def _sequence_log_weight(r, mask):
-    """GSPO: the sequence-mean log ratio broadcast over tokens."""
-    n_tok = jnp.sum(mask, axis=1, keepdims=True, dtype=jnp.int32).astype(jnp.float32)
-    w = _masked_sum(r, mask, axis=1)[:, None] / jnp.maximum(n_tok, 1.0)
-    return jnp.broadcast_to(w, r.shape)
+def _sequence_log_weight(r, mask, seqs: Sequences):
+    """GSPO: the sequence-mean log ratio spread over its tokens."""
+    return seqs.tokens(seqs.sum(r, mask) / jnp.maximum(seqs.lengths(mask), 1.0), r.shape)
 
 
-def _reduce(loss_type, ptl, mask):
+def _reduce(loss_type, ptl, mask, seqs: Sequences):
     """Numerator of the loss type's reduction (SPEC.md "Reductions")."""
     if loss_type in ("grpo", "sapo"):
-        n_tok = jnp.sum(mask, axis=1, dtype=jnp.int32).astype(jnp.float32)
-        return jnp.sum(_masked_sum(ptl, mask, axis=1) / jnp.maximum(n_tok, 1.0))
+        return jnp.sum(seqs.sum(ptl, mask) / jnp.maximum(seqs.lengths(mask), 1.0))
     return _masked_sum(ptl, mask)
 
 
-def _denominator(loss_type, mask, num_items_in_batch, max_completion_length):
-    b = mask.shape[0]
+def _denominator(loss_type, mask, num_items_in_batch, max_completion_length, segment_ids=None):
     if loss_type in ("grpo", "sapo", "gmpo"):
-        return jnp.asarray(b, jnp.float32)
+        return Sequences.of(mask, segment_ids).count()
     if loss_type == "bnpo":
         return jnp.maximum(jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32), 1.0)
     if loss_type == "dr_grpo":
-        return jnp.asarray(b * max_completion_length, jnp.float32)
+        return Sequences.of(mask, segment_ids).count() * max_completion_length
     # dapo, cispo
     n = jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32) if num_items_in_batch is None else num_items_in_batch
     return jnp.maximum(jnp.asarray(n, jnp.float32), 1.0)
@@ -435,12 +514,12 @@ def _token_tail(self_, ptl, logp, ref, ris, log_weight, mask):
     return ptl, kl
 
 
-def _token_weights(loss_type, mask, num_items_in_batch, max_completion_length):
+def _token_weights(loss_type, mask, num_items_in_batch, max_completion_length, segment_ids=None):
     """``[B, T]`` weights ``w`` with ``loss = sum w * ptl`` (SPEC.md "Reductions")."""
-    m = mask.astype(jnp.float32)
-    w = m / _denominator(loss_type, mask, num_items_in_batch, max_completion_length)
+    w = mask.astype(jnp.float32) / _denominator(loss_type, mask, num_items_in_batch, max_completion_length, segment_ids)
     if loss_type in ("grpo", "sapo"):
-        w = w / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
+        seqs = Sequences.of(mask, segment_ids)
+        w = w / seqs.tokens(jnp.maximum(seqs.lengths(mask), 1.0), mask.shape)
     return w
 
 
@@ -451,7 +530,7 @@ def _finish(self_, ptl, logp, r, log_weight, data, clipped_low, clipped_high):
     kl_sum = jnp.zeros((), jnp.float32)
     if kl is not None:
         kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
-    numerator = _reduce(self_.loss_type, ptl, m)
+    numerator = _reduce(self_.loss_type, ptl, m, data.sequences())
     cl = m & clipped_low
     ch = m & clipped_high
     lo, hi = _log_ratio_range(r, m)
@@ -539,15 +618,15 @@ class GRPO(Objective):
                     f"got max_completion_length={mcl!r}"
                 )
 
-    def denominator(self, mask, num_items_in_batch):
-        return _denominator(self.loss_type, mask, num_items_in_batch, self.max_completion_length)
+    def denominator(self, mask, num_items_in_batch, segment_ids=None):
+        return _denominator(self.loss_type, mask, num_items_in_batch, self.max_completion_length, segment_ids)
 
     @property
     def token_local(self) -> bool:
         return self.importance_sampling_level == "token"
 
-    def token_weights(self, mask, num_items_in_batch):
-        return _token_weights(self.loss_type, mask, num_items_in_batch, self.max_completion_length)
+    def token_weights(self, mask, num_items_in_batch, segment_ids=None):
+        return _token_weights(self.loss_type, mask, num_items_in_batch, self.max_completion_length, segment_ids)
 
     def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask=True):
         if not self.token_local:
@@ -592,9 +671,9 @@ class GRPO(Objective):
 
     def chunk_numerator(self, logp, data):
         m = data.mask
-        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        a = data.token_advantages()
         r = _log_ratio(logp, data)
-        w = _sequence_log_weight(r, m) if self.importance_sampling_level == "sequence" else r
+        w = _sequence_log_weight(r, m, data.sequences()) if self.importance_sampling_level == "sequence" else r
         ptl, clipped_low, clipped_high = self._surrogate(w, a, m)
         return _finish(self, ptl, logp, r, w, data, clipped_low, clipped_high)
 
@@ -626,6 +705,8 @@ class CISPO(Objective):
         demo task: reward 0.13 -> 0.29 in 60 steps at 0.2; the ``gmpo-jax train`` CLI uses 5.0).
       beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
+      importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
+        compatibility; ``"sequence"`` raises).
 
     Raises:
       ValueError: negative ``epsilon_high`` or ``beta``.
@@ -649,13 +730,13 @@ class CISPO(Objective):
     def loss_type(self) -> str:
         return "cispo"
 
-    def denominator(self, mask, num_items_in_batch):
-        return _denominator("cispo", mask, num_items_in_batch, None)
+    def denominator(self, mask, num_items_in_batch, segment_ids=None):
+        return _denominator("cispo", mask, num_items_in_batch, None, segment_ids)
 
     token_local = True
 
-    def token_weights(self, mask, num_items_in_batch):
-        return _token_weights("cispo", mask, num_items_in_batch, None)
+    def token_weights(self, mask, num_items_in_batch, segment_ids=None):
+        return _token_weights("cispo", mask, num_items_in_batch, None, segment_ids)
 
     def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask=True):
         r = _token_log_ratio(logp, old_logps, mask)
@@ -671,7 +752,7 @@ class CISPO(Objective):
 
     def chunk_numerator(self, logp, data):
         m = data.mask
-        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        a = data.token_advantages()
         r = _log_ratio(logp, data)
         ptl, high = self._surrogate(logp, r, a, m)
         return _finish(self, ptl, logp, r, r, data, jnp.zeros_like(high), high & (a > 0))
@@ -696,6 +777,8 @@ class SAPO(Objective):
       temperature_neg: ``> 0`` gate temperature for non-positive advantages. Default 1.05.
       beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
+      importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
+        compatibility; ``"sequence"`` raises).
 
     Raises:
       ValueError: a temperature ``<= 0`` or a negative ``beta``.
@@ -722,13 +805,13 @@ class SAPO(Objective):
     def loss_type(self) -> str:
         return "sapo"
 
-    def denominator(self, mask, num_items_in_batch):
-        return _denominator("sapo", mask, num_items_in_batch, None)
+    def denominator(self, mask, num_items_in_batch, segment_ids=None):
+        return _denominator("sapo", mask, num_items_in_batch, None, segment_ids)
 
     token_local = True
 
-    def token_weights(self, mask, num_items_in_batch):
-        return _token_weights("sapo", mask, num_items_in_batch, None)
+    def token_weights(self, mask, num_items_in_batch, segment_ids=None):
+        return _token_weights("sapo", mask, num_items_in_batch, None, segment_ids)
 
     def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask=True):
         r = _token_log_ratio(logp, old_logps, mask)
@@ -746,7 +829,7 @@ class SAPO(Objective):
 
     def chunk_numerator(self, logp, data):
         m = data.mask
-        a = jnp.broadcast_to(data.advantages.astype(jnp.float32)[:, None], m.shape)
+        a = data.token_advantages()
         r = _log_ratio(logp, data)
         no = jnp.zeros_like(m)
         return _finish(self, self._surrogate(r, a), logp, r, r, data, no, no)
@@ -771,7 +854,8 @@ class LossAux(NamedTuple):
         here it carries no gradient: to train on a re-normalised loss, differentiate
         ``loss * loss_denominator / global_denominator`` (``loss`` does carry the gradient).
       loss_denominator: the loss type's normaliser for this call (``B`` for grpo / sapo / gmpo, the token
-        count for bnpo / dapo / cispo, ``B * max_completion_length`` for dr_grpo).
+        count for bnpo / dapo / cispo, ``B * max_completion_length`` for dr_grpo; ``B`` is the number of
+        sequences: of a packed batch, its positive-id runs).
       log_ratio_min: smallest unmasked token log importance ratio ``logp - old`` (0 if all masked).
       log_ratio_max: largest unmasked token log importance ratio (0 if all masked).
     """

@@ -40,7 +40,7 @@ def _target_logprobs(z, ids):
 
 
 def _loss(objective: Objective, logp, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
-    denom = objective.denominator(inputs.mask, inputs.num_items).astype(jnp.float32)
+    denom = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(jnp.float32)
     num, sums, _ = evaluate(objective, logp, inputs, denom, with_grads=False)
     return loss_and_aux(num, denom, sums, inputs.mask)
 
@@ -74,6 +74,7 @@ def policy_loss(
     rollout_is_ratio=None,
     num_items_in_batch=None,
     temperature=1.0,
+    segment_ids=None,
     weight_layout="hv",
     upcast=True,
 ):
@@ -123,6 +124,7 @@ def policy_loss_from_logits(
     rollout_is_ratio=None,
     num_items_in_batch=None,
     temperature=1.0,
+    segment_ids=None,
 ):
     """Dense counterpart of :func:`gmpo_jax.policy_loss_from_logits` (``[B, T + 1, V]`` or ``[B, T, V]``
     logits): float32 ``log_softmax`` of the first ``T`` positions, the same ``(loss, LossAux)``, gradients

@@ -414,3 +414,51 @@ def test_explicit_sharding_along_hidden_raises():
     hs = jax.device_put(c.hidden, NamedSharding(mesh, P(None, None, "model")))
     with pytest.raises(ValueError, match="batch axis and weight's vocabulary axis"):
         gmpo_jax.fused_linear_logprobs(hs, jnp.asarray(w), jnp.asarray(c.ids), completion_mask=jnp.asarray(c.mask))
+
+
+# packed rows (segment_ids): several sequences per row, padding runs (id 0), one all-padding row
+SEGMENTS = np.array(
+    [
+        [1, 1, 2, 2, 2, 0],
+        [3, 3, 3, 3, 3, 3],
+        [0, 0, 0, 0, 0, 0],
+        [4, 5, 5, 0, 6, 6],
+        [7, 7, 7, 8, 8, 8],
+        [9, 9, 0, 0, 10, 10],
+        [11, 11, 11, 11, 12, 12],
+        [13, 0, 14, 14, 14, 14],
+    ],
+    np.int32,
+)
+
+
+@pytest.mark.parametrize("mesh_name", ["8x1", "2x4"])
+@pytest.mark.parametrize("name", ["gmpo", "gspo"])
+def test_packed_sharded_equals_single_device(name, mesh_name):
+    """Data parallel over packed rows: the number of sequences (the gmpo / grpo normaliser) is global,
+    and the single-device call equals the float64 oracle (the sequences unpacked one per row)."""
+    obj, layout, _ = OBJECTIVES[name]
+    c = make_case(11, B=B, T=T, H=H, V=V, layout=layout, mask=np.ones((B, T), bool), with_ref=obj.beta != 0)
+    rng = np.random.default_rng(0)
+    c.adv = rng.normal(size=SEGMENTS.max() + 1)[SEGMENTS].astype(np.float32)
+    j = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+
+    def loss_fn(**kw):
+        return lambda h, w, b: gmpo_jax.fused_linear_policy_loss(
+            h, w, j(c.ids), j(c.mask), j(c.adv), objective=obj.lib(), old_logps=j(c.old), ref_logps=j(c.ref),
+            segment_ids=j(SEGMENTS), weight_layout=layout, chunk_size=CHUNK, **kw,
+        )  # fmt: skip
+
+    want = _value_and_grad(loss_fn(), jnp.asarray(c.hidden), jnp.asarray(c.weight), None)
+    oracle = spec.spec_policy_loss(
+        c.hidden, c.weight, c.ids, c.mask, c.adv, weight_layout=layout, old_logps=c.old, ref_logps=c.ref,
+        segment_ids=SEGMENTS, **obj.spec_kwargs(),
+    )  # fmt: skip
+    check_against_spec(want[0], want[1], want[2], oracle, c, obj)
+    shape, data_axis, vocab_axis = MESHES[mesh_name]
+    mesh = _mesh(shape)
+    w_spec = P(None, vocab_axis) if layout == "hv" else P(vocab_axis, None)
+    hs = jax.device_put(c.hidden, NamedSharding(mesh, P(data_axis)))
+    ws = jax.device_put(c.weight, NamedSharding(mesh, w_spec))
+    got = _value_and_grad(loss_fn(mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), hs, ws, None)
+    _assert_same(got, want, f"packed {name}@{mesh_name}")

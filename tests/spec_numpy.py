@@ -18,6 +18,12 @@ Entry points
 ``spec_loss_from_logp``  loss, metrics and d loss / d logp from given per-token log-probs.
 ``spec_head_vjp``        (dh, dW, db) of the LM head for a given d loss / d logp.
 ``spec_policy_loss``     all of it from hidden / weight: loss, metrics, dhidden, dweight, dbias.
+
+Packed batches (``segment_ids``, SPEC.md "Packed batches"): each maximal run of equal positive ids in a
+row is one sequence and id 0 is padding. The oracle unpacks the sequences into a padded batch, one per
+row, evaluates the padded formulas there and scatters ``d loss / d logp`` back. Advantages may be
+``[B]`` (per row) or ``[B, T]`` (per token); GMPO's sequence advantage is the mean over its unmasked
+tokens.
 """
 
 from __future__ import annotations
@@ -167,7 +173,14 @@ def spec_loss_from_logp(
     B, T = logp.shape
     m = _mask_bool(mask, (B, T))
     mf = m.astype(f64)
-    A = np.broadcast_to(np.asarray(advantages, dtype=f64)[:, None], (B, T))
+    adv = np.asarray(advantages, dtype=f64)
+    if adv.ndim == 1:
+        A = np.broadcast_to(adv[:, None], (B, T))
+    elif loss_type == "gmpo":  # one advantage per sequence: the mean over its unmasked tokens
+        n = _mask_bool(mask, (B, T)).astype(f64)
+        A = np.broadcast_to(((n * adv).sum(axis=1) / np.maximum(n.sum(axis=1), 1.0))[:, None], (B, T))
+    else:
+        A = adv
     # Masked positions influence nothing: replace whatever they hold by 0 before any arithmetic.
     logp = np.where(m, logp, 0.0)
     old = logp if old_logps is None else np.where(m, _as64(old_logps), 0.0)
@@ -339,6 +352,52 @@ def spec_loss_from_logp(
     )
 
 
+def _runs(segment_ids):
+    """``(row, start, stop)`` of every maximal run of equal positive ids, row-major."""
+    runs = []
+    for b, row in enumerate(np.asarray(segment_ids)):
+        t = 0
+        while t < len(row):
+            u = t
+            while u < len(row) and row[u] == row[t]:
+                u += 1
+            if row[t] > 0:
+                runs.append((b, t, u))
+            t = u
+    return runs
+
+
+def spec_loss_from_logp_packed(logp, mask, segment_ids, advantages, **kwargs) -> SpecLoss:
+    """:func:`spec_loss_from_logp` of a packed batch: its sequences unpacked one per row (padded to the
+    longest), the padded formulas, ``d loss / d logp`` scattered back. ``advantages``: ``[B]`` or ``[B, T]``;
+    ``old_logps`` / ``ref_logps`` / ``rollout_is_ratio`` ``[B, T]`` (the ratio may be ``[B]`` / ``[B, 1]``)."""
+    logp = np.asarray(logp, f64)
+    B, T = logp.shape
+    runs = _runs(segment_ids)
+    S, L = max(len(runs), 1), max([u - t for _, t, u in runs] + [1])
+    m = _mask_bool(mask, (B, T)) & (np.asarray(segment_ids) > 0)
+    adv = np.asarray(advantages, f64)
+    per_token = {"advantages": np.broadcast_to(adv[:, None], (B, T)) if adv.ndim == 1 else adv}
+    for name in ("old_logps", "ref_logps", "rollout_is_ratio"):
+        if kwargs.get(name) is not None:
+            x = np.asarray(kwargs.pop(name), f64)
+            per_token[name] = np.broadcast_to(x.reshape(B, -1), (B, T))
+
+    def unpack(x, fill=0.0):
+        out = np.full((S, L), fill, dtype=x.dtype)
+        for i, (b, t, u) in enumerate(runs):
+            out[i, : u - t] = x[b, t:u]
+        return out
+
+    padded = {k: unpack(v) for k, v in per_token.items()}
+    res = spec_loss_from_logp(unpack(logp), unpack(m, False), padded.pop("advantages"), **padded, **kwargs)
+    dlogp = np.zeros((B, T))
+    for i, (b, t, u) in enumerate(runs):
+        dlogp[b, t:u] = res.dlogp[i, : u - t]
+    # no sequence at all: one empty padded row, so the count normalisers are 1 (the library's max(count, 1))
+    return dataclasses.replace(res, dlogp=np.where(m, dlogp, 0.0), logp=np.where(m, logp, 0.0))
+
+
 def spec_policy_loss(
     hidden,
     weight,
@@ -351,6 +410,7 @@ def spec_policy_loss(
     temperature: float = 1.0,
     weight_layout: str = "hv",
     logp_for_loss=None,
+    segment_ids=None,
     **loss_kwargs: Any,
 ) -> SpecResult:
     """SPEC loss from hidden states and LM head, with analytic float64 gradients.
@@ -361,15 +421,21 @@ def spec_policy_loss(
     num_items_in_batch).  ``logp_for_loss`` (optional, [B, T]) evaluates the loss at these log-probs
     instead of the float64 ones (e.g. an implementation's own float32 log-probs, so that a ratio built
     to sit exactly on a clip bound is judged on the same side as the implementation sees it); the
-    LM-head backward still uses float64 softmax.
+    LM-head backward still uses float64 softmax. ``segment_ids``: a packed batch
+    (:func:`spec_loss_from_logp_packed`).
     """
     ids = np.asarray(ids)
     m = _mask_bool(mask, ids.shape)
+    if segment_ids is not None:
+        m = m & (np.asarray(segment_ids) > 0)
     logp = spec_logprobs(hidden, weight, ids, m, bias=bias, temperature=temperature, weight_layout=weight_layout)
     bad = np.isnan(logp).any()
     lp = logp if logp_for_loss is None else np.where(m, np.asarray(logp_for_loss, f64), 0.0)
     lp_safe = np.where(np.isnan(lp), 0.0, lp)
-    sl = spec_loss_from_logp(lp_safe, m, advantages, loss_type=loss_type, **loss_kwargs)
+    if segment_ids is None:
+        sl = spec_loss_from_logp(lp_safe, m, advantages, loss_type=loss_type, **loss_kwargs)
+    else:
+        sl = spec_loss_from_logp_packed(lp_safe, m, segment_ids, advantages, loss_type=loss_type, **loss_kwargs)
     dh, dw, db = spec_head_vjp(
         hidden, weight, ids, m, sl.dlogp, bias=bias, temperature=temperature, weight_layout=weight_layout
     )

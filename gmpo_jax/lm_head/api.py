@@ -97,7 +97,7 @@ def fused_linear_policy_loss(
     weight: Float[Array, "H V"] | Float[Array, "V H"],
     completion_ids: Int[Array, "B T"],
     completion_mask: Num[Array, "B T"] | Bool[Array, "B T"],
-    advantages: Float[Array, " B"],
+    advantages: Float[Array, " B"] | Float[Array, "B T"],
     *,
     objective: Objective,
     old_logps: Float[Array, "B T"] | None = None,
@@ -109,6 +109,7 @@ def fused_linear_policy_loss(
     rollout_is_ratio: Array | None = None,
     num_items_in_batch: ScalarLike | None = None,
     temperature: ScalarLike = 1.0,
+    segment_ids: Int[Array, "B T"] | None = None,
     weight_layout: str = "hv",
     chunk_size: int | None = None,
     implementation: Any | None = None,
@@ -147,7 +148,9 @@ def fused_linear_policy_loss(
         which makes the loss NaN unless the objective ignores that token's value (e.g. a zero advantage
         and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too.
       completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
-      advantages: ``[B]`` float, one per completion (group-normalised by the caller).
+      advantages: ``[B]`` float, one per row (group-normalised by the caller), or ``[B, T]`` one per token
+        (packed batches). GMPO takes a sequence's advantage as the mean over its unmasked tokens
+        (their common value when the advantage is per sequence).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = sg(logp)``).
       ref_logps: ``[B, T]`` float reference log-probs for the KL term.
@@ -167,6 +170,13 @@ def fused_linear_policy_loss(
         accumulated gradients) multiply each micro-step's loss by the number of accumulation steps.
         Ignored by the other loss types. README: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
+      segment_ids: ``[B, T]`` integer or None: a packed batch, several sequences per row (the layout
+        of Tunix and MaxText). Each maximal run of equal positive ids within a row is one sequence; id 0
+        is padding (masked whatever ``completion_mask`` says). Every per-sequence reduction (GMPO's
+        geometric mean, GSPO's sequence ratio, grpo / sapo's per-sequence mean) runs per sequence, and
+        the ``B`` of the normalisers (gmpo, grpo, sapo, dr_grpo) is the number of sequences, so the same
+        sequences padded one per row give the same loss and gradients. Pass ``[B, T]`` advantages
+        (and a ``[B, T]`` ``rollout_is_ratio``) with it. Rows are chunked and sharded whole.
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
@@ -202,9 +212,9 @@ def fused_linear_policy_loss(
     cotangent of a mesh-sharded scalar).
 
     Raises:
-      TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids, a non-objective.
+      TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.

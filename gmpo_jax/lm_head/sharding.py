@@ -54,7 +54,7 @@ Design decisions (and why):
   axis; the float32 weight / bias gradient accumulators are ``psum``-ed over the data axis once, after
   the scan.
 * **Vocabulary parallelism is a backend wrapper.** ``VocabParallelBackend`` wraps any backend of the
-  seam (``backends/base.py``): the inner backend sees its local ``[H, V/n]`` shard and ids shifted by
+  seam (``gmpo_jax/lm_head/backend.py``): the inner backend sees its local ``[H, V/n]`` shard and ids shifted by
   the shard's offset and returns its local ``(logp, lse)``; the wrapper combines the shards' log-sum-
   exps with ``pmax`` / ``psum`` (``lse = M + log sum_k exp(lse_k - M)``) and takes the target logit from
   the one shard that owns it (``psum`` of ``logp_k + lse_k`` where owned, 0 elsewhere). The gradient

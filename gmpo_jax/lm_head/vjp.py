@@ -301,7 +301,9 @@ def _sharded_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInpu
 
 
 def _run_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInputs, *, with_grads: bool):
-    denominator = objective.denominator(inputs.mask, inputs.num_items).astype(jnp.float32)  # the whole call's
+    denominator = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(
+        jnp.float32
+    )  # the whole call's
     run = _scan_policy if cfg.plan is None else _sharded_policy
     num, sums, grads = run(cfg, objective, head, inputs, denominator, with_grads=with_grads)
     loss, aux = loss_and_aux(num, denominator, sums, inputs.mask)

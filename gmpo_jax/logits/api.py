@@ -60,7 +60,7 @@ def policy_loss_from_logits(
     logits: Float[Array, "B T+1 V"] | Float[Array, "B T V"],
     completion_ids: Int[Array, "B T"],
     completion_mask: Num[Array, "B T"] | Bool[Array, "B T"],
-    advantages: Float[Array, " B"],
+    advantages: Float[Array, " B"] | Float[Array, "B T"],
     *,
     objective: Objective,
     old_logps: Float[Array, "B T"] | None = None,
@@ -68,6 +68,7 @@ def policy_loss_from_logits(
     rollout_is_ratio: Array | None = None,
     num_items_in_batch: ScalarLike | None = None,
     temperature: ScalarLike = 1.0,
+    segment_ids: Int[Array, "B T"] | None = None,
     implementation: Any = None,
 ) -> tuple[Float[Array, ""], LossAux]:
     r"""Policy-gradient loss (GMPO or the GRPO family) from logits that already exist.
@@ -97,7 +98,9 @@ def policy_loss_from_logits(
         and ``beta = 0``); ``aux.log_ratio_min`` / ``log_ratio_max`` are NaN then too, and that row of
         the gradient may be NaN even when the loss is not (CISPO and SAPO with a zero advantage).
       completion_mask: ``[B, T]`` bool or {0, 1}; 1 = the token counts.
-      advantages: ``[B]`` float, one per completion (group-normalised by the caller).
+      advantages: ``[B]`` float, one per row (group-normalised by the caller), or ``[B, T]`` one per token
+        (packed batches). GMPO takes a sequence's advantage as the mean over its unmasked tokens
+        (their common value when the advantage is per sequence).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = sg(logp)``).
       ref_logps: ``[B, T]`` float reference log-probs for the KL term (needed when ``beta != 0``).
@@ -109,6 +112,13 @@ def policy_loss_from_logits(
         for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details). Ignored by the
         other loss types. README: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
+      segment_ids: ``[B, T]`` integer or None: a packed batch, several sequences per row (the layout
+        of Tunix and MaxText). Each maximal run of equal positive ids within a row is one sequence; id 0
+        is padding (masked whatever ``completion_mask`` says). Every per-sequence reduction (GMPO's
+        geometric mean, GSPO's sequence ratio, grpo / sapo's per-sequence mean) runs per sequence, and
+        the ``B`` of the normalisers (gmpo, grpo, sapo, dr_grpo) is the number of sequences, so the same
+        sequences padded one per row give the same loss and gradients. Pass ``[B, T]`` advantages
+        (and a ``[B, T]`` ``rollout_is_ratio``) with it. Rows are chunked and sharded whole.
       implementation: None (``"mosaic_gpu"`` on Hopper-or-newer GPUs when it can serve the call, else
         ``"xla"``), an explicit name (never falls back), or a backend instance such as
         ``gmpo_jax.logits.MosaicGpuLogitsBackend(interpret=True)``.
@@ -123,10 +133,10 @@ def policy_loss_from_logits(
       dropped last position). Reverse mode only (a ``jax.custom_vjp``: no ``jax.jvp`` / ``jacfwd``).
 
     Raises:
-      TypeError: non-floating logits / advantages / log-probs, non-integer ids, a non-objective.
+      TypeError: non-floating logits / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
         not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
-        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /

@@ -235,6 +235,7 @@ class MosaicGpuLogitsBackend:
     ):
         """Log-probs and, for a unit cotangent, ``dlogits`` of a token-local objective in one kernel.
 
+        ``advantages``: ``[B]`` or ``[B, T]`` (per token);
         ``weights``: ``[B, T]`` token weights of the loss (``objective.token_weights``; 0 = no gradient);
         ``mask``: ``[B, T]`` bool completion mask: a masked token's ``dlogits`` are zeros; with
         ``skip_masked_rows`` the kernel does not read its row (its log-prob is reported as 0), nor the
@@ -261,7 +262,7 @@ class MosaicGpuLogitsBackend:
                 F.TARGET_LOGIT: pad(x_t),
                 F.OLD: zeros if old_logps is None else pad(old_logps),
                 F.REF: zeros if ref_logps is None else pad(ref_logps),
-                F.ADV: pad(advantages[:, None]),
+                F.ADV: pad(advantages if advantages.ndim == 2 else advantages[:, None]),
                 F.RIS: zeros if rollout_is_ratio is None else pad(rollout_is_ratio),
                 F.SCALE: pad(weights) / temperature,
                 F.LIVE: pad(mask),

@@ -65,8 +65,8 @@ def _token_local_loss(objective: Objective, logp, inputs: PolicyInputs, *, with_
     ``chunk_numerator / denominator`` (measured on the H200: four small kernels after the fused one
     become two)."""
     mask = inputs.mask
-    weights = objective.token_weights(mask, inputs.num_items)
-    adv = inputs.advantages.astype(jnp.float32)[:, None]
+    weights = objective.token_weights(mask, inputs.num_items, inputs.segment_ids)
+    adv = inputs.token_advantages()
 
     def total(lp):
         tl = objective.token_loss(lp, inputs.old_logps, inputs.ref_logps, adv, inputs.rollout_is_ratio, mask=mask)
@@ -81,7 +81,7 @@ def _token_local_loss(objective: Objective, logp, inputs: PolicyInputs, *, with_
 def _objective(objective: Objective, logp, inputs: PolicyInputs, *, with_grads: bool, loss=None):
     """``(loss, aux, dlogp or None)`` on the ``[B, T]`` log-probs. ``loss``: a token-local objective's
     weighted sum already formed (the fused kernel writes each token's term; ``with_grads=False`` only)."""
-    denom = objective.denominator(inputs.mask, inputs.num_items).astype(jnp.float32)
+    denom = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(jnp.float32)
     if not objective.token_local:
         num, sums, dlogp = evaluate(objective, logp, inputs, denom, with_grads=with_grads)
         loss, aux = loss_and_aux(num, denom, sums, inputs.mask)
@@ -130,9 +130,9 @@ def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyIn
         objective=objective,
         old_logps=inputs.old_logps,
         ref_logps=inputs.ref_logps,
-        advantages=inputs.advantages,
+        advantages=inputs.token_advantages(),
         rollout_is_ratio=inputs.rollout_is_ratio,
-        weights=objective.token_weights(inputs.mask, inputs.num_items),
+        weights=objective.token_weights(inputs.mask, inputs.num_items, inputs.segment_ids),
         mask=inputs.mask,
         id_ok=id_ok,
     )
