@@ -4,13 +4,12 @@ arguments normalised into the one pytree the custom VJPs take (:func:`policy_inp
 from __future__ import annotations
 
 import numbers
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmpo_jax.objectives import GMPO, Objective, PolicyInputs
+from gmpo_jax.objectives import Objective, PolicyInputs, RolloutCorrection
 
 WEIGHT_LAYOUTS = ("hv", "vh")
 
@@ -174,6 +173,9 @@ TOKEN_ARGS = (
     "num_items_in_batch",
     "temperature",
     "segment_ids",
+    "rollout_logps",
+    "rollout_is_mode",
+    "rollout_is_cap",
 )
 
 
@@ -199,6 +201,9 @@ def check_token_inputs(
     num_items_in_batch,
     temperature,
     segment_ids=None,
+    rollout_logps=None,
+    rollout_is_mode="token_truncate",
+    rollout_is_cap=2.0,
 ) -> None:
     """The checks both ops share: the objective, the ``[B, T]`` / ``[B]`` per-token inputs, the scalars, and
     (when concrete) that every unmasked id lies in ``[0, V)``."""
@@ -229,6 +234,16 @@ def check_token_inputs(
                 f"got rollout_is_ratio.shape={_shape(rollout_is_ratio)}"
             )
         require_float("rollout_is_ratio", rollout_is_ratio)
+        ris = _concrete(rollout_is_ratio)
+        if ris is not None and not np.all(ris.astype(np.float64) >= 0):
+            bad = tuple(int(i) for i in np.argwhere(~(ris.astype(np.float64) >= 0))[0])
+            raise ValueError(
+                f"rollout_is_ratio must be >= 0 (a weight), got rollout_is_ratio{list(bad)} = {float(ris[bad])!r}"
+            )
+    if rollout_logps is not None:
+        require_shape("rollout_logps", rollout_logps, (B, T), "[B, T]")
+        require_float("rollout_logps", rollout_logps)
+    RolloutCorrection(rollout_is_mode, rollout_is_cap)  # checks the mode and the cap
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, bool) or not (
             isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
@@ -278,6 +293,9 @@ def check_policy_inputs(
     chunk_size,
     vocab_size=None,
     segment_ids=None,
+    rollout_logps=None,
+    rollout_is_mode="token_truncate",
+    rollout_is_cap=2.0,
 ) -> tuple[int, int, int, int]:
     """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
     if not isinstance(objective, Objective):
@@ -298,6 +316,9 @@ def check_policy_inputs(
         num_items_in_batch=num_items_in_batch,
         temperature=temperature,
         segment_ids=segment_ids,
+        rollout_logps=rollout_logps,
+        rollout_is_mode=rollout_is_mode,
+        rollout_is_cap=rollout_is_cap,
     )
     if ref_logps is not None and ref_hidden is not None:
         raise ValueError("give either ref_logps or ref_hidden (+ ref_weight), not both")
@@ -360,21 +381,20 @@ def policy_inputs(
     num_items_in_batch=None,
     temperature=1.0,
     segment_ids=None,
-    warn: bool = True,
+    rollout_logps=None,
+    rollout_is_mode="token_truncate",
+    rollout_is_cap=2.0,
 ):
     """The checked per-token arguments as one :class:`~gmpo_jax.objectives.PolicyInputs`: bool mask, int32
     ids (0 under the mask), float32 advantages / log-probs / ratio / scalars. ``rollout_is_ratio`` ``[B]``
-    becomes ``[B, 1]``; for GMPO, to which it does not apply (SPEC.md), it is dropped, with a warning when
-    ``warn``. ``segment_ids`` become int32, and their padding (id 0) is masked."""
+    becomes ``[B, 1]``. ``segment_ids`` become int32, and their padding (id 0) is masked. With
+    ``rollout_logps``, ``rollout_is_mode`` / ``rollout_is_cap`` become a ``RolloutCorrection``."""
     mask = as_mask(completion_mask)
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
         mask = mask & (segment_ids > 0)
     ris = None
-    if rollout_is_ratio is not None and isinstance(objective, GMPO):
-        if warn:
-            warnings.warn("rollout_is_ratio does not apply to GMPO (SPEC.md); it is ignored", stacklevel=3)
-    elif rollout_is_ratio is not None:
+    if rollout_is_ratio is not None:
         ris = _f32(rollout_is_ratio)
         ris = ris[:, None] if ris.ndim == 1 else ris
     return PolicyInputs(
@@ -387,4 +407,6 @@ def policy_inputs(
         num_items=_f32(num_items_in_batch),
         temperature=jnp.asarray(temperature, jnp.float32),
         segment_ids=segment_ids,
+        rollout_logps=_f32(rollout_logps),
+        rollout_correction=None if rollout_logps is None else RolloutCorrection(rollout_is_mode, rollout_is_cap),
     )

@@ -43,6 +43,8 @@ __all__ = [
     "SAPO",
     "Objective",
     "PolicyInputs",
+    "RolloutCorrection",
+    "ROLLOUT_IS_MODES",
     "MetricSums",
     "LossAux",
     "evaluate",
@@ -52,6 +54,9 @@ __all__ = [
 # Above this log-ratio exp() is ~5.5e34: every sigmoid(tau * (e^w - 1)) with tau >= 1e-33 is exactly 1
 # in float32 and its derivative exactly 0, so clamping there changes no representable value.
 _SAPO_LOG_RATIO_CAP = 80.0
+
+
+ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 class PolicyInputs(NamedTuple):
@@ -74,6 +79,8 @@ class PolicyInputs(NamedTuple):
       segment_ids: ``[B, T]`` int32 or None. None: row ``b`` is sequence ``b`` (the padded layout).
         Otherwise a packed batch: each maximal run of equal positive ids in a row is one sequence, id 0
         is padding (its tokens are masked).
+      rollout_logps: ``[B, T]`` float32 sampler log-probs or None (no mismatch correction).
+      rollout_correction: a :class:`RolloutCorrection` (with ``rollout_logps``) or None.
     """
 
     mask: jax.Array
@@ -85,6 +92,8 @@ class PolicyInputs(NamedTuple):
     num_items: jax.Array | None = None
     temperature: jax.Array | None = None
     segment_ids: jax.Array | None = None
+    rollout_logps: jax.Array | None = None
+    rollout_correction: RolloutCorrection | None = None
 
     def rows(self, start, size: int, live=None) -> PolicyInputs:
         """Rows ``[start, start + size)`` (``start`` may be traced); ``live`` (``[size]`` bool) masks rows
@@ -103,12 +112,13 @@ class PolicyInputs(NamedTuple):
             rollout_is_ratio=cut(self.rollout_is_ratio),
             ids=cut(self.ids),
             segment_ids=cut(self.segment_ids),
+            rollout_logps=cut(self.rollout_logps),
         )
 
     def specs(self, rows, scalar) -> PolicyInputs:
         """The same pytree holding ``rows`` for every per-sequence field and ``scalar`` for the scalars
         (e.g. the ``jax.shard_map`` partition specs of a data-parallel call)."""
-        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar, rows)
+        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar, rows, rows, scalar)
 
     def token_advantages(self) -> jax.Array:
         """``[B, T]`` float32: each token's advantage (a ``[B]`` advantage broadcast over its row)."""
@@ -299,6 +309,34 @@ def _log_ratio_range(r: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Arra
     return (jnp.min(jnp.where(mask, r, jnp.inf)), jnp.max(jnp.where(mask, r, -jnp.inf)))
 
 
+def _rollout_d(logp, data: PolicyInputs):
+    """``old - rollout`` per token (0 on masked tokens; no gradient); ``old = logp`` on-policy."""
+    old = logp if data.old_logps is None else data.old_logps
+    return jax.lax.stop_gradient(jnp.where(data.mask, old - data.rollout_logps, 0.0))
+
+
+def _capped(log_w, cap, mode: str):
+    """``min(e^x, cap)`` (truncate) or ``e^x if e^x <= cap else 0`` (mask), elementwise, float32."""
+    w = jnp.exp(log_w)
+    cap = jnp.asarray(cap, jnp.float32)
+    return jnp.minimum(w, cap) if mode.endswith("truncate") else jnp.where(w > cap, 0.0, w)
+
+
+def _rollout_token_weights(logp, data: PolicyInputs) -> jax.Array | None:
+    """``[B, T]`` weight of each token's policy term: ``rollout_is_ratio`` times the
+    :class:`RolloutCorrection` weight (token-level objectives); None without either."""
+    w = data.rollout_is_ratio
+    corr = data.rollout_correction
+    if data.rollout_logps is not None and corr is not None:
+        d = _rollout_d(logp, data)
+        if corr.mode.startswith("sequence"):
+            seqs = data.sequences()
+            d = seqs.tokens(seqs.sum(d, data.mask), d.shape)
+        u = _capped(d, corr.cap, corr.mode)
+        w = u if w is None else w * u
+    return w
+
+
 class Objective:
     """Interface shared by every objective (see module docstring)."""
 
@@ -376,6 +414,49 @@ def _register(cls, data_fields, meta_fields):
     return cls
 
 
+class RolloutCorrection:
+    r"""How the trainer-vs-sampler mismatch is corrected, given the sampler's log-probs (a pytree).
+
+    With ``d = old - rollout`` per token (``old`` the trainer's behaviour-policy log-prob, ``sg(logp)``
+    on-policy; ``rollout`` the sampler's, e.g. vLLM's), and ``D_b = sum_t m d`` per sequence, the weight
+    (no gradient) that multiplies the policy term is, for the token-level objectives (GRPO family incl.
+    GSPO, CISPO, SAPO), per token:
+
+    ======================  ============================================================================
+    ``"token_truncate"``    ``min(e^d, cap)`` (truncated IS, "TIS")
+    ``"token_mask"``        ``e^d`` if ``e^d <= cap`` else 0 (masked IS, "MIS")
+    ``"sequence_truncate"`` ``min(e^{D_b}, cap)`` on every token of the sequence
+    ``"sequence_mask"``     ``e^{D_b}`` if ``e^{D_b} <= cap`` else 0
+    ======================  ============================================================================
+
+    GMPO's policy term is per sequence, ``-A_b e^{s_b}`` with ``s_b`` the mean clipped log ratio, and
+    takes one weight per sequence: for the token modes the geometric mean of its tokens' weights, as
+    GMPO takes the geometric mean of their ratios: ``exp(mean_t min(d, log cap))`` (truncate), or, for
+    ``token_mask``, the tokens with ``e^d > cap`` leave the sequence (its geometric means ``s_b`` and of
+    the weights run over the kept tokens); the sequence modes use the ``e^{D_b}`` weight above.
+
+    Attributes:
+      mode: one of ``ROLLOUT_IS_MODES`` (static).
+      cap: ``> 0`` (float or traced scalar; ``inf`` disables truncation / masking).
+
+    Sources: TRL ``GRPOConfig.vllm_importance_sampling_mode`` / ``vllm_importance_sampling_cap`` (the
+    four modes, ``old - sampling`` log-probs, products over the sequence); Yao et al., "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training" (truncated IS, cap 2); verl ``rollout_is``
+    (token / sequence level, truncate / mask). The GMPO forms are this library's definition (SPEC.md).
+    """
+
+    mode: str = "token_truncate"
+    cap: Scalar = 2.0
+
+    def __post_init__(self):
+        if self.mode not in ROLLOUT_IS_MODES:
+            raise ValueError(f"rollout_is_mode must be one of {ROLLOUT_IS_MODES}, got rollout_is_mode={self.mode!r}")
+        _check_pos("rollout_is_cap", self.cap)
+
+
+RolloutCorrection = _register(RolloutCorrection, ["cap"], ["mode"])
+
+
 # ------------------------------------------------------------------------------------------------
 # GMPO
 # ------------------------------------------------------------------------------------------------
@@ -446,15 +527,18 @@ class GMPO(Objective):
         low = r_v < -el
         # one-sided log-space clip; jnp.where passes the gradient to the selected branch only
         c = jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r))
-        n_tok = seqs.lengths(m)
-        s = seqs.sum(c, m) / jnp.maximum(n_tok, 1.0)
+        keep, weight = _gmpo_rollout(logp, data, seqs)  # tokens of the geometric mean, sequence weights
+        n_tok = seqs.lengths(keep)
+        s = seqs.sum(c, keep) / jnp.maximum(n_tok, 1.0)
         live = (n_tok > 0) & (adv != 0)
         seq_term = jnp.where(live, -adv * jnp.exp(jnp.where(live, s, 0.0)), 0.0)
+        if weight is not None:
+            seq_term = seq_term * weight
         numerator = jnp.sum(seq_term)
         kl = self._kl_term(logp, data, r)
         kl_sum = jnp.zeros((), jnp.float32)
         if kl is not None:
-            kl_seq = seqs.sum(kl, m) / jnp.maximum(n_tok, 1.0)
+            kl_seq = seqs.sum(kl, m) / jnp.maximum(seqs.lengths(m), 1.0)
             numerator = numerator + jnp.asarray(self.beta, jnp.float32) * jnp.sum(kl_seq)
             kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
         cl = m & low & (a < 0)
@@ -468,6 +552,31 @@ class GMPO(Objective):
             log_ratio_max=_log_ratio_range(r, m)[1],
         )
         return numerator, sums
+
+
+def _gmpo_rollout(logp, data: PolicyInputs, seqs: Sequences):
+    """GMPO's mismatch correction: ``(tokens of the geometric mean [B, T] bool, weight per sequence
+    [slots] or None)``. ``rollout_is_ratio`` (``[B, T]``; ``[B, 1]`` per row) enters as the geometric
+    mean of the sequence's token ratios (a 0 zeroes the sequence); the :class:`RolloutCorrection` as
+    defined there."""
+    m = data.mask
+    log_w, keep = None, m
+    if data.rollout_is_ratio is not None:
+        ris = jnp.broadcast_to(data.rollout_is_ratio.astype(jnp.float32), m.shape)
+        log_w = seqs.sum(jnp.log(jnp.where(m, ris, 1.0)), m) / jnp.maximum(seqs.lengths(m), 1.0)
+    corr = data.rollout_correction
+    if data.rollout_logps is None or corr is None:
+        return keep, None if log_w is None else jnp.exp(log_w)
+    d = _rollout_d(logp, data)
+    cap = jnp.asarray(corr.cap, jnp.float32)
+    if corr.mode == "token_truncate":
+        u = jnp.exp(seqs.sum(jnp.minimum(d, jnp.log(cap)), m) / jnp.maximum(seqs.lengths(m), 1.0))
+    elif corr.mode == "token_mask":
+        keep = m & ~(jnp.exp(d) > cap)
+        u = jnp.exp(seqs.sum(d, keep) / jnp.maximum(seqs.lengths(keep), 1.0))
+    else:
+        u = _capped(seqs.sum(d, m), cap, corr.mode)
+    return keep, u if log_w is None else u * jnp.exp(log_w)
 
 
 GMPO = _register(GMPO, ["epsilon_low", "epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
@@ -526,7 +635,7 @@ def _token_weights(loss_type, mask, num_items_in_batch, max_completion_length, s
 def _finish(self_, ptl, logp, r, log_weight, data, clipped_low, clipped_high):
     """Shared tail: rollout IS correction, KL, reduction, metrics."""
     m = data.mask
-    ptl, kl = _token_tail(self_, ptl, logp, data.ref_logps, data.rollout_is_ratio, log_weight, m)
+    ptl, kl = _token_tail(self_, ptl, logp, data.ref_logps, _rollout_token_weights(logp, data), log_weight, m)
     kl_sum = jnp.zeros((), jnp.float32)
     if kl is not None:
         kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))

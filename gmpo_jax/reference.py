@@ -75,6 +75,9 @@ def policy_loss(
     num_items_in_batch=None,
     temperature=1.0,
     segment_ids=None,
+    rollout_logps=None,
+    rollout_is_mode="token_truncate",
+    rollout_is_cap=2.0,
     weight_layout="hv",
     upcast=True,
 ):
@@ -92,7 +95,7 @@ def policy_loss(
         **token_args,
         chunk_size=None,
     )
-    inputs = V_.policy_inputs(**token_args, warn=False)
+    inputs = V_.policy_inputs(**token_args)
     if ref_hidden is not None:
         inputs = inputs._replace(
             ref_logps=lax.stop_gradient(
@@ -125,6 +128,9 @@ def policy_loss_from_logits(
     num_items_in_batch=None,
     temperature=1.0,
     segment_ids=None,
+    rollout_logps=None,
+    rollout_is_mode="token_truncate",
+    rollout_is_cap=2.0,
 ):
     """Dense counterpart of :func:`gmpo_jax.policy_loss_from_logits` (``[B, T + 1, V]`` or ``[B, T, V]``
     logits): float32 ``log_softmax`` of the first ``T`` positions, the same ``(loss, LossAux)``, gradients
@@ -137,6 +143,6 @@ def policy_loss_from_logits(
         V=jnp.shape(logits)[-1],
         **token_args,
     )
-    inputs = V_.policy_inputs(**token_args, warn=False)
+    inputs = V_.policy_inputs(**token_args)
     z = jnp.asarray(logits)[:, :T].astype(jnp.float32) / inputs.temperature
     return _loss(objective, _target_logprobs(z, inputs.ids), inputs)

@@ -435,24 +435,28 @@ SEGMENTS = np.array(
 @pytest.mark.parametrize("mesh_name", ["8x1", "2x4"])
 @pytest.mark.parametrize("name", ["gmpo", "gspo"])
 def test_packed_sharded_equals_single_device(name, mesh_name):
-    """Data parallel over packed rows: the number of sequences (the gmpo / grpo normaliser) is global,
-    and the single-device call equals the float64 oracle (the sequences unpacked one per row)."""
+    """Data parallel over packed rows with a sequence-level rollout correction: the number of sequences
+    (the gmpo / grpo normaliser) is global, and the single-device call equals the float64 oracle (the
+    sequences unpacked one per row)."""
     obj, layout, _ = OBJECTIVES[name]
     c = make_case(11, B=B, T=T, H=H, V=V, layout=layout, mask=np.ones((B, T), bool), with_ref=obj.beta != 0)
     rng = np.random.default_rng(0)
     c.adv = rng.normal(size=SEGMENTS.max() + 1)[SEGMENTS].astype(np.float32)
+    # and the sampler's log-probs: a sequence-level mismatch weight needs whole sequences on a device
+    rollout = (c.old + rng.uniform(-0.3, 0.3, size=c.old.shape)).astype(np.float32)
     j = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
 
     def loss_fn(**kw):
         return lambda h, w, b: gmpo_jax.fused_linear_policy_loss(
             h, w, j(c.ids), j(c.mask), j(c.adv), objective=obj.lib(), old_logps=j(c.old), ref_logps=j(c.ref),
-            segment_ids=j(SEGMENTS), weight_layout=layout, chunk_size=CHUNK, **kw,
+            segment_ids=j(SEGMENTS), rollout_logps=j(rollout), rollout_is_mode="sequence_truncate",
+            weight_layout=layout, chunk_size=CHUNK, **kw,
         )  # fmt: skip
 
     want = _value_and_grad(loss_fn(), jnp.asarray(c.hidden), jnp.asarray(c.weight), None)
     oracle = spec.spec_policy_loss(
         c.hidden, c.weight, c.ids, c.mask, c.adv, weight_layout=layout, old_logps=c.old, ref_logps=c.ref,
-        segment_ids=SEGMENTS, **obj.spec_kwargs(),
+        segment_ids=SEGMENTS, rollout_logps=rollout, rollout_is_mode="sequence_truncate", **obj.spec_kwargs(),
     )  # fmt: skip
     check_against_spec(want[0], want[1], want[2], oracle, c, obj)
     shape, data_axis, vocab_axis = MESHES[mesh_name]

@@ -161,6 +161,9 @@ def spec_loss_from_logp(
     ref_logps=None,
     rollout_is_ratio=None,
     num_items_in_batch=None,
+    rollout_logps=None,
+    rollout_is_mode: str = "token_truncate",
+    rollout_is_cap: float = 2.0,
 ) -> SpecLoss:
     """Loss, metrics and d loss / d logp of SPEC.md from per-token log-probs (float64)."""
     if loss_type not in LOSS_TYPES:
@@ -189,6 +192,17 @@ def spec_loss_from_logp(
     Lc = np.maximum(L, 1.0)
     Ntot = mf.sum()
     Ntot_c = max(Ntot, 1.0)
+    # Rollout correction (SPEC.md "Rollout correction"): d = old - sampler per token, D its sequence sum.
+    if rollout_logps is not None:
+        d_roll = np.where(m, old - _as64(rollout_logps), 0.0)
+        D_roll = d_roll.sum(axis=1)
+        seq_mode = rollout_is_mode.startswith("sequence")
+        x = np.exp(np.broadcast_to(D_roll[:, None], (B, T)) if seq_mode else d_roll)
+        u_roll = (
+            np.minimum(x, rollout_is_cap)
+            if rollout_is_mode.endswith("truncate")
+            else np.where(x > rollout_is_cap, 0.0, x)
+        )
 
     if beta != 0.0:
         if ref_logps is None:
@@ -206,17 +220,36 @@ def spec_loss_from_logp(
         if np.any(where):
             margins.append(float(np.min(np.abs(x[where] - bound))))
 
+    if rollout_logps is not None and rollout_is_mode.endswith("mask"):  # kept or dropped at the cap
+        margin_of(np.log(x), np.log(rollout_is_cap), m)
+
     if loss_type == "gmpo":
         if importance_sampling_level != "token":
             raise ValueError("gmpo is token level only")
         pos = A > 0
         c = np.where(pos, np.minimum(r, epsilon_high), np.maximum(r, -epsilon_low))
         u = np.where(pos, r <= epsilon_high, r >= -epsilon_low)  # gradient passes at the exact bound
-        s = (mf * c).sum(axis=1) / Lc  # [B]
-        has = L > 0
+        # the tokens of the geometric mean, and one mismatch weight per sequence (geometric means of
+        # token weights; token_mask drops the tokens whose weight exceeds the cap)
+        keep = m.copy()
+        W = np.ones(B)
+        if rollout_is_ratio is not None:
+            W = W * np.exp((mf * np.log(np.where(m, _broadcast_rollout(rollout_is_ratio, B, T), 1.0))).sum(axis=1) / Lc)
+        if rollout_logps is not None:
+            if rollout_is_mode == "token_truncate":
+                W = W * np.exp((mf * np.minimum(d_roll, np.log(rollout_is_cap))).sum(axis=1) / Lc)
+            elif rollout_is_mode == "token_mask":
+                keep = m & ~(np.exp(d_roll) > rollout_is_cap)
+                W = W * np.exp((keep * d_roll).sum(axis=1) / np.maximum(keep.sum(axis=1), 1.0))
+            else:
+                W = W * u_roll[:, 0]
+        kf = keep.astype(f64)
+        Lk = np.maximum(kf.sum(axis=1), 1.0)
+        s = (kf * c).sum(axis=1) / Lk  # [B]
+        has = kf.sum(axis=1) > 0
         A_b = A[:, 0]
         live = has & (A_b != 0)
-        pol_b = np.where(live, -A_b * np.exp(np.where(live, s, 0.0)), 0.0)
+        pol_b = np.where(live, -A_b * W * np.exp(np.where(live, s, 0.0)), 0.0)
         if use_bias_correction_kl:
             klc = kl * np.exp(r)
             dklc = dkl_dlogp * np.exp(r) + kl * np.exp(r)
@@ -226,8 +259,8 @@ def spec_loss_from_logp(
         loss = pol_b.sum() / B + beta * kl_b.sum() / B
         scale = np.abs(pol_b).sum() / B + abs(beta) * np.abs(mf * klc).sum(axis=1).dot(1 / Lc) / B
         gpol = np.where(
-            live[:, None] & m & u,
-            (-(A_b * np.exp(np.where(live, s, 0.0))) / (B * Lc))[:, None],
+            live[:, None] & keep & u,
+            (-(A_b * W * np.exp(np.where(live, s, 0.0))) / (B * Lk))[:, None],
             0.0,
         )
         dlogp = gpol + np.where(m, beta * dklc / (B * Lc)[:, None], 0.0)
@@ -292,6 +325,8 @@ def spec_loss_from_logp(
         if rollout_is_ratio is not None:
             ris = _broadcast_rollout(rollout_is_ratio, B, T)
             ptl, direct, dptl_dw = ptl * ris, direct * ris, dptl_dw * ris
+        if rollout_logps is not None:
+            ptl, direct, dptl_dw = ptl * u_roll, direct * u_roll, dptl_dw * u_roll
         if use_bias_correction_kl:
             ew = np.exp(w)  # unclipped, before delta
             klc = kl * ew
@@ -378,7 +413,7 @@ def spec_loss_from_logp_packed(logp, mask, segment_ids, advantages, **kwargs) ->
     m = _mask_bool(mask, (B, T)) & (np.asarray(segment_ids) > 0)
     adv = np.asarray(advantages, f64)
     per_token = {"advantages": np.broadcast_to(adv[:, None], (B, T)) if adv.ndim == 1 else adv}
-    for name in ("old_logps", "ref_logps", "rollout_is_ratio"):
+    for name in ("old_logps", "ref_logps", "rollout_is_ratio", "rollout_logps"):
         if kwargs.get(name) is not None:
             x = np.asarray(kwargs.pop(name), f64)
             per_token[name] = np.broadcast_to(x.reshape(B, -1), (B, T))

@@ -168,16 +168,12 @@ def test_rollout_is_ratio(obj, ris, implementation):
     run_and_check(case, obj, implementation)
 
 
-def test_rollout_is_ratio_does_not_apply_to_gmpo(implementation):
-    case = make_case(4, ris="bt")
-    obj = Obj("gmpo", beta=0.04)
-    ref = spec_for(case, obj, ris=False)
-    f = lib_loss_fn(case, obj.lib(), implementation=implementation)
-    with pytest.warns(UserWarning, match="rollout_is_ratio"):  # documented: ignored, with a warning
-        (loss, aux), grads = fast_jit(jax.value_and_grad(lambda h, w: f(h, w, None), argnums=(0, 1), has_aux=True))(
-            jnp.asarray(case.hidden), jnp.asarray(case.weight)
-        )
-    check_against_spec(loss, aux, (*grads, None), ref, case, obj)
+@pytest.mark.parametrize("ris", ["bt", "b1"])
+def test_rollout_is_ratio_gmpo(ris, implementation):
+    """GMPO: each sequence's term times the geometric mean of its tokens' ratios (SPEC.md "Rollout
+    correction"); a ``[B, 1]`` ratio is the sequence's weight. No warning any more (it used to be ignored)."""
+    case = make_case(4, ris=ris)
+    run_and_check(case, Obj("gmpo", beta=0.04), implementation)
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,9 @@ def fused_linear_policy_loss(
     num_items_in_batch: ScalarLike | None = None,
     temperature: ScalarLike = 1.0,
     segment_ids: Int[Array, "B T"] | None = None,
+    rollout_logps: Float[Array, "B T"] | None = None,
+    rollout_is_mode: str = "token_truncate",
+    rollout_is_cap: ScalarLike = 2.0,
     weight_layout: str = "hv",
     chunk_size: int | None = None,
     implementation: Any | None = None,
@@ -158,9 +161,17 @@ def fused_linear_policy_loss(
         ``[B, T, H_ref]`` and LM head (same ``weight_layout``); its log-probs are computed with the same
         fused path, without gradient.
       bias: ``[V]`` LM-head bias or None.
-      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` inference-engine importance-sampling correction
-        (Liger's ``vllm_is_ratio``); multiplies the per-token policy loss (not the KL). Ignored by GMPO
-        (with a warning), as SPEC.md defines.
+      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` precomputed importance weights ``>= 0`` of the
+        trainer vs the sampler (Liger's ``vllm_is_ratio``), no gradient; multiplies each token's policy
+        term (not the KL). GMPO multiplies each sequence's term by the geometric mean of its tokens'
+        weights (SPEC.md "Rollout correction").
+      rollout_logps: ``[B, T]`` float log-probs of the sampler (e.g. vLLM) for the mismatch correction
+        computed here from ``old_logps`` (or the current log-probs, on-policy) and these, per
+        ``rollout_is_mode``; combines with ``rollout_is_ratio``. None: no correction.
+      rollout_is_mode: ``"token_truncate"`` (default), ``"token_mask"``, ``"sequence_truncate"`` or
+        ``"sequence_mask"`` (TRL's ``vllm_importance_sampling_mode``), see
+        :class:`gmpo_jax.objectives.RolloutCorrection` for each formula, GMPO's included.
+      rollout_is_cap: ``> 0`` truncation / masking threshold of the weight (float or traced), default 2.0.
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
         completion tokens in ONE optimizer step's accumulation window, i.e. every micro-batch whose
         gradients are accumulated into one update (under data parallelism: the global count over all
@@ -214,7 +225,7 @@ def fused_linear_policy_loss(
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.

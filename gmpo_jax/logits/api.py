@@ -69,6 +69,9 @@ def policy_loss_from_logits(
     num_items_in_batch: ScalarLike | None = None,
     temperature: ScalarLike = 1.0,
     segment_ids: Int[Array, "B T"] | None = None,
+    rollout_logps: Float[Array, "B T"] | None = None,
+    rollout_is_mode: str = "token_truncate",
+    rollout_is_cap: ScalarLike = 2.0,
     implementation: Any = None,
 ) -> tuple[Float[Array, ""], LossAux]:
     r"""Policy-gradient loss (GMPO or the GRPO family) from logits that already exist.
@@ -104,9 +107,17 @@ def policy_loss_from_logits(
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = sg(logp)``).
       ref_logps: ``[B, T]`` float reference log-probs for the KL term (needed when ``beta != 0``).
-      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` inference-engine importance-sampling correction
-        (Liger's ``vllm_is_ratio``); multiplies the per-token policy loss. Ignored by GMPO (with a
-        warning), as SPEC.md defines.
+      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` precomputed importance weights ``>= 0`` of the
+        trainer vs the sampler (Liger's ``vllm_is_ratio``), no gradient; multiplies each token's policy
+        term (not the KL). GMPO multiplies each sequence's term by the geometric mean of its tokens'
+        weights (SPEC.md "Rollout correction").
+      rollout_logps: ``[B, T]`` float log-probs of the sampler (e.g. vLLM) for the mismatch correction
+        computed here from ``old_logps`` (or the current log-probs, on-policy) and these, per
+        ``rollout_is_mode``; combines with ``rollout_is_ratio``. None: no correction.
+      rollout_is_mode: ``"token_truncate"`` (default), ``"token_mask"``, ``"sequence_truncate"`` or
+        ``"sequence_mask"`` (TRL's ``vllm_importance_sampling_mode``), see
+        :class:`gmpo_jax.objectives.RolloutCorrection` for each formula, GMPO's included.
+      rollout_is_cap: ``> 0`` truncation / masking threshold of the weight (float or traced), default 2.0.
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
         completion tokens in ONE optimizer step's accumulation window (global over devices), exactly as
         for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details). Ignored by the
@@ -136,7 +147,7 @@ def policy_loss_from_logits(
       TypeError: non-floating logits / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
         not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
-        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /

@@ -82,7 +82,7 @@ def _objective(objective: Objective, logp, inputs: PolicyInputs, *, with_grads: 
     """``(loss, aux, dlogp or None)`` on the ``[B, T]`` log-probs. ``loss``: a token-local objective's
     weighted sum already formed (the fused kernel writes each token's term; ``with_grads=False`` only)."""
     denom = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(jnp.float32)
-    if not objective.token_local:
+    if not objective.token_local or inputs.rollout_logps is not None:  # token_loss takes no sampler log-probs
         num, sums, dlogp = evaluate(objective, logp, inputs, denom, with_grads=with_grads)
         loss, aux = loss_and_aux(num, denom, sums, inputs.mask)
         return loss, aux, dlogp
@@ -151,7 +151,7 @@ def logits_policy_loss(
 
 
 def _logits_policy_loss_fwd(cfg, objective, logits, inputs):
-    if _fused(cfg, objective, logits):
+    if inputs.rollout_logps is None and _fused(cfg, objective, logits):
         loss, aux, dlogits = _run_fused(cfg, objective, logits, inputs)
         return (loss, aux), (dlogits, None, None, None)
     loss, aux, (residual, dlogp) = _run(cfg, objective, logits, inputs, with_grads=True)
