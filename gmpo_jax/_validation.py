@@ -62,6 +62,14 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be finite and > 0, got temperature={float(value)!r}")
 
 
+def check_top_entropy_quantile(q) -> None:
+    """``top_entropy_quantile``: a Python real in ``(0, 1]`` (static: 1 skips the entropy pass)."""
+    if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):
+        raise TypeError(f"top_entropy_quantile must be a Python float in (0, 1], got top_entropy_quantile={q!r}")
+    if not 0.0 < float(q) <= 1.0:
+        raise ValueError(f"top_entropy_quantile must lie in (0, 1], got top_entropy_quantile={q!r}")
+
+
 def check_chunk_size(chunk_size) -> None:
     if chunk_size is None:
         return

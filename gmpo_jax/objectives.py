@@ -48,6 +48,7 @@ __all__ = [
     "MetricSums",
     "LossAux",
     "evaluate",
+    "high_entropy_tokens",
     "loss_and_aux",
 ]
 
@@ -81,6 +82,8 @@ class PolicyInputs(NamedTuple):
         is padding (its tokens are masked).
       rollout_logps: ``[B, T]`` float32 sampler log-probs or None (no mismatch correction).
       rollout_correction: a :class:`RolloutCorrection` (with ``rollout_logps``) or None.
+      token_select: ``[B, T]`` bool or None: the tokens that receive policy gradient
+        (``top_entropy_quantile``, :func:`high_entropy_tokens`); None: all.
     """
 
     mask: jax.Array
@@ -94,6 +97,7 @@ class PolicyInputs(NamedTuple):
     segment_ids: jax.Array | None = None
     rollout_logps: jax.Array | None = None
     rollout_correction: RolloutCorrection | None = None
+    token_select: jax.Array | None = None
 
     def rows(self, start, size: int, live=None) -> PolicyInputs:
         """Rows ``[start, start + size)`` (``start`` may be traced); ``live`` (``[size]`` bool) masks rows
@@ -113,12 +117,13 @@ class PolicyInputs(NamedTuple):
             ids=cut(self.ids),
             segment_ids=cut(self.segment_ids),
             rollout_logps=cut(self.rollout_logps),
+            token_select=cut(self.token_select),
         )
 
     def specs(self, rows, scalar) -> PolicyInputs:
         """The same pytree holding ``rows`` for every per-sequence field and ``scalar`` for the scalars
         (e.g. the ``jax.shard_map`` partition specs of a data-parallel call)."""
-        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar, rows, rows, scalar)
+        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar, rows, rows, scalar, rows)
 
     def token_advantages(self) -> jax.Array:
         """``[B, T]`` float32: each token's advantage (a ``[B]`` advantage broadcast over its row)."""
@@ -324,8 +329,12 @@ def _capped(log_w, cap, mode: str):
 
 def _rollout_token_weights(logp, data: PolicyInputs) -> jax.Array | None:
     """``[B, T]`` weight of each token's policy term: ``rollout_is_ratio`` times the
-    :class:`RolloutCorrection` weight (token-level objectives); None without either."""
+    :class:`RolloutCorrection` weight times the entropy selection (token-level objectives); None without
+    any of them."""
     w = data.rollout_is_ratio
+    if data.token_select is not None:
+        sel = data.token_select.astype(jnp.float32)
+        w = sel if w is None else w * sel
     corr = data.rollout_correction
     if data.rollout_logps is not None and corr is not None:
         d = _rollout_d(logp, data)
@@ -527,6 +536,8 @@ class GMPO(Objective):
         low = r_v < -el
         # one-sided log-space clip; jnp.where passes the gradient to the selected branch only
         c = jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r))
+        if data.token_select is not None:  # unselected tokens count in the geometric mean, without gradient
+            c = jnp.where(data.token_select, c, jax.lax.stop_gradient(c))
         keep, weight = _gmpo_rollout(logp, data, seqs)  # tokens of the geometric mean, sequence weights
         n_tok = seqs.lengths(keep)
         s = seqs.sum(c, keep) / jnp.maximum(n_tok, 1.0)
@@ -967,6 +978,8 @@ class LossAux(NamedTuple):
         sequences: of a packed batch, its positive-id runs).
       log_ratio_min: smallest unmasked token log importance ratio ``logp - old`` (0 if all masked).
       log_ratio_max: largest unmasked token log importance ratio (0 if all masked).
+      entropy_threshold: with ``top_entropy_quantile < 1``, the entropy at or above which a token received
+        policy gradient (:func:`high_entropy_tokens`); else 0.
     """
 
     kl: jax.Array
@@ -977,6 +990,31 @@ class LossAux(NamedTuple):
     loss_denominator: jax.Array
     log_ratio_min: jax.Array
     log_ratio_max: jax.Array
+    entropy_threshold: jax.Array
+
+
+def high_entropy_tokens(
+    entropy: jax.Array, mask: jax.Array, top_entropy_quantile: float
+) -> tuple[jax.Array, jax.Array]:
+    """The tokens whose entropy is in the top ``top_entropy_quantile`` of the unmasked tokens.
+
+    ``threshold = quantile(entropy[mask], 1 - top_entropy_quantile)`` (linear interpolation, as
+    ``numpy.quantile`` and TRL's ``get_high_entropy_mask``) and ``select = mask & (entropy >= threshold)``.
+
+    Args:
+      entropy: ``[B, T]`` float per-token entropies (of the temperature-scaled softmax).
+      mask: ``[B, T]`` bool; only these tokens enter the quantile and may be selected.
+      top_entropy_quantile: Python float in ``(0, 1]``; 1 selects every unmasked token.
+
+    Returns:
+      ``(select [B, T] bool, threshold float32 scalar)``; with no unmasked token, nothing is selected and
+      the threshold is NaN. On sharded inputs (data parallel) the quantile is over the global batch.
+
+    References: Wang et al., "Beyond the 80/20 Rule", arXiv 2506.01939; TRL ``top_entropy_quantile``.
+    """
+    e = jnp.where(mask, entropy.astype(jnp.float32), jnp.nan)
+    threshold = jnp.nanquantile(e, 1.0 - top_entropy_quantile)
+    return mask & (e >= threshold), threshold
 
 
 def evaluate(
@@ -1012,5 +1050,6 @@ def loss_and_aux(
         loss_denominator=denominator,
         log_ratio_min=jnp.where(any_tok, sums.log_ratio_min, 0.0),
         log_ratio_max=jnp.where(any_tok, sums.log_ratio_max, 0.0),
+        entropy_threshold=jnp.zeros((), jnp.float32),
     )
     return numerator / denominator, aux

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax import _validation as V_
-from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, evaluate, loss_and_aux
+from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, evaluate, high_entropy_tokens, loss_and_aux
 
 __all__ = ["logits", "logprobs", "policy_loss", "policy_loss_from_logits"]
 
@@ -39,10 +39,20 @@ def _target_logprobs(z, ids):
     return jnp.where((ids >= 0) & (ids < V), logp, jnp.nan)
 
 
-def _loss(objective: Objective, logp, inputs: PolicyInputs) -> tuple[jax.Array, LossAux]:
+def _loss(objective: Objective, z, inputs: PolicyInputs, top_entropy_quantile) -> tuple[jax.Array, LossAux]:
+    """The loss from float32 ``[B, T, V]`` logits ``z`` (temperature applied)."""
+    V_.check_top_entropy_quantile(top_entropy_quantile)
+    threshold = None
+    if top_entropy_quantile != 1.0:
+        p = jax.nn.softmax(lax.stop_gradient(z), axis=-1)
+        entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+        select, threshold = high_entropy_tokens(entropy, inputs.mask, top_entropy_quantile)
+        inputs = inputs._replace(token_select=select)
+    logp = _target_logprobs(z, inputs.ids)
     denom = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(jnp.float32)
     num, sums, _ = evaluate(objective, logp, inputs, denom, with_grads=False)
-    return loss_and_aux(num, denom, sums, inputs.mask)
+    loss, aux = loss_and_aux(num, denom, sums, inputs.mask)
+    return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
 
 
 def logprobs(
@@ -78,6 +88,7 @@ def policy_loss(
     rollout_logps=None,
     rollout_is_mode="token_truncate",
     rollout_is_cap=2.0,
+    top_entropy_quantile=1.0,
     weight_layout="hv",
     upcast=True,
 ):
@@ -112,7 +123,7 @@ def policy_loss(
             )
         )
     z = logits(hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast)
-    return _loss(objective, _target_logprobs(z, inputs.ids), inputs)
+    return _loss(objective, z, inputs, top_entropy_quantile)
 
 
 def policy_loss_from_logits(
@@ -131,6 +142,7 @@ def policy_loss_from_logits(
     rollout_logps=None,
     rollout_is_mode="token_truncate",
     rollout_is_cap=2.0,
+    top_entropy_quantile=1.0,
 ):
     """Dense counterpart of :func:`gmpo_jax.policy_loss_from_logits` (``[B, T + 1, V]`` or ``[B, T, V]``
     logits): float32 ``log_softmax`` of the first ``T`` positions, the same ``(loss, LossAux)``, gradients
@@ -145,4 +157,4 @@ def policy_loss_from_logits(
     )
     inputs = V_.policy_inputs(**token_args)
     z = jnp.asarray(logits)[:, :T].astype(jnp.float32) / inputs.temperature
-    return _loss(objective, _target_logprobs(z, inputs.ids), inputs)
+    return _loss(objective, z, inputs, top_entropy_quantile)

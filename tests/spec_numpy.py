@@ -164,6 +164,7 @@ def spec_loss_from_logp(
     rollout_logps=None,
     rollout_is_mode: str = "token_truncate",
     rollout_is_cap: float = 2.0,
+    token_select=None,
 ) -> SpecLoss:
     """Loss, metrics and d loss / d logp of SPEC.md from per-token log-probs (float64)."""
     if loss_type not in LOSS_TYPES:
@@ -258,8 +259,9 @@ def spec_loss_from_logp(
         kl_b = (mf * klc).sum(axis=1) / Lc
         loss = pol_b.sum() / B + beta * kl_b.sum() / B
         scale = np.abs(pol_b).sum() / B + abs(beta) * np.abs(mf * klc).sum(axis=1).dot(1 / Lc) / B
+        sel = m if token_select is None else m & np.asarray(token_select, bool)  # the rest: value, no gradient
         gpol = np.where(
-            live[:, None] & keep & u,
+            live[:, None] & keep & u & sel,
             (-(A_b * W * np.exp(np.where(live, s, 0.0))) / (B * Lk))[:, None],
             0.0,
         )
@@ -327,6 +329,9 @@ def spec_loss_from_logp(
             ptl, direct, dptl_dw = ptl * ris, direct * ris, dptl_dw * ris
         if rollout_logps is not None:
             ptl, direct, dptl_dw = ptl * u_roll, direct * u_roll, dptl_dw * u_roll
+        if token_select is not None:  # unselected tokens: no policy term (TRL's entropy mask)
+            sel = np.asarray(token_select, bool).astype(f64)
+            ptl, direct, dptl_dw = ptl * sel, direct * sel, dptl_dw * sel
         if use_bias_correction_kl:
             ew = np.exp(w)  # unclipped, before delta
             klc = kl * ew
@@ -413,7 +418,7 @@ def spec_loss_from_logp_packed(logp, mask, segment_ids, advantages, **kwargs) ->
     m = _mask_bool(mask, (B, T)) & (np.asarray(segment_ids) > 0)
     adv = np.asarray(advantages, f64)
     per_token = {"advantages": np.broadcast_to(adv[:, None], (B, T)) if adv.ndim == 1 else adv}
-    for name in ("old_logps", "ref_logps", "rollout_is_ratio", "rollout_logps"):
+    for name in ("old_logps", "ref_logps", "rollout_is_ratio", "rollout_logps", "token_select"):
         if kwargs.get(name) is not None:
             x = np.asarray(kwargs.pop(name), f64)
             per_token[name] = np.broadcast_to(x.reshape(B, -1), (B, T))
@@ -446,6 +451,7 @@ def spec_policy_loss(
     weight_layout: str = "hv",
     logp_for_loss=None,
     segment_ids=None,
+    top_entropy_quantile: float = 1.0,
     **loss_kwargs: Any,
 ) -> SpecResult:
     """SPEC loss from hidden states and LM head, with analytic float64 gradients.
@@ -457,7 +463,9 @@ def spec_policy_loss(
     instead of the float64 ones (e.g. an implementation's own float32 log-probs, so that a ratio built
     to sit exactly on a clip bound is judged on the same side as the implementation sees it); the
     LM-head backward still uses float64 softmax. ``segment_ids``: a packed batch
-    (:func:`spec_loss_from_logp_packed`).
+    (:func:`spec_loss_from_logp_packed`). ``top_entropy_quantile < 1``: only the tokens whose entropy is at
+    or above ``np.quantile(entropy[mask], 1 - q)`` get policy gradient (``metrics["entropy_threshold"]``;
+    the margin includes the closest entropy's distance to it).
     """
     ids = np.asarray(ids)
     m = _mask_bool(mask, ids.shape)
@@ -467,10 +475,17 @@ def spec_policy_loss(
     bad = np.isnan(logp).any()
     lp = logp if logp_for_loss is None else np.where(m, np.asarray(logp_for_loss, f64), 0.0)
     lp_safe = np.where(np.isnan(lp), 0.0, lp)
+    threshold, ent_margin = 0.0, np.inf
+    if top_entropy_quantile != 1.0:
+        ent = spec_entropy(hidden, weight, m, bias=bias, temperature=temperature, weight_layout=weight_layout)
+        threshold = float(np.quantile(ent[m], 1.0 - top_entropy_quantile))
+        loss_kwargs = dict(loss_kwargs, token_select=m & (ent >= threshold))
+        ent_margin = float(np.min(np.abs(ent[m] - threshold)))
     if segment_ids is None:
         sl = spec_loss_from_logp(lp_safe, m, advantages, loss_type=loss_type, **loss_kwargs)
     else:
         sl = spec_loss_from_logp_packed(lp_safe, m, segment_ids, advantages, loss_type=loss_type, **loss_kwargs)
+    sl.metrics["entropy_threshold"] = threshold
     dh, dw, db = spec_head_vjp(
         hidden, weight, ids, m, sl.dlogp, bias=bias, temperature=temperature, weight_layout=weight_layout
     )
@@ -481,7 +496,7 @@ def spec_policy_loss(
         dlogp=sl.dlogp,
         logp=lp,
         scale=sl.scale,
-        margin=sl.margin,
+        margin=min(sl.margin, ent_margin),
         dhidden=dh,
         dweight=dw,
         dbias=db,

@@ -21,7 +21,7 @@ from gmpo_jax import tuning
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding
 from gmpo_jax.lm_head.vjp import Head, LMHeadConfig, fused_logprobs, fused_policy_loss
-from gmpo_jax.objectives import LossAux, Objective, PolicyInputs
+from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, high_entropy_tokens
 
 __all__ = ["fused_linear_policy_loss", "fused_linear_logprobs"]
 
@@ -113,6 +113,7 @@ def fused_linear_policy_loss(
     rollout_logps: Float[Array, "B T"] | None = None,
     rollout_is_mode: str = "token_truncate",
     rollout_is_cap: ScalarLike = 2.0,
+    top_entropy_quantile: float = 1.0,
     weight_layout: str = "hv",
     chunk_size: int | None = None,
     implementation: Any | None = None,
@@ -188,6 +189,13 @@ def fused_linear_policy_loss(
         the ``B`` of the normalisers (gmpo, grpo, sapo, dr_grpo) is the number of sequences, so the same
         sequences padded one per row give the same loss and gradients. Pass ``[B, T]`` advantages
         (and a ``[B, T]`` ``rollout_is_ratio``) with it. Rows are chunked and sharded whole.
+      top_entropy_quantile: Python float in ``(0, 1]`` (TRL's name; default 1: every token). Below 1 only
+        the tokens whose entropy (of the temperature-scaled softmax) is at or above the
+        ``1 - top_entropy_quantile`` quantile of the unmasked tokens' entropies (over the global batch)
+        receive policy gradient ("Beyond the 80/20 rule", arXiv 2506.01939): the token-level objectives
+        multiply the others' policy term by 0 (their tokens still count in the normalisers, as in TRL),
+        GMPO keeps them in the geometric mean without gradient. The KL term is not selected. Costs one
+        more log-sum-exp pass (entropies; no gradient); ``aux.entropy_threshold`` is the quantile.
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
@@ -225,7 +233,7 @@ def fused_linear_policy_loss(
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
@@ -256,8 +264,18 @@ def fused_linear_policy_loss(
         vocab_size=vocab_size,
         **token_args,
     )
+    V_.check_top_entropy_quantile(top_entropy_quantile)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     inputs = V_.policy_inputs(**token_args)
+    head_args = dict(weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation)
+    threshold = None
+    if top_entropy_quantile != 1.0:
+        _, entropy = fused_linear_logprobs(
+            hidden, weight, inputs.ids, completion_mask=inputs.mask, bias=bias, temperature=inputs.temperature,
+            vocab_size=vocab_size, return_entropy=True, **head_args, **_plan_kwargs(plan),
+        )  # fmt: skip
+        select, threshold = high_entropy_tokens(lax.stop_gradient(entropy), inputs.mask, top_entropy_quantile)
+        inputs = inputs._replace(token_select=select)
     if ref_hidden is not None:
         ref_logps = lax.stop_gradient(
             fused_linear_logprobs(
@@ -278,7 +296,8 @@ def fused_linear_policy_loss(
     ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
     cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
     head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
-    return fused_policy_loss(cfg, objective, head, inputs)
+    loss, aux = fused_policy_loss(cfg, objective, head, inputs)
+    return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
 
 
 def fused_linear_logprobs(

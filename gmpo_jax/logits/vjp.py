@@ -58,6 +58,15 @@ class LogitsConfig:
     T: int
 
 
+def _token_ratio(inputs: PolicyInputs):
+    """A token-local objective's per-token policy weight: ``rollout_is_ratio`` times the entropy selection."""
+    ris, sel = inputs.rollout_is_ratio, inputs.token_select
+    if sel is None:
+        return ris
+    sel = sel.astype(jnp.float32)
+    return sel if ris is None else ris * sel
+
+
 def _token_local_loss(objective: Objective, logp, inputs: PolicyInputs, *, with_grads: bool):
     """``(loss, dlogp or None)`` of a token-local objective as one weighted sum,
     ``sum_{b,t} token_weights * token_loss``: the function whose gradient the fused kernel writes, and a
@@ -69,7 +78,7 @@ def _token_local_loss(objective: Objective, logp, inputs: PolicyInputs, *, with_
     adv = inputs.token_advantages()
 
     def total(lp):
-        tl = objective.token_loss(lp, inputs.old_logps, inputs.ref_logps, adv, inputs.rollout_is_ratio, mask=mask)
+        tl = objective.token_loss(lp, inputs.old_logps, inputs.ref_logps, adv, _token_ratio(inputs), mask=mask)
         return jnp.sum(jnp.where(mask, weights * tl, 0.0))
 
     if not with_grads:
@@ -131,7 +140,7 @@ def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyIn
         old_logps=inputs.old_logps,
         ref_logps=inputs.ref_logps,
         advantages=inputs.token_advantages(),
-        rollout_is_ratio=inputs.rollout_is_ratio,
+        rollout_is_ratio=_token_ratio(inputs),
         weights=objective.token_weights(inputs.mask, inputs.num_items, inputs.segment_ids),
         mask=inputs.mask,
         id_ok=id_ok,
