@@ -12,6 +12,16 @@ from the model (:func:`final_hidden_states`), the LM-head weight from the model 
 >>> config = GRPOConfig(..., policy_loss_fn=gtx.register())  # Tunix's own loss, fused  # doctest: +SKIP
 >>> config = GRPOConfig(..., policy_loss_fn=gtx.register("gmpo", objective=gmpo_jax.GMPO()))  # doctest: +SKIP
 
+Both of Tunix's layouts work. Padded: one sequence per row, ``prompt_ids [B, P]`` left-padded,
+``completion_ids [B, T]``, ``advantages [B]`` (or ``[B, T]``). Packed (``RLTrainingConfig(
+max_seq_token_per_tpu=...)``, ``tunix.rl.utils.pack_sequences``): ``prompt_ids [B, 0]``, ``completion_ids
+[B, L]`` the packed buffer (each sequence's prompt then its completion), ``completion_mask`` 1 on the
+completion tokens, ``advantages [B, L]``, ``segment_ids [B, L]`` (1, 2, ... per sequence, 0 padding) and
+``segment_positions [B, L]``. With packed rows every Tunix aggregation is applied per packed sequence,
+exactly as it is per row of the padded layout, so the same sequences give the same loss and gradients in
+either layout ("sequence" below: a row padded, a positive-id run of ``segment_ids`` packed; "non-empty":
+with at least one completion token; ``n`` all sequences, ``n+`` the non-empty ones).
+
 How Tunix's settings map (``objective=None``, i.e. Tunix's ``grpo`` loss):
 
 =====================================  =============================================================
@@ -20,35 +30,52 @@ Tunix                                  gmpo_jax
 ``epsilon``, ``epsilon_high``          ``GRPO(epsilon_low=, epsilon_high=)`` (``epsilon_high`` defaults
                                        to ``epsilon`` as in Tunix)
 ``loss_algo="grpo"`` / ``"gspo-token"``  ``importance_sampling_level="token"`` / ``"sequence"`` (GSPO and
-                                       GSPO-token have the same value and gradients for per-sequence
-                                       advantages under every linear aggregation)
+                                       GSPO-token have the same value and gradients when the advantage
+                                       and the per-token weights are constant within each sequence,
+                                       under every linear aggregation)
 ``loss_agg_mode="token-mean"``         ``loss_type="dapo"`` (normaliser: token count)
-``"sequence-mean-token-mean"``         ``loss_type="grpo"`` times ``B / (non-empty rows)``
-``"sequence-mean-token-scale"``        ``loss_type="dapo"``, ``num_items_in_batch = T * non-empty rows``
-``"seq-mean-token-sum"``,              ``loss_type="dapo"``, ``num_items_in_batch = non-empty rows``
+``"sequence-mean-token-mean"``         ``loss_type="grpo"`` times ``n / n+`` (grpo divides by ``n``)
+``"sequence-mean-token-scale"``        ``loss_type="dapo"``, ``num_items_in_batch = norm * n+`` (``norm``:
+                                       ``max_completion_length=``, default the width of
+                                       ``completion_ids`` as in Tunix: ``T`` padded, ``L`` packed)
+``"seq-mean-token-sum"``,              ``loss_type="dapo"``, ``num_items_in_batch = n+``
 ``"sequence-mean-token-sum-norm"``
 ``beta``, ``kl_loss_mode="low_var_kl"``  ``beta=``, ``ref_logps=`` (k3 KL, in the same fused pass)
 other ``kl_loss_mode`` / ``kl_clamp_value``  a second fused pass (:func:`gmpo_jax.fused_linear_logprobs`)
-                                       feeding Tunix's own ``compute_kl_divergence`` / ``aggregate_loss``
+                                       feeding Tunix's ``compute_kl_divergence``, aggregated per sequence
 ``old_per_token_logps``                ``old_logps=`` (None: on-policy)
 ``sampler_is_weights``                 ``rollout_is_ratio=``
 ``temperature`` (from the rollout config)  ``temperature=`` (0 and 1 mean none, as in Tunix)
+``segment_ids``, ``segment_positions``     ``segment_ids=`` (and the model's positions, see
+                                       :func:`final_hidden_states`)
+``advantages`` ``[B]`` or ``[B, T]``       ``advantages`` as given (per token in the GRPO family)
 =====================================  =============================================================
 
 With ``objective=gmpo_jax.GMPO(...)`` the objective's epsilons are used (Tunix's ``epsilon`` is ignored);
 ``beta`` and the reference still come from the Tunix config (the objective's own ``beta`` must be 0);
-``loss_agg_mode`` must be ``"sequence-mean-token-mean"`` (GMPO's own reduction is per sequence).
+``loss_agg_mode`` must be ``"sequence-mean-token-mean"`` (GMPO's own reduction is per sequence: the
+geometric mean over each packed sequence, the mean of ``-A exp(s)`` over the ``n+`` non-empty sequences,
+``A`` a sequence's mean token advantage).
 
 Metrics (aux, Tunix's names): ``kl`` (mean per-token KL over unmasked tokens, 0 without a reference),
 ``pg_clipfrac``, ``pg_clipfrac_low``, ``pg_clipfrac_high``, ``log_ratio/min``, ``log_ratio/max``;
-``kl_loss`` when the KL ran as a second pass; ``entropy`` with ``compute_entropy=True`` (one more pass).
+``kl_loss`` when the KL ran as a second pass; ``entropy`` with ``compute_entropy=True`` (one more pass);
+the last two aggregated per sequence like the loss.
 
-Not mapped (``NotImplementedError`` naming the feature): packed batches (``segment_ids``), token-level
-(2-D) advantages, dual-clip PPO (``epsilon_c``), models with a final-logit softcap (Gemma 1/2), models
-whose ``__call__`` has no ``output_hidden_states``; with GMPO also ``gspo-token``, other aggregation
-modes and ``sampler_is_weights``. Tunix clamps token log-ratios to [-20, 20] (and GSPO-token's to 10)
-before ``exp``; gmpo_jax does not clamp (it is exact wherever float32 can represent the ratio), so the two
-differ only for ratios beyond e^20.
+Not mapped (``NotImplementedError`` naming the feature): dual-clip PPO (``epsilon_c``), ``gspo-token``
+with ``sampler_is_weights`` (per-token weights make GSPO-token's gradient differ from a sequence ratio's),
+models with a final-logit softcap (Gemma 1/2), models whose ``__call__`` has no ``output_hidden_states``;
+with GMPO also ``gspo-token``, other aggregation modes and ``sampler_is_weights``. ``gspo-token`` with
+``[B, T]`` advantages that vary within a sequence gives GSPO-token's loss value but a sequence ratio's
+gradient (Tunix's own learners give one advantage per sequence, also when packed). Tunix clamps token
+log-ratios to [-20, 20] (and GSPO-token's to 10) before ``exp``; gmpo_jax does not clamp (it is exact
+wherever float32 can represent the ratio), so the two differ only for ratios beyond e^20.
+
+Where Tunix 0.1.7's own ``grpo`` loss differs on packed rows (docs/tunix.md): its ``aggregate_loss``
+treats a packed row as one sequence (``sequence-mean-token-mean`` becomes a token mean per row, the
+``token-scale`` / ``token-sum`` modes divide by packed rows, not sequences), ``gspo-token`` averages the
+log-ratio over the whole row, and it calls the model with ``attention_mask=None``, which outside the
+splash (flash) attention kernel leaves attention neither causal nor per segment.
 """
 
 from __future__ import annotations
@@ -59,8 +86,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import gmpo_jax
+from gmpo_jax._validation import _concrete
+from gmpo_jax.objectives import Sequences
 
 __all__ = ["DEFAULT_NAME", "register", "make_policy_loss_fn", "final_hidden_states", "lm_head", "loss_arguments"]
 
@@ -83,6 +113,7 @@ def register(
     compute_entropy: bool = False,
     chunk_size: int | None = None,
     implementation: Any | None = None,
+    max_completion_length: int | None = None,
 ) -> str:
     """Register the fused policy loss with Tunix under ``name`` and return ``name``.
 
@@ -96,12 +127,17 @@ def register(
         :class:`gmpo_jax.GMPO` for GMPO.
       compute_entropy: also report Tunix's ``entropy`` metric (one more fused pass, no gradient).
       chunk_size, implementation: passed to :func:`gmpo_jax.fused_linear_policy_loss`.
+      max_completion_length: the per-token scale ``norm`` of ``loss_agg_mode="sequence-mean-token-scale"``
+        (Dr.GRPO): each sequence's token sum is divided by it. None: Tunix's default, the width of
+        ``completion_ids`` (the completion length ``T`` padded, the packed row length ``L`` packed); set
+        it to the rollout's ``max_tokens_to_generate`` to give packed rows the padded layout's scale.
 
     Returns:
       ``name``.
 
     Raises:
-      ValueError: ``name`` is one of Tunix's built-in losses.
+      ValueError: ``name`` is one of Tunix's built-in losses; ``max_completion_length`` not a positive
+        integer.
       TypeError: ``objective`` is neither None nor a ``gmpo_jax.GMPO``.
     """
     from tunix.rl import function_registry
@@ -109,7 +145,11 @@ def register(
     if name in _TUNIX_BUILTIN_LOSSES:
         raise ValueError(f"{name=} is a Tunix built-in loss; choose another name (default {DEFAULT_NAME!r})")
     fn = make_policy_loss_fn(
-        objective, compute_entropy=compute_entropy, chunk_size=chunk_size, implementation=implementation
+        objective,
+        compute_entropy=compute_entropy,
+        chunk_size=chunk_size,
+        implementation=implementation,
+        max_completion_length=max_completion_length,
     )
     function_registry.register_policy_loss_fn(name)(fn)
     return name
@@ -121,29 +161,47 @@ def make_policy_loss_fn(
     compute_entropy: bool = False,
     chunk_size: int | None = None,
     implementation: Any | None = None,
+    max_completion_length: int | None = None,
 ) -> Callable:
     """The fused policy loss as a Tunix policy loss function (see :func:`register` for the arguments).
+
+    The loss is Tunix's ``grpo`` loss (or GMPO) of the module docstring's table: for a GRPO-family
+    config ``aggregate(ptl, mask)`` with the per-token ``ptl = -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
+    (* sampler_is_weights) + beta kl`` (``r = exp(logp - old)``) and Tunix's ``loss_agg_mode`` applied
+    per sequence (a row padded, a segment packed). Both layouts of ``train_example`` work: padded
+    (``segment_ids`` None) and packed (``prompt_ids [B, 0]``, ``completion_ids``, ``completion_mask``,
+    ``advantages``, ``segment_ids``, ``segment_positions`` all ``[B, L]``).
 
     Returns:
       ``loss_fn(model, train_example, algo_config, pad_id, eos_id, **unused) -> (loss, aux)``: ``loss`` a
       float32 scalar carrying the gradient to every parameter of ``model`` (LM head included), ``aux`` a
       dict of float32 scalars under Tunix's metric names. Never materialises ``[B, T, V]`` logits when
-      traced under ``jax.jit`` (Tunix's trainer jits its train step).
+      traced under ``jax.jit`` (Tunix's trainer jits its train step). ``loss_fn`` raises what
+      :func:`loss_arguments`, :func:`final_hidden_states` and :func:`lm_head` raise.
+
+    Raises:
+      TypeError: ``objective`` is neither None nor a ``gmpo_jax.GMPO``.
+      ValueError: ``max_completion_length`` not a positive integer.
     """
     if objective is not None and not isinstance(objective, gmpo_jax.GMPO):
         raise TypeError(f"objective must be None (Tunix's loss) or a gmpo_jax.GMPO, got {type(objective).__name__}")
+    _check_max_completion_length(max_completion_length)
 
     def policy_loss_fn(model, train_example, algo_config, pad_id, eos_id, **unused):
         del unused
-        kwargs, scale = loss_arguments(algo_config, train_example, objective)
+        kwargs, scale = loss_arguments(
+            algo_config, train_example, objective, max_completion_length=max_completion_length
+        )
         ids, mask = train_example.completion_ids, train_example.completion_mask
+        segment_ids = kwargs["segment_ids"]
         hidden = final_hidden_states(
             model,
             train_example.prompt_ids,
             ids,
             pad_id=pad_id,
             eos_id=eos_id,
-            segment_ids=getattr(train_example, "segment_ids", None),
+            segment_ids=segment_ids,
+            segment_positions=getattr(train_example, "segment_positions", None),
         )
         weight, layout = lm_head(model)
         if weight.dtype != hidden.dtype:  # Tunix's heads compute in the activation dtype
@@ -164,16 +222,19 @@ def make_policy_loss_fn(
 
         ref = train_example.ref_per_token_logps
         if (ref is not None and kwargs["ref_logps"] is None) or compute_entropy:
+            norm = max_completion_length or ids.shape[1]
             extra, more = _second_pass(
                 hidden,
                 weight,
                 ids,
-                mask,
+                _live(mask, segment_ids),
+                segment_ids,
                 ref if kwargs["ref_logps"] is None else None,
                 algo_config,
                 kwargs["temperature"],
                 fused,
                 compute_entropy,
+                norm,
             )
             loss = loss + extra
             aux.update(more)
@@ -183,13 +244,16 @@ def make_policy_loss_fn(
     return policy_loss_fn
 
 
-def _second_pass(hidden, weight, ids, mask, ref, algo_config, temperature, fused: dict, compute_entropy: bool):
+def _second_pass(
+    hidden, weight, ids, live, segment_ids, ref, algo_config, temperature, fused: dict, compute_entropy: bool, norm
+):
     """``(loss term, metrics)`` of what the fused objective cannot fold in: Tunix's other KL modes (``ref``
-    not None) and the entropy metric, from one more fused log-prob pass and Tunix's own functions."""
+    not None) and the entropy metric, from one more fused log-prob pass, Tunix's ``compute_kl_divergence``
+    and :func:`_aggregate` (Tunix's ``aggregate_loss`` per sequence)."""
     from tunix.rl import common
 
     out = gmpo_jax.fused_linear_logprobs(
-        hidden, weight, ids, completion_mask=mask, temperature=temperature, return_entropy=compute_entropy, **fused
+        hidden, weight, ids, completion_mask=live, temperature=temperature, return_entropy=compute_entropy, **fused
     )
     logp, entropy = out if compute_entropy else (out, None)
     agg = algo_config.loss_agg_mode
@@ -198,43 +262,93 @@ def _second_pass(hidden, weight, ids, mask, ref, algo_config, temperature, fused
         kl = common.compute_kl_divergence(
             logp, ref, algo_config.kl_loss_mode, clamp_value=getattr(algo_config, "kl_clamp_value", None)
         )
-        aux["kl"] = jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
-        aux["kl_loss"] = common.aggregate_loss(kl, mask, agg)
+        aux["kl"] = jnp.sum(jnp.where(live, kl, 0.0)) / jnp.maximum(jnp.sum(live), 1)
+        aux["kl_loss"] = _aggregate(kl, live, segment_ids, agg, norm)
         beta = float(getattr(algo_config, "beta", None) or 0.0)
         if beta != 0.0:
             extra = beta * aux["kl_loss"]
     if compute_entropy:
-        aux["entropy"] = common.aggregate_loss(entropy, mask, agg)
+        aux["entropy"] = _aggregate(entropy, live, segment_ids, agg, norm)
     return extra, aux
 
 
+def _live(mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """The tokens that count, bool ``[B, T]``: ``mask != 0``, and packed also ``segment_ids > 0``."""
+    live = jnp.asarray(mask) != 0
+    return live if segment_ids is None else live & (jnp.asarray(segment_ids) > 0)
+
+
+def _sequence_counts(live: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """``(n, n+)`` float32: the sequences gmpo_jax's per-sequence normalisers count (``B`` padded, the
+    positive-id runs packed, at least 1) and those with at least one live token."""
+    seqs = Sequences.of(live, segment_ids)
+    return seqs.count(), jnp.sum(seqs.lengths(live) > 0).astype(jnp.float32)
+
+
+def _aggregate(x: jax.Array, live: jax.Array, segment_ids: jax.Array | None, agg: str, norm) -> jax.Array:
+    """Tunix's ``common.aggregate_loss(x, mask, agg)`` with a sequence (row padded, segment packed) in place
+    of its row; ``norm`` is the ``sequence-mean-token-scale`` divisor. Float32 scalar."""
+    x = jnp.where(live, x.astype(jnp.float32), 0.0)
+    seqs = Sequences.of(live, segment_ids)
+    lengths = seqs.lengths(live)
+    nonempty = jnp.maximum(jnp.sum(lengths > 0), 1).astype(jnp.float32)
+    if agg == "token-mean":
+        return jnp.sum(x) / jnp.maximum(jnp.sum(live), 1).astype(jnp.float32)
+    if agg == "sequence-mean-token-mean":
+        return jnp.sum(seqs.sum(x, live) / jnp.maximum(lengths, 1.0)) / nonempty
+    if agg == "sequence-mean-token-scale":
+        return jnp.sum(x) / norm / nonempty
+    return jnp.sum(x) / nonempty  # seq-mean-token-sum, sequence-mean-token-sum-norm (Tunix's default norm)
+
+
 def loss_arguments(
-    algo_config: Any, train_example: Any, objective: gmpo_jax.GMPO | None = None
+    algo_config: Any,
+    train_example: Any,
+    objective: gmpo_jax.GMPO | None = None,
+    *,
+    max_completion_length: int | None = None,
 ) -> tuple[dict, jax.Array]:
     """Map a Tunix GRPO-family config and ``TrainExample`` onto :func:`gmpo_jax.fused_linear_policy_loss`.
+
+    Tunix's ``loss_agg_mode`` is applied per sequence (a row padded, a positive-id run of ``segment_ids``
+    packed; ``n`` sequences, ``n+`` of them with a completion token): with the per-token loss ``ptl`` and
+    mask ``m``, ``token-mean`` = ``sum m ptl / sum m``; ``sequence-mean-token-mean`` = ``(1/n+) sum_s
+    (sum_{t in s} m ptl / sum_{t in s} m)`` (gmpo_jax's ``grpo`` divides by ``n``, hence ``scale = n /
+    n+``); ``sequence-mean-token-scale`` = ``sum m ptl / (norm n+)``; ``seq-mean-token-sum`` and
+    ``sequence-mean-token-sum-norm`` = ``sum m ptl / n+``. GMPO: ``(1/n+) sum_s -A_s exp(s_s)`` (+ KL).
 
     Args:
       algo_config: a ``GRPOConfig`` / ``DAPOConfig`` / ``DrGRPOConfig`` (read: ``epsilon``,
         ``epsilon_high``, ``epsilon_c``, ``beta``, ``kl_loss_mode``, ``kl_clamp_value``, ``loss_algo``,
         ``loss_agg_mode``, ``temperature``).
-      train_example: a Tunix ``TrainExample`` (``completion_mask [B, T]``, ``advantages [B]``,
-        ``old_per_token_logps``, ``ref_per_token_logps``, ``sampler_is_weights``).
+      train_example: a Tunix ``TrainExample``: ``completion_mask [B, T]``, ``advantages [B]`` or
+        ``[B, T]``, ``old_per_token_logps``, ``ref_per_token_logps``, ``sampler_is_weights`` and, packed,
+        ``segment_ids [B, T]`` (then ``T`` is the packed row length).
       objective: None (Tunix's loss) or a ``gmpo_jax.GMPO``.
+      max_completion_length: ``norm`` of ``sequence-mean-token-scale``; None: ``T`` (Tunix's default).
 
     Returns:
       ``(kwargs, scale)``: keyword arguments ``objective``, ``old_logps``, ``ref_logps``,
-      ``rollout_is_ratio``, ``num_items_in_batch``, ``temperature``; and a float32 scalar by which the
-      fused loss is multiplied (``B / non-empty rows`` for ``sequence-mean-token-mean``, else 1).
-      ``ref_logps`` is None when the KL cannot be folded into the objective (then the caller computes it).
+      ``rollout_is_ratio``, ``num_items_in_batch``, ``temperature``, ``segment_ids`` (None padded); and a
+      float32 scalar by which the fused loss is multiplied (``n / n+`` for ``sequence-mean-token-mean``
+      and GMPO, else 1). ``ref_logps`` is None when the KL cannot be folded into the objective (then the
+      caller computes it).
 
     Raises:
       NotImplementedError: a Tunix feature with no gmpo_jax counterpart (listed in the module docstring).
-      ValueError: an unknown ``loss_agg_mode`` / ``loss_algo``, or a GMPO objective with its own ``beta``.
+      ValueError: an unknown ``loss_agg_mode`` / ``loss_algo``, a GMPO objective with its own ``beta``,
+        ``advantages`` neither ``[B]`` nor ``[B, T]``, ``max_completion_length`` not a positive integer,
+        or (checked when concrete) a packed ``completion_mask`` of 1 at a sequence's first token, which
+        has no prediction in the packed layout (:func:`final_hidden_states`).
     """
     agg = algo_config.loss_agg_mode
     loss_algo = getattr(algo_config, "loss_algo", "grpo")
     _check_supported(algo_config, train_example, agg, loss_algo)
+    _check_max_completion_length(max_completion_length)
     mask = train_example.completion_mask
+    segment_ids = getattr(train_example, "segment_ids", None)
+    if segment_ids is not None:
+        _check_sequence_starts(mask, segment_ids)
     B, T = mask.shape
     beta = float(getattr(algo_config, "beta", None) or 0.0)
     ref = train_example.ref_per_token_logps
@@ -244,13 +358,14 @@ def loss_arguments(
         and algo_config.kl_loss_mode == "low_var_kl"
         and getattr(algo_config, "kl_clamp_value", None) is None
     )
-    rows = jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
+    n, nonempty = _sequence_counts(_live(mask, segment_ids), segment_ids)
     sampler_is = getattr(train_example, "sampler_is_weights", None)
     kl_beta = beta if fold_kl else 0.0
     if objective is None:
-        objective, scale, num_items = _tunix_objective(algo_config, agg, loss_algo, kl_beta, B, T, rows)
+        norm = max_completion_length or T
+        objective, scale, num_items = _tunix_objective(algo_config, agg, loss_algo, kl_beta, norm, n, nonempty)
     else:
-        objective, scale, num_items = _gmpo_objective(objective, agg, loss_algo, kl_beta, sampler_is, B, rows)
+        objective, scale, num_items = _gmpo_objective(objective, agg, loss_algo, kl_beta, sampler_is, n, nonempty)
 
     temperature = getattr(algo_config, "temperature", None)
     temperature = 1.0 if temperature in (None, 0.0, 1.0) else temperature
@@ -261,8 +376,18 @@ def loss_arguments(
         rollout_is_ratio=sampler_is,
         num_items_in_batch=num_items,
         temperature=temperature,
+        segment_ids=segment_ids,
     )
     return kwargs, jax.lax.stop_gradient(jnp.asarray(scale, jnp.float32))
+
+
+def _check_max_completion_length(max_completion_length) -> None:
+    if max_completion_length is None:
+        return
+    if isinstance(max_completion_length, bool) or not isinstance(max_completion_length, (int, np.integer)):
+        raise ValueError(f"max_completion_length must be a positive integer or None, got {max_completion_length!r}")
+    if max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be a positive integer or None, got {max_completion_length}")
 
 
 def _check_supported(algo_config: Any, train_example: Any, agg: str, loss_algo: str) -> None:
@@ -273,23 +398,48 @@ def _check_supported(algo_config: Any, train_example: Any, agg: str, loss_algo: 
         raise ValueError(f"unknown Tunix {loss_algo=}; expected 'grpo' or 'gspo-token'")
     if getattr(algo_config, "epsilon_c", None) is not None:
         raise NotImplementedError("dual-clip PPO (algo_config.epsilon_c) is not supported by gmpo_jax")
-    if getattr(train_example, "segment_ids", None) is not None:
-        raise NotImplementedError("packed batches (train_example.segment_ids) are not supported yet")
-    adv = train_example.advantages
-    if adv.ndim != 1:
-        raise NotImplementedError(f"token-level advantages ({adv.shape=}) are not supported; gmpo_jax takes [B]")
+    if loss_algo == "gspo-token" and getattr(train_example, "sampler_is_weights", None) is not None:
+        raise NotImplementedError(
+            "loss_algo='gspo-token' with train_example.sampler_is_weights is not supported: with per-token "
+            "weights GSPO-token's gradient differs from gmpo_jax's sequence-level ratio's"
+        )
+    adv, mask = train_example.advantages, train_example.completion_mask
+    if tuple(adv.shape) not in (tuple(mask.shape[:1]), tuple(mask.shape)):
+        raise ValueError(
+            f"train_example.advantages must be [B] or [B, T] = {tuple(mask.shape)} (completion_mask's shape), "
+            f"got {tuple(adv.shape)}"
+        )
 
 
-def _tunix_objective(algo_config: Any, agg: str, loss_algo: str, beta: float, B: int, T: int, rows):
-    """``(GRPO objective, loss scale, num_items_in_batch)`` reproducing Tunix's own loss and aggregation."""
+def _check_sequence_starts(mask, segment_ids) -> None:
+    """Raise if a concrete packed ``completion_mask`` counts a sequence's first token (see
+    :func:`final_hidden_states`: nothing in the sequence predicts it)."""
+    m, seg = _concrete(mask), _concrete(segment_ids)
+    if m is None or seg is None or m.shape != seg.shape or seg.ndim != 2:
+        return
+    start = np.ones(seg.shape, bool)
+    start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    bad = np.argwhere(start & (seg > 0) & (m != 0))
+    if bad.size:
+        r, t = (int(i) for i in bad[0])
+        raise ValueError(
+            f"completion_mask[{r}, {t}] is 1 at the first token of a packed sequence (segment_ids[{r}, {t}] = "
+            f"{int(seg[r, t])}): nothing in its sequence predicts that token. Each packed sequence must start "
+            "with a masked (prompt) token, as Tunix's pack_sequences lays them out"
+        )
+
+
+def _tunix_objective(algo_config: Any, agg: str, loss_algo: str, beta: float, norm, n, nonempty):
+    """``(GRPO objective, loss scale, num_items_in_batch)`` reproducing Tunix's own loss and aggregation,
+    per sequence (``n`` sequences, ``nonempty`` with a completion token, ``norm`` the token-scale divisor)."""
     eps = algo_config.epsilon
     eps_high = getattr(algo_config, "epsilon_high", eps)
     scale, num_items = jnp.float32(1.0), None
     if agg == "sequence-mean-token-mean":
-        loss_type, scale = "grpo", B / jnp.maximum(rows, 1.0)
+        loss_type, scale = "grpo", n / jnp.maximum(nonempty, 1.0)
     else:
         loss_type = "dapo"
-        num_items = {"token-mean": None, "sequence-mean-token-scale": T * rows}.get(agg, rows)
+        num_items = {"token-mean": None, "sequence-mean-token-scale": norm * nonempty}.get(agg, nonempty)
     objective = gmpo_jax.GRPO(
         loss_type=loss_type,
         epsilon_low=eps,
@@ -300,7 +450,7 @@ def _tunix_objective(algo_config: Any, agg: str, loss_algo: str, beta: float, B:
     return objective, scale, num_items
 
 
-def _gmpo_objective(objective, agg: str, loss_algo: str, beta: float, sampler_is, B: int, rows):
+def _gmpo_objective(objective, agg: str, loss_algo: str, beta: float, sampler_is, n, nonempty):
     """``(GMPO objective with Tunix's beta, loss scale, None)``; raises where Tunix's options do not apply."""
     if objective.beta != 0.0:
         raise ValueError(f"{objective.beta=}: with Tunix set beta in its config (algo_config.beta)")
@@ -316,7 +466,7 @@ def _gmpo_objective(objective, agg: str, loss_algo: str, beta: float, sampler_is
         beta=beta,
         use_bias_correction_kl=objective.use_bias_correction_kl,
     )
-    return objective, B / jnp.maximum(rows, 1.0), None
+    return objective, n / jnp.maximum(nonempty, 1.0), None
 
 
 def final_hidden_states(
@@ -327,50 +477,107 @@ def final_hidden_states(
     pad_id: int,
     eos_id: int,
     segment_ids: jax.Array | None = None,
+    segment_positions: jax.Array | None = None,
 ) -> jax.Array:
     """Final (post-norm) hidden states of a Tunix model at the positions that predict ``completion_ids``.
 
-    Runs the model the way Tunix's ``compute_per_token_logps`` does (``tunix.rl.common.process_ids`` for
-    positions and the causal padding mask) with ``output_hidden_states=True`` and takes the sown
-    ``all_hidden_states``; the model's own logits are then unused and XLA removes them when this runs
-    under ``jax.jit``. (Called eagerly, the model still computes them once, without gradient.)
+    Runs the model with ``output_hidden_states=True`` and takes the sown ``all_hidden_states``; the
+    model's own logits are then unused and XLA removes them when this runs under ``jax.jit``. (Called
+    eagerly, the model still computes them once, without gradient.) ``segment_ids`` reach the model when
+    its ``__call__`` takes them (or ``**kwargs``), as in Tunix's ``compute_per_token_logps``.
+
+    Padded layout (``segment_ids`` None): tokens ``concat(prompt_ids, completion_ids)``, positions and
+    the causal padding mask from Tunix's ``common.process_ids``, the per-position non-pad mask as
+    ``segment_ids``; returns ``x[:, P-1 : P+T-1]`` (``x`` the ``[B, P+T, D]`` states), so row ``t``
+    predicts ``completion_ids[:, t]``.
+
+    Packed layout (Tunix's ``pack_sequences``): tokens ``completion_ids`` (the packed buffer, prompts and
+    completions), positions ``segment_positions``, ``segment_ids`` passed to the model, and the
+    attention mask ``M[b, q, k] = (k <= q) and segment_ids[b, q] == segment_ids[b, k]`` (causal within a
+    segment: what the splash kernel computes from ``segment_ids``; Tunix passes ``attention_mask=None``,
+    which its non-flash attention takes as no mask at all). Returns ``y[:, t] = x[:, t - 1]`` for
+    ``t >= 1`` and ``y[:, 0] = 0``: the shift of Tunix's packed log-probs (``logits[:, :-1]`` left-padded
+    by one), so row ``t`` predicts token ``t``. Row 0, and the first row of every later sequence (which
+    holds the previous sequence's last state), predict nothing within their sequence: the completion mask
+    must be 0 there. Tunix's packing puts each sequence's prompt (mask 0) first, so it is;
+    :func:`loss_arguments` checks a concrete mask.
 
     Args:
       model: a Tunix NNX causal LM whose ``__call__`` takes ``output_hidden_states`` (Qwen2, Qwen3,
         Gemma3, ...).
-      prompt_ids: ``[B, P]`` int32, left-padded with ``pad_id``.
-      completion_ids: ``[B, T]`` int32, right-padded with ``pad_id``.
+      prompt_ids: ``[B, P]`` int32, left-padded with ``pad_id``; ``[B, 0]`` when packed.
+      completion_ids: ``[B, T]`` int32, right-padded with ``pad_id``; packed: the ``[B, L]`` buffer.
       pad_id, eos_id: the tokenizer's ids.
-      segment_ids: must be None (packed batches are not supported).
+      segment_ids: None (padded) or ``[B, L]`` int, packed: 1, 2, ... per sequence, 0 for padding.
+      segment_positions: ``[B, L]`` int, each token's position within its sequence; required with
+        ``segment_ids`` (as in Tunix), else must be None.
 
     Returns:
-      ``[B, T, D]`` in the model's activation dtype; row ``t`` predicts ``completion_ids[:, t]``.
+      ``[B, T, D]`` (``[B, L, D]`` packed) in the model's activation dtype; row ``t`` predicts
+      ``completion_ids[:, t]``.
 
     Raises:
-      NotImplementedError: packed ``segment_ids``; a model without ``output_hidden_states``.
+      ValueError: ``segment_ids`` without ``segment_positions`` or the reverse, a packed ``prompt_ids``
+        that is not ``[B, 0]``, or ``segment_ids`` / ``segment_positions`` not of ``completion_ids``'s
+        shape.
+      NotImplementedError: a model without ``output_hidden_states``.
     """
     from flax import nnx
     from tunix.rl import common
 
-    if segment_ids is not None:
-        raise NotImplementedError("packed batches (segment_ids) are not supported yet")
     params = inspect.signature(model.__call__).parameters
     if "output_hidden_states" not in params:
         raise NotImplementedError(
             f"{type(model).__name__}.__call__ has no output_hidden_states argument, so its "
             "final hidden states cannot be read without its logits"
         )
-    tokens, positions, attn_mask, input_seg_ids = common.process_ids(prompt_ids, completion_ids, pad_id, eos_id)
+    takes_segment_ids = "segment_ids" in params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+    packed = segment_ids is not None
+    if packed:
+        _check_packed_layout(prompt_ids, completion_ids, segment_ids, segment_positions)
+        tokens, positions, model_seg = completion_ids, segment_positions, segment_ids
+        attn_mask = _packed_attention_mask(segment_ids)
+    else:
+        if segment_positions is not None:
+            raise ValueError("segment_positions is given without segment_ids; pass both (packed) or neither")
+        tokens, positions, attn_mask, model_seg = common.process_ids(prompt_ids, completion_ids, pad_id, eos_id)
     kwargs = dict(positions=positions, cache=None, attention_mask=attn_mask, output_hidden_states=True)
-    if "segment_ids" in params:  # as Tunix passes it: the per-position non-pad mask
-        kwargs["segment_ids"] = input_seg_ids
+    if takes_segment_ids:  # as Tunix passes them: the packing ids, else the per-position non-pad mask
+        kwargs["segment_ids"] = model_seg
     model(tokens, **kwargs)
     sown = nnx.pop(model, nnx.Intermediate)
     x = sown["all_hidden_states"]
     x = x.get_value() if isinstance(x, nnx.Variable) else x
     x = x[-1] if isinstance(x, (tuple, list)) else x
+    if packed:
+        return jnp.pad(x[:, :-1], ((0, 0), (1, 0), (0, 0)))
     T = completion_ids.shape[1]
     return x[:, -T - 1 : -1]
+
+
+def _check_packed_layout(prompt_ids, completion_ids, segment_ids, segment_positions) -> None:
+    """The packed layout's shapes, with errors naming the argument."""
+    if segment_positions is None:
+        raise ValueError(
+            "segment_positions must be given with segment_ids (packed batches): each token's position "
+            "within its sequence, as Tunix's pack_sequences sets train_example.segment_positions"
+        )
+    shape = tuple(completion_ids.shape)
+    if tuple(prompt_ids.shape) != shape[:1] + (0,):
+        raise ValueError(
+            f"packed batches hold prompts and completions in completion_ids, so prompt_ids must be "
+            f"[B, 0] = {shape[:1] + (0,)}, got {tuple(prompt_ids.shape)}"
+        )
+    for name, x in (("segment_ids", segment_ids), ("segment_positions", segment_positions)):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have completion_ids' shape {shape}, got {tuple(x.shape)}")
+
+
+def _packed_attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """``[B, L, L]`` bool: causal attention within each segment (padding, id 0, attends to padding)."""
+    L = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((L, L), bool))
+    return causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
 
 def lm_head(model: Any) -> tuple[jax.Array, str]:
