@@ -151,10 +151,12 @@ def test_matches_tunix_grpo_loss_tied_embedding():
     )
 
 
-def test_gmpo_through_tunix_matches_reference():
-    """GMPO via the Tunix loss fn == gmpo_jax.reference.policy_loss on the model's dense logits."""
+@pytest.mark.parametrize("sampler", [False, True])
+def test_gmpo_through_tunix_matches_reference(sampler):
+    """GMPO via the Tunix loss fn == gmpo_jax.reference.policy_loss on the model's dense logits (with
+    ``sampler_is_weights``: as ``rollout_is_ratio``, GMPO's geometric mean of the token weights)."""
     config = with_temperature(GRPOConfig(num_generations=2, beta=0.05, kl_loss_mode="low_var_kl"), 0.8)
-    model, ex = tiny_qwen3(seed=2), example(ref=True, seed=2)
+    model, ex = tiny_qwen3(seed=2), example(ref=True, seed=2, sampler=sampler)
     objective = gmpo_jax.GMPO(epsilon_low=0.3, epsilon_high=0.35)
 
     def dense(model, ex, algo_config, pad_id, eos_id):
@@ -170,6 +172,7 @@ def test_gmpo_through_tunix_matches_reference():
             objective=gmpo_jax.GMPO(epsilon_low=0.3, epsilon_high=0.35, beta=0.05),
             old_logps=ex.old_per_token_logps,
             ref_logps=ex.ref_per_token_logps,
+            rollout_is_ratio=ex.sampler_is_weights,
             temperature=0.8,
             weight_layout=layout,
         )

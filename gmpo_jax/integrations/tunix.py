@@ -65,7 +65,8 @@ the last two aggregated per sequence like the loss.
 Not mapped (``NotImplementedError`` naming the feature): dual-clip PPO (``epsilon_c``), ``gspo-token``
 with ``sampler_is_weights`` (per-token weights make GSPO-token's gradient differ from a sequence ratio's),
 models with a final-logit softcap (Gemma 1/2), models whose ``__call__`` has no ``output_hidden_states``;
-with GMPO also ``gspo-token``, other aggregation modes and ``sampler_is_weights``. ``gspo-token`` with
+with GMPO also ``gspo-token`` and other aggregation modes (GMPO takes ``sampler_is_weights`` as
+``rollout_is_ratio``: each sequence's term times the geometric mean of its tokens' weights). ``gspo-token`` with
 ``[B, T]`` advantages that vary within a sequence gives GSPO-token's loss value but a sequence ratio's
 gradient (Tunix's own learners give one advantage per sequence, also when packed). Tunix clamps token
 log-ratios to [-20, 20] (and GSPO-token's to 10) before ``exp``; gmpo_jax does not clamp (it is exact
@@ -451,15 +452,16 @@ def _tunix_objective(algo_config: Any, agg: str, loss_algo: str, beta: float, no
 
 
 def _gmpo_objective(objective, agg: str, loss_algo: str, beta: float, sampler_is, n, nonempty):
-    """``(GMPO objective with Tunix's beta, loss scale, None)``; raises where Tunix's options do not apply."""
+    """``(GMPO objective with Tunix's beta, loss scale, None)``; raises where Tunix's options do not apply.
+    ``sampler_is_weights`` pass as ``rollout_is_ratio`` (GMPO weights each sequence by the geometric mean of
+    its tokens' weights, SPEC.md "Rollout correction")."""
+    del sampler_is
     if objective.beta != 0.0:
         raise ValueError(f"{objective.beta=}: with Tunix set beta in its config (algo_config.beta)")
     if loss_algo != "grpo":
         raise NotImplementedError(f"GMPO is token-level; Tunix {loss_algo=} has no GMPO counterpart")
     if agg != "sequence-mean-token-mean":
         raise NotImplementedError(f"GMPO reduces per sequence; Tunix {agg=} is not supported with it")
-    if sampler_is is not None:
-        raise NotImplementedError("sampler_is_weights (rollout importance weights) do not apply to GMPO")
     objective = gmpo_jax.GMPO(
         epsilon_low=objective.epsilon_low,
         epsilon_high=objective.epsilon_high,
