@@ -62,6 +62,16 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be finite and > 0, got temperature={float(value)!r}")
 
 
+def check_softcap(softcap) -> None:
+    """``softcap``: None or a finite Python real ``> 0`` (static: it is compiled into the kernels)."""
+    if softcap is None:
+        return
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be None or a Python float > 0, got softcap={softcap!r}")
+    if not 0.0 < float(softcap) < float("inf"):
+        raise ValueError(f"softcap must be finite and > 0, got softcap={softcap!r}")
+
+
 def check_top_entropy_quantile(q) -> None:
     """``top_entropy_quantile``: a Python real in ``(0, 1]`` (static: 1 skips the entropy pass)."""
     if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):

@@ -19,8 +19,9 @@ from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, evaluate, high
 __all__ = ["logits", "logprobs", "policy_loss", "policy_loss_from_logits"]
 
 
-def logits(hidden, weight, *, bias=None, temperature=1.0, weight_layout="hv", upcast=True):
-    """Full logits ``(hidden @ W + bias) / temperature`` as float32 ``[B, T, V]``."""
+def logits(hidden, weight, *, bias=None, temperature=1.0, weight_layout="hv", upcast=True, softcap=None):
+    """Full logits ``(hidden @ W + bias) / temperature`` as float32 ``[B, T, V]``; with ``softcap``,
+    ``softcap * tanh((hidden @ W + bias) / softcap) / temperature`` (Gemma's final-logit cap)."""
     if upcast:
         hidden, weight = hidden.astype(jnp.float32), weight.astype(jnp.float32)
     contract = ((2,), (0,)) if weight_layout == "hv" else ((2,), (1,))
@@ -28,6 +29,8 @@ def logits(hidden, weight, *, bias=None, temperature=1.0, weight_layout="hv", up
     z = lax.dot_general(hidden, weight, (contract, ((), ())), precision=prec, preferred_element_type=jnp.float32)
     if bias is not None:
         z = z + bias.astype(jnp.float32)
+    if softcap is not None:
+        z = jnp.where(z == -jnp.inf, -jnp.inf, softcap * jnp.tanh(z / softcap))
     return z / jnp.asarray(temperature, jnp.float32)
 
 
@@ -56,14 +59,25 @@ def _loss(objective: Objective, z, inputs: PolicyInputs, top_entropy_quantile) -
 
 
 def logprobs(
-    hidden, weight, completion_ids, *, completion_mask=None, bias=None, temperature=1.0, weight_layout="hv", upcast=True
+    hidden,
+    weight,
+    completion_ids,
+    *,
+    completion_mask=None,
+    bias=None,
+    temperature=1.0,
+    weight_layout="hv",
+    upcast=True,
+    softcap=None,
 ):
     """Dense counterpart of :func:`gmpo_jax.fused_linear_logprobs` (``[B, T]`` float32)."""
     B, T, H, V = V_.check_lm_head(hidden, weight, bias, weight_layout)
     V_.check_ids(completion_ids, B, T)
     mask = jnp.ones((B, T), bool) if completion_mask is None else V_.as_mask(completion_mask)
     ids = jnp.where(mask, V_.as_ids(completion_ids), 0)
-    z = logits(hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast)
+    z = logits(
+        hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast, softcap=softcap
+    )
     return jnp.where(mask, _target_logprobs(z, ids), 0.0)
 
 
@@ -89,6 +103,7 @@ def policy_loss(
     rollout_is_mode="token_truncate",
     rollout_is_cap=2.0,
     top_entropy_quantile=1.0,
+    softcap=None,
     weight_layout="hv",
     upcast=True,
 ):
@@ -119,10 +134,13 @@ def policy_loss(
                     weight_layout=weight_layout,
                     upcast=upcast,
                     temperature=temperature,
+                    softcap=softcap,
                 )
             )
         )
-    z = logits(hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast)
+    z = logits(
+        hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast, softcap=softcap
+    )
     return _loss(objective, z, inputs, top_entropy_quantile)
 
 

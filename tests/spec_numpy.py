@@ -52,12 +52,20 @@ def _head_weight_hv(weight, weight_layout):
     raise ValueError(f"unknown weight_layout {weight_layout!r}")
 
 
-def _logits(hidden, weight, bias, temperature, weight_layout):
+def _raw_logits(hidden, weight, bias, weight_layout):
     h = np.asarray(hidden, dtype=f64)
     w = _head_weight_hv(weight, weight_layout)
     z = h @ w
     if bias is not None:
         z = z + np.asarray(bias, dtype=f64)
+    return z
+
+
+def _logits(hidden, weight, bias, temperature, weight_layout, softcap=None):
+    """``z = cap(h W + b) / temperature``, ``cap(x) = softcap tanh(x / softcap)`` (Gemma) or ``x``."""
+    z = _raw_logits(hidden, weight, bias, weight_layout)
+    if softcap is not None:
+        z = softcap * np.tanh(z / softcap)
     return z / f64(temperature)
 
 
@@ -73,9 +81,9 @@ def _mask_bool(mask, shape):
     return np.asarray(mask).astype(bool)
 
 
-def spec_logprobs(hidden, weight, ids, mask=None, *, bias=None, temperature=1.0, weight_layout="hv"):
+def spec_logprobs(hidden, weight, ids, mask=None, *, bias=None, temperature=1.0, weight_layout="hv", softcap=None):
     """logp[b, t] = log_softmax(z[b, t])[ids[b, t]] in float64; 0 where masked; NaN for a bad unmasked id."""
-    z = _logits(hidden, weight, bias, temperature, weight_layout)
+    z = _logits(hidden, weight, bias, temperature, weight_layout, softcap)
     V = z.shape[-1]
     ids = np.asarray(ids)
     m = _mask_bool(mask, ids.shape)
@@ -87,9 +95,11 @@ def spec_logprobs(hidden, weight, ids, mask=None, *, bias=None, temperature=1.0,
     return np.where(m, lp, 0.0)
 
 
-def spec_entropy(hidden, weight, mask=None, *, bias=None, temperature=1.0, weight_layout="hv", vocab_size=None):
+def spec_entropy(
+    hidden, weight, mask=None, *, bias=None, temperature=1.0, weight_layout="hv", vocab_size=None, softcap=None
+):
     """H[b, t] = -sum_v p log p of softmax(z[b, t]) over the first ``vocab_size`` columns, float64; 0 masked."""
-    z = _logits(hidden, weight, bias, temperature, weight_layout)
+    z = _logits(hidden, weight, bias, temperature, weight_layout, softcap)
     if vocab_size is not None:
         z = z[..., :vocab_size]
     logsm = _log_softmax(z)
@@ -97,10 +107,11 @@ def spec_entropy(hidden, weight, mask=None, *, bias=None, temperature=1.0, weigh
     return np.where(_mask_bool(mask, ent.shape), ent, 0.0)
 
 
-def spec_head_vjp(hidden, weight, ids, mask, dlogp, *, bias=None, temperature=1.0, weight_layout="hv"):
-    """(dhidden [B,T,H], dweight (declared layout), dbias [V] or None) for cotangent ``dlogp`` [B, T]."""
+def spec_head_vjp(hidden, weight, ids, mask, dlogp, *, bias=None, temperature=1.0, weight_layout="hv", softcap=None):
+    """(dhidden [B,T,H], dweight (declared layout), dbias [V] or None) for cotangent ``dlogp`` [B, T].
+    With ``softcap`` the chain rule through ``softcap tanh(x / softcap)``: ``dx = dz (1 - tanh(x / softcap)**2)``."""
     h = np.asarray(hidden, dtype=f64)
-    z = _logits(hidden, weight, bias, temperature, weight_layout)
+    z = _logits(hidden, weight, bias, temperature, weight_layout, softcap)
     V = z.shape[-1]
     ids = np.asarray(ids)
     m = _mask_bool(mask, ids.shape)
@@ -110,6 +121,8 @@ def spec_head_vjp(hidden, weight, ids, mask, dlogp, *, bias=None, temperature=1.
     g = np.where(m, np.asarray(dlogp, dtype=f64), 0.0)[..., None]
     # Select, never multiply by a zero mask: masked rows contribute exactly 0.
     dz = np.where(m[..., None], g * (onehot - p), 0.0) / f64(temperature)
+    if softcap is not None:
+        dz = dz * (1.0 - np.tanh(_raw_logits(hidden, weight, bias, weight_layout) / softcap) ** 2)
     w_hv = _head_weight_hv(weight, weight_layout)
     dh = dz @ w_hv.T
     dw_hv = np.einsum("bth,btv->hv", h, dz)
@@ -452,6 +465,7 @@ def spec_policy_loss(
     logp_for_loss=None,
     segment_ids=None,
     top_entropy_quantile: float = 1.0,
+    softcap: float | None = None,
     **loss_kwargs: Any,
 ) -> SpecResult:
     """SPEC loss from hidden states and LM head, with analytic float64 gradients.
@@ -471,13 +485,14 @@ def spec_policy_loss(
     m = _mask_bool(mask, ids.shape)
     if segment_ids is not None:
         m = m & (np.asarray(segment_ids) > 0)
-    logp = spec_logprobs(hidden, weight, ids, m, bias=bias, temperature=temperature, weight_layout=weight_layout)
+    head = dict(bias=bias, temperature=temperature, weight_layout=weight_layout, softcap=softcap)
+    logp = spec_logprobs(hidden, weight, ids, m, **head)
     bad = np.isnan(logp).any()
     lp = logp if logp_for_loss is None else np.where(m, np.asarray(logp_for_loss, f64), 0.0)
     lp_safe = np.where(np.isnan(lp), 0.0, lp)
     threshold, ent_margin = 0.0, np.inf
     if top_entropy_quantile != 1.0:
-        ent = spec_entropy(hidden, weight, m, bias=bias, temperature=temperature, weight_layout=weight_layout)
+        ent = spec_entropy(hidden, weight, m, **head)
         threshold = float(np.quantile(ent[m], 1.0 - top_entropy_quantile))
         loss_kwargs = dict(loss_kwargs, token_select=m & (ent >= threshold))
         ent_margin = float(np.min(np.abs(ent[m] - threshold)))
@@ -486,9 +501,7 @@ def spec_policy_loss(
     else:
         sl = spec_loss_from_logp_packed(lp_safe, m, segment_ids, advantages, loss_type=loss_type, **loss_kwargs)
     sl.metrics["entropy_threshold"] = threshold
-    dh, dw, db = spec_head_vjp(
-        hidden, weight, ids, m, sl.dlogp, bias=bias, temperature=temperature, weight_layout=weight_layout
-    )
+    dh, dw, db = spec_head_vjp(hidden, weight, ids, m, sl.dlogp, **head)
     loss = np.nan if bad else sl.loss
     return SpecResult(
         loss=loss,

@@ -567,3 +567,36 @@ def test_packed_loss_fn_requires_segment_positions():
     config = with_temperature(GRPOConfig(num_generations=2, beta=0.0), 1.0)
     with pytest.raises(ValueError, match="segment_positions must be given"):
         gtx.make_policy_loss_fn()(tiny_qwen3(), ex, config, PAD, EOS)
+
+
+def tiny_gemma2(vocab=97, softcap=2.0, seed=0):
+    """A one-layer Gemma-2-style model (tied embedding, final-logit soft cap ``softcap``)."""
+    from tunix.models.gemma import model as gemma
+
+    cfg = gemma.ModelConfig(
+        num_layers=1,
+        num_embed=vocab,
+        embed_dim=16,
+        hidden_dim=32,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=1,
+        final_logit_softcap=softcap,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+        attention_types=(gemma.AttentionType.GLOBAL,),
+    )
+    return gemma.Gemma(cfg, rngs=nnx.Rngs(seed))
+
+
+def test_matches_tunix_grpo_loss_gemma2_softcap():
+    """Gemma 2's final-logit soft cap (here 2.0, so that it bends the logits) through the fused loss (its
+    ``softcap=``, read by ``logit_softcap``) equals Tunix's own loss on the model's capped logits."""
+    config = with_temperature(GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl"), 0.9)
+    model, ex = tiny_gemma2(), example(ref=True, seed=3)
+    assert gtx.logit_softcap(model) == 2.0 and gtx.lm_head(model)[1] == "vh"
+    assert gtx.logit_softcap(tiny_qwen3()) is None
+    assert_same(
+        value_and_grad(algo_core.grpo_loss_fn, model, ex, config),
+        value_and_grad(gtx.make_policy_loss_fn(), model, ex, config),
+    )

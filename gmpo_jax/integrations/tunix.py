@@ -64,7 +64,7 @@ the last two aggregated per sequence like the loss.
 
 Not mapped (``NotImplementedError`` naming the feature): dual-clip PPO (``epsilon_c``), ``gspo-token``
 with ``sampler_is_weights`` (per-token weights make GSPO-token's gradient differ from a sequence ratio's),
-models with a final-logit softcap (Gemma 1/2), models whose ``__call__`` has no ``output_hidden_states``;
+models whose ``__call__`` has no ``output_hidden_states``;
 with GMPO also ``gspo-token`` and other aggregation modes (GMPO takes ``sampler_is_weights`` as
 ``rollout_is_ratio``: each sequence's term times the geometric mean of its tokens' weights). ``gspo-token`` with
 ``[B, T]`` advantages that vary within a sequence gives GSPO-token's loss value but a sequence ratio's
@@ -93,7 +93,15 @@ import gmpo_jax
 from gmpo_jax._validation import _concrete
 from gmpo_jax.objectives import Sequences
 
-__all__ = ["DEFAULT_NAME", "register", "make_policy_loss_fn", "final_hidden_states", "lm_head", "loss_arguments"]
+__all__ = [
+    "DEFAULT_NAME",
+    "register",
+    "make_policy_loss_fn",
+    "final_hidden_states",
+    "lm_head",
+    "logit_softcap",
+    "loss_arguments",
+]
 
 DEFAULT_NAME = "gmpo_jax"
 
@@ -207,7 +215,9 @@ def make_policy_loss_fn(
         weight, layout = lm_head(model)
         if weight.dtype != hidden.dtype:  # Tunix's heads compute in the activation dtype
             weight = weight.astype(hidden.dtype)
-        fused = dict(weight_layout=layout, chunk_size=chunk_size, implementation=implementation)
+        fused = dict(
+            weight_layout=layout, chunk_size=chunk_size, implementation=implementation, softcap=logit_softcap(model)
+        )
         loss, a = gmpo_jax.fused_linear_policy_loss(
             hidden, weight, ids, mask, train_example.advantages, **kwargs, **fused
         )
@@ -582,6 +592,17 @@ def _packed_attention_mask(segment_ids: jax.Array) -> jax.Array:
     return causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
 
+def logit_softcap(model: Any) -> float | None:
+    """The final-logit soft cap ``c`` of a Tunix model (Gemma 1/2: ``logits = c tanh(logits / c)``), or None.
+
+    Read from ``model.final_logits_softcap`` or ``model.config.final_logit_softcap``; passed as
+    ``softcap=`` to the fused calls, so that their logits equal the model's own."""
+    softcap = getattr(model, "final_logits_softcap", None)
+    if softcap is None:
+        softcap = getattr(getattr(model, "config", None), "final_logit_softcap", None)
+    return None if softcap is None else float(softcap)
+
+
 def lm_head(model: Any) -> tuple[jax.Array, str]:
     """The LM-head weight of a Tunix model and its layout, without a copy.
 
@@ -594,14 +615,10 @@ def lm_head(model: Any) -> tuple[jax.Array, str]:
       reach it) and the ``weight_layout`` for gmpo_jax.
 
     Raises:
-      NotImplementedError: the model applies a final-logit softcap (Gemma 1/2).
       TypeError: no LM head found.
+
+    A model's final-logit soft cap (Gemma 1/2) is not part of the weight: :func:`logit_softcap` reads it.
     """
-    softcap = getattr(model, "final_logits_softcap", None)
-    if softcap is None:
-        softcap = getattr(getattr(model, "config", None), "final_logit_softcap", None)
-    if softcap is not None:
-        raise NotImplementedError(f"final-logit softcap ({softcap=}) is not supported by gmpo_jax's fused loss")
     head = getattr(model, "lm_head", None)
     if head is not None:
         w = head.w[...]

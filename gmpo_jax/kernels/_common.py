@@ -173,6 +173,16 @@ def merge_splits(m2, l) -> MergedSplits:
 SNAP_RELATIVE = 3 * 2.0**-23
 
 
+def softcap_tanh(x, cap: float):
+    """``tanh(x / cap)`` from one ``exp2`` (Mosaic GPU's exponential): ``1 - 2 / (2**(2 log2(e) x / cap) + 1)``.
+
+    Exact limits (``+-1`` once the exponential overflows or underflows); near 0 the absolute error is a
+    float32 ulp of 1 (``~1e-7``, i.e. ``cap * 1e-7`` on the capped logit: below the rounding of a logit of
+    magnitude ``cap``). Gemma's final-logit soft cap is ``cap * softcap_tanh(z, cap)``, its derivative
+    ``1 - t**2``."""
+    return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E / cap)) + 1.0)
+
+
 def snap_tolerance(lse2):
     """Per-row tolerance under which a backward kernel treats ``z2 - lse2`` as exactly 0 (``p = 1``).
 

@@ -48,10 +48,14 @@ def lm_head_dlogits_window(
     window_tiles: int,
     cfg: C.LMHeadBlocks,
     num_splits: int,
+    softcap: float | None = None,
     interpret=None,
 ):
     """``dz = row_coef (onehot(ids) - exp2(z * row_scale - row_lse2))`` for the vocabulary columns
     ``[window_start, window_start + window_tiles * block_n)``, the logits ``z = hidden W + bias`` recomputed.
+    With ``softcap``: ``z = cap t``, ``t = tanh((hidden W + bias) / cap)``, and ``dz`` is that of the uncapped
+    logits, times ``1 - t**2``; ``rowsum`` is then the stored values' sum minus the float32 one (the exact row
+    no longer sums to 0).
 
     Args:
       hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
@@ -99,13 +103,22 @@ def lm_head_dlogits_window(
             shape = (bm, bn)
             if has_bias:
                 z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
+            if softcap is not None:
+                t = C.softcap_tanh(z, softcap)
+                z = jnp.where(z == -jnp.inf, -jnp.inf, softcap * t)  # a masked column stays masked
             col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
             z2 = z * C.bcast_rows(scale_v, shape) - C.bcast_rows(lse2_v, shape)
             z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance
             p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
             onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
-            dz = (C.bcast_rows(coef_v, shape) * (onehot - p)).astype(dtype)
-            rowsum = rowsum + dz.astype(jnp.float32).sum(axis=1)  # the stored values' rounding error
+            dz32 = C.bcast_rows(coef_v, shape) * (onehot - p)
+            if softcap is None:
+                dz = dz32.astype(dtype)
+                rowsum = rowsum + dz.astype(jnp.float32).sum(axis=1)  # the stored values' rounding error
+            else:  # the chain rule through the cap; the exact row sum is not 0: keep the rounding error only
+                dz32 = dz32 * (1.0 - t * t)
+                dz = dz32.astype(dtype)
+                rowsum = rowsum + (dz.astype(jnp.float32) - dz32).sum(axis=1)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
             out_smem[wg] = dz
             plgpu.commit_smem()

@@ -51,9 +51,11 @@ def lm_head_lse_partials(
     num_splits: int,
     with_entropy: bool = False,
     save_tiles: int = 0,
+    softcap: float | None = None,
     interpret=None,
 ):
     """Per-split online log-sum-exp statistics of the logits ``z = (hidden W + bias) / T``, never stored.
+    With ``softcap`` (a static ``cap > 0``): ``z = cap tanh((hidden W + bias) / cap) / T`` (Gemma).
 
     Args:
       hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
@@ -108,6 +110,8 @@ def lm_head_lse_partials(
             shape = (bm, bn)
             if has_bias:
                 z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
+            if softcap is not None:  # a -inf logit (a masked vocabulary column's bias) stays -inf
+                z = jnp.where(z == -jnp.inf, -jnp.inf, softcap * C.softcap_tanh(z, softcap))
             z2 = z * C.bcast_rows(scale_v, shape)
             col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
             z2 = jnp.where(col < vocab_size, z2, -jnp.inf)

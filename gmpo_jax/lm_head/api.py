@@ -7,6 +7,7 @@ No math lives here: the objectives are in ``gmpo_jax.objectives``, the chunk sca
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Union
 
 import jax
@@ -18,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
 from gmpo_jax import tuning
+from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding
 from gmpo_jax.lm_head.vjp import Head, LMHeadConfig, fused_logprobs, fused_policy_loss
@@ -40,8 +42,10 @@ def _config(
     implementation,
     plan,
     with_entropy: bool = False,
+    softcap: float | None = None,
 ) -> LMHeadConfig:
-    """The static configuration: the backend resolved for one device's rows and vocabulary shard."""
+    """The static configuration: the backend resolved for one device's rows and vocabulary shard (with the
+    soft cap set on it)."""
     B, H = hidden.shape[0], hidden.shape[2]
     if plan is not None:
         B, V_local = B // plan.data_shards, V // plan.vocab_shards
@@ -59,6 +63,10 @@ def _config(
         has_bias=bias is not None,
         **({"with_entropy": True} if with_entropy else {}),
     )
+    if softcap is not None:
+        if not (dataclasses.is_dataclass(backend) and "softcap" in {f.name for f in dataclasses.fields(backend)}):
+            raise UnsupportedConfigError(f"the LM-head backend {backend.name!r} has no softcap (Gemma's logit cap)")
+        backend = dataclasses.replace(backend, softcap=float(softcap))
     return LMHeadConfig(
         backend=sharding.local_backend(backend, plan, V),
         chunk_size=chunk,
@@ -114,6 +122,7 @@ def fused_linear_policy_loss(
     rollout_is_mode: str = "token_truncate",
     rollout_is_cap: ScalarLike = 2.0,
     top_entropy_quantile: float = 1.0,
+    softcap: float | None = None,
     weight_layout: str = "hv",
     chunk_size: int | None = None,
     implementation: Any | None = None,
@@ -196,6 +205,9 @@ def fused_linear_policy_loss(
         multiply the others' policy term by 0 (their tokens still count in the normalisers, as in TRL),
         GMPO keeps them in the geometric mean without gradient. The KL term is not selected. Costs one
         more log-sum-exp pass (entropies; no gradient); ``aux.entropy_threshold`` is the quantile.
+      softcap: None, or the final-logit soft cap ``c > 0`` of Gemma-family models
+        (``final_logit_softcapping``): the logits are ``c tanh((h W + b) / c) / temperature``, on every
+        implementation (the Mosaic kernels compute the cap in their epilogues) and for ``ref_hidden`` too.
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
@@ -265,9 +277,10 @@ def fused_linear_policy_loss(
         **token_args,
     )
     V_.check_top_entropy_quantile(top_entropy_quantile)
+    V_.check_softcap(softcap)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     inputs = V_.policy_inputs(**token_args)
-    head_args = dict(weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation)
+    head_args = dict(weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation, softcap=softcap)
     threshold = None
     if top_entropy_quantile != 1.0:
         _, entropy = fused_linear_logprobs(
@@ -285,16 +298,14 @@ def fused_linear_policy_loss(
                 completion_mask=inputs.mask,
                 bias=ref_bias,
                 temperature=inputs.temperature,
-                weight_layout=weight_layout,
-                chunk_size=chunk_size,
-                implementation=implementation,
                 vocab_size=vocab_size,
+                **head_args,
                 **_plan_kwargs(plan),
             )
         )
         inputs = inputs._replace(ref_logps=ref_logps)
     ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
-    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan)
+    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan, softcap=softcap)
     head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
     loss, aux = fused_policy_loss(cfg, objective, head, inputs)
     return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
@@ -316,6 +327,7 @@ def fused_linear_logprobs(
     data_axis: AxisName | None = None,
     vocab_axis: AxisName | None = None,
     return_entropy: bool = False,
+    softcap: float | None = None,
 ) -> Float[Array, "B T"] | tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     r"""Per-token log-probs (and optionally entropies) through the LM head without materialising the logits.
 
@@ -344,6 +356,7 @@ def fused_linear_logprobs(
         as the log-sum-exp (one extra running sum per row). A metric: it carries **no gradient** (its
         cotangent is ignored; differentiate the log-probs only). Every implementation computes it
         (``mosaic_gpu``: two more float32 operations per logit in the log-prob kernel).
+      softcap: None or Gemma's final-logit soft cap ``c > 0``, as in :func:`fused_linear_policy_loss`.
 
     Returns:
       ``[B, T]`` float32 log-probs; with ``return_entropy`` the pair ``(logp, entropy)``, both ``[B, T]``
@@ -370,12 +383,23 @@ def fused_linear_logprobs(
     V_.check_ids_in_range(completion_ids, completion_mask, vocab_size or V)
     if not isinstance(return_entropy, (bool, np.bool_)):
         raise TypeError(f"return_entropy must be a bool, got return_entropy={return_entropy!r}")
+    V_.check_softcap(softcap)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     mask = jnp.ones((B, T), jnp.bool_) if completion_mask is None else V_.as_mask(completion_mask)
     ids, bias = sharding.mask_padded_vocab(jnp.where(mask, V_.as_ids(completion_ids), 0), bias, V, vocab_size)
     inputs = PolicyInputs(mask=mask, advantages=None, ids=ids, temperature=jnp.asarray(temperature, jnp.float32))
     cfg = _config(
-        hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan, with_entropy=bool(return_entropy)
+        hidden,
+        weight,
+        bias,
+        T,
+        V,
+        chunk_size,
+        weight_layout,
+        implementation,
+        plan,
+        with_entropy=bool(return_entropy),
+        softcap=softcap,
     )
     out = fused_logprobs(cfg, *_placed(plan, Head(hidden, weight, bias), inputs))
     if return_entropy:

@@ -92,6 +92,8 @@ class MosaicGpuBackend:
     save_logits: let ``logprobs_for_grads`` keep the logits (all, or the leading vocabulary tiles that fit
     its budget) for the gradient pass (False: always recompute them), for hidden sizes
     ``H >= save_min_hidden`` (``tuning.SAVED_LOGITS_MIN_H``: below it keeping was measured no faster).
+    softcap: None, or Gemma's final-logit soft cap ``c > 0``: the kernels compute ``c tanh(x / c)`` of each
+    logit ``x = h W + b`` before the temperature, and the gradient passes take its derivative.
     """
 
     interpret: bool = False
@@ -100,6 +102,7 @@ class MosaicGpuBackend:
     save_min_hidden: int = tuning.SAVED_LOGITS_MIN_H
     row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
+    softcap: float | None = None  # Gemma's final-logit cap: z = cap tanh((h W + b) / cap) / T (static)
     name: str = "mosaic_gpu"
 
     # -- seam -------------------------------------------------------------------------------------
@@ -254,6 +257,7 @@ class MosaicGpuBackend:
             num_splits=splits,
             with_entropy=with_entropy,
             save_tiles=save_tiles,
+            softcap=self.softcap,
             interpret=self._interpret_params(),
         )
         stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
@@ -372,8 +376,12 @@ class _GradPass:
         from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
 
         if kept:
-            dz = _dz_from_saved(self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype)
-            return dz, stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
+            softcap = self.backend.softcap
+            dz, exact = _dz_from_saved(
+                self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype, softcap, self.scale
+            )
+            rowsum = stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
+            return dz, rowsum if exact is None else rowsum - exact
         cfg = self.cfg
         splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret))
         dz, rowsum = lm_head_dlogits_window(
@@ -390,6 +398,7 @@ class _GradPass:
             window_tiles=wt,
             cfg=cfg,
             num_splits=splits,
+            softcap=self.backend.softcap,
             interpret=self.backend._interpret_params(),
         )
         return dz, jnp.sum(rowsum, axis=0)
@@ -460,11 +469,13 @@ def _aligned(weight, weight_layout):
     return jnp.pad(weight, pad)
 
 
-def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dtype):
+def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dtype, softcap=None, scale=None):
     """``dz = coef (onehot - exp2(d + m - lse2))`` of the window of ``wt`` saved tiles from column ``v0``
     (one XLA fusion: the float16 tiles read once, ``dz`` written once), ``[Rp, wt * block_n]``; columns
     ``>= width`` and ``-inf`` logits give 0, and ``|z2 - lse2|`` within ``snap_tolerance`` counts as 0
-    (``p = 1``) as in the dz kernel."""
+    (``p = 1``) as in the dz kernel. Returns ``(dz, None)``; with ``softcap``, ``dz`` times ``1 - t**2``
+    (``t = z / cap``, ``z = (d + m) / scale`` the capped logit) and, second, its float32 row sums (the exact
+    row no longer sums to 0; ``cancel_rounding`` takes the stored minus these)."""
     from gmpo_jax.kernels import _common as C
 
     bn = saved.block_n
@@ -476,7 +487,13 @@ def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dt
     col = lax.broadcasted_iota(jnp.int32, z.shape, 1)
     p = jnp.where(col < width, jnp.exp2(z), 0.0)
     onehot = jnp.where(col == ids_w[:, None], 1.0, 0.0)
-    return (coef[:, None] * (onehot - p)).astype(dtype)
+    dz = coef[:, None] * (onehot - p)
+    if softcap is None:
+        return dz.astype(dtype), None
+    zc = (d + m[:, :, None]).reshape(Rp, wt * bn) / scale[:, None]  # the capped logit (before the temperature)
+    t = jnp.where(col < width, zc / softcap, 0.0)
+    dz = dz * (1.0 - t * t)
+    return dz.astype(dtype), jnp.sum(dz, axis=1)
 
 
 def _per_column(Rp: int, H: int, item: int) -> int:

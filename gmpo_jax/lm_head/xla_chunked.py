@@ -40,13 +40,18 @@ def _weight_block(weight, start, size, layout):
     return lax.dynamic_slice_in_dim(weight, start, size, axis=axis)
 
 
-def _block_logits(hidden, w_blk, b_blk, temperature, layout, precision):
-    """``(hidden @ W_blk + b_blk) / temperature`` as float32 ``[R, size]``."""
+def _block_logits(hidden, w_blk, b_blk, temperature, layout, precision, softcap=None):
+    """``(hidden @ W_blk + b_blk) / temperature`` as float32 ``[R, size]``, and None; with ``softcap``,
+    ``cap tanh((hidden @ W_blk + b_blk) / cap) / temperature`` and the cap's derivative ``1 - tanh**2``."""
     contract = ((1,), (0,)) if layout == "hv" else ((1,), (1,))
     z = lax.dot_general(hidden, w_blk, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
     if b_blk is not None:
         z = z + b_blk.astype(jnp.float32)[None, :]
-    return z / temperature
+    if softcap is None:
+        return z / temperature, None
+    t = jnp.tanh(z / softcap)
+    z = jnp.where(z == -jnp.inf, -jnp.inf, softcap * t)  # a masked column (-inf bias) stays masked
+    return z / temperature, 1.0 - t * t
 
 
 def shifted(z, ref):
@@ -69,8 +74,9 @@ def _block_start(j, size, V):
     return jnp.minimum(nominal, V - size), nominal
 
 
-def _vocab_block(j, hidden, weight, bias, temperature, *, size, V, layout, precision):
-    """Logits of vocabulary block ``j``: ``(start, w_blk, z [R, size] f32, cols [size], fresh [size])``.
+def _vocab_block(j, hidden, weight, bias, temperature, *, size, V, layout, precision, softcap=None):
+    """Logits of vocabulary block ``j``: ``(start, w_blk, z [R, size] f32, cols [size], fresh [size], dcap)``
+    (``dcap``: the soft cap's derivative ``[R, size]``, or None without ``softcap``).
 
     The last block slides back to end at ``V``; its columns already seen by the previous block are not
     ``fresh`` and their logits are ``-inf`` (no sum-exp mass, zero probability, zero gradient).
@@ -78,10 +84,10 @@ def _vocab_block(j, hidden, weight, bias, temperature, *, size, V, layout, preci
     start, nominal = _block_start(j, size, V)
     w_blk = _weight_block(weight, start, size, layout)
     b_blk = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
-    z = _block_logits(hidden, w_blk, b_blk, temperature, layout, precision)
+    z, dcap = _block_logits(hidden, w_blk, b_blk, temperature, layout, precision, softcap)
     cols = start + jnp.arange(size, dtype=jnp.int32)
     fresh = cols >= nominal
-    return start, w_blk, jnp.where(fresh[None, :], z, -jnp.inf), cols, fresh
+    return start, w_blk, jnp.where(fresh[None, :], z, -jnp.inf), cols, fresh, dcap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,7 @@ class XlaChunkedBackend:
     vocab_block: int | None = None
     row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
+    softcap: float | None = None  # Gemma's final-logit cap: z = cap tanh((h W + b) / cap) / T (static)
     name: str = "xla_chunked"
 
     def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias, with_entropy=False):
@@ -108,9 +115,10 @@ class XlaChunkedBackend:
         prec = _precision(hidden.dtype, weight.dtype)
 
         def body(tgt, j):
-            _, _, z, cols, fresh = _vocab_block(
-                j, hidden, weight, bias, temperature, size=size, V=V, layout=weight_layout, precision=prec
-            )
+            _, _, z, cols, fresh, _ = _vocab_block(
+                j, hidden, weight, bias, temperature, size=size, V=V, layout=weight_layout, precision=prec,
+                softcap=self.softcap,
+            )  # fmt: skip
             # this block's partials, relative to its OWN maximum (merged after the scan, see below)
             m_j = jnp.max(z, axis=1)
             d = shifted(z, jnp.where(jnp.isneginf(m_j), 0.0, m_j)[:, None])
@@ -156,12 +164,16 @@ class XlaChunkedBackend:
 
         def body(carry, j):
             dh, dw, db, rowsum = carry
-            start, w_blk, z, cols, fresh = _vocab_block(
-                j, hidden, weight, bias, temperature, size=size, V=V, layout=weight_layout, precision=prec
-            )
+            start, w_blk, z, cols, fresh, dcap = _vocab_block(
+                j, hidden, weight, bias, temperature, size=size, V=V, layout=weight_layout, precision=prec,
+                softcap=self.softcap,
+            )  # fmt: skip
             p = jnp.where(fresh[None, :], jnp.exp(shifted(z, lse[:, None])), 0.0)
             onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
+            if dcap is not None:  # through the soft cap; the exact row sum is no longer 0
+                dz = dz * jnp.where(fresh[None, :], dcap, 0.0)
+                rowsum = rowsum - jnp.sum(dz, axis=1)
             dz_c = dz.astype(cdt)
             rowsum = rowsum + stored_rowsum(dz_c)  # the stored dz's rounding error
             if weight_layout == "hv":  # dh += dz W_b^T ; dW_b = h^T dz  ([H, size])
