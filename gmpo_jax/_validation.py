@@ -62,6 +62,20 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be finite and > 0, got temperature={float(value)!r}")
 
 
+def check_entropy_coef(entropy_coef) -> None:
+    """``entropy_coef``: None, or a real scalar (Python or a scalar array, traced allowed; finite when
+    concrete; either sign: positive rewards entropy)."""
+    if entropy_coef is None:
+        return
+    if isinstance(entropy_coef, (bool, np.bool_)) or not (
+        isinstance(entropy_coef, numbers.Real) or _shape(entropy_coef) == ()
+    ):
+        raise TypeError(f"entropy_coef must be None or a real scalar, got entropy_coef={entropy_coef!r}")
+    value = _concrete(entropy_coef)
+    if value is not None and not np.isfinite(float(value)):
+        raise ValueError(f"entropy_coef must be finite, got entropy_coef={float(value)!r}")
+
+
 def check_softcap(softcap) -> None:
     """``softcap``: None or a finite Python real ``> 0`` (static: it is compiled into the kernels)."""
     if softcap is None:

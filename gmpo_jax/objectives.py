@@ -84,6 +84,8 @@ class PolicyInputs(NamedTuple):
       rollout_correction: a :class:`RolloutCorrection` (with ``rollout_logps``) or None.
       token_select: ``[B, T]`` bool or None: the tokens that receive policy gradient
         (``top_entropy_quantile``, :func:`high_entropy_tokens`); None: all.
+      entropy_coef: float32 scalar or None: the entropy term ``-entropy_coef * agg(H)`` of the loss
+        (:meth:`Objective.entropy_weights`); None: no term.
     """
 
     mask: jax.Array
@@ -98,6 +100,7 @@ class PolicyInputs(NamedTuple):
     rollout_logps: jax.Array | None = None
     rollout_correction: RolloutCorrection | None = None
     token_select: jax.Array | None = None
+    entropy_coef: jax.Array | None = None
 
     def rows(self, start, size: int, live=None) -> PolicyInputs:
         """Rows ``[start, start + size)`` (``start`` may be traced); ``live`` (``[size]`` bool) masks rows
@@ -123,7 +126,7 @@ class PolicyInputs(NamedTuple):
     def specs(self, rows, scalar) -> PolicyInputs:
         """The same pytree holding ``rows`` for every per-sequence field and ``scalar`` for the scalars
         (e.g. the ``jax.shard_map`` partition specs of a data-parallel call)."""
-        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar, rows, rows, scalar, rows)
+        return PolicyInputs(rows, rows, rows, rows, rows, rows, scalar, scalar, rows, rows, scalar, rows, scalar)
 
     def token_advantages(self) -> jax.Array:
         """``[B, T]`` float32: each token's advantage (a ``[B]`` advantage broadcast over its row)."""
@@ -384,6 +387,18 @@ class Objective:
         raise NotImplementedError(f"{type(self).__name__} is not token-local")
 
     # --- shared ---------------------------------------------------------------------------
+    def entropy_weights(self, mask, segment_ids=None) -> jax.Array:
+        """``[B, T]`` float32 weights ``w`` of the entropy term in the loss NUMERATOR:
+        ``loss += -entropy_coef * sum_{b,t} w H / denominator``. The objective's own aggregation of a
+        per-token quantity, the one its KL term has: the per-sequence mean (``w = m / max(n_b, 1)``) for
+        grpo, sapo and gmpo, the token sum (``w = m``) for bnpo, dapo, dr_grpo and cispo. Local to a chunk
+        of whole sequences (the denominator is the global one)."""
+        m = mask.astype(jnp.float32)
+        if self.loss_type not in ("grpo", "sapo", "gmpo"):
+            return m
+        seqs = Sequences.of(mask, segment_ids)
+        return m / seqs.tokens(jnp.maximum(seqs.lengths(mask), 1.0), mask.shape)
+
     @property
     def requires_reference(self) -> bool:
         """True unless ``beta`` is a concrete 0: a non-zero or a traced ``beta`` needs a reference at call time.

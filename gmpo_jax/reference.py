@@ -54,6 +54,11 @@ def _loss(objective: Objective, z, inputs: PolicyInputs, top_entropy_quantile) -
     logp = _target_logprobs(z, inputs.ids)
     denom = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(jnp.float32)
     num, sums, _ = evaluate(objective, logp, inputs, denom, with_grads=False)
+    if inputs.entropy_coef is not None:  # -c sum w H, differentiated by autodiff through full logits
+        ls = jax.nn.log_softmax(z, axis=-1)
+        ent = -jnp.sum(jnp.where(jnp.isfinite(ls), jnp.exp(ls) * ls, 0.0), axis=-1)
+        w = objective.entropy_weights(inputs.mask, inputs.segment_ids)
+        num = num - inputs.entropy_coef * jnp.sum(w * ent)
     loss, aux = loss_and_aux(num, denom, sums, inputs.mask)
     return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
 
@@ -104,6 +109,7 @@ def policy_loss(
     rollout_is_cap=2.0,
     top_entropy_quantile=1.0,
     softcap=None,
+    entropy_coef=None,
     weight_layout="hv",
     upcast=True,
 ):
@@ -141,6 +147,9 @@ def policy_loss(
     z = logits(
         hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast, softcap=softcap
     )
+    if entropy_coef is not None:
+        V_.check_entropy_coef(entropy_coef)
+        inputs = inputs._replace(entropy_coef=jnp.asarray(entropy_coef, jnp.float32))
     return _loss(objective, z, inputs, top_entropy_quantile)
 
 
@@ -161,6 +170,7 @@ def policy_loss_from_logits(
     rollout_is_mode="token_truncate",
     rollout_is_cap=2.0,
     top_entropy_quantile=1.0,
+    entropy_coef=None,
 ):
     """Dense counterpart of :func:`gmpo_jax.policy_loss_from_logits` (``[B, T + 1, V]`` or ``[B, T, V]``
     logits): float32 ``log_softmax`` of the first ``T`` positions, the same ``(loss, LossAux)``, gradients
@@ -175,4 +185,7 @@ def policy_loss_from_logits(
     )
     inputs = V_.policy_inputs(**token_args)
     z = jnp.asarray(logits)[:, :T].astype(jnp.float32) / inputs.temperature
+    if entropy_coef is not None:
+        V_.check_entropy_coef(entropy_coef)
+        inputs = inputs._replace(entropy_coef=jnp.asarray(entropy_coef, jnp.float32))
     return _loss(objective, z, inputs, top_entropy_quantile)

@@ -107,9 +107,12 @@ def spec_entropy(
     return np.where(_mask_bool(mask, ent.shape), ent, 0.0)
 
 
-def spec_head_vjp(hidden, weight, ids, mask, dlogp, *, bias=None, temperature=1.0, weight_layout="hv", softcap=None):
+def spec_head_vjp(
+    hidden, weight, ids, mask, dlogp, *, bias=None, temperature=1.0, weight_layout="hv", softcap=None, dentropy=None
+):
     """(dhidden [B,T,H], dweight (declared layout), dbias [V] or None) for cotangent ``dlogp`` [B, T].
-    With ``softcap`` the chain rule through ``softcap tanh(x / softcap)``: ``dx = dz (1 - tanh(x / softcap)**2)``."""
+    With ``softcap`` the chain rule through ``softcap tanh(x / softcap)``: ``dx = dz (1 - tanh(x / softcap)**2)``.
+    ``dentropy`` [B, T]: also a cotangent of each token's entropy ``H``: ``dH/dz = -p (log p + H)``."""
     h = np.asarray(hidden, dtype=f64)
     z = _logits(hidden, weight, bias, temperature, weight_layout, softcap)
     V = z.shape[-1]
@@ -121,6 +124,11 @@ def spec_head_vjp(hidden, weight, ids, mask, dlogp, *, bias=None, temperature=1.
     g = np.where(m, np.asarray(dlogp, dtype=f64), 0.0)[..., None]
     # Select, never multiply by a zero mask: masked rows contribute exactly 0.
     dz = np.where(m[..., None], g * (onehot - p), 0.0) / f64(temperature)
+    if dentropy is not None:
+        logsm = _log_softmax(z)
+        ent = -np.sum(p * logsm, axis=-1, keepdims=True)
+        ge = np.where(m, np.asarray(dentropy, dtype=f64), 0.0)[..., None]
+        dz = dz + ge * (-p * (logsm + ent)) / f64(temperature)
     if softcap is not None:
         dz = dz * (1.0 - np.tanh(_raw_logits(hidden, weight, bias, weight_layout) / softcap) ** 2)
     w_hv = _head_weight_hv(weight, weight_layout)
@@ -466,6 +474,7 @@ def spec_policy_loss(
     segment_ids=None,
     top_entropy_quantile: float = 1.0,
     softcap: float | None = None,
+    entropy_coef: float | None = None,
     **loss_kwargs: Any,
 ) -> SpecResult:
     """SPEC loss from hidden states and LM head, with analytic float64 gradients.
@@ -501,7 +510,20 @@ def spec_policy_loss(
     else:
         sl = spec_loss_from_logp_packed(lp_safe, m, segment_ids, advantages, loss_type=loss_type, **loss_kwargs)
     sl.metrics["entropy_threshold"] = threshold
-    dh, dw, db = spec_head_vjp(hidden, weight, ids, m, sl.dlogp, **head)
+    dentropy = None
+    if entropy_coef is not None:  # SPEC.md "Entropy term": -c sum w H / denominator, w the KL's aggregation
+        if segment_ids is not None:
+            raise NotImplementedError("the oracle's entropy term is for padded batches")
+        ent = spec_entropy(hidden, weight, m, **head)
+        mf = m.astype(f64)
+        w = mf / np.maximum(mf.sum(axis=1, keepdims=True), 1.0) if loss_type in ("grpo", "sapo", "gmpo") else mf
+        den = sl.metrics["loss_denominator"]
+        dentropy = -entropy_coef * w / den
+        term = float(np.sum(dentropy * ent))
+        sl.loss += term
+        sl.metrics["loss_numerator"] += term * den
+        sl.scale += abs(term)
+    dh, dw, db = spec_head_vjp(hidden, weight, ids, m, sl.dlogp, dentropy=dentropy, **head)
     loss = np.nan if bad else sl.loss
     return SpecResult(
         loss=loss,

@@ -41,6 +41,7 @@ def lm_head_dlogits_window(
     row_scale,
     row_lse2,
     row_coef,
+    row_entropy=None,
     *,
     weight_layout: str,
     vocab_size: int,
@@ -65,6 +66,8 @@ def lm_head_dlogits_window(
       row_scale: ``[Rp]`` f32 ``log2(e) / T``.
       row_lse2: ``[Rp]`` f32 ``lse * log2(e)``.
       row_coef: ``[Rp]`` f32 ``dlogp / T`` (0 on padding rows).
+      row_entropy: None, or ``(gamma / T, H)``, two ``[Rp]`` f32: an entropy term's cotangent and the
+        rows' entropies; ``dz`` then also holds ``-(gamma / T) p (log p + H)`` (still summing to 0).
       window_start: first column, a multiple of ``block_n``.
 
     Returns:
@@ -80,9 +83,10 @@ def lm_head_dlogits_window(
     k_iters = hdim // cfg.block_k
     dtype = hidden.dtype
     has_bias = bias is not None
+    with_ent = row_entropy is not None
 
     def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
-        ids_ref, scale_ref, lse_ref, coef_ref = row_refs
+        ids_ref, scale_ref, lse_ref, coef_ref, *ent_refs = row_refs
         dz_out, rowsum_out = outs
         a_smem, b_smem, (out_smem, sum_smem), loaded, consumed = smem
         split, row0, my_rows, local0, n_tiles, wg = C.cta_block(bm, tiles_per_split, window_tiles)
@@ -96,10 +100,10 @@ def lm_head_dlogits_window(
                 C.snap_tolerance(lse2_v),
                 C.row_vector(coef_ref, my_rows, bm, interpret),
                 layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret),
-            )
+            ) + tuple(C.row_vector(r, my_rows, bm, interpret) for r in ent_refs)
 
         def epilogue(tile, z, carry):
-            ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum = carry
+            ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum, *ent_v = carry
             shape = (bm, bn)
             if has_bias:
                 z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
@@ -112,6 +116,9 @@ def lm_head_dlogits_window(
             p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
             onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
             dz32 = C.bcast_rows(coef_v, shape) * (onehot - p)
+            if with_ent:  # -(gamma / T) p (ln p + H); ln p = z2 ln 2, clamped where p underflows to 0
+                log_p = jnp.maximum(z2, -256.0) * C.LN2
+                dz32 = dz32 - C.bcast_rows(ent_v[0], shape) * p * (log_p + C.bcast_rows(ent_v[1], shape))
             if softcap is None:
                 dz = dz32.astype(dtype)
                 rowsum = rowsum + dz.astype(jnp.float32).sum(axis=1)  # the stored values' rounding error
@@ -124,11 +131,11 @@ def lm_head_dlogits_window(
             plgpu.commit_smem()
             local_col = (tile - first_tile) * bn
             plgpu.copy_smem_to_gmem(out_smem.at[wg], dz_out.at[pl.ds(my_rows, bm), pl.ds(local_col, bn)])
-            return ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum
+            return (ids_v, scale_v, lse2_v, tol_v, coef_v, rowsum, *ent_v)
 
         def finish(carry):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            sum_smem[wg] = carry[-1]
+            sum_smem[wg] = carry[5]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(sum_smem.at[wg], rowsum_out.at[split, pl.ds(my_rows, bm)])
             plgpu.wait_smem_to_gmem(0)
@@ -157,7 +164,7 @@ def lm_head_dlogits_window(
         hidden=hidden,
         weight=weight,
         bias=bias,
-        row_inputs=(ids, row_scale, row_lse2, row_coef),
+        row_inputs=(ids, row_scale, row_lse2, row_coef) + (tuple(row_entropy) if with_ent else ()),
         out_type=(
             jax.ShapeDtypeStruct((rows, window_tiles * bn), dtype),
             jax.ShapeDtypeStruct((num_splits, rows), jnp.float32),

@@ -123,6 +123,7 @@ def fused_linear_policy_loss(
     rollout_is_cap: ScalarLike = 2.0,
     top_entropy_quantile: float = 1.0,
     softcap: float | None = None,
+    entropy_coef: ScalarLike | None = None,
     weight_layout: str = "hv",
     chunk_size: int | None = None,
     implementation: Any | None = None,
@@ -208,6 +209,12 @@ def fused_linear_policy_loss(
       softcap: None, or the final-logit soft cap ``c > 0`` of Gemma-family models
         (``final_logit_softcapping``): the logits are ``c tanh((h W + b) / c) / temperature``, on every
         implementation (the Mosaic kernels compute the cap in their epilogues) and for ``ref_hidden`` too.
+      entropy_coef: None (default), or a scalar ``c`` (float or traced): the loss gains the entropy term
+        ``-c * agg(H)``, ``H`` the per-token entropy of ``softmax(z / temperature)`` aggregated as the
+        objective aggregates its KL term (per-sequence mean for gmpo / grpo / sapo, token sum over the
+        loss's normaliser for bnpo / dapo / dr_grpo / cispo; SPEC.md "Entropy term"), with its exact
+        gradient ``dH/dz = -p (log p + H) / temperature`` formed in the same passes as the policy
+        gradient (no logits materialised). ``c > 0`` rewards entropy (verl's ``entropy_coeff``).
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
@@ -245,7 +252,7 @@ def fused_linear_policy_loss(
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
@@ -278,8 +285,11 @@ def fused_linear_policy_loss(
     )
     V_.check_top_entropy_quantile(top_entropy_quantile)
     V_.check_softcap(softcap)
+    V_.check_entropy_coef(entropy_coef)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     inputs = V_.policy_inputs(**token_args)
+    if entropy_coef is not None:
+        inputs = inputs._replace(entropy_coef=jnp.asarray(entropy_coef, jnp.float32))
     head_args = dict(weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation, softcap=softcap)
     threshold = None
     if top_entropy_quantile != 1.0:

@@ -48,8 +48,12 @@ class LMHeadBackend(Protocol):
 
         With ``with_entropy``, a third output: the softmax entropy ``lse - sum_v p_v z_v`` ``[R]`` f32."""
 
-    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
+    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc, entropy=None):
         """``(dhidden [R, H] hidden.dtype, dw_acc, db_acc)`` for ``dz = dlogp (onehot(id) - softmax(z)) / T``.
+
+        ``entropy``: None, or ``(gamma [R], H [R])`` float32, the cotangent of each row's softmax entropy and
+        that entropy (from ``logprobs(with_entropy=True)``): ``dz`` then also holds
+        ``gamma dH/dz = -gamma p (log p + H) / T`` (an entropy term of the loss). Still sums to 0 per row.
 
         ``dw_acc`` (float32, ``weight.shape``) and ``db_acc`` (float32 ``[V]`` or None) are accumulated
         into and returned: ``dw_acc + hidden^T dz`` (laid out like the weight), ``db_acc + sum_rows dz``.

@@ -268,7 +268,22 @@ class MosaicGpuBackend:
             return (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))), saved
         return (logp, lse), saved
 
-    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc, saved=None):
+    def grads(
+        self,
+        hidden,
+        weight,
+        bias,
+        ids,
+        dlogp,
+        lse,
+        temperature,
+        *,
+        weight_layout,
+        dw_acc,
+        db_acc,
+        saved=None,
+        entropy=None,
+    ):
         """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
         the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
 
@@ -286,6 +301,8 @@ class MosaicGpuBackend:
                     f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
                     f"not match the gradient kernel's {bn} / {Rp} (see save_plan)"
                 )
+            if saved is not None and entropy is not None:
+                raise ValueError("an entropy term needs the recomputed logits (no kept logits: saved=None)")
             t = jnp.asarray(temperature, jnp.float32)
             fresh = dw_acc is None
             if fresh:
@@ -304,6 +321,9 @@ class MosaicGpuBackend:
                 lse2=jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, Rp - R)),
                 saved=saved,
                 fresh=fresh,
+                entropy=None
+                if entropy is None
+                else tuple(jnp.pad(x.astype(jnp.float32), (0, Rp - R)) for x in (entropy[0] / t, entropy[1])),
             )
             n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
             item = hp.dtype.itemsize
@@ -364,6 +384,7 @@ class _GradPass:
     lse2: jax.Array  # [Rp] log-sum-exp in base 2
     saved: Any  # SavedLogits or None
     fresh: bool  # dW blocks are written, not accumulated (a single chunk)
+    entropy: Any = None  # ([Rp] gamma / temperature, [Rp] entropy) of an entropy term, or None
 
     @property
     def axis(self) -> int:
@@ -392,6 +413,7 @@ class _GradPass:
             self.scale,
             self.lse2,
             self.coef,
+            self.entropy,
             weight_layout=self.layout,
             vocab_size=width,
             window_start=0,

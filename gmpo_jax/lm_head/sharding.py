@@ -314,7 +314,8 @@ class VocabParallelBackend:
             ent = lax.psum(jnp.where(w > 0, w * (out[2] + lse - lse_k), 0.0), self.axis)
         return logp, lse, ent
 
-    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
+    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc, entropy=None):
+        kw = {} if entropy is None else {"entropy": entropy}  # the global lse and entropy: local terms are final
         dh, dw, db = self.inner.grads(
             hidden,
             weight,
@@ -326,6 +327,7 @@ class VocabParallelBackend:
             weight_layout=weight_layout,
             dw_acc=dw_acc,
             db_acc=db_acc,
+            **kw,
         )
         with jax.named_scope("gmpo_jax/vocab_parallel/dhidden"):
             dh = lax.psum(dh.astype(jnp.float32), self.axis).astype(hidden.dtype)

@@ -133,20 +133,37 @@ def _saved_budget(weight) -> int:
     return 4 * weight.size + SAVED_LOGITS_SLACK
 
 
-def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool):
-    """``(logp [R], lse [R], saved or None)`` of rows ``h [R, H]``; ``keep``: the backend may keep what its
-    gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy as budget)."""
+def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False):
+    """``(logp [R], lse [R], entropy [R] or None, saved or None)`` of rows ``h [R, H]``; ``keep``: the backend
+    may keep what its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy
+    as budget; not with the entropy)."""
     weight, lay = head.weight, cfg.weight_layout
     if keep:
-        return cfg.backend.logprobs_for_grads(
+        logp, lse, saved = cfg.backend.logprobs_for_grads(
             h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight)
         )
-    return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None)
+        return logp, lse, None, saved
+    if with_entropy:
+        return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, with_entropy=True), None)
+    return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None, None)
 
 
-def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, saved):
-    """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``."""
+def _entropy_term(objective, chunk: PolicyInputs, ent, denominator):
+    """``(numerator part, gamma [R])`` of the entropy term ``-entropy_coef sum w H`` (None, None without one):
+    ``gamma = d loss / d H`` per row (over the global ``denominator``)."""
+    if chunk.entropy_coef is None:
+        return None, None
+    w = objective.entropy_weights(chunk.mask, chunk.segment_ids).reshape(-1)
+    c = chunk.entropy_coef.astype(jnp.float32)
+    return -c * jnp.sum(w * ent), -c * w / denominator
+
+
+def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, saved, entropy=None):
+    """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``
+    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam)."""
     kw = {} if saved is None else {"saved": saved}
+    if entropy is not None:
+        kw["entropy"] = entropy
     return cfg.backend.grads(
         h, head.weight, head.bias, ids, dlogp, lse, t, weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, **kw
     )
@@ -168,11 +185,16 @@ def _chunk_step(
 ):
     """One chunk on all its rows: ``(numerator, sums, dh [R, H] or None, dw, db)``."""
     t = chunk.temperature
-    logp, lse, saved = _forward(cfg, head, h, ids, t, keep=keep)
+    with_ent = chunk.entropy_coef is not None
+    logp, lse, ent, saved = _forward(cfg, head, h, ids, t, keep=keep, with_entropy=with_ent)
     num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
+    ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
+    if with_ent:
+        num = num + ent_num
     if not with_grads:
         return num, sums, None, dw, db
-    return (num, sums, *_backward(cfg, head, h, ids, dlogp.reshape(-1), lse, t, dw, db, saved))
+    entropy = (gamma, ent) if with_ent else None
+    return (num, sums, *_backward(cfg, head, h, ids, dlogp.reshape(-1), lse, t, dw, db, saved, entropy))
 
 
 def _chunk_step_skipping(
@@ -198,7 +220,7 @@ def _chunk_step_skipping(
 
         def run(S):
             hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
-            logp_s, lse_s, saved = _forward(cfg, head, hs, ids_s, t, keep=True)
+            logp_s, lse_s, _, saved = _forward(cfg, head, hs, ids_s, t, keep=True)
             logp = rows.scatter_back(logp_s, order).reshape(chunk.mask.shape)
             num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
             dlogp_s = rows.take(dlogp.reshape(-1), order, S)
@@ -210,20 +232,43 @@ def _chunk_step_skipping(
             return num, sums, jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32), db
 
         return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
-    logp, lse = rows.on_live_rows(
-        buckets, chunk.mask, lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False)[:2], (h, ids)
-    )
+    if chunk.entropy_coef is None:
+        logp, lse = rows.on_live_rows(
+            buckets, chunk.mask, lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False)[:2], (h, ids)
+        )
+    else:
+        logp, lse, ent = rows.on_live_rows(
+            buckets,
+            chunk.mask,
+            lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False, with_entropy=True)[:3],
+            (h, ids),
+        )
     num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
+    if chunk.entropy_coef is not None:
+        ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
+        num = num + ent_num
     if not with_grads:
         return num, sums, None, dw, db
     dlogp = dlogp.reshape(-1)
-    grads = rows.on_live_rows(
-        buckets,
-        dlogp != 0,
-        lambda hs, ids_s, dlogp_s, lse_s: _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, None),
-        (h, ids, dlogp, lse),
-        accumulators=(jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db),
-    )
+    acc = (jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db)
+    if chunk.entropy_coef is None:
+        grads = rows.on_live_rows(
+            buckets,
+            dlogp != 0,
+            lambda hs, ids_s, dlogp_s, lse_s: _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, None),
+            (h, ids, dlogp, lse),
+            accumulators=acc,
+        )
+    else:  # a row with an entropy cotangent has work even where d loss / d logp is 0
+        grads = rows.on_live_rows(
+            buckets,
+            (dlogp != 0) | (gamma != 0),
+            lambda hs, ids_s, dlogp_s, lse_s, g_s, e_s: _backward(
+                cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, None, (g_s, e_s)
+            ),
+            (h, ids, dlogp, lse, gamma, ent),
+            accumulators=acc,
+        )
     return (num, sums, *grads)
 
 
@@ -250,7 +295,7 @@ def _scan_policy(
     # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
     # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
     single = with_grads and n == 1
-    keep = single and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
+    keep = single and inputs.entropy_coef is None and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
     step = _chunk_step_skipping if cfg.row_buckets > 1 else _chunk_step
 
     def body(carry, i):

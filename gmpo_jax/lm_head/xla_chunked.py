@@ -153,7 +153,7 @@ class XlaChunkedBackend:
             ent = jnp.where(empty, 0.0, jnp.clip(jnp.log(s) - e / jnp.where(empty, 1.0, s), 0.0, np.float32(np.log(V))))
         return logp, lse, ent
 
-    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc):
+    def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc, entropy=None):
         R, H = hidden.shape
         V = weight.shape[1] if weight_layout == "hv" else weight.shape[0]
         size, n = _blocks(V, self._vocab_block(R, V))
@@ -161,6 +161,8 @@ class XlaChunkedBackend:
         cdt = jnp.result_type(hidden.dtype, weight.dtype)
         axis = 1 if weight_layout == "hv" else 0
         scale = (dlogp / temperature)[:, None]
+        if entropy is not None:
+            ent_scale, ent_h = (entropy[0] / temperature)[:, None], entropy[1][:, None]
 
         def body(carry, j):
             dh, dw, db, rowsum = carry
@@ -168,9 +170,12 @@ class XlaChunkedBackend:
                 j, hidden, weight, bias, temperature, size=size, V=V, layout=weight_layout, precision=prec,
                 softcap=self.softcap,
             )  # fmt: skip
-            p = jnp.where(fresh[None, :], jnp.exp(shifted(z, lse[:, None])), 0.0)
+            logp_v = shifted(z, lse[:, None])
+            p = jnp.where(fresh[None, :], jnp.exp(logp_v), 0.0)
             onehot = ((cols[None, :] == ids[:, None]) & fresh[None, :]).astype(jnp.float32)
             dz = scale * (onehot - p)  # [R, size] f32
+            if entropy is not None:  # + gamma dH/dz = -gamma p (log p + H) / T (0 where p = 0)
+                dz = dz - ent_scale * jnp.where(p > 0, p * (logp_v + ent_h), 0.0)
             if dcap is not None:  # through the soft cap; the exact row sum is no longer 0
                 dz = dz * jnp.where(fresh[None, :], dcap, 0.0)
                 rowsum = rowsum - jnp.sum(dz, axis=1)

@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float, Int, Num
 from gmpo_jax import _validation as V_
 from gmpo_jax.logits import backend as backend_lib
 from gmpo_jax.logits.vjp import LogitsConfig, logits_policy_loss
+from gmpo_jax.logits.xla import entropy_and_lse
 from gmpo_jax.objectives import LossAux, Objective, high_entropy_tokens
 
 __all__ = ["policy_loss_from_logits"]
@@ -73,6 +74,7 @@ def policy_loss_from_logits(
     rollout_is_mode: str = "token_truncate",
     rollout_is_cap: ScalarLike = 2.0,
     top_entropy_quantile: float = 1.0,
+    entropy_coef: ScalarLike | None = None,
     implementation: Any = None,
 ) -> tuple[Float[Array, ""], LossAux]:
     r"""Policy-gradient loss (GMPO or the GRPO family) from logits that already exist.
@@ -138,6 +140,12 @@ def policy_loss_from_logits(
         multiply the others' policy term by 0 (their tokens still count in the normalisers, as in TRL),
         GMPO keeps them in the geometric mean without gradient. The KL term is not selected. Costs one
         more log-sum-exp pass (entropies; no gradient); ``aux.entropy_threshold`` is the quantile.
+      entropy_coef: None (default), or a scalar ``c`` (float or traced): the loss gains the entropy term
+        ``-c * agg(H)``, ``H`` the per-token entropy of ``softmax(z / temperature)`` aggregated as the
+        objective aggregates its KL term (per-sequence mean for gmpo / grpo / sapo, token sum over the
+        loss's normaliser for bnpo / dapo / dr_grpo / cispo; SPEC.md "Entropy term"), with its exact
+        gradient ``dH/dz = -p (log p + H) / temperature`` added to ``dlogits`` by XLA (one more read of
+        the logits for ``H`` and one fused pass over ``dlogits``; every implementation). ``c > 0`` rewards entropy (verl's ``entropy_coeff``).
       implementation: None (``"mosaic_gpu"`` on Hopper-or-newer GPUs when it can serve the call, else
         ``"xla"``), an explicit name (never falls back), or a backend instance such as
         ``gmpo_jax.logits.MosaicGpuLogitsBackend(interpret=True)``.
@@ -155,7 +163,7 @@ def policy_loss_from_logits(
       TypeError: non-floating logits / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
         not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
-        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, ``top_entropy_quantile`` outside ``(0, 1]``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /
@@ -179,25 +187,17 @@ def policy_loss_from_logits(
     token_args = V_.token_args(locals())
     B, T, Tl, V = _check_inputs(logits, token_args)
     V_.check_top_entropy_quantile(top_entropy_quantile)
+    V_.check_entropy_coef(entropy_coef)
     inputs = V_.policy_inputs(**token_args)
     logits = jnp.asarray(logits)
+    if entropy_coef is not None:
+        inputs = inputs._replace(entropy_coef=jnp.asarray(entropy_coef, jnp.float32))
     threshold = None
     if top_entropy_quantile != 1.0:
-        entropy = _entropy(jax.lax.stop_gradient(logits), T, inputs.temperature)
+        entropy, _ = entropy_and_lse(jax.lax.stop_gradient(logits), T, inputs.temperature)
         select, threshold = high_entropy_tokens(entropy, inputs.mask, top_entropy_quantile)
         inputs = inputs._replace(token_select=select)
     backend = backend_lib.resolve(implementation, dtype=logits.dtype, B=B, T=T, Tl=Tl, V=V)
     with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss_from_logits"):
         loss, aux = logits_policy_loss(LogitsConfig(backend=backend, T=T), objective, logits, inputs)
     return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
-
-
-def _entropy(logits, T: int, temperature) -> jax.Array:
-    """``[B, T]`` float32 entropy ``lse - sum_v p_v z_v`` of ``softmax(z / temperature)`` over the first ``T``
-    positions: reductions XLA fuses with the float32 conversion (one more read of the logits)."""
-    z = logits[:, :T].astype(jnp.float32) / temperature
-    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(z - m)
-    s = jnp.sum(e, axis=-1)
-    return jnp.log(s) - jnp.sum(e * (z - m), axis=-1) / s

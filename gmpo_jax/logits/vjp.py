@@ -43,7 +43,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from gmpo_jax.logits.xla import entropy_and_lse, entropy_dlogits
 from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, _concrete_value, evaluate, loss_and_aux
 
 __all__ = ["LogitsConfig", "logits_policy_loss"]
@@ -105,6 +107,18 @@ def _objective(objective: Objective, logp, inputs: PolicyInputs, *, with_grads: 
     return loss, aux, dlogp
 
 
+def _entropy_term(objective: Objective, logits, inputs: PolicyInputs, T: int):
+    """``(loss part, (gamma, H, lse))`` of the entropy term ``-entropy_coef sum w H / denominator`` (None, None
+    without one); ``gamma [B, T] = d loss / d H``."""
+    if inputs.entropy_coef is None:
+        return None, None
+    ent, lse = entropy_and_lse(lax.stop_gradient(logits), T, inputs.temperature)
+    w = objective.entropy_weights(inputs.mask, inputs.segment_ids)
+    denom = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(jnp.float32)
+    gamma = -inputs.entropy_coef.astype(jnp.float32) * w / denom
+    return jnp.sum(gamma * ent), (gamma, ent, lse)
+
+
 def _id_ok(inputs: PolicyInputs, V: int):
     """Where the (masked-to-0) ids lie in ``[0, V)``; elsewhere the log-prob is NaN."""
     return (inputs.ids >= 0) & (inputs.ids < V)
@@ -114,7 +128,11 @@ def _run(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs, 
     logp, residual = cfg.backend.logprobs(logits, inputs.ids, T=cfg.T, temperature=inputs.temperature)
     logp = jnp.where(_id_ok(inputs, logits.shape[-1]), logp, jnp.nan)
     loss, aux, dlogp = _objective(objective, logp, inputs, with_grads=with_grads)
-    return loss, aux, (residual, dlogp)
+    ent_loss, ent = _entropy_term(objective, logits, inputs, cfg.T)
+    if ent_loss is not None:
+        loss = loss + ent_loss
+        aux = aux._replace(loss_numerator=aux.loss_numerator + lax.stop_gradient(ent_loss) * aux.loss_denominator)
+    return loss, aux, (residual, dlogp, ent)
 
 
 def _fused(cfg: LogitsConfig, objective: Objective, logits) -> bool:
@@ -147,6 +165,13 @@ def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyIn
     )
     logp = jnp.where(id_ok, logp, jnp.nan)
     loss, aux, _ = _objective(objective, logp, inputs, with_grads=False, loss=loss)
+    ent_loss, ent = _entropy_term(objective, logits, inputs, cfg.T)
+    if ent_loss is not None:
+        loss = loss + ent_loss
+        aux = aux._replace(loss_numerator=aux.loss_numerator + lax.stop_gradient(ent_loss) * aux.loss_denominator)
+        dlogits = (dlogits.astype(jnp.float32) + entropy_dlogits(logits, cfg.T, inputs.temperature, *ent)).astype(
+            dlogits.dtype
+        )
     return loss, aux, dlogits
 
 
@@ -162,18 +187,22 @@ def logits_policy_loss(
 def _logits_policy_loss_fwd(cfg, objective, logits, inputs):
     if inputs.rollout_logps is None and _fused(cfg, objective, logits):
         loss, aux, dlogits = _run_fused(cfg, objective, logits, inputs)
-        return (loss, aux), (dlogits, None, None, None)
-    loss, aux, (residual, dlogp) = _run(cfg, objective, logits, inputs, with_grads=True)
-    return (loss, aux), (logits, inputs, residual, dlogp)
+        return (loss, aux), (dlogits, None, None, None, None)
+    loss, aux, (residual, dlogp, ent) = _run(cfg, objective, logits, inputs, with_grads=True)
+    return (loss, aux), (logits, inputs, residual, dlogp, ent)
 
 
 def _logits_policy_loss_bwd(cfg, res, cotangents):
     g, _ = cotangents  # the metrics carry no gradient
     g = g.astype(jnp.float32)
-    stored, inputs, residual, dlogp = res
+    stored, inputs, residual, dlogp, ent = res
     if dlogp is None:  # fused: dlogits of a unit cotangent (XLA drops the multiply when g is the constant 1)
         return None, (stored.astype(jnp.float32) * g).astype(stored.dtype), None
     dlogits = cfg.backend.dlogits(stored, inputs.ids, residual, dlogp * g, T=cfg.T, temperature=inputs.temperature)
+    if ent is not None:  # the entropy term's gradient, added by XLA (one fused pass)
+        gamma, h, lse = ent
+        term = entropy_dlogits(stored, cfg.T, inputs.temperature, gamma * g, h, lse)
+        dlogits = (dlogits.astype(jnp.float32) + term).astype(dlogits.dtype)
     return None, dlogits, None
 
 

@@ -121,3 +121,26 @@ class XlaLogitsBackend:
             hit = lax.broadcasted_iota(jnp.int32, (1, 1, V), 2) == ids_p
             g = jnp.where(hit, 1.0 - p, -p)
             return jnp.where(c != 0.0, c * g, 0.0).astype(logits.dtype)
+
+
+def entropy_and_lse(logits, T: int, temperature):
+    """``(H [B, T], lse [B, T])`` float32 of ``softmax(z)``, ``z = logits[:, :T] / temperature``:
+    ``H = -sum_v p_v (z_v - lse)``, in XLA (reductions fused with the float32 conversion; the same windowed
+    log-sum-exp as :class:`XlaLogitsBackend`)."""
+    z = logits[:, :T].astype(jnp.float32) / temperature
+    lse = _online_lse(z)
+    d = shifted(z, lse[..., None])
+    p = jnp.exp(d)
+    return -jnp.sum(jnp.where(p > 0, p * d, 0.0), axis=-1), lse
+
+
+def entropy_dlogits(logits, T: int, temperature, gamma, ent, lse):
+    """``gamma dH/dlogits = -(gamma / tau) p (log p + H)`` as float32 ``[B, Tl, V]`` (0 at the dropped last
+    position): the entropy term's logits gradient for per-token cotangents ``gamma [B, T]``."""
+    B, Tl, _ = logits.shape
+    pad = ((0, 0), (0, Tl - T))
+    g = jnp.pad(gamma / temperature, pad)[..., None]
+    h = jnp.pad(ent, pad)[..., None]
+    d = shifted(logits.astype(jnp.float32) / temperature, jnp.pad(lse, pad)[..., None])
+    p = jnp.exp(d)
+    return jnp.where((g != 0.0) & (p > 0), -g * p * (d + h), 0.0)

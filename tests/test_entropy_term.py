@@ -1,0 +1,164 @@
+"""The entropy term of the loss (``entropy_coef``): ``loss += -c * sum_{b,t} w H / denominator``, ``w`` the
+objective's KL aggregation (per-sequence mean for gmpo / grpo / sapo, token sum for the others), with the
+exact gradient ``dH/dz = -p (log p + H) / T``, on every path, against the float64 oracle (``spec_numpy``:
+the term and its gradient by hand). Zero-advantage sequences are in every case, so row skipping must keep
+the rows whose only gradient is the entropy's. Tolerances: ``conftest.TOLERANCES``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import spec_numpy as spec
+from conftest import DTYPES, Obj, assert_grad_close, assert_loss_close, check_against_spec, make_case
+
+import gmpo_jax
+from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
+
+B, T, H, V = 5, 7, 64, 200
+C = 0.07  # the coefficient: large enough that the term moves the gradient by tens of percent
+
+
+def _case(seed, dtype="float32", V=V):
+    adv = np.array([0.9, 0.0, -0.6, 0.0, 1.3], np.float32)  # two zero-advantage sequences
+    return make_case(seed, B=B, T=T, H=H, V=V, dtype=DTYPES[dtype], adv=adv)
+
+
+def _spec(case, obj: Obj, temperature=0.8, c=C):
+    return spec.spec_policy_loss(
+        case.hidden, case.weight, case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref,
+        temperature=temperature, entropy_coef=c, **obj.spec_kwargs(),
+    )  # fmt: skip
+
+
+OBJECTIVES = [
+    Obj("gmpo", beta=0.04),
+    Obj("grpo"),
+    Obj("dapo", level="sequence"),
+    Obj("cispo", epsilon_high=1.3),
+    Obj("sapo"),
+]
+IMPLS = {
+    "xla_chunked": lambda: "xla_chunked",
+    "mosaic_gpu": lambda: MosaicGpuBackend(interpret=True),
+    "mosaic_gpu_skip": lambda: MosaicGpuBackend(interpret=True, row_buckets=4),
+}
+
+
+@pytest.mark.parametrize("obj", OBJECTIVES, ids=str)
+@pytest.mark.parametrize("impl", ["xla_chunked", "reference"])
+def test_lm_head(obj, impl):
+    case = _case(OBJECTIVES.index(obj))
+    want = _spec(case, obj)
+    assert want.margin > 1e-4
+    kw = dict(objective=obj.lib(), old_logps=case.old, ref_logps=case.ref, temperature=0.8, entropy_coef=C)
+    if impl == "reference":
+        f = lambda h, w: gmpo_jax.reference.policy_loss(h, w, case.ids, case.mask, case.adv, **kw)  # noqa: E731
+    else:
+        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
+            h, w, case.ids, case.mask, case.adv, implementation=IMPLS[impl](), chunk_size=2, **kw
+        )
+    (loss, aux), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(case.hidden, case.weight)
+    check_against_spec(loss, aux, (*grads, None), want, case, obj)
+
+
+@pytest.mark.parametrize("impl", ["mosaic_gpu", "mosaic_gpu_skip"])
+@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo", beta=0.04)], ids=str)
+def test_kernels_in_the_interpreter(obj, impl):
+    case = _case(11, "bfloat16")
+    want = _spec(case, obj)
+    f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
+        h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
+        temperature=0.8, entropy_coef=C, implementation=IMPLS[impl](),
+    )  # fmt: skip
+    (loss, aux), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(case.hidden, case.weight)
+    check_against_spec(loss, aux, (*grads, None), want, case, obj)
+
+
+def test_traced_coefficient_and_zero():
+    """A traced coefficient does not recompile; 0 gives the loss without the term."""
+    case = _case(3)
+    obj = Obj("grpo")
+    f = jax.jit(
+        lambda c: gmpo_jax.fused_linear_policy_loss(
+            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old,
+            ref_logps=case.ref, temperature=0.8, entropy_coef=c,
+        )[0]
+    )  # fmt: skip
+    assert_loss_close(f(jnp.float32(C)), _spec(case, obj).loss, _spec(case, obj).scale, np.float32)
+    assert_loss_close(f(jnp.float32(0.0)), _spec(case, obj, c=0.0).loss, _spec(case, obj).scale, np.float32)
+
+
+@pytest.mark.parametrize(
+    "obj,impl",
+    [(o, "xla") for o in (Obj("gmpo"), Obj("grpo"), Obj("dapo"))]
+    + [(Obj("grpo"), "mosaic_gpu_fused"), (Obj("gmpo"), "mosaic_gpu")],
+    ids=str,
+)
+def test_logits(obj, impl):
+    Vl = 2048
+    case = _case(5, V=Vl)
+    z = np.asarray(case.hidden, np.float64) @ np.asarray(case.weight, np.float64)
+    logits = np.concatenate([z, z[:, :1]], axis=1).astype(np.float32)
+    want = _spec(case, obj)
+    # the oracle's dz from its head VJP: hidden = I (logits = hidden @ I) is too large; rebuild dz directly
+    zt = z / 0.8
+    ls = zt - zt.max(-1, keepdims=True)
+    ls = ls - np.log(np.exp(ls).sum(-1, keepdims=True))
+    p = np.exp(ls)
+    onehot = np.arange(Vl) == np.where(case.mask, case.ids, -1)[..., None]
+    mf = case.mask.astype(np.float64)
+    w = mf / np.maximum(mf.sum(1, keepdims=True), 1.0) if obj.loss_type in ("grpo", "gmpo") else mf
+    ent = -(p * ls).sum(-1, keepdims=True)
+    ge = (-C * w / want.metrics["loss_denominator"])[..., None]
+    dz = np.where(case.mask[..., None], want.dlogp[..., None] * (onehot - p) + ge * (-p * (ls + ent)), 0.0) / 0.8
+    dwant = np.zeros(logits.shape)
+    dwant[:, :T] = dz
+    implementation = {
+        "xla": "xla",
+        "mosaic_gpu": MosaicGpuLogitsBackend(interpret=True, fused=False),
+        "mosaic_gpu_fused": MosaicGpuLogitsBackend(interpret=True),
+    }[impl]
+    f = lambda x: gmpo_jax.policy_loss_from_logits(  # noqa: E731
+        x, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
+        temperature=0.8, entropy_coef=C, implementation=implementation,
+    )  # fmt: skip
+    (loss, aux), g = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(logits))
+    assert_loss_close(loss, want.loss, want.scale, np.float32)
+    assert_loss_close(
+        aux.loss_numerator, want.metrics["loss_numerator"], want.scale * want.metrics["loss_denominator"], np.float32
+    )
+    assert_grad_close(np.asarray(g), dwant, np.float32, "dlogits")
+
+
+@pytest.mark.parametrize("c,err", [(float("nan"), ValueError), (True, TypeError), (np.ones(2), TypeError)])
+def test_bad_coefficient_raises(c, err):
+    case = _case(0)
+    with pytest.raises(err, match="entropy_coef"):
+        gmpo_jax.fused_linear_policy_loss(
+            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=gmpo_jax.GMPO(), entropy_coef=c
+        )
+
+
+def test_kernel_lowers_for_cuda(monkeypatch):
+    """The dz kernel with the entropy term (two more row inputs, ``p (log p + H)`` in the epilogue) lowers to
+    Mosaic GPU for CUDA at Qwen2.5-0.5B's head (jax.export on the CPU)."""
+    from gmpo_jax.lm_head import mosaic_gpu
+
+    monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
+    R, Hq, Vq = 4096, 896, 151936
+    be = MosaicGpuBackend()
+    h = jax.ShapeDtypeStruct((R, Hq), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((Hq, Vq), jnp.bfloat16)
+    i = jax.ShapeDtypeStruct((R,), jnp.int32)
+    f = jax.ShapeDtypeStruct((R,), jnp.float32)
+    acc = jax.ShapeDtypeStruct(w.shape, jnp.float32)
+    bwd = jax.jit(
+        lambda h, w, i, d, l, g, e, a: be.grads(
+            h, w, None, i, d, l, jnp.float32(0.9), weight_layout="hv", dw_acc=a, db_acc=None, entropy=(g, e)
+        )
+    )
+    jax.export.export(bwd, platforms=["cuda"])(h, w, i, f, f, f, f, acc)
