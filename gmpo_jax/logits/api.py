@@ -110,42 +110,24 @@ def policy_loss_from_logits(
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = sg(logp)``).
       ref_logps: ``[B, T]`` float reference log-probs for the KL term (needed when ``beta != 0``).
-      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` precomputed importance weights ``>= 0`` of the
-        trainer vs the sampler (Liger's ``vllm_is_ratio``), no gradient; multiplies each token's policy
-        term (not the KL). GMPO multiplies each sequence's term by the geometric mean of its tokens'
-        weights (SPEC.md "Rollout correction").
-      rollout_logps: ``[B, T]`` float log-probs of the sampler (e.g. vLLM) for the mismatch correction
-        computed here from ``old_logps`` (or the current log-probs, on-policy) and these, per
-        ``rollout_is_mode``; combines with ``rollout_is_ratio``. None: no correction.
-      rollout_is_mode: ``"token_truncate"`` (default), ``"token_mask"``, ``"sequence_truncate"`` or
-        ``"sequence_mask"`` (TRL's ``vllm_importance_sampling_mode``), see
-        :class:`gmpo_jax.objectives.RolloutCorrection` for each formula, GMPO's included.
-      rollout_is_cap: ``> 0`` truncation / masking threshold of the weight (float or traced), default 2.0.
+      rollout_is_ratio, rollout_logps, rollout_is_mode, rollout_is_cap: the trainer-vs-sampler mismatch
+        correction, as in :func:`gmpo_jax.fused_linear_policy_loss` (with ``rollout_logps`` the token-local
+        objectives run the three-pass path, not the fused kernel).
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
         completion tokens in ONE optimizer step's accumulation window (global over devices), exactly as
         for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details). Ignored by the
         other loss types. README: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
-      segment_ids: ``[B, T]`` integer or None: a packed batch, several sequences per row (the layout
-        of Tunix and MaxText). Each maximal run of equal positive ids within a row is one sequence; id 0
-        is padding (masked whatever ``completion_mask`` says). Every per-sequence reduction (GMPO's
-        geometric mean, GSPO's sequence ratio, grpo / sapo's per-sequence mean) runs per sequence, and
-        the ``B`` of the normalisers (gmpo, grpo, sapo, dr_grpo) is the number of sequences, so the same
-        sequences padded one per row give the same loss and gradients. Pass ``[B, T]`` advantages
-        (and a ``[B, T]`` ``rollout_is_ratio``) with it. Rows are chunked and sharded whole.
-      top_entropy_quantile: Python float in ``(0, 1]`` (TRL's name; default 1: every token). Below 1 only
-        the tokens whose entropy (of the temperature-scaled softmax) is at or above the
-        ``1 - top_entropy_quantile`` quantile of the unmasked tokens' entropies (over the global batch)
-        receive policy gradient ("Beyond the 80/20 rule", arXiv 2506.01939): the token-level objectives
-        multiply the others' policy term by 0 (their tokens still count in the normalisers, as in TRL),
-        GMPO keeps them in the geometric mean without gradient. The KL term is not selected. Costs one
-        more log-sum-exp pass (entropies; no gradient); ``aux.entropy_threshold`` is the quantile.
+      segment_ids, top_entropy_quantile: as in :func:`gmpo_jax.fused_linear_policy_loss` (packed rows;
+        policy gradient only for the highest-entropy tokens, whose entropies come from one more fused XLA
+        read of the logits here).
       entropy_coef: None (default), or a scalar ``c`` (float or traced): the loss gains the entropy term
         ``-c * agg(H)``, ``H`` the per-token entropy of ``softmax(z / temperature)`` aggregated as the
         objective aggregates its KL term (per-sequence mean for gmpo / grpo / sapo, token sum over the
         loss's normaliser for bnpo / dapo / dr_grpo / cispo; SPEC.md "Entropy term"), with its exact
         gradient ``dH/dz = -p (log p + H) / temperature`` added to ``dlogits`` by XLA (one more read of
-        the logits for ``H`` and one fused pass over ``dlogits``; every implementation). ``c > 0`` rewards entropy (verl's ``entropy_coeff``).
+        the logits for ``H`` and one fused pass over ``dlogits``; every implementation). ``c > 0``
+        rewards entropy (verl's ``entropy_coeff``).
       implementation: None (``"mosaic_gpu"`` on Hopper-or-newer GPUs when it can serve the call, else
         ``"xla"``), an explicit name (never falls back), or a backend instance such as
         ``gmpo_jax.logits.MosaicGpuLogitsBackend(interpret=True)``.
