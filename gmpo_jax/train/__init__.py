@@ -3,7 +3,8 @@
 Data flow, one file per stage: `config` (options, presets, validation) -> `tasks` (prompts, rewards) ->
 `model` (transformer returning hidden states) -> `rollout` (KV-cache sampling, advantages, log-probs) ->
 `loop` (fused-loss updates, metrics, checkpoints via `checkpoint`) -> `plots`; `cli` is the command line;
-`parallel` places a run on a ``--mesh data=D,model=M`` device mesh.
+`parallel` places a run on a ``--mesh data=D,model=M`` device mesh; `qwen3` replaces `model` with Tunix's
+Qwen3 (``--model qwen3 [--checkpoint DIR]``: random init or a Hugging Face checkpoint).
 
 Programmatic use::
 

@@ -1,7 +1,9 @@
 """Command line: ``gmpo-jax train [options]`` (also ``python -m gmpo_jax.train [train] [options]``).
 
 Options mirror `TrainConfig` fields (``--group-size`` is ``group_size``). A preset (``--preset cpu``, the
-default, or ``--preset gpu``) supplies the defaults; options given explicitly win. Any invalid value stops
+default, or ``--preset gpu``) supplies the defaults, for the ``--model`` chosen (``toy`` or ``qwen3``);
+options given explicitly win. ``--model qwen3 --checkpoint DIR`` takes the architecture from ``DIR``'s
+config.json, so the size options (``--d-model``, ..., ``--vocab-size``) are refused with it. Any invalid value stops
 the program with a one-line ``gmpo-jax train: error: --option ...`` message and exit status 2 before JAX
 compiles anything.
 """
@@ -13,10 +15,12 @@ import sys
 from collections.abc import Sequence
 
 from gmpo_jax.train.config import (
+    ARCHITECTURE_FIELDS,
     BUILTIN_TASKS,
     DTYPES,
     LOSS_TYPES,
     LR_SCHEDULES,
+    MODELS,
     PRESETS,
     SCALE_REWARDS,
     ConfigError,
@@ -46,17 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{train}", parser_class=_OneLineParser)
     p = sub.add_parser(
         "train",
-        help="train a small Flax NNX policy with GMPO on a verifiable-reward task",
-        description="On-policy RL (GMPO by default) of a small decoder-only transformer on a built-in "
-        "verifiable task. The defaults shown are the cpu preset's (under a minute on an idle 2-core "
-        "CPU); --preset gpu changes model, batch and dtype, and explicit options win.",
+        help="train a policy (a small Flax NNX transformer, or Tunix's Qwen3) with GMPO on a verifiable-reward task",
+        description="On-policy RL (GMPO by default) of a decoder-only transformer on a built-in "
+        "verifiable task: the demo's own small model (--model toy), or Tunix's Qwen3 (--model qwen3), "
+        "randomly initialised or fine-tuned from a Hugging Face checkpoint (--checkpoint DIR). The "
+        "defaults shown are the cpu preset's for the toy model (under a minute on an idle 2-core CPU); "
+        "--preset gpu changes model size, batch and dtype, and explicit options win.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         default="cpu",
-        help="defaults: cpu (small) or gpu (H=512, 6 layers, 1024 completions/step, bf16)",
+        help="defaults: cpu (small) or gpu (toy: H=512, 6 layers; qwen3: Qwen3-0.6B's layers, ~0.44B params; "
+        "1024 completions/step, bf16)",
     )
     _run_args(p.add_argument_group("run"))
     _task_args(p.add_argument_group("task"))
@@ -109,10 +116,29 @@ def _task_args(g) -> None:
 
 def _policy_args(g) -> None:
     """The ``policy`` options."""
+    _add(
+        g,
+        "model",
+        f"{' | '.join(MODELS)}: the demo's own transformer, or Tunix's Qwen3 (its layers, KV cache and "
+        f"loader; hidden states and LM head into the fused loss) (default {_D.model})",
+        type=str,
+    )
+    _add(
+        g,
+        "checkpoint",
+        "--model qwen3: fine-tune a Hugging Face Qwen3 directory (config.json + *.safetensors, loaded "
+        "with Tunix's loader; its config.json sets the architecture, so the size options below do not "
+        "apply; with a tokenizer.json the task's characters are the model's own tokens, else the task "
+        "ids 0-14 are used as model ids) (default: random initialisation at the preset's size)",
+        type=str,
+        metavar="DIR",
+    )
     _add(g, "d_model", f"hidden size H (default {_D.d_model})", type=int)
     _add(g, "n_layers", f"transformer blocks (default {_D.n_layers})", type=int)
     _add(g, "n_heads", f"attention heads (default {_D.n_heads})", type=int)
     _add(g, "d_ff", f"MLP width (default {_D.d_ff})", type=int)
+    _add(g, "n_kv_heads", "--model qwen3: key/value heads, must divide --n-heads (default: cpu 2, gpu 8)", type=int)
+    _add(g, "head_dim", "--model qwen3: size of each attention head, even (default: d_model / n_heads)", type=int)
     _add(
         g,
         "tie_embeddings",
@@ -180,6 +206,14 @@ def config_from_args(argv: Sequence[str] | None = None) -> TrainConfig:
     args = vars(parser.parse_args(argv))
     if args.pop("command") != "train":
         parser.error("the only command is 'train'")
+    if "checkpoint" in args:
+        for field in ARCHITECTURE_FIELDS:
+            if field in args:
+                option = "--" + field.replace("_", "-")
+                parser.exit(
+                    2,
+                    f"gmpo-jax train: error: {option} does not apply with --checkpoint (its config.json sets the architecture)\n",
+                )
     try:
         return preset_config(args.pop("preset"), **args).validate()
     except ConfigError as e:

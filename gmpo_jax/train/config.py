@@ -5,6 +5,10 @@
 option at fault, so a bad command line stops immediately with e.g.
 ``gmpo-jax train: error: --group-size must be >= 2 (group-normalised advantages need two samples), got 1``.
 
+``--model`` picks the policy: ``toy`` (`gmpo_jax.train.model.Transformer`, the default) or ``qwen3``
+(Tunix's Qwen3, `gmpo_jax.train.qwen3`), randomly initialised at the preset's size or loaded from a
+Hugging Face ``--checkpoint`` directory (checked here, file headers only: nothing is loaded).
+
 `make_objective` turns ``loss_type`` and its hyper-parameters into a `gmpo_jax` objective
 (`GMPO`, `GRPO`, `CISPO`, `SAPO`).
 """
@@ -19,6 +23,8 @@ from typing import Any
 __all__ = [
     "ConfigError",
     "LOSS_TYPES",
+    "MODELS",
+    "MODEL_PRESETS",
     "PRESETS",
     "TrainConfig",
     "make_objective",
@@ -32,6 +38,19 @@ BUILTIN_TASKS = ("reverse", "add")
 SCALE_REWARDS = ("group", "none")
 LR_SCHEDULES = ("cosine", "constant")
 DTYPES = ("float32", "bfloat16")
+#: every ``--model`` value; ``toy`` first (the default)
+MODELS = ("toy", "qwen3")
+#: the options that size a randomly initialised policy (``--checkpoint`` takes them from its config.json)
+ARCHITECTURE_FIELDS = (
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+    "tie_embeddings",
+    "vocab_size",
+)
 
 
 class ConfigError(ValueError):
@@ -55,10 +74,14 @@ class TrainConfig:
       Task: ``task`` (``"reverse"``, ``"add"`` or ``"module:function"``), ``digits`` (operand length,
         the task difficulty), ``partial_credit`` (reward per correct answer position),
         ``prompt_task`` (built-in task whose prompts a ``module:function`` reward function scores).
-      Policy: ``d_model``, ``n_layers``, ``n_heads``, ``d_ff``, ``tie_embeddings`` (LM head = the input
-        ``nnx.Embed``, weight layout ``"vh"``; otherwise an untied ``nnx.Linear``, layout ``"hv"``),
-        ``vocab_size`` (``None`` -> tokenizer size; larger pads the head with never-targeted ids),
-        ``dtype`` (activation / LM-head compute dtype; parameters stay float32).
+      Policy: ``model`` (``"toy"``: the demo's own transformer; ``"qwen3"``: Tunix's Qwen3),
+        ``checkpoint`` (``--model qwen3`` only: a Hugging Face directory, ``config.json`` +
+        ``*.safetensors``, whose architecture and weights replace the size options below; ``None``:
+        random initialisation), ``d_model``, ``n_layers``, ``n_heads``, ``d_ff``,
+        ``n_kv_heads`` / ``head_dim`` (qwen3 only; ``None`` -> ``n_heads`` / ``d_model // n_heads``),
+        ``tie_embeddings`` (LM head = the input embedding, weight layout ``"vh"``; otherwise an untied
+        head, layout ``"hv"``), ``vocab_size`` (``None`` -> tokenizer size; larger pads the head with
+        never-targeted ids), ``dtype`` (activation / LM-head compute dtype; parameters stay float32).
       Rollout: ``batch_size`` (completions per step = prompts x ``group_size``), ``group_size`` (G),
         ``max_completion_length`` (``None`` -> the task's answer length + 1 for EOS),
         ``temperature``, ``top_p``.
@@ -89,10 +112,14 @@ class TrainConfig:
     partial_credit: float = 0.1
     prompt_task: str = "reverse"
     # policy
+    model: str = "toy"
+    checkpoint: str | None = None
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
     d_ff: int = 256
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
     tie_embeddings: bool = False
     vocab_size: int | None = None
     dtype: str = "float32"
@@ -120,12 +147,12 @@ class TrainConfig:
     # ------------------------------------------------------------------------------------------
     @property
     def run_name(self) -> str:
-        """``name`` or ``"<loss_type>-<task><digits>-s<seed>"`` (+ ``-<preset>`` unless cpu; a hook's
-        ``module:function`` becomes ``module-function``)."""
+        """``name`` or ``"<loss_type>-<task><digits>-s<seed>"`` (+ ``-<model>`` unless toy, + ``-<preset>``
+        unless cpu; a hook's ``module:function`` becomes ``module-function``)."""
         if self.name:
             return self.name
         task = f"{self.task}{self.digits}" if self.task in BUILTIN_TASKS else self.task.replace(":", "-")
-        suffix = "" if self.preset == "cpu" else f"-{self.preset}"
+        suffix = ("" if self.model == "toy" else f"-{self.model}") + ("" if self.preset == "cpu" else f"-{self.preset}")
         return f"{self.loss_type}-{task.replace('.', '-')}-s{self.seed}{suffix}"
 
     @property
@@ -174,7 +201,8 @@ class TrainConfig:
         return d, m
 
     def validate(self) -> TrainConfig:
-        """Check every field with plain Python; nothing compiles (``--mesh`` asks JAX for its device count).
+        """Check every field with plain Python; nothing compiles (``--mesh`` asks JAX for its device count;
+        ``--checkpoint`` reads the directory's config.json and safetensors headers, no weights).
 
         Returns:
           ``self``, for chaining.
@@ -199,13 +227,42 @@ class TrainConfig:
         return self
 
     def _validate_policy(self, f: _Fields) -> None:
+        f.need_choice("model", MODELS)
         for field in ("d_model", "n_layers", "n_heads", "d_ff"):
             f.need_int(field, 1)
-        if self.d_model % self.n_heads:
+        if self.model == "toy":
+            for field in ("checkpoint", "n_kv_heads", "head_dim"):
+                if getattr(self, field) is not None:
+                    raise f.bad(field, "applies to --model qwen3 only")
+        else:
+            self._validate_qwen3(f)
+        if self.d_model % self.n_heads and (self.model == "toy" or self.head_dim is None):
             raise f.bad("n_heads", f"must divide --d-model={self.d_model}")
         if self.vocab_size is not None:
             f.need_int("vocab_size", 1)
         f.need_choice("dtype", DTYPES)
+
+    def _validate_qwen3(self, f: _Fields) -> None:
+        if self.mesh is not None:
+            raise f.bad("mesh", "is not supported with --model qwen3 (one device)")
+        if self.n_kv_heads is not None:
+            f.need_int("n_kv_heads", 1)
+            if self.n_heads % self.n_kv_heads:
+                raise f.bad("n_kv_heads", f"must divide --n-heads={self.n_heads}")
+        if self.head_dim is not None:
+            f.need_int("head_dim", 2)
+            if self.head_dim % 2:
+                raise f.bad("head_dim", "must be even (rotary embeddings rotate pairs of dimensions)")
+        elif self.d_model % self.n_heads == 0 and (self.d_model // self.n_heads) % 2:
+            raise f.bad(
+                "n_heads", f"must leave an even head size --d-model={self.d_model} / n_heads (rotary embeddings)"
+            )
+        if self.checkpoint is not None:
+            if not isinstance(self.checkpoint, str) or not self.checkpoint:
+                raise f.bad("checkpoint", "must be a directory path")
+            from gmpo_jax.train.qwen3 import read_checkpoint
+
+            read_checkpoint(self.checkpoint)  # ConfigError naming --checkpoint
 
     def _validate_rl(self, f: _Fields) -> None:
         f.need_int("group_size", 2)  # group-normalised advantages need two samples per prompt
@@ -291,8 +348,31 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: ``(preset, model)`` -> field overrides applied on top of ``PRESETS[preset]`` for that ``--model``
+MODEL_PRESETS: dict[tuple[str, str], dict[str, Any]] = {
+    # CPU: the cpu preset's sizes (H=64, 2 layers, 4 heads of 16, MLP 256) as a Qwen3 with grouped-query
+    # attention (2 KV heads): ~0.1 M parameters, a fraction of a second per step on 2 cores.
+    ("cpu", "qwen3"): dict(n_kv_heads=2),
+    # H200: the architecture of Qwen3-0.6B (28 layers, H=1024, 16 query / 8 KV heads of 128, MLP 3072,
+    # rope_theta 1e6) without its 151,936-row embedding: ~0.44 B parameters with the task's vocabulary
+    # (padded to 128). Lower learning rate for the deeper model. Not run in CI (no GPU there).
+    ("gpu", "qwen3"): dict(
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=3072,
+        learning_rate=1e-4,
+    ),
+}
+
+
 def preset_config(preset: str = "cpu", **overrides: Any) -> TrainConfig:
     """The `TrainConfig` of a preset with ``overrides`` applied (not yet validated).
+
+    The fields are ``TrainConfig``'s defaults, then ``PRESETS[preset]``, then
+    ``MODEL_PRESETS[(preset, model)]`` (``model`` from ``overrides``, default ``"toy"``), then ``overrides``.
 
     Args:
       preset: ``"cpu"`` (the defaults) or ``"gpu"``.
@@ -307,7 +387,8 @@ def preset_config(preset: str = "cpu", **overrides: Any) -> TrainConfig:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ConfigError(f"unknown configuration field {unknown[0]!r}")
-    return TrainConfig(**{**PRESETS[preset], "preset": preset, **overrides})
+    model_preset = MODEL_PRESETS.get((preset, overrides.get("model", "toy")), {})
+    return TrainConfig(**{**PRESETS[preset], **model_preset, "preset": preset, **overrides})
 
 
 def make_objective(config: TrainConfig, max_completion_length: int):

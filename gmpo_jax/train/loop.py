@@ -12,6 +12,10 @@ One step of `train`:
    ``optimizer.update`` (AdamW, global-norm clipping, warmup + cosine schedule);
 6. one JSON line of metrics, the progress bar, periodic orbax checkpoints.
 
+With ``--model qwen3`` the policy is a `gmpo_jax.train.qwen3.Qwen3Policy` (Tunix's Qwen3): step 2 runs its
+layers against Tunix's KV cache, steps 4-5 take its hidden states and LM head from
+``gmpo_jax.integrations.tunix``, and `Plan.tokens` maps the task's characters to its vocabulary.
+
 With ``--mesh data=D,model=M`` (`gmpo_jax.train.parallel`) the policy and optimizer state are placed on a
 ``(D, M)`` mesh (replicated; the LM head split along its vocabulary when ``V % M == 0``), every rollout
 batch is split over ``data``, and steps 4-5 call the fused functions with ``mesh=``, ``data_axis=``,
@@ -49,7 +53,7 @@ from gmpo_jax.train import parallel
 from gmpo_jax.train import rollout as rollout_lib
 from gmpo_jax.train.config import ConfigError, TrainConfig, make_objective
 from gmpo_jax.train.model import Transformer
-from gmpo_jax.train.tasks import TOKENIZER, Task, make_task
+from gmpo_jax.train.tasks import TOKENIZER, Task, TokenMap, make_task
 
 __all__ = ["Plan", "TrainResult", "plan", "build_model", "make_optimizer", "training_loss", "train_step", "train"]
 
@@ -65,6 +69,9 @@ class Plan:
       vocab_size: ``V`` of the policy (>= the tokenizer's).
       objective: the ``gmpo_jax`` objective (static, hashable).
       train_mesh: the `parallel.TrainMesh` of ``--mesh`` (static, hashable), or None (one device).
+      tokens: the `TokenMap` from task tokens to policy ids (identity unless a checkpoint says otherwise).
+      architecture: ``--model qwen3``: Tunix ``ModelConfig`` keyword arguments (from ``--checkpoint``'s
+        config.json or `gmpo_jax.train.qwen3.architecture`); None for the toy model.
     """
 
     config: TrainConfig
@@ -73,6 +80,8 @@ class Plan:
     vocab_size: int
     objective: Any
     train_mesh: Any = None
+    tokens: TokenMap = dataclasses.field(default_factory=TokenMap.identity)
+    architecture: dict | None = None
 
     @property
     def max_len(self) -> int:
@@ -94,18 +103,39 @@ def plan(config: TrainConfig) -> Plan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     t = config.max_completion_length or task.answer_length + 1
-    vocab = config.vocab_size or TOKENIZER.vocab_size
-    if vocab < TOKENIZER.vocab_size:
-        raise ConfigError(f"--vocab-size must be >= the tokenizer's {TOKENIZER.vocab_size}, got {vocab}")
+    tokens, arch = TokenMap.identity(), None
+    if config.model == "qwen3" and config.checkpoint is not None:
+        from gmpo_jax.train import qwen3
+
+        info = qwen3.read_checkpoint(config.checkpoint)
+        arch, tokens = info.architecture, qwen3.checkpoint_token_map(info)
+        vocab = arch["vocab_size"]
+    else:
+        vocab = config.vocab_size or TOKENIZER.vocab_size
+        if vocab < TOKENIZER.vocab_size:
+            raise ConfigError(f"--vocab-size must be >= the tokenizer's {TOKENIZER.vocab_size}, got {vocab}")
+        if config.model == "qwen3":
+            from gmpo_jax.train import qwen3
+
+            arch = qwen3.architecture(config, vocab)
     shape = config.mesh_shape()
     train_mesh = None if shape is None else parallel.make_train_mesh(*shape)
-    return Plan(config, task, t, vocab, make_objective(config, t), train_mesh)
+    return Plan(config, task, t, vocab, make_objective(config, t), train_mesh, tokens, arch)
 
 
-def build_model(p: Plan, seed: int | None = None) -> Transformer:
-    """The policy of plan ``p``, initialised from ``seed`` (default ``p.config.seed``)."""
+def build_model(p: Plan, seed: int | None = None):
+    """The policy of plan ``p``, initialised from ``seed`` (default ``p.config.seed``).
+
+    Returns:
+      ``--model toy``: a `Transformer`; ``--model qwen3``: a `gmpo_jax.train.qwen3.Qwen3Policy`, loaded
+      from ``--checkpoint`` (``seed`` unused) or randomly initialised.
+    """
     c = p.config
     seed = c.seed if seed is None else seed
+    if c.model == "qwen3":
+        from gmpo_jax.train import qwen3
+
+        return qwen3.build_policy(p.architecture, dtype=c.dtype, seed=seed, checkpoint=c.checkpoint)
     return Transformer(
         p.vocab_size,
         p.max_len,
@@ -232,7 +262,8 @@ def _rollout(p: Plan, model, ref_model, step: int):
     rng = np.random.default_rng([c.seed, step])
     prompts = p.task.make_prompts(rng, c.num_prompts)
     prompts = [q for q in prompts for _ in range(c.group_size)]
-    prompt_ids = jnp.asarray(TOKENIZER.encode_batch(prompts))
+    tokens = p.tokens
+    prompt_ids = jnp.asarray(tokens.encode_batch(prompts))
     tm = p.train_mesh
     if tm is not None:
         prompt_ids = tm.put_batch(prompt_ids)
@@ -244,11 +275,11 @@ def _rollout(p: Plan, model, ref_model, step: int):
         jnp.float32(c.temperature),
         max_new_tokens=p.max_completion_length,
         top_p=float(c.top_p),
-        eos_id=TOKENIZER.eos_id,
-        pad_id=TOKENIZER.pad_id,
+        eos_id=tokens.eos_id,
+        pad_id=tokens.pad_id,
     )
     ids_np = np.asarray(ids)
-    completions = [TOKENIZER.decode(row) for row in ids_np]
+    completions = [tokens.decode(row) for row in ids_np]
     rewards = p.task.rewards(prompts, completions)
     adv = rollout_lib.group_advantages(rewards, c.group_size, scale=c.scale_rewards)
     old = ref = None
@@ -269,7 +300,7 @@ def _rollout(p: Plan, model, ref_model, step: int):
         "reward_std": float(rewards.std()),
         "exact_match": p.task.exact_match(prompts, completions),
         "completion_length": float(mask_np.sum(axis=1).mean()),
-        "eos_fraction": float(np.mean(np.any(ids_np == TOKENIZER.eos_id, axis=1))),
+        "eos_fraction": float(np.mean(np.any(ids_np == tokens.eos_id, axis=1))),
         "sample": f"{prompts[0]}{completions[0]}",
     }
     return batch, stats
@@ -434,10 +465,20 @@ def _describe(p: Plan, model) -> str:
     """The run's one-line header: objective, task, policy size, batch, device, mesh."""
     c, tm = p.config, p.train_mesh
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    head = "tied nnx.Embed head (vh)" if c.tie_embeddings else "nnx.Linear head (hv)"
+    if p.architecture is None:
+        head = "tied nnx.Embed head (vh)" if c.tie_embeddings else "nnx.Linear head (hv)"
+        policy = f"policy {n_params / 1e6:.2f}M params (H={c.d_model}, {c.n_layers} layers, V={p.vocab_size}, {head}"
+    else:
+        a = p.architecture
+        origin = f"loaded from {c.checkpoint}" if c.checkpoint else "random init"
+        policy = (
+            f"Tunix Qwen3 {n_params / 1e6:.2f}M params, {origin} (H={a['embed_dim']}, {a['num_layers']} layers, "
+            f"{a['num_heads']}/{a['num_kv_heads']} heads of {a['head_dim']}, MLP {a['hidden_dim']}, "
+            f"V={a['vocab_size']}, {'tied' if a['use_tied_embedding'] else 'untied'} head; task tokens: "
+            f"{p.tokens.source}"
+        )
     return (
-        f"{c.run_name}: {p.objective} on {p.task.name} | policy {n_params / 1e6:.2f}M params (H={c.d_model}, "
-        f"{c.n_layers} layers, V={p.vocab_size}, {head}, {c.dtype}) | {c.batch_size} completions/step = "
+        f"{c.run_name}: {p.objective} on {p.task.name} | {policy}, {c.dtype}) | {c.batch_size} completions/step = "
         f"{c.num_prompts} prompts x {c.group_size}, T={p.max_completion_length}, {c.num_iterations} update(s) "
         f"per batch | {jax.devices()[0].device_kind}"
         f"{'' if tm is None else f' x {tm.data * tm.model}, {tm.describe()}'} | {c.steps} steps -> {c.run_dir}/"

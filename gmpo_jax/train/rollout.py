@@ -154,6 +154,9 @@ def group_advantages(rewards, group_size: int, *, scale: str = "group", eps: flo
 def completion_hidden(model, prompt_ids: jax.Array, completion_ids: jax.Array) -> jax.Array:
     """Hidden states that predict the completion tokens: ``model([prompt, completion])[:, P-1:-1]``.
 
+    A policy with its own ``completion_hidden(prompt_ids, completion_ids)`` method (Tunix's Qwen3,
+    `gmpo_jax.train.qwen3.Qwen3Policy`) is asked for them instead.
+
     Args:
       model: the policy (returns ``[N, P + T, H]`` hidden states).
       prompt_ids: ``[N, P]``. completion_ids: ``[N, T]``.
@@ -161,14 +164,17 @@ def completion_hidden(model, prompt_ids: jax.Array, completion_ids: jax.Array) -
     Returns:
       ``[N, T, H]``: row ``t`` is the state after reading ``prompt + completion[:t]``.
     """
+    if hasattr(model, "completion_hidden"):
+        return model.completion_hidden(prompt_ids, completion_ids)
     p = prompt_ids.shape[1]
     hidden = model(jnp.concatenate([prompt_ids, completion_ids], axis=1))
     return hidden[:, p - 1 : -1]
 
 
 def head_weight(model, dtype):
-    """``(weight, weight_layout)`` of ``model.head`` for the fused loss, cast to the activation ``dtype``."""
-    weight, layout = gmpo_jax.lm_head_weight(model.head)
+    """``(weight, weight_layout)`` of ``model.head`` (or of ``model.head_weight()`` where the policy has
+    that method) for the fused loss, cast to the activation ``dtype``."""
+    weight, layout = model.head_weight() if hasattr(model, "head_weight") else gmpo_jax.lm_head_weight(model.head)
     return weight.astype(dtype), layout
 
 

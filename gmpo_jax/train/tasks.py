@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Task", "Tokenizer", "TOKENIZER", "make_task", "reverse_task", "add_task"]
+__all__ = ["Task", "Tokenizer", "TOKENIZER", "TokenMap", "make_task", "reverse_task", "add_task"]
 
 RewardFn = Callable[[list, list], Sequence[float]]
 
@@ -87,6 +87,74 @@ class Tokenizer:
 
 
 TOKENIZER = Tokenizer()
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenMap:
+    """The policy's token id of each task token: how task text becomes model ids and back.
+
+    ``model_ids[k]`` is the policy id of `TOKENIZER` id ``k`` (``<pad>``, ``<eos>``, ``0-9 + = >``). The
+    identity map (`TokenMap.identity`) is the toy model's and a randomly initialised Qwen3's: the
+    policy's ids 0..14 are the task's. A pretrained checkpoint maps the characters to its own tokens
+    (`gmpo_jax.train.qwen3.checkpoint_token_map`). Sampling is over the policy's whole vocabulary: an id
+    that is no task token decodes as ``?`` (a wrong character), so nothing is truncated or renormalised.
+
+    Attributes:
+      model_ids: 15 policy ids >= 0, indexed by task token id; distinct, except that pad may equal EOS
+        (pad only follows EOS, and decoding stops at the EOS).
+      source: one line saying where the map comes from (shown in the run header).
+
+    Raises:
+      ValueError: wrong length, a negative id, or two tokens sharing an id (other than pad = EOS).
+    """
+
+    model_ids: tuple[int, ...]
+    source: str = "identity"
+
+    def __post_init__(self):
+        ids = tuple(int(i) for i in self.model_ids)
+        if len(ids) != TOKENIZER.vocab_size or len(set(ids[1:])) != len(ids) - 1 or ids[0] in ids[2:] or min(ids) < 0:
+            raise ValueError(f"model_ids must be {TOKENIZER.vocab_size} distinct ids >= 0, got {self.model_ids}")
+        object.__setattr__(self, "model_ids", ids)
+        object.__setattr__(self, "_to_task", {m: k for k, m in enumerate(ids)})  # pad = EOS decodes as EOS
+
+    @classmethod
+    def identity(cls) -> TokenMap:
+        """Task id ``k`` is policy id ``k`` (pad 0, EOS 1, digits 2-11, ``+ = >`` 12-14)."""
+        return cls(tuple(range(TOKENIZER.vocab_size)), "identity (task ids 0-14)")
+
+    @property
+    def pad_id(self) -> int:
+        """Policy id written after EOS (masked out of the loss)."""
+        return self.model_ids[TOKENIZER.pad_id]
+
+    @property
+    def eos_id(self) -> int:
+        """Policy id that ends a completion."""
+        return self.model_ids[TOKENIZER.eos_id]
+
+    def encode_batch(self, texts: Sequence[str]) -> np.ndarray:
+        """``[N, P]`` int32 policy ids of equal-length ``texts`` (one token per character).
+
+        Raises:
+          ValueError: as `Tokenizer.encode_batch`.
+        """
+        ids = TOKENIZER.encode_batch(texts)
+        if self.model_ids == tuple(range(TOKENIZER.vocab_size)):
+            return ids
+        return np.asarray(self.model_ids, np.int32)[ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of policy ``ids`` up to (without) the first EOS; pad skipped, other ids ``?``."""
+        out = []
+        for i in ids:
+            k = self._to_task.get(int(i), -1)
+            if k == TOKENIZER.eos_id:
+                break
+            if k == TOKENIZER.pad_id:
+                continue
+            out.append(TOKENIZER.chars[k - 2] if k >= 2 else "?")
+        return "".join(out)
 
 
 @dataclasses.dataclass(frozen=True)
