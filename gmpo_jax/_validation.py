@@ -67,8 +67,8 @@ def check_entropy_coef(entropy_coef) -> None:
     concrete; either sign: positive rewards entropy)."""
     if entropy_coef is None:
         return
-    if isinstance(entropy_coef, (bool, np.bool_)) or not (
-        isinstance(entropy_coef, numbers.Real) or _shape(entropy_coef) == ()
+    if isinstance(entropy_coef, (bool, np.bool_, str, bytes)) or not (
+        isinstance(entropy_coef, numbers.Real) or (hasattr(entropy_coef, "dtype") and _shape(entropy_coef) == ())
     ):
         raise TypeError(f"entropy_coef must be None or a real scalar, got entropy_coef={entropy_coef!r}")
     value = _concrete(entropy_coef)
@@ -218,6 +218,12 @@ def token_args(arguments: dict) -> dict:
     return {name: arguments[name] for name in TOKEN_ARGS}
 
 
+def rollout_correction(mode, cap) -> RolloutCorrection:
+    """The :class:`~gmpo_jax.objectives.RolloutCorrection` of ``rollout_is_mode`` / ``rollout_is_cap`` (None:
+    ``"token_truncate"`` / 2.0); raises for an unknown mode or a concrete cap ``<= 0``."""
+    return RolloutCorrection("token_truncate" if mode is None else mode, 2.0 if cap is None else cap)
+
+
 def check_token_inputs(
     *,
     B: int,
@@ -234,8 +240,8 @@ def check_token_inputs(
     temperature,
     segment_ids=None,
     rollout_logps=None,
-    rollout_is_mode="token_truncate",
-    rollout_is_cap=2.0,
+    rollout_is_mode=None,
+    rollout_is_cap=None,
 ) -> None:
     """The checks both ops share: the objective, the ``[B, T]`` / ``[B]`` per-token inputs, the scalars, and
     (when concrete) that every unmasked id lies in ``[0, V)``."""
@@ -267,15 +273,26 @@ def check_token_inputs(
             )
         require_float("rollout_is_ratio", rollout_is_ratio)
         ris = _concrete(rollout_is_ratio)
-        if ris is not None and not np.all(ris.astype(np.float64) >= 0):
-            bad = tuple(int(i) for i in np.argwhere(~(ris.astype(np.float64) >= 0))[0])
+        if ris is not None and not np.all(np.isfinite(ris.astype(np.float64)) & (ris.astype(np.float64) >= 0)):
+            bad = tuple(int(i) for i in np.argwhere(~(np.isfinite(ris.astype(np.float64)) & (ris >= 0)))[0])
             raise ValueError(
-                f"rollout_is_ratio must be >= 0 (a weight), got rollout_is_ratio{list(bad)} = {float(ris[bad])!r}"
+                f"rollout_is_ratio must be finite and >= 0 (a weight), got rollout_is_ratio{list(bad)} = "
+                f"{float(ris[bad])!r}"
             )
-    if rollout_logps is not None:
+    if rollout_logps is None:
+        if rollout_is_mode is not None or rollout_is_cap is not None:
+            raise ValueError(
+                "rollout_is_mode / rollout_is_cap configure the correction computed from the sampler's log-probs: "
+                "pass rollout_logps too (precomputed weights go in rollout_is_ratio)"
+            )
+    else:
         require_shape("rollout_logps", rollout_logps, (B, T), "[B, T]")
         require_float("rollout_logps", rollout_logps)
-    RolloutCorrection(rollout_is_mode, rollout_is_cap)  # checks the mode and the cap
+        roll, m = _concrete(rollout_logps), _concrete(completion_mask)
+        if roll is not None and m is not None and np.any(np.isnan(roll.astype(np.float64)) & (m != 0)):
+            bad = tuple(int(i) for i in np.argwhere(np.isnan(roll.astype(np.float64)) & (m != 0))[0])
+            raise ValueError(f"rollout_logps must not be NaN at an unmasked token, got rollout_logps{list(bad)} = nan")
+        rollout_correction(rollout_is_mode, rollout_is_cap)  # checks the mode and the cap
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, bool) or not (
             isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
@@ -326,8 +343,8 @@ def check_policy_inputs(
     vocab_size=None,
     segment_ids=None,
     rollout_logps=None,
-    rollout_is_mode="token_truncate",
-    rollout_is_cap=2.0,
+    rollout_is_mode=None,
+    rollout_is_cap=None,
 ) -> tuple[int, int, int, int]:
     """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
     if not isinstance(objective, Objective):
@@ -397,6 +414,19 @@ def as_ids(completion_ids) -> jax.Array:
     return ids.astype(jnp.int32)
 
 
+def as_segments(segment_ids) -> jax.Array:
+    """``[B, T]`` int32 labels with the runs of ``segment_ids``: each maximal run of equal positive ids gets
+    its run number within the row (from 1), padding (id 0) 0. The runs are found in the ids' own dtype (an
+    int64 / uint32 id beyond the int32 range is neither truncated nor merged with another run); concrete
+    ids in NumPy, so that a 64-bit array is not cut to 32 bits by JAX first."""
+    xp = np if isinstance(segment_ids, np.ndarray) else jnp
+    seg = segment_ids if xp is np else jnp.asarray(segment_ids)
+    prev = xp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)
+    start = (seg != prev) | (xp.arange(seg.shape[1]) == 0)[None, :]
+    labels = xp.where(seg > 0, xp.cumsum(start, axis=1), 0)
+    return jnp.asarray(labels.astype(np.int32))
+
+
 def _f32(x):
     return None if x is None else jnp.asarray(x).astype(jnp.float32)
 
@@ -414,8 +444,8 @@ def policy_inputs(
     temperature=1.0,
     segment_ids=None,
     rollout_logps=None,
-    rollout_is_mode="token_truncate",
-    rollout_is_cap=2.0,
+    rollout_is_mode=None,
+    rollout_is_cap=None,
 ):
     """The checked per-token arguments as one :class:`~gmpo_jax.objectives.PolicyInputs`: bool mask, int32
     ids (0 under the mask), float32 advantages / log-probs / ratio / scalars. ``rollout_is_ratio`` ``[B]``
@@ -423,7 +453,7 @@ def policy_inputs(
     ``rollout_logps``, ``rollout_is_mode`` / ``rollout_is_cap`` become a ``RolloutCorrection``."""
     mask = as_mask(completion_mask)
     if segment_ids is not None:
-        segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+        segment_ids = as_segments(segment_ids)
         mask = mask & (segment_ids > 0)
     ris = None
     if rollout_is_ratio is not None:
@@ -440,5 +470,5 @@ def policy_inputs(
         temperature=jnp.asarray(temperature, jnp.float32),
         segment_ids=segment_ids,
         rollout_logps=_f32(rollout_logps),
-        rollout_correction=None if rollout_logps is None else RolloutCorrection(rollout_is_mode, rollout_is_cap),
+        rollout_correction=None if rollout_logps is None else rollout_correction(rollout_is_mode, rollout_is_cap),
     )

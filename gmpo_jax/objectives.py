@@ -323,10 +323,17 @@ def _rollout_d(logp, data: PolicyInputs):
     return jax.lax.stop_gradient(jnp.where(data.mask, old - data.rollout_logps, 0.0))
 
 
+def _positive_cap(cap):
+    """The cap as float32; NaN where a traced cap is ``<= 0`` (a concrete one raised already): a NaN loss,
+    never a weight of the wrong sign."""
+    cap = jnp.asarray(cap, jnp.float32)
+    return jnp.where(cap > 0, cap, jnp.nan)
+
+
 def _capped(log_w, cap, mode: str):
     """``min(e^x, cap)`` (truncate) or ``e^x if e^x <= cap else 0`` (mask), elementwise, float32."""
     w = jnp.exp(log_w)
-    cap = jnp.asarray(cap, jnp.float32)
+    cap = _positive_cap(cap)
     return jnp.minimum(w, cap) if mode.endswith("truncate") else jnp.where(w > cap, 0.0, w)
 
 
@@ -594,7 +601,7 @@ def _gmpo_rollout(logp, data: PolicyInputs, seqs: Sequences):
     if data.rollout_logps is None or corr is None:
         return keep, None if log_w is None else jnp.exp(log_w)
     d = _rollout_d(logp, data)
-    cap = jnp.asarray(corr.cap, jnp.float32)
+    cap = _positive_cap(corr.cap)
     if corr.mode == "token_truncate":
         u = jnp.exp(seqs.sum(jnp.minimum(d, jnp.log(cap)), m) / jnp.maximum(seqs.lengths(m), 1.0))
     elif corr.mode == "token_mask":
@@ -1023,13 +1030,13 @@ def high_entropy_tokens(
 
     Returns:
       ``(select [B, T] bool, threshold float32 scalar)``; with no unmasked token, nothing is selected and
-      the threshold is NaN. On sharded inputs (data parallel) the quantile is over the global batch.
+      the threshold is 0. On sharded inputs (data parallel) the quantile is over the global batch.
 
     References: Wang et al., "Beyond the 80/20 Rule", arXiv 2506.01939; TRL ``top_entropy_quantile``.
     """
     e = jnp.where(mask, entropy.astype(jnp.float32), jnp.nan)
     threshold = jnp.nanquantile(e, 1.0 - top_entropy_quantile)
-    return mask & (e >= threshold), threshold
+    return mask & (e >= threshold), jnp.where(jnp.any(mask), threshold, 0.0)
 
 
 def evaluate(

@@ -138,3 +138,15 @@ def test_bad_quantile_raises(q, err):
         gmpo_jax.fused_linear_policy_loss(
             case.hidden, case.weight, case.ids, case.mask, case.adv, objective=gmpo_jax.GMPO(), top_entropy_quantile=q
         )
+
+
+def test_all_masked_threshold_is_zero():
+    case = make_case(2, B=B, T=T, H=H, V=V)
+    mask = np.zeros((B, T), bool)
+    (loss, aux), _ = jax.value_and_grad(
+        lambda h: gmpo_jax.fused_linear_policy_loss(
+            h, case.weight, case.ids, mask, case.adv, objective=gmpo_jax.GMPO(), top_entropy_quantile=Q
+        ),
+        has_aux=True,
+    )(case.hidden)
+    assert float(loss) == 0.0 and float(aux.entropy_threshold) == 0.0

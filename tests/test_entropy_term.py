@@ -134,7 +134,9 @@ def test_logits(obj, impl):
     assert_grad_close(np.asarray(g), dwant, np.float32, "dlogits")
 
 
-@pytest.mark.parametrize("c,err", [(float("nan"), ValueError), (True, TypeError), (np.ones(2), TypeError)])
+@pytest.mark.parametrize(
+    "c,err", [(float("nan"), ValueError), (True, TypeError), (np.ones(2), TypeError), ("0.1", TypeError)]
+)
 def test_bad_coefficient_raises(c, err):
     case = _case(0)
     with pytest.raises(err, match="entropy_coef"):

@@ -295,3 +295,20 @@ def test_padding_only_batch_has_zero_loss():
     (loss, aux), (dh, dw) = lm_head_call(case, seg, Obj("gmpo"), "xla_chunked")
     assert float(loss) == 0.0 and float(aux.loss_denominator) == 1.0
     assert not np.any(np.asarray(dh)) and not np.any(np.asarray(dw))
+
+
+def test_ids_beyond_int32_keep_their_runs():
+    """64-bit segment ids are compared before any cast: an id of 2**31 is a sequence, not padding, and
+    2**32 + 7 next to 7 are two sequences (a cast to int32 would make them -2**31 and one merged run)."""
+    case, _ = packed_case(0, "float32", V_LM_HEAD)
+    seg = np.zeros((R, L), np.int64)
+    seg[0, :6], seg[0, 6:12] = 2**32 + 7, 7
+    seg[1, :] = 2**31
+    seg[2, :5] = 3
+    small = np.zeros((R, L), np.int32)
+    small[0, :6], small[0, 6:12], small[1, :], small[2, :5] = 1, 2, 3, 4
+    obj = Obj("grpo")
+    got = lm_head_call(case, seg, obj, "xla_chunked")
+    want = lm_head_call(case, small, obj, "xla_chunked")
+    assert float(got[0][1].loss_denominator) == 4.0
+    np.testing.assert_allclose(float(got[0][0]), float(want[0][0]), rtol=1e-6)

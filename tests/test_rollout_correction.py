@@ -153,13 +153,30 @@ def test_cap_inf_is_the_plain_ratio_and_cap_is_traced():
         (dict(rollout_is_cap=0.0), ValueError, r"rollout_is_cap must be > 0"),
         (dict(rollout_logps=np.zeros((B, T + 1), np.float32)), ValueError, r"rollout_logps must have shape \[B, T\]"),
         (dict(rollout_logps=np.zeros((B, T), np.int32)), TypeError, "rollout_logps"),
-        (dict(rollout_is_ratio=-np.ones((B,), np.float32)), ValueError, r"rollout_is_ratio must be >= 0"),
+        (dict(rollout_is_ratio=-np.ones((B,), np.float32)), ValueError, r"rollout_is_ratio must be finite and >= 0"),
+        (dict(rollout_is_ratio=np.full((B,), np.inf, np.float32)), ValueError, r"rollout_is_ratio must be finite"),
+        (dict(rollout_logps=None, rollout_is_mode="token_mask"), ValueError, r"pass rollout_logps too"),
+        (dict(rollout_logps=None, rollout_is_cap=3.0), ValueError, r"pass rollout_logps too"),
+        (dict(rollout_logps=np.full((B, T), np.nan, np.float32)), ValueError, r"rollout_logps must not be NaN"),
     ],
 )
 def test_bad_arguments_raise(kwargs, err, match):
     case, rollout = _case(0)
-    kw = dict(rollout_logps=rollout) | kwargs
+    kw = {k: v for k, v in (dict(rollout_logps=rollout) | kwargs).items() if v is not None}
     with pytest.raises(err, match=match):
         gmpo_jax.fused_linear_policy_loss(
             case.hidden, case.weight, case.ids, case.mask, case.adv, objective=gmpo_jax.GMPO(), **kw
         )
+
+
+@pytest.mark.parametrize("obj", [Obj("grpo"), Obj("gmpo")], ids=str)
+def test_traced_non_positive_cap_is_nan(obj):
+    """A traced cap cannot raise: ``<= 0`` makes the loss NaN (never weights of the wrong sign)."""
+    case, rollout = _case(1)
+    f = jax.jit(
+        lambda cap: gmpo_jax.fused_linear_policy_loss(
+            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old,
+            rollout_logps=rollout, rollout_is_cap=cap,
+        )[0]
+    )  # fmt: skip
+    assert np.isnan(float(f(jnp.float32(-1.0)))) and np.isfinite(float(f(jnp.float32(1.5))))

@@ -102,6 +102,21 @@ def test_logprobs_and_entropy(impl):
     assert np.max(np.abs(plain - want_lp)) > 100 * LOGP_TOL * (1 + zmax)
 
 
+@pytest.mark.parametrize("cap", [1e-3, 1e6])
+def test_kernel_cap_far_from_the_logits(cap):
+    """A cap far below or far above the logits (``|x| ~ 16``): the kernels' tanh stays float32-accurate
+    (the exp2 form alone lost ``cap * 1e-7`` absolutely: 0.1 nats at ``cap = 1e6``)."""
+    case = _case(21, "bfloat16")
+    kw = dict(bias=None, temperature=0.7, weight_layout="hv", softcap=cap)
+    want = spec.spec_logprobs(case.hidden, case.weight, case.ids, case.mask, **kw)
+    lp = gmpo_jax.fused_linear_logprobs(
+        case.hidden, case.weight, case.ids, completion_mask=case.mask, temperature=0.7, softcap=cap,
+        implementation=MosaicGpuBackend(interpret=True),
+    )  # fmt: skip
+    zmax = min(cap, 20.0) / 0.7
+    np.testing.assert_allclose(np.asarray(lp), want, rtol=0, atol=LOGP_TOL * (1 + zmax))
+
+
 def test_kernels_lower_for_cuda(monkeypatch):
     """Both kernels with the cap (tanh from exp2 in the epilogue, the kept-logits path's derivative) lower
     to Mosaic GPU for CUDA (jax.export on the CPU), at the Gemma-2-2B head (H 2304, V 256000)."""

@@ -119,8 +119,8 @@ def fused_linear_policy_loss(
     temperature: ScalarLike = 1.0,
     segment_ids: Int[Array, "B T"] | None = None,
     rollout_logps: Float[Array, "B T"] | None = None,
-    rollout_is_mode: str = "token_truncate",
-    rollout_is_cap: ScalarLike = 2.0,
+    rollout_is_mode: str | None = None,
+    rollout_is_cap: ScalarLike | None = None,
     top_entropy_quantile: float = 1.0,
     softcap: float | None = None,
     entropy_coef: ScalarLike | None = None,
@@ -179,10 +179,12 @@ def fused_linear_policy_loss(
       rollout_logps: ``[B, T]`` float log-probs of the sampler (e.g. vLLM) for the mismatch correction
         computed here from ``old_logps`` (or the current log-probs, on-policy) and these, per
         ``rollout_is_mode``; combines with ``rollout_is_ratio``. None: no correction.
-      rollout_is_mode: ``"token_truncate"`` (default), ``"token_mask"``, ``"sequence_truncate"`` or
-        ``"sequence_mask"`` (TRL's ``vllm_importance_sampling_mode``), see
-        :class:`gmpo_jax.objectives.RolloutCorrection` for each formula, GMPO's included.
-      rollout_is_cap: ``> 0`` truncation / masking threshold of the weight (float or traced), default 2.0.
+      rollout_is_mode: ``"token_truncate"`` (None: this default), ``"token_mask"``, ``"sequence_truncate"``
+        or ``"sequence_mask"`` (TRL's ``vllm_importance_sampling_mode``), see
+        :class:`gmpo_jax.objectives.RolloutCorrection` for each formula, GMPO's included. Only with
+        ``rollout_logps`` (ValueError otherwise).
+      rollout_is_cap: ``> 0`` truncation / masking threshold of the weight (float or traced; None: 2.0),
+        only with ``rollout_logps``. A traced cap ``<= 0`` cannot raise: it makes the loss NaN.
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
         completion tokens in ONE optimizer step's accumulation window, i.e. every micro-batch whose
         gradients are accumulated into one update (under data parallelism: the global count over all
@@ -252,7 +254,7 @@ def fused_linear_policy_loss(
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
@@ -342,7 +344,9 @@ def fused_linear_logprobs(
     r"""Per-token log-probs (and optionally entropies) through the LM head without materialising the logits.
 
     .. math::
-        \log\pi_{b,t} = z_{b,t,y} - \log\sum_v e^{z_{b,t,v}},\qquad z = (h W + c) / \tau
+        \log\pi_{b,t} = z_{b,t,y} - \log\sum_v e^{z_{b,t,v}},\qquad z = \mathrm{cap}(h W + c) / \tau
+
+    (``cap`` the identity, or Gemma's ``s tanh(x / s)`` with ``softcap=s``).
 
     For rollout-time old-policy and reference log-probs, or any loss of your own: it is differentiable
     (its own custom VJP; one cotangent per token; the logits are recomputed block by block in the

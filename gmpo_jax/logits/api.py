@@ -71,8 +71,8 @@ def policy_loss_from_logits(
     temperature: ScalarLike = 1.0,
     segment_ids: Int[Array, "B T"] | None = None,
     rollout_logps: Float[Array, "B T"] | None = None,
-    rollout_is_mode: str = "token_truncate",
-    rollout_is_cap: ScalarLike = 2.0,
+    rollout_is_mode: str | None = None,
+    rollout_is_cap: ScalarLike | None = None,
     top_entropy_quantile: float = 1.0,
     entropy_coef: ScalarLike | None = None,
     implementation: Any = None,
@@ -145,7 +145,7 @@ def policy_loss_from_logits(
       TypeError: non-floating logits / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
         not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
-        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids`` or ``rollout_is_ratio``, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /
