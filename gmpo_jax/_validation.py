@@ -208,6 +208,7 @@ TOKEN_ARGS = (
     "rollout_logps",
     "rollout_is_mode",
     "rollout_is_cap",
+    "entropy_coef",
 )
 
 
@@ -242,6 +243,7 @@ def check_token_inputs(
     rollout_logps=None,
     rollout_is_mode=None,
     rollout_is_cap=None,
+    entropy_coef=None,
 ) -> None:
     """The checks both ops share: the objective, the ``[B, T]`` / ``[B]`` per-token inputs, the scalars, and
     (when concrete) that every unmasked id lies in ``[0, V)``."""
@@ -293,6 +295,7 @@ def check_token_inputs(
             bad = tuple(int(i) for i in np.argwhere(np.isnan(roll.astype(np.float64)) & (m != 0))[0])
             raise ValueError(f"rollout_logps must not be NaN at an unmasked token, got rollout_logps{list(bad)} = nan")
         rollout_correction(rollout_is_mode, rollout_is_cap)  # checks the mode and the cap
+    check_entropy_coef(entropy_coef)
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, bool) or not (
             isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
@@ -345,6 +348,7 @@ def check_policy_inputs(
     rollout_logps=None,
     rollout_is_mode=None,
     rollout_is_cap=None,
+    entropy_coef=None,
 ) -> tuple[int, int, int, int]:
     """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
     if not isinstance(objective, Objective):
@@ -368,6 +372,7 @@ def check_policy_inputs(
         rollout_logps=rollout_logps,
         rollout_is_mode=rollout_is_mode,
         rollout_is_cap=rollout_is_cap,
+        entropy_coef=entropy_coef,
     )
     if ref_logps is not None and ref_hidden is not None:
         raise ValueError("give either ref_logps or ref_hidden (+ ref_weight), not both")
@@ -446,6 +451,7 @@ def policy_inputs(
     rollout_logps=None,
     rollout_is_mode=None,
     rollout_is_cap=None,
+    entropy_coef=None,
 ):
     """The checked per-token arguments as one :class:`~gmpo_jax.objectives.PolicyInputs`: bool mask, int32
     ids (0 under the mask), float32 advantages / log-probs / ratio / scalars. ``rollout_is_ratio`` ``[B]``
@@ -471,4 +477,5 @@ def policy_inputs(
         segment_ids=segment_ids,
         rollout_logps=_f32(rollout_logps),
         rollout_correction=None if rollout_logps is None else rollout_correction(rollout_is_mode, rollout_is_cap),
+        entropy_coef=_f32(entropy_coef),
     )

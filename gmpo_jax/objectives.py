@@ -133,6 +133,15 @@ class PolicyInputs(NamedTuple):
         a = self.advantages.astype(jnp.float32)
         return a if a.ndim == 2 else jnp.broadcast_to(a[:, None], self.mask.shape)
 
+    def token_policy_weights(self) -> jax.Array | None:
+        """``[B, T]`` (or ``[B, 1]``) weight of each token's policy term known before the log-probs:
+        ``rollout_is_ratio`` times the entropy selection ``token_select``; None without either."""
+        w, sel = self.rollout_is_ratio, self.token_select
+        if sel is None:
+            return w
+        sel = sel.astype(jnp.float32)
+        return sel if w is None else w * sel
+
     def sequences(self) -> Sequences:
         """Where this batch's sequences lie (:class:`Sequences`)."""
         return Sequences.of(self.mask, self.segment_ids)
@@ -338,13 +347,9 @@ def _capped(log_w, cap, mode: str):
 
 
 def _rollout_token_weights(logp, data: PolicyInputs) -> jax.Array | None:
-    """``[B, T]`` weight of each token's policy term: ``rollout_is_ratio`` times the
-    :class:`RolloutCorrection` weight times the entropy selection (token-level objectives); None without
-    any of them."""
-    w = data.rollout_is_ratio
-    if data.token_select is not None:
-        sel = data.token_select.astype(jnp.float32)
-        w = sel if w is None else w * sel
+    """``[B, T]`` weight of each token's policy term: :meth:`PolicyInputs.token_policy_weights` times the
+    :class:`RolloutCorrection` weight (token-level objectives); None without any of them."""
+    w = data.token_policy_weights()
     corr = data.rollout_correction
     if data.rollout_logps is not None and corr is not None:
         d = _rollout_d(logp, data)

@@ -147,9 +147,6 @@ def policy_loss(
     z = logits(
         hidden, weight, bias=bias, temperature=temperature, weight_layout=weight_layout, upcast=upcast, softcap=softcap
     )
-    if entropy_coef is not None:
-        V_.check_entropy_coef(entropy_coef)
-        inputs = inputs._replace(entropy_coef=jnp.asarray(entropy_coef, jnp.float32))
     return _loss(objective, z, inputs, top_entropy_quantile)
 
 
@@ -185,7 +182,4 @@ def policy_loss_from_logits(
     )
     inputs = V_.policy_inputs(**token_args)
     z = jnp.asarray(logits)[:, :T].astype(jnp.float32) / inputs.temperature
-    if entropy_coef is not None:
-        V_.check_entropy_coef(entropy_coef)
-        inputs = inputs._replace(entropy_coef=jnp.asarray(entropy_coef, jnp.float32))
     return _loss(objective, z, inputs, top_entropy_quantile)

@@ -187,6 +187,13 @@ def softcap_tanh(x, cap: float):
     return jnp.where(jnp.abs(y) < 0.25, series, ex)
 
 
+def soft_cap(z, cap: float):
+    """``(cap * tanh(z / cap), tanh(z / cap))`` of a logits tile (:func:`softcap_tanh`); a ``-inf`` logit (a
+    masked vocabulary column's bias) stays ``-inf``, not ``-cap``."""
+    t = softcap_tanh(z, cap)
+    return jnp.where(z == -jnp.inf, -jnp.inf, cap * t), t
+
+
 def snap_tolerance(lse2):
     """Per-row tolerance under which a backward kernel treats ``z2 - lse2`` as exactly 0 (``p = 1``).
 

@@ -108,8 +108,7 @@ def lm_head_dlogits_window(
             if has_bias:
                 z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
             if softcap is not None:
-                t = C.softcap_tanh(z, softcap)
-                z = jnp.where(z == -jnp.inf, -jnp.inf, softcap * t)  # a masked column stays masked
+                z, t = C.soft_cap(z, softcap)
             col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
             z2 = z * C.bcast_rows(scale_v, shape) - C.bcast_rows(lse2_v, shape)
             z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance

@@ -110,8 +110,8 @@ def lm_head_lse_partials(
             shape = (bm, bn)
             if has_bias:
                 z = z + C.bcast_cols(C.col_vector(b_ref, tile * bn, bn, interpret), shape)
-            if softcap is not None:  # a -inf logit (a masked vocabulary column's bias) stays -inf
-                z = jnp.where(z == -jnp.inf, -jnp.inf, softcap * C.softcap_tanh(z, softcap))
+            if softcap is not None:
+                z, _ = C.soft_cap(z, softcap)
             z2 = z * C.bcast_rows(scale_v, shape)
             col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret) + tile * bn
             z2 = jnp.where(col < vocab_size, z2, -jnp.inf)

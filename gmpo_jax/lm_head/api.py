@@ -287,11 +287,8 @@ def fused_linear_policy_loss(
     )
     V_.check_top_entropy_quantile(top_entropy_quantile)
     V_.check_softcap(softcap)
-    V_.check_entropy_coef(entropy_coef)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     inputs = V_.policy_inputs(**token_args)
-    if entropy_coef is not None:
-        inputs = inputs._replace(entropy_coef=jnp.asarray(entropy_coef, jnp.float32))
     head_args = dict(weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation, softcap=softcap)
     threshold = None
     if top_entropy_quantile != 1.0:

@@ -232,43 +232,35 @@ def _chunk_step_skipping(
             return num, sums, jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32), db
 
         return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
-    if chunk.entropy_coef is None:
-        logp, lse = rows.on_live_rows(
-            buckets, chunk.mask, lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False)[:2], (h, ids)
-        )
-    else:
-        logp, lse, ent = rows.on_live_rows(
-            buckets,
-            chunk.mask,
-            lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False, with_entropy=True)[:3],
-            (h, ids),
-        )
+    with_ent = chunk.entropy_coef is not None
+    n_out = 3 if with_ent else 2  # logp, lse[, entropy]
+    logp, lse, *ent = rows.on_live_rows(
+        buckets,
+        chunk.mask,
+        lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False, with_entropy=with_ent)[:n_out],
+        (h, ids),
+    )
     num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
-    if chunk.entropy_coef is not None:
-        ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
+    extra = ()
+    if with_ent:
+        ent_num, gamma = _entropy_term(objective, chunk, ent[0], denominator)
         num = num + ent_num
+        extra = (gamma, ent[0])
     if not with_grads:
         return num, sums, None, dw, db
     dlogp = dlogp.reshape(-1)
-    acc = (jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db)
-    if chunk.entropy_coef is None:
-        grads = rows.on_live_rows(
-            buckets,
-            dlogp != 0,
-            lambda hs, ids_s, dlogp_s, lse_s: _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, None),
-            (h, ids, dlogp, lse),
-            accumulators=acc,
-        )
-    else:  # a row with an entropy cotangent has work even where d loss / d logp is 0
-        grads = rows.on_live_rows(
-            buckets,
-            (dlogp != 0) | (gamma != 0),
-            lambda hs, ids_s, dlogp_s, lse_s, g_s, e_s: _backward(
-                cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, None, (g_s, e_s)
-            ),
-            (h, ids, dlogp, lse, gamma, ent),
-            accumulators=acc,
-        )
+    live = dlogp != 0
+    if with_ent:  # a row with an entropy cotangent has work even where d loss / d logp is 0
+        live = live | (extra[0] != 0)
+    grads = rows.on_live_rows(
+        buckets,
+        live,
+        lambda hs, ids_s, dlogp_s, lse_s, *e_s: _backward(
+            cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, None, tuple(e_s) or None
+        ),
+        (h, ids, dlogp, lse, *extra),
+        accumulators=(jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db),
+    )
     return (num, sums, *grads)
 
 

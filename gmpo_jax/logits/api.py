@@ -169,11 +169,8 @@ def policy_loss_from_logits(
     token_args = V_.token_args(locals())
     B, T, Tl, V = _check_inputs(logits, token_args)
     V_.check_top_entropy_quantile(top_entropy_quantile)
-    V_.check_entropy_coef(entropy_coef)
     inputs = V_.policy_inputs(**token_args)
     logits = jnp.asarray(logits)
-    if entropy_coef is not None:
-        inputs = inputs._replace(entropy_coef=jnp.asarray(entropy_coef, jnp.float32))
     threshold = None
     if top_entropy_quantile != 1.0:
         entropy, _ = entropy_and_lse(jax.lax.stop_gradient(logits), T, inputs.temperature)

@@ -60,15 +60,6 @@ class LogitsConfig:
     T: int
 
 
-def _token_ratio(inputs: PolicyInputs):
-    """A token-local objective's per-token policy weight: ``rollout_is_ratio`` times the entropy selection."""
-    ris, sel = inputs.rollout_is_ratio, inputs.token_select
-    if sel is None:
-        return ris
-    sel = sel.astype(jnp.float32)
-    return sel if ris is None else ris * sel
-
-
 def _token_local_loss(objective: Objective, logp, inputs: PolicyInputs, *, with_grads: bool):
     """``(loss, dlogp or None)`` of a token-local objective as one weighted sum,
     ``sum_{b,t} token_weights * token_loss``: the function whose gradient the fused kernel writes, and a
@@ -80,7 +71,7 @@ def _token_local_loss(objective: Objective, logp, inputs: PolicyInputs, *, with_
     adv = inputs.token_advantages()
 
     def total(lp):
-        tl = objective.token_loss(lp, inputs.old_logps, inputs.ref_logps, adv, _token_ratio(inputs), mask=mask)
+        tl = objective.token_loss(lp, inputs.old_logps, inputs.ref_logps, adv, inputs.token_policy_weights(), mask=mask)
         return jnp.sum(jnp.where(mask, weights * tl, 0.0))
 
     if not with_grads:
@@ -119,6 +110,15 @@ def _entropy_term(objective: Objective, logits, inputs: PolicyInputs, T: int):
     return jnp.sum(gamma * ent), (gamma, ent, lse)
 
 
+def _add_entropy_term(objective: Objective, logits, inputs: PolicyInputs, T: int, loss, aux):
+    """``(loss, aux, (gamma, H, lse) or None)`` with the entropy term added to the loss and its numerator."""
+    ent_loss, ent = _entropy_term(objective, logits, inputs, T)
+    if ent_loss is None:
+        return loss, aux, None
+    aux = aux._replace(loss_numerator=aux.loss_numerator + lax.stop_gradient(ent_loss) * aux.loss_denominator)
+    return loss + ent_loss, aux, ent
+
+
 def _id_ok(inputs: PolicyInputs, V: int):
     """Where the (masked-to-0) ids lie in ``[0, V)``; elsewhere the log-prob is NaN."""
     return (inputs.ids >= 0) & (inputs.ids < V)
@@ -128,10 +128,7 @@ def _run(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs, 
     logp, residual = cfg.backend.logprobs(logits, inputs.ids, T=cfg.T, temperature=inputs.temperature)
     logp = jnp.where(_id_ok(inputs, logits.shape[-1]), logp, jnp.nan)
     loss, aux, dlogp = _objective(objective, logp, inputs, with_grads=with_grads)
-    ent_loss, ent = _entropy_term(objective, logits, inputs, cfg.T)
-    if ent_loss is not None:
-        loss = loss + ent_loss
-        aux = aux._replace(loss_numerator=aux.loss_numerator + lax.stop_gradient(ent_loss) * aux.loss_denominator)
+    loss, aux, ent = _add_entropy_term(objective, logits, inputs, cfg.T, loss, aux)
     return loss, aux, (residual, dlogp, ent)
 
 
@@ -158,17 +155,15 @@ def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyIn
         old_logps=inputs.old_logps,
         ref_logps=inputs.ref_logps,
         advantages=inputs.token_advantages(),
-        rollout_is_ratio=_token_ratio(inputs),
+        rollout_is_ratio=inputs.token_policy_weights(),
         weights=objective.token_weights(inputs.mask, inputs.num_items, inputs.segment_ids),
         mask=inputs.mask,
         id_ok=id_ok,
     )
     logp = jnp.where(id_ok, logp, jnp.nan)
     loss, aux, _ = _objective(objective, logp, inputs, with_grads=False, loss=loss)
-    ent_loss, ent = _entropy_term(objective, logits, inputs, cfg.T)
-    if ent_loss is not None:
-        loss = loss + ent_loss
-        aux = aux._replace(loss_numerator=aux.loss_numerator + lax.stop_gradient(ent_loss) * aux.loss_denominator)
+    loss, aux, ent = _add_entropy_term(objective, logits, inputs, cfg.T, loss, aux)
+    if ent is not None:
         dlogits = (dlogits.astype(jnp.float32) + entropy_dlogits(logits, cfg.T, inputs.temperature, *ent)).astype(
             dlogits.dtype
         )
