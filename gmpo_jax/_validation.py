@@ -86,6 +86,22 @@ def check_softcap(softcap) -> None:
         raise ValueError(f"softcap must be finite and > 0, got softcap={softcap!r}")
 
 
+def check_logits_precision(logits_precision) -> None:
+    """``logits_precision``: None, ``"float32"`` or ``"bf16x3"`` (static: it selects the kernels' products)."""
+    from gmpo_jax.lm_head.backend import LOGITS_PRECISIONS
+
+    if logits_precision is None:
+        return
+    if not isinstance(logits_precision, str):
+        raise TypeError(
+            f"logits_precision must be None or one of {tuple(LOGITS_PRECISIONS)}, got logits_precision={logits_precision!r}"
+        )
+    if logits_precision not in LOGITS_PRECISIONS:
+        raise ValueError(
+            f"logits_precision must be None or one of {tuple(LOGITS_PRECISIONS)}, got logits_precision={logits_precision!r}"
+        )
+
+
 def check_top_entropy_quantile(q) -> None:
     """``top_entropy_quantile``: a Python real in ``(0, 1]`` (static: 1 skips the entropy pass)."""
     if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):

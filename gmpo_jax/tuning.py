@@ -56,6 +56,9 @@ MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {
     "logprob": (64, 256, 64, 4),
     "grad": (64, 256, 64, 3),
     "logprob_saved": (64, 256, 64, 3),
+    # the dz kernel writing float32 (logits_precision): its two 64 x 128 float32 staging tiles and a 4-deep ring fit
+    # shared memory (193 KiB); not measured yet (2026-12-01: no GPU this session).
+    "grad_f32": (64, 128, 64, 4),
 }
 
 

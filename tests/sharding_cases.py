@@ -517,3 +517,26 @@ def test_entropy_term_sharded_equals_single_device(mesh_name):
     kw = dict(entropy_coef=0.05, mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis)
     got = _value_and_grad(_loss_fn("gspo", **kw), hs, ws, None)
     _assert_same(got, want, f"entropy@{mesh_name}")
+
+
+@pytest.mark.parametrize("mesh_name", ["8x1", "2x4"])
+def test_logits_precision_sharded_equals_single_device(mesh_name):
+    """``logits_precision="float32"`` with bfloat16 inputs (a float32 ``dz`` in each vocabulary shard's gradient
+    GEMMs) data and vocabulary parallel: equals the single-device call (test_logits_precision.py checks that one
+    against float64) up to the bfloat16 rounding of the gradients (as ``test_bf16_vocab_parallel_rounds_like_
+    single_device``: a psum of shard partials rounded to bfloat16 may move an element by one ulp)."""
+    obj, layout, _ = OBJECTIVES["gspo"]
+    c, w, _ = case_for("gspo")
+    h16, w16 = jnp.asarray(c.hidden, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    want = _value_and_grad(_loss_fn("gspo", logits_precision="float32"), h16, w16, None)
+    shape, data_axis, vocab_axis = MESHES[mesh_name]
+    mesh = _mesh(shape)
+    w_spec = P(None, vocab_axis) if layout == "hv" else P(vocab_axis, None)
+    hs = jax.device_put(h16, NamedSharding(mesh, P(data_axis)))
+    ws = jax.device_put(w16, NamedSharding(mesh, w_spec))
+    kw = dict(logits_precision="float32", mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis)
+    loss, _, grads = _value_and_grad(_loss_fn("gspo", **kw), hs, ws, None)
+    _close(loss, want[0], 1e-5, "loss")
+    for what, g, g0 in zip(("dhidden", "dweight"), grads, want[2]):
+        assert g.dtype == g0.dtype == jnp.bfloat16, what
+        _close(np.asarray(g, np.float32), np.asarray(g0, np.float32), 2.0**-7, what)

@@ -320,33 +320,44 @@ def logits_tile_loop(
     epilogue,  # (tile_index, z f32[bm, bn] WGMMA layout, carry) -> carry
     finish,  # (carry) -> None
     interpret=None,
+    terms: tuple[tuple[int, int], ...] = ((0, 0),),
 ):
-    """Runs the warp-specialised logits-tile pipeline inside a 3-warpgroup kernel."""
+    """Runs the warp-specialised logits-tile pipeline inside a 3-warpgroup kernel.
+
+    ``terms``: the products summed into each logits tile, ``(i, j)`` = hidden part ``i`` times weight part
+    ``j``, each part ``k_iters * block_k`` wide along the contraction, side by side in ``hidden_ref`` and
+    ``weight_ref`` (split-bfloat16 operands, :func:`split_terms`); ``((0, 0),)``: the plain product."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
     wg = lax.axis_index("wg")
+    steps = len(terms) * k_iters  # pipeline steps per vocabulary tile
 
     @pl.when(wg == 2)
     def _memory_warpgroup():
         plgpu.set_max_registers(40, action="decrease")
-        total = num_tiles * k_iters
+        total = num_tiles * steps
 
         @pl.loop(0, total)
         def _step(step):
             slot = rem(step, stages)
-            n = tile0 + div(step, k_iters)
-            k = rem(step, k_iters)
+            n = tile0 + div(step, steps)
+            k = rem(step, steps)
+            hk = wk = k
+            if len(terms) > 1:  # which parts this step multiplies, and where along their contraction
+                term, k_in = div(k, k_iters), rem(k, k_iters)
+                hk = _static_lookup([i for i, _ in terms], term) * k_iters + k_in
+                wk = _static_lookup([j for _, j in terms], term) * k_iters + k_in
 
             @pl.when(step >= stages)
             def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
             plgpu.copy_gmem_to_smem(
-                hidden_ref.at[pl.ds(row0, 2 * bm), pl.ds(k * bk, bk)], a_smem.at[slot], loaded.at[slot]
+                hidden_ref.at[pl.ds(row0, 2 * bm), pl.ds(hk * bk, bk)], a_smem.at[slot], loaded.at[slot]
             )
             if weight_layout == "hv":
-                w_src = weight_ref.at[pl.ds(k * bk, bk), pl.ds(n * bn, bn)]
+                w_src = weight_ref.at[pl.ds(wk * bk, bk), pl.ds(n * bn, bn)]
             else:
-                w_src = weight_ref.at[pl.ds(n * bn, bn), pl.ds(k * bk, bk)]
+                w_src = weight_ref.at[pl.ds(n * bn, bn), pl.ds(wk * bk, bk)]
             plgpu.copy_gmem_to_smem(w_src, b_smem.at[slot], loaded.at[slot])
 
         # Observe the last phases of the `consumed` barriers too (every phase of a barrier is
@@ -366,7 +377,7 @@ def logits_tile_loop(
 
             def matmul(acc_ref):
                 def k_body(k, _):
-                    slot = rem(t * k_iters + k, stages)
+                    slot = rem(t * steps + k, stages)
                     plgpu.barrier_wait(loaded.at[slot])
                     wgmma(
                         acc_ref,
@@ -379,18 +390,18 @@ def logits_tile_loop(
                     plgpu.barrier_arrive(consumed.at[slot])
                     return ()
 
-                lax.fori_loop(0, i32(k_iters), k_body, ())
+                lax.fori_loop(0, i32(steps), k_body, ())
                 return acc_ref[...]
 
             def value_mm():
                 def k_body(k, acc):
-                    slot = rem(t * k_iters + k, stages)
+                    slot = rem(t * steps + k, stages)
                     plgpu.barrier_wait(loaded.at[slot])
                     acc = acc + value_matmul(a_smem.at[slot].at[a_rows], b_smem.at[slot], transpose_b=transpose_b)
                     plgpu.barrier_arrive(consumed.at[slot])
                     return acc
 
-                return lax.fori_loop(0, i32(k_iters), k_body, jnp.zeros((bm, bn), jnp.float32))
+                return lax.fori_loop(0, i32(steps), k_body, jnp.zeros((bm, bn), jnp.float32))
 
             if needs_value_matmul(transpose_b, interpret):
                 z = value_mm()
@@ -400,6 +411,33 @@ def logits_tile_loop(
 
         carry = lax.fori_loop(0, num_tiles, tile_body, init_carry())
         finish(carry)
+
+
+def _static_lookup(values, index):
+    """``values[index]`` of a static list of ints at a traced int32 ``index`` (a chain of selects)."""
+    out = i32(values[0])
+    for i, v in enumerate(values[1:], 1):
+        out = jnp.where(index == i, i32(v), out)
+    return out
+
+
+def split_terms(parts_a: int, parts_b: int, order: int) -> tuple[tuple[int, int], ...]:
+    """The products ``(i, j)`` of a split-bfloat16 product ``a b = sum_ij a_i b_j`` that are kept: ``i + j
+    <= order`` (part ``i`` of an operand is about ``2**(-8 i)`` of it, so a dropped product is at most about
+    ``2**(-8 (order + 1))`` of ``|a| |b|``), the largest first. ``parts_*``: the operands' part counts (1 for a
+    bfloat16 operand: it is its own single part). ``order`` 2 with three parts each is XLA's
+    ``BF16_BF16_F32_X6`` (float32-accurate), 1 with two parts its ``BF16_BF16_F32_X3``."""
+    return tuple((i, s - i) for s in range(order + 1) for i in range(parts_a) if 0 <= s - i < parts_b)
+
+
+def part_k_iters(hidden, weight, weight_layout: str, terms, block_k: int) -> int:
+    """Pipeline steps along one operand part's contraction (``H / block_k``), checking that ``hidden``
+    (``[Rp, P H]``) and ``weight`` (``[Q H, V]`` / ``[V, Q H]``) hold the parts ``terms`` names."""
+    n_h, n_w = 1 + max(i for i, _ in terms), 1 + max(j for _, j in terms)
+    hdim = hidden.shape[1] // n_h
+    w_k = weight.shape[0] if weight_layout == "hv" else weight.shape[1]
+    assert hidden.shape[1] == n_h * hdim and w_k == n_w * hdim and hdim % block_k == 0, (hidden.shape, weight.shape)
+    return hdim // block_k
 
 
 class CtaBlock(NamedTuple):

@@ -50,6 +50,8 @@ def lm_head_dlogits_window(
     cfg: C.LMHeadBlocks,
     num_splits: int,
     softcap: float | None = None,
+    terms: tuple[tuple[int, int], ...] = ((0, 0),),
+    dz_dtype=None,
     interpret=None,
 ):
     """``dz = row_coef (onehot(ids) - exp2(z * row_scale - row_lse2))`` for the vocabulary columns
@@ -59,8 +61,9 @@ def lm_head_dlogits_window(
     no longer sums to 0).
 
     Args:
-      hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
-      weight: ``[H, V]`` (``"hv"``) or ``[V, H]`` (``"vh"``).
+      hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``; with ``terms``, its bfloat16 parts
+        side by side (``kernels.lm_head_lse.lm_head_lse_partials``).
+      weight: ``[H, V]`` (``"hv"``) or ``[V, H]`` (``"vh"``); with ``terms``, its parts side by side along ``H``.
       bias: ``[num_tiles * block_n]`` f32 zero-padded, or None.
       ids: ``[Rp]`` int32.
       row_scale: ``[Rp]`` f32 ``log2(e) / T``.
@@ -69,19 +72,21 @@ def lm_head_dlogits_window(
       row_entropy: None, or ``(gamma / T, H)``, two ``[Rp]`` f32: an entropy term's cotangent and the
         rows' entropies; ``dz`` then also holds ``-(gamma / T) p (log p + H)`` (still summing to 0).
       window_start: first column, a multiple of ``block_n``.
+      terms: the split operands' products (``_common.split_terms``); ``((0, 0),)``: plain operands.
+      dz_dtype: the stored ``dz``'s dtype: None (``hidden.dtype``) or float32 (twice the staging memory).
 
     Returns:
-      ``(dz, rowsum)``: ``dz`` ``[Rp, window_tiles * block_n]`` in ``hidden.dtype`` (columns past ``V`` are
+      ``(dz, rowsum)``: ``dz`` ``[Rp, window_tiles * block_n]`` in ``dz_dtype`` (columns past ``V`` are
       0); ``rowsum`` ``[num_splits, Rp]`` float32, each split's sum of its stored ``dz`` entries.
     """
-    rows, hdim = hidden.shape
+    rows = hidden.shape[0]
     bm, bn = cfg.block_m, cfg.block_n
     assert window_start % bn == 0
     first_tile = window_start // bn
     tiles_per_split = C.cdiv(window_tiles, num_splits)
     assert C.cdiv(window_tiles, tiles_per_split) == num_splits
-    k_iters = hdim // cfg.block_k
-    dtype = hidden.dtype
+    k_iters = C.part_k_iters(hidden, weight, weight_layout, terms, cfg.block_k)
+    dtype = jnp.dtype(hidden.dtype if dz_dtype is None else dz_dtype)
     has_bias = bias is not None
     with_ent = row_entropy is not None
 
@@ -156,6 +161,7 @@ def lm_head_dlogits_window(
             epilogue=epilogue,
             finish=finish,
             interpret=interpret,
+            terms=terms,
         )
 
     return C.launch(
@@ -169,7 +175,7 @@ def lm_head_dlogits_window(
             jax.ShapeDtypeStruct((num_splits, rows), jnp.float32),
         ),
         epilogue_smem=(
-            plgpu.SMEM((2, bm, bn), dtype, transforms=C.smem_transforms(jnp.dtype(dtype).itemsize)),
+            plgpu.SMEM((2, bm, bn), dtype, transforms=C.smem_transforms(dtype.itemsize)),
             plgpu.SMEM((2, bm), jnp.float32),
         ),
         weight_layout=weight_layout,

@@ -52,14 +52,18 @@ def lm_head_lse_partials(
     with_entropy: bool = False,
     save_tiles: int = 0,
     softcap: float | None = None,
+    terms: tuple[tuple[int, int], ...] = ((0, 0),),
     interpret=None,
 ):
     """Per-split online log-sum-exp statistics of the logits ``z = (hidden W + bias) / T``, never stored.
     With ``softcap`` (a static ``cap > 0``): ``z = cap tanh((hidden W + bias) / cap) / T`` (Gemma).
+    With split operands (``terms``, ``_common.split_terms``): ``hidden W = sum_(i, j) in terms hidden_i W_j``.
 
     Args:
-      hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``.
-      weight: ``[H, V]`` (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``), same dtype.
+      hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``; with ``terms``, ``[Rp, P H]``: its
+        ``P`` bfloat16 parts side by side.
+      weight: ``[H, V]`` (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``), same dtype; with ``terms``, its parts
+        side by side along ``H`` (``[Q H, V]`` or ``[V, Q H]``).
       bias: ``[num_tiles * block_n]`` f32 (zero-padded past ``V``) or None.
       ids: ``[Rp]`` int32 target ids (any value; ids outside ``[0, V)`` pick nothing).
       row_scale: ``[Rp]`` f32, ``log2(e) / temperature`` per row.
@@ -75,13 +79,13 @@ def lm_head_lse_partials(
       ``save_tiles``, two more: ``d`` ``[Rp, save_tiles * block_n]`` f16 (``z2 - m``, ``-inf`` past ``V``)
       and ``m`` ``[save_tiles, Rp]`` f32 (the running maximum after each tile, 0 while it is ``-inf``).
     """
-    rows, hdim = hidden.shape
+    rows = hidden.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     num_tiles = C.cdiv(vocab_size, bn)
     tiles_per_split = C.cdiv(num_tiles, num_splits)
     assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits)
-    assert rows % (2 * bm) == 0 and hdim % bk == 0
-    k_iters = hdim // bk
+    k_iters = C.part_k_iters(hidden, weight, weight_layout, terms, bk)
+    assert rows % (2 * bm) == 0
     has_bias = bias is not None
     n_stats = 4 if with_entropy else 3
     assert 0 <= save_tiles <= num_tiles, (save_tiles, num_tiles)
@@ -172,6 +176,7 @@ def lm_head_lse_partials(
             epilogue=epilogue,
             finish=finish,
             interpret=interpret,
+            terms=terms,
         )
 
     stat = jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)

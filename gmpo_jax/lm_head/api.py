@@ -43,9 +43,10 @@ def _config(
     plan,
     with_entropy: bool = False,
     softcap: float | None = None,
+    logits_precision: str | None = None,
 ) -> LMHeadConfig:
     """The static configuration: the backend resolved for one device's rows and vocabulary shard (with the
-    soft cap set on it)."""
+    soft cap and the logits precision set on it)."""
     B, H = hidden.shape[0], hidden.shape[2]
     if plan is not None:
         B, V_local = B // plan.data_shards, V // plan.vocab_shards
@@ -62,11 +63,17 @@ def _config(
         weight_layout=weight_layout,
         has_bias=bias is not None,
         **({"with_entropy": True} if with_entropy else {}),
+        **({"logits_precision": logits_precision} if logits_precision is not None else {}),
     )
-    if softcap is not None:
-        if not (dataclasses.is_dataclass(backend) and "softcap" in {f.name for f in dataclasses.fields(backend)}):
-            raise UnsupportedConfigError(f"the LM-head backend {backend.name!r} has no softcap (Gemma's logit cap)")
-        backend = dataclasses.replace(backend, softcap=float(softcap))
+    for field, value, what in (
+        ("softcap", None if softcap is None else float(softcap), "softcap (Gemma's logit cap)"),
+        ("logits_precision", logits_precision, "logits_precision"),
+    ):
+        if value is None:
+            continue
+        if not (dataclasses.is_dataclass(backend) and field in {f.name for f in dataclasses.fields(backend)}):
+            raise UnsupportedConfigError(f"the LM-head backend {backend.name!r} has no {what}")
+        backend = dataclasses.replace(backend, **{field: value})
     return LMHeadConfig(
         backend=sharding.local_backend(backend, plan, V),
         chunk_size=chunk,
@@ -124,6 +131,7 @@ def fused_linear_policy_loss(
     top_entropy_quantile: float = 1.0,
     softcap: float | None = None,
     entropy_coef: ScalarLike | None = None,
+    logits_precision: str | None = None,
     weight_layout: str = "hv",
     chunk_size: int | None = None,
     implementation: Any | None = None,
@@ -217,6 +225,17 @@ def fused_linear_policy_loss(
         loss's normaliser for bnpo / dapo / dr_grpo / cispo; SPEC.md "Entropy term"), with its exact
         gradient ``dH/dz = -p (log p + H) / temperature`` formed in the same passes as the policy
         gradient (no logits materialised). ``c > 0`` rewards entropy (verl's ``entropy_coeff``).
+      logits_precision: None (default), ``"float32"`` or ``"bf16x3"``: how accurately the LM head's products
+        are computed. None: in the inputs' dtype with float32 accumulation (16-bit products are exact; the
+        logits' gradient is rounded to the inputs' 16-bit dtype before the two gradient GEMMs), and a
+        float32 ``hidden`` / ``weight`` runs the portable path at ``Precision.HIGHEST``. ``"float32"``:
+        float32-accurate logits and gradients on every path: the Mosaic kernels split float32 (and
+        float16) operands into three bfloat16 parts and sum the six leading products (as XLA's
+        ``BF16_BF16_F32_X6``), keep the logits' gradient in float32 and multiply its parts the same way;
+        ``hidden`` and ``weight`` may then each be bf16, f16 or f32 (ScaleRL's float32 LM head, arXiv
+        2510.13786). ``"bf16x3"``: two parts and three products in the kernels (up to ``3 * 2**-16``
+        of each product instead of float32's ``2**-24``; half the work); the portable path computes
+        both like ``"float32"``. Costs: docs/performance.md "Float32 LM head".
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
@@ -254,7 +273,7 @@ def fused_linear_policy_loss(
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``logits_precision``, a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
@@ -287,9 +306,16 @@ def fused_linear_policy_loss(
     )
     V_.check_top_entropy_quantile(top_entropy_quantile)
     V_.check_softcap(softcap)
+    V_.check_logits_precision(logits_precision)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     inputs = V_.policy_inputs(**token_args)
-    head_args = dict(weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation, softcap=softcap)
+    head_args = dict(
+        weight_layout=weight_layout,
+        chunk_size=chunk_size,
+        implementation=implementation,
+        softcap=softcap,
+        logits_precision=logits_precision,
+    )
     threshold = None
     if top_entropy_quantile != 1.0:
         _, entropy = fused_linear_logprobs(
@@ -314,7 +340,19 @@ def fused_linear_policy_loss(
         )
         inputs = inputs._replace(ref_logps=ref_logps)
     ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
-    cfg = _config(hidden, weight, bias, T, V, chunk_size, weight_layout, implementation, plan, softcap=softcap)
+    cfg = _config(
+        hidden,
+        weight,
+        bias,
+        T,
+        V,
+        chunk_size,
+        weight_layout,
+        implementation,
+        plan,
+        softcap=softcap,
+        logits_precision=logits_precision,
+    )
     head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
     loss, aux = fused_policy_loss(cfg, objective, head, inputs)
     return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
@@ -337,6 +375,7 @@ def fused_linear_logprobs(
     vocab_axis: AxisName | None = None,
     return_entropy: bool = False,
     softcap: float | None = None,
+    logits_precision: str | None = None,
 ) -> Float[Array, "B T"] | tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     r"""Per-token log-probs (and optionally entropies) through the LM head without materialising the logits.
 
@@ -368,6 +407,7 @@ def fused_linear_logprobs(
         cotangent is ignored; differentiate the log-probs only). Every implementation computes it
         (``mosaic_gpu``: two more float32 operations per logit in the log-prob kernel).
       softcap: None or Gemma's final-logit soft cap ``c > 0``, as in :func:`fused_linear_policy_loss`.
+      logits_precision: None, ``"float32"`` or ``"bf16x3"``, as in :func:`fused_linear_policy_loss`.
 
     Returns:
       ``[B, T]`` float32 log-probs; with ``return_entropy`` the pair ``(logp, entropy)``, both ``[B, T]``
@@ -395,6 +435,7 @@ def fused_linear_logprobs(
     if not isinstance(return_entropy, (bool, np.bool_)):
         raise TypeError(f"return_entropy must be a bool, got return_entropy={return_entropy!r}")
     V_.check_softcap(softcap)
+    V_.check_logits_precision(logits_precision)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     mask = jnp.ones((B, T), jnp.bool_) if completion_mask is None else V_.as_mask(completion_mask)
     ids, bias = sharding.mask_padded_vocab(jnp.where(mask, V_.as_ids(completion_ids), 0), bias, V, vocab_size)
@@ -411,6 +452,7 @@ def fused_linear_logprobs(
         plan,
         with_entropy=bool(return_entropy),
         softcap=softcap,
+        logits_precision=logits_precision,
     )
     out = fused_logprobs(cfg, *_placed(plan, Head(hidden, weight, bias), inputs))
     if return_entropy:

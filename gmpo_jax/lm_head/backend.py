@@ -15,7 +15,20 @@ from jax import lax
 
 from gmpo_jax._dispatch import dispatch
 
-__all__ = ["LMHeadBackend", "IMPLEMENTATIONS", "resolve", "cancel_rounding", "stored_rowsum"]
+__all__ = [
+    "LMHeadBackend",
+    "IMPLEMENTATIONS",
+    "LOGITS_PRECISIONS",
+    "resolve",
+    "cancel_rounding",
+    "stored_rowsum",
+    "bf16_parts",
+    "split_dot",
+]
+
+# logits_precision -> the order of the split-bfloat16 products kept (gmpo_jax.kernels._common.split_terms):
+# "float32": three parts, i + j <= 2 (six products, float32-accurate); "bf16x3": two parts, i + j <= 1.
+LOGITS_PRECISIONS = {"float32": 2, "bf16x3": 1}
 
 
 @runtime_checkable
@@ -116,3 +129,37 @@ def stored_rowsum(dz, axis: int = 1):
         bits = lax.bitcast_convert_type(dz, jnp.uint16).astype(jnp.uint32) << 16
         return jnp.sum(lax.bitcast_convert_type(bits, jnp.float32), axis=axis)
     return jnp.sum(lax.optimization_barrier(dz).astype(jnp.float32), axis=axis)
+
+
+def bf16_parts(x, n: int) -> list:
+    """``x`` (any float dtype) as ``n`` bfloat16 arrays whose float32 sum approximates it: part ``k`` is the
+    round-to-nearest bfloat16 of what the parts before it left, so ``|x - sum| <= 2**(-8 n) |x|`` in the normal
+    range (half a bfloat16 ulp per part; three parts hold a float32's 24 significand bits exactly). A bfloat16 ``x`` is its own single part.
+
+    The rounding is done on the bits (integer operations), not by ``astype``: on GPUs XLA's
+    ``SimplifyFPConversions`` may fold an ``f32 -> bf16 -> f32`` chain and leave the next remainder 0
+    (:func:`stored_rowsum`). Finite ``|x| >= 2**128 (1 - 2**-9)`` rounds to ``inf``."""
+    if x.dtype == jnp.bfloat16:
+        return [x]
+    rest = x.astype(jnp.float32)
+    parts = []
+    for _ in range(n):
+        bits = lax.bitcast_convert_type(rest, jnp.uint32)
+        bits = (bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & 1))) & jnp.uint32(0xFFFF0000)  # nearest, ties to even
+        hi = lax.bitcast_convert_type(bits, jnp.float32)
+        parts.append(lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16))
+        rest = rest - hi  # exact
+    return parts
+
+
+def split_dot(a_parts, b_parts, dimension_numbers, order: int):
+    """``sum_(i, j) dot(a_i, b_j)`` over the split-bfloat16 products ``i + j <= order`` (``kernels._common.
+    split_terms``), float32 accumulation: the GEMM of the two split operands to about ``2**(-8 (order + 1))``
+    relative (each product of bfloat16 parts is exact in float32)."""
+    from gmpo_jax.kernels._common import split_terms
+
+    out = None
+    for i, j in split_terms(len(a_parts), len(b_parts), order):
+        d = lax.dot_general(a_parts[i], b_parts[j], dimension_numbers, preferred_element_type=jnp.float32)
+        out = d if out is None else out + d
+    return out

@@ -23,6 +23,12 @@ the tail of the last vocabulary tile and the kernels mask it (``-inf`` logits, z
 weight is read in place when its vocabulary dimension suits the bulk copies (``V % 64 == 0`` for
 ``"hv"``, ``V % 8 == 0`` for ``"vh"``: every real head but GPT-2's 50257), else from a zero-padded copy.
 
+``logits_precision`` (``"float32"`` / ``"bf16x3"``): float32 (or float16) operands are split into bfloat16
+parts (``backend.bf16_parts``) side by side along ``H``, and the kernels sum the leading products of the parts
+into each logits tile (``kernels._common.split_terms``: six for ``"float32"``, three for ``"bf16x3"``); a
+bfloat16 operand is its own single part. The dz kernel writes float32, and the two gradient GEMMs multiply
+its parts the same way (``backend.split_dot``). The logits are never kept in this mode.
+
 Block sizes come from :func:`block_config` (the reviewed table ``gmpo_jax.tuning.MOSAIC_BLOCKS``).
 """
 
@@ -38,13 +44,14 @@ from jax import lax
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.lm_head.backend import cancel_rounding, stored_rowsum
+from gmpo_jax.lm_head.backend import LOGITS_PRECISIONS, bf16_parts, cancel_rounding, split_dot, stored_rowsum
 
 __all__ = ["MosaicGpuBackend", "supported_on", "block_config"]
 
 
 def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = False, device_kind: str | None = None):
-    """Block sizes of the kernel ``kind`` (``"logprob"``, ``"logprob_saved"``, ``"grad"``) from the reviewed table
+    """Block sizes of the kernel ``kind`` (``"logprob"``, ``"logprob_saved"``, ``"grad"``, ``"grad_f32"``: float32
+    ``dz``) from the reviewed table
     ``gmpo_jax.tuning.MOSAIC_BLOCKS`` (keyed by GPU and head; ``device_kind`` defaults to the first
     device's). The gradient kernel runs 64-row warpgroup blocks when ``rows <= 128`` (less padding)."""
     from gmpo_jax.kernels._common import LMHeadBlocks
@@ -54,7 +61,7 @@ def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = Fals
     if device_kind is None:
         device_kind = getattr(jax.devices()[0], "device_kind", "")
     block_m, block_n, block_k, stages = tuning.mosaic_blocks(device_kind, H, V, kind)
-    if kind == "grad" and rows <= 128:
+    if kind in ("grad", "grad_f32") and rows <= 128:
         block_m = 64
     return LMHeadBlocks(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages)
 
@@ -65,7 +72,8 @@ def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
 
     if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
         return lm_head_lse_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
-    return 2 * cfg.block_m * (cfg.block_n * itemsize + 4)  # the dz kernel's two output tiles and row sums
+    dz_item = 4 if kind == "grad_f32" else itemsize
+    return 2 * cfg.block_m * (cfg.block_n * dz_item + 4)  # the dz kernel's two output tiles and row sums
 
 
 class SavedLogits(NamedTuple):
@@ -94,6 +102,9 @@ class MosaicGpuBackend:
     ``H >= save_min_hidden`` (``tuning.SAVED_LOGITS_MIN_H``: below it keeping was measured no faster).
     softcap: None, or Gemma's final-logit soft cap ``c > 0``: the kernels compute ``c tanh(x / c)`` of each
     logit ``x = h W + b`` before the temperature, and the gradient passes take its derivative.
+    logits_precision: None (products of the 16-bit inputs, exact in float32; ``dz`` rounded to their dtype
+    before the gradient GEMMs), or ``"float32"`` / ``"bf16x3"``: split-bfloat16 products for float32 / float16
+    operands and a float32 ``dz`` (module docstring); then the inputs may be bf16, f16 or f32, each its own.
     """
 
     interpret: bool = False
@@ -103,20 +114,40 @@ class MosaicGpuBackend:
     row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
     softcap: float | None = None  # Gemma's final-logit cap: z = cap tanh((h W + b) / cap) / T (static)
+    logits_precision: str | None = None  # None, "float32" or "bf16x3" (backend.LOGITS_PRECISIONS)
     name: str = "mosaic_gpu"
 
     # -- seam -------------------------------------------------------------------------------------
-    def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias, with_entropy=False):
+    def check_supported(
+        self,
+        *,
+        hidden_dtype,
+        weight_dtype,
+        H,
+        V,
+        rows,
+        weight_layout,
+        has_bias,
+        with_entropy=False,
+        logits_precision=None,
+    ):
         from gmpo_jax.kernels import _common as C
 
         if not self.interpret and not any(supported_on(d) for d in jax.devices()):
             raise BackendUnavailableError("Pallas Mosaic GPU kernels need a Hopper (sm_90) or newer GPU")
         if weight_layout not in ("hv", "vh"):
             raise UnsupportedConfigError(f"{weight_layout=} must be 'hv' or 'vh'")
+        precision = logits_precision or self.logits_precision
         hd, wd = jnp.dtype(hidden_dtype), jnp.dtype(weight_dtype)
-        if hd != wd or hd not in C.SUPPORTED_DTYPES:
+        if precision is not None:
+            if precision not in LOGITS_PRECISIONS:
+                raise UnsupportedConfigError(f"logits_precision={precision!r} is not one of {tuple(LOGITS_PRECISIONS)}")
+            if not {hd, wd} <= {*C.SUPPORTED_DTYPES, jnp.dtype(jnp.float32)}:
+                raise UnsupportedConfigError(f"mosaic_gpu needs bf16 / f16 / f32 hidden and weight, got {hd}, {wd}")
+        elif hd != wd or hd not in C.SUPPORTED_DTYPES:
             raise UnsupportedConfigError(
-                f"mosaic_gpu needs hidden and weight of one 16-bit dtype (bf16/f16), got {hd}, {wd}"
+                f"mosaic_gpu needs hidden and weight of one 16-bit dtype (bf16/f16), got {hd}, {wd} "
+                "(float32 heads: logits_precision='float32')"
             )
         if H % 64 or H <= 0:
             raise UnsupportedConfigError(f"mosaic_gpu needs H a positive multiple of 64, got {H=}")
@@ -124,8 +155,9 @@ class MosaicGpuBackend:
             raise UnsupportedConfigError(f"empty problem: {V=}, {rows=}")
         if V >= 2**31 - 2**20 or rows >= 2**31 - 2**20:
             raise UnsupportedConfigError(f"{V=} / {rows=} overflow int32 indexing")
-        item = hd.itemsize
-        for kind in ("logprob", "grad") + (("logprob_saved",) if self.save_logits else ()):
+        item = 2 if precision is not None else hd.itemsize  # the kernels' operands: bfloat16 parts
+        kinds = ("logprob", "grad_f32") if precision is not None else ("logprob", "grad")
+        for kind in kinds + (("logprob_saved",) if self.save_logits and precision is None else ()):
             cfg = block_config(rows=rows, H=H, V=V, kind=kind, interpret=self.interpret)
             extra = epilogue_bytes(kind, cfg, item)
             if cfg.smem_bytes(item, extra) > C.SMEM_BYTES:
@@ -160,6 +192,7 @@ class MosaicGpuBackend:
         grad = block_config(rows=rows, H=H, V=V, kind="grad", interpret=self.interpret)
         if (
             not self.save_logits
+            or self.logits_precision is not None  # float16 tiles would undo the float32 logits
             or H < self.save_min_hidden
             or (cfg.block_m, cfg.block_n) != (grad.block_m, grad.block_n)
         ):
@@ -192,21 +225,49 @@ class MosaicGpuBackend:
         return self._saved_bytes(Rp, H, C.cdiv(V, cfg.block_n), cfg.block_n, save_tiles)
 
     def _saved_bytes(self, Rp: int, H: int, n_tiles: int, bn: int, save_tiles: int) -> int:
-        per_column = _per_column(Rp, H, 2)
+        per_column = _per_column(Rp, H, 2, 2)
         kept = (
-            Rp * save_tiles * (bn * 2 + 4) + self._window_tiles(Rp, H, save_tiles, bn, 2, kept=True) * bn * per_column
+            Rp * save_tiles * (bn * 2 + 4)
+            + self._window_tiles(Rp, H, save_tiles, bn, 2, 2, kept=True) * bn * per_column
         )
-        rest = self._window_tiles(Rp, H, n_tiles - save_tiles, bn, 2) * bn * per_column if save_tiles < n_tiles else 0
+        rest = (
+            self._window_tiles(Rp, H, n_tiles - save_tiles, bn, 2, 2) * bn * per_column if save_tiles < n_tiles else 0
+        )
         return Rp * H * 4 + max(kept, rest)
 
-    def _window_tiles(self, Rp: int, H: int, n_tiles: int, bn: int, item: int, *, kept: bool = False) -> int:
+    def _window_tiles(
+        self, Rp: int, H: int, n_tiles: int, bn: int, dz_bytes: int, w_bytes: int, *, kept: bool = False
+    ) -> int:
         """Vocabulary tiles per gradient window over ``n_tiles`` tiles: all when their dz fits
         ``workspace_bytes`` (no weight slice, few rows: N = 512), else as many as the workspace holds (dz,
-        weight slice, dW), or half of it for the kept tiles (room for the kept logits: Llama-3 at 8192 rows)."""
-        if self.workspace_bytes >= Rp * n_tiles * bn * item:
+        weight slice, dW), or half of it for the kept tiles (room for the kept logits: Llama-3 at 8192 rows).
+        ``dz_bytes`` / ``w_bytes``: bytes per element of dz (with its split parts) and of the weight slice."""
+        if self.workspace_bytes >= Rp * n_tiles * bn * dz_bytes:
             return n_tiles
         workspace = self.workspace_bytes // 2 if kept else self.workspace_bytes
-        return max(1, min(n_tiles, workspace // (_per_column(Rp, H, item) * bn)))
+        return max(1, min(n_tiles, workspace // (_per_column(Rp, H, dz_bytes, w_bytes) * bn)))
+
+    def _operands(self, hp, weight, weight_layout) -> Operands:
+        """The kernels' operands of row-padded ``hp`` and ``weight``: themselves, or their bfloat16 parts side by
+        side along ``H`` with the products to sum (``logits_precision``)."""
+        if self.logits_precision is None:
+            item = hp.dtype.itemsize
+            return Operands(hp, weight, ((0, 0),), [hp], None, None, item, item)
+        from gmpo_jax.kernels._common import split_terms
+
+        order = LOGITS_PRECISIONS[self.logits_precision]
+        h_parts, w_parts = bf16_parts(hp, order + 1), bf16_parts(weight, order + 1)
+        k_axis = 0 if weight_layout == "hv" else 1
+        return Operands(
+            hidden=jnp.concatenate(h_parts, axis=1) if len(h_parts) > 1 else h_parts[0],
+            weight=jnp.concatenate(w_parts, axis=k_axis) if len(w_parts) > 1 else w_parts[0],
+            terms=split_terms(len(h_parts), len(w_parts), order),
+            hidden_parts=h_parts,
+            weight_parts=len(w_parts),
+            order=order,
+            dz_bytes=4 + 2 * (order + 1),  # float32 dz and its parts
+            weight_bytes=2 * len(w_parts),
+        )
 
     def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
         """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
@@ -245,9 +306,10 @@ class MosaicGpuBackend:
         hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
         n_tiles = C.cdiv(V, cfg.block_n)
         splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
+        ops = self._operands(hp, weight, weight_layout)
         out = lm_head_lse_partials(
-            hp,
-            _aligned(weight, weight_layout),
+            ops.hidden,
+            _aligned(ops.weight, weight_layout),
             bias_p,
             ids_p,
             scale,
@@ -258,6 +320,7 @@ class MosaicGpuBackend:
             with_entropy=with_entropy,
             save_tiles=save_tiles,
             softcap=self.softcap,
+            terms=ops.terms,
             interpret=self._interpret_params(),
         )
         stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
@@ -292,7 +355,8 @@ class MosaicGpuBackend:
         from gmpo_jax.kernels import _common as C
 
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
-        cfg = block_config(rows=R, H=H, V=V, kind="grad", interpret=self.interpret)
+        precise = self.logits_precision is not None
+        cfg = block_config(rows=R, H=H, V=V, kind="grad_f32" if precise else "grad", interpret=self.interpret)
         bn = cfg.block_n
         with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
             hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
@@ -301,22 +365,26 @@ class MosaicGpuBackend:
                     f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
                     f"not match the gradient kernel's {bn} / {Rp} (see save_plan)"
                 )
-            if saved is not None and entropy is not None:
-                raise ValueError("an entropy term needs the recomputed logits (no kept logits: saved=None)")
+            if saved is not None and (entropy is not None or precise):
+                raise ValueError(
+                    "an entropy term and logits_precision need the recomputed logits (no kept logits: saved=None)"
+                )
             t = jnp.asarray(temperature, jnp.float32)
             fresh = dw_acc is None
             if fresh:
                 dw_acc = jnp.zeros(weight.shape, weight.dtype if saved is not None else jnp.float32)
+            ops = self._operands(hp, weight, weight_layout)
             gp = _GradPass(
                 backend=self,
                 cfg=cfg,
                 V=V,
                 layout=weight_layout,
                 hp=hp,
+                ops=ops,
                 ids_p=ids_p,
                 scale=scale,
                 bias_p=bias_p,
-                w_kernel=_aligned(weight, weight_layout),
+                w_kernel=_aligned(ops.weight, weight_layout),
                 coef=jnp.pad(dlogp.astype(jnp.float32) / t, (0, Rp - R)),
                 lse2=jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, Rp - R)),
                 saved=saved,
@@ -326,18 +394,18 @@ class MosaicGpuBackend:
                 else tuple(jnp.pad(x.astype(jnp.float32), (0, Rp - R)) for x in (entropy[0] / t, entropy[1])),
             )
             n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
-            item = hp.dtype.itemsize
+            item = ops.dz_bytes, ops.weight_bytes
             carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc, jnp.zeros((Rp,), jnp.float32))
             if save_tiles:
                 carry = gp.windows(
-                    carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, item, kept=True), True
+                    carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, *item, kept=True), True
                 )
             if save_tiles < n_tiles:
                 carry = gp.windows(
-                    carry, save_tiles, n_tiles, self._window_tiles(Rp, H, n_tiles - save_tiles, bn, item), False
+                    carry, save_tiles, n_tiles, self._window_tiles(Rp, H, n_tiles - save_tiles, bn, *item), False
                 )
             dh, dw_acc, db_acc, rowsum = carry
-            if self.cancel_rounding:
+            if self.cancel_rounding and not precise:  # a float32 dz is not rounded to 16 bits
                 dh = cancel_rounding(dh, rowsum, weight, ids_p, weight_layout)
         return dh[:R].astype(hidden.dtype), dw_acc, db_acc
 
@@ -366,6 +434,22 @@ class MosaicGpuBackend:
         return interpret_params()
 
 
+class Operands(NamedTuple):
+    """What the kernels multiply (``MosaicGpuBackend._operands``): ``hidden`` ``[Rp, P H]`` and ``weight`` (its
+    parts along ``H``), the products ``terms`` to sum; for the gradient GEMMs the hidden parts, the weight's
+    part count, the split order (None: plain 16-bit operands, 16-bit dz) and bytes per element of dz and of the
+    weight."""
+
+    hidden: jax.Array
+    weight: jax.Array
+    terms: tuple
+    hidden_parts: list
+    weight_parts: int | None
+    order: int | None
+    dz_bytes: int
+    weight_bytes: int
+
+
 @dataclasses.dataclass
 class _GradPass:
     """One ``grads`` call's vocabulary windows: per window, ``dz`` (the kernel, or the kept logits) and
@@ -376,6 +460,7 @@ class _GradPass:
     V: int
     layout: str
     hp: jax.Array  # [Rp, H] hidden, row-padded
+    ops: Operands  # the kernels' operands (split parts with logits_precision)
     ids_p: jax.Array  # [Rp] int32 (-1 on padding rows)
     scale: jax.Array  # [Rp] log2(e) / temperature
     bias_p: Any  # [tiles * block_n] float32 or None
@@ -406,7 +491,7 @@ class _GradPass:
         cfg = self.cfg
         splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret))
         dz, rowsum = lm_head_dlogits_window(
-            self.hp,
+            self.ops.hidden,
             w_blk,
             b_blk,
             ids_w,
@@ -421,6 +506,8 @@ class _GradPass:
             cfg=cfg,
             num_splits=splits,
             softcap=self.backend.softcap,
+            terms=self.ops.terms,
+            dz_dtype=None if self.ops.order is None else jnp.float32,
             interpret=self.backend._interpret_params(),
         )
         return dz, jnp.sum(rowsum, axis=0)
@@ -438,9 +525,15 @@ class _GradPass:
             dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns
             w_blk = lax.slice_in_dim(w_blk, 0, width, axis=axis)
-        dh = dh + lax.dot_general(dz, w_blk, (((1,), (axis,)), ((), ())), preferred_element_type=jnp.float32)
-        a, b = (self.hp, dz) if axis == 1 else (dz, self.hp)  # dW block in the weight's layout
-        dw_blk = lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        ops = self.ops
+        if ops.order is None:
+            dz_parts, w_parts = [dz], [w_blk]
+        else:  # float32 dz: its parts times the weight's parts (split along H, the other axis)
+            dz_parts = bf16_parts(dz, ops.order + 1)
+            w_parts = jnp.split(w_blk, ops.weight_parts, axis=1 - axis)
+        dh = dh + split_dot(dz_parts, w_parts, (((1,), (axis,)), ((), ())), ops.order or 0)
+        a, b = (ops.hidden_parts, dz_parts) if axis == 1 else (dz_parts, ops.hidden_parts)  # dW in the weight's layout
+        dw_blk = split_dot(a, b, (((0,), (0,)), ((), ())), ops.order or 0)
         if not self.fresh:
             dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
         dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
@@ -518,10 +611,10 @@ def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dt
     return dz.astype(dtype), jnp.sum(dz, axis=1)
 
 
-def _per_column(Rp: int, H: int, item: int) -> int:
-    """Bytes per vocabulary column of a gradient window: dz ``[Rp]`` and the weight slice ``[H]`` in 16 bits,
-    the float32 dW block ``[H]``."""
-    return Rp * item + H * (item + 4)
+def _per_column(Rp: int, H: int, dz_bytes: int, w_bytes: int) -> int:
+    """Bytes per vocabulary column of a gradient window: dz ``[Rp]`` (``dz_bytes`` per element), the weight slice
+    ``[H]`` (``w_bytes``) and the float32 dW block ``[H]``."""
+    return Rp * dz_bytes + H * (w_bytes + 4)
 
 
 def _vocab(weight, weight_layout):

@@ -12,7 +12,8 @@ merged at once, ``m = max_j m_j``, ``s = sum_j s_j exp(m_j - m)`` (one tree redu
 rescale: order-independent to float32 rounding, issue 16); ``lse = m + log s``. Gradients: per block, ``p = exp(z - lse)`` (no second max pass),
 ``dz = dlogp (onehot - p) / T``, ``dh += dz W_b^T`` and ``dW[:, block] += h^T dz`` in float32 (updated in
 place in the carry). Matmuls take the inputs' dtype with float32 accumulation; float32 inputs use
-``Precision.HIGHEST`` so GPUs do not silently drop to TF32.
+``Precision.HIGHEST`` so GPUs do not silently drop to TF32. ``logits_precision`` (``"float32"`` or
+``"bf16x3"``, alike here) keeps ``dz`` in float32 for the two gradient GEMMs (16-bit inputs are upcast there).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from jax import lax
 
 from gmpo_jax import tuning
 from gmpo_jax._dispatch import UnsupportedConfigError
-from gmpo_jax.lm_head.backend import cancel_rounding, stored_rowsum
+from gmpo_jax.lm_head.backend import LOGITS_PRECISIONS, cancel_rounding, stored_rowsum
 
 __all__ = ["XlaChunkedBackend", "shifted"]
 
@@ -99,11 +100,27 @@ class XlaChunkedBackend:
     row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
     softcap: float | None = None  # Gemma's final-logit cap: z = cap tanh((h W + b) / cap) / T (static)
+    logits_precision: str | None = None  # "float32" / "bf16x3": float32 dz and Precision.HIGHEST GEMMs
     name: str = "xla_chunked"
 
-    def check_supported(self, *, hidden_dtype, weight_dtype, H, V, rows, weight_layout, has_bias, with_entropy=False):
+    def check_supported(
+        self,
+        *,
+        hidden_dtype,
+        weight_dtype,
+        H,
+        V,
+        rows,
+        weight_layout,
+        has_bias,
+        with_entropy=False,
+        logits_precision=None,
+    ):
         if weight_layout not in ("hv", "vh"):
             raise UnsupportedConfigError(f"weight_layout={weight_layout!r}")
+        precision = logits_precision or self.logits_precision
+        if precision is not None and precision not in LOGITS_PRECISIONS:
+            raise UnsupportedConfigError(f"logits_precision={precision!r} is not one of {tuple(LOGITS_PRECISIONS)}")
 
     def _vocab_block(self, rows, V):
         return self.vocab_block or tuning.xla_vocab_block(rows, V)
@@ -159,6 +176,8 @@ class XlaChunkedBackend:
         size, n = _blocks(V, self._vocab_block(R, V))
         prec = _precision(hidden.dtype, weight.dtype)
         cdt = jnp.result_type(hidden.dtype, weight.dtype)
+        if self.logits_precision is not None:  # dz kept in float32, the GEMMs at float32 (not TF32)
+            prec, cdt = lax.Precision.HIGHEST, jnp.float32
         axis = 1 if weight_layout == "hv" else 0
         scale = (dlogp / temperature)[:, None]
         if entropy is not None:
@@ -181,19 +200,20 @@ class XlaChunkedBackend:
                 rowsum = rowsum - jnp.sum(dz, axis=1)
             dz_c = dz.astype(cdt)
             rowsum = rowsum + stored_rowsum(dz_c)  # the stored dz's rounding error
+            w_blk, h_c = w_blk.astype(cdt), hidden.astype(cdt)  # no-ops unless logits_precision upcasts
             if weight_layout == "hv":  # dh += dz W_b^T ; dW_b = h^T dz  ([H, size])
                 dh = dh + lax.dot_general(
                     dz_c, w_blk, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
                 )
                 dw_blk = lax.dot_general(
-                    hidden, dz_c, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+                    h_c, dz_c, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
                 )
             else:  # W_b is [size, H]: dh += dz W_b ; dW_b = dz^T h ([size, H])
                 dh = dh + lax.dot_general(
                     dz_c, w_blk, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
                 )
                 dw_blk = lax.dot_general(
-                    dz_c, hidden, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+                    dz_c, h_c, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
                 )
             dw = lax.dynamic_update_slice_in_dim(
                 dw, lax.dynamic_slice_in_dim(dw, start, size, axis=axis) + dw_blk, start, axis=axis
