@@ -151,6 +151,19 @@ def test_matches_tunix_grpo_loss_tied_embedding():
     )
 
 
+def test_logits_precision_passes_through():
+    """``logits_precision`` reaches the fused loss (float32 model: Tunix's own loss to float32 tolerance), and a
+    bad value raises when the loss function is made, naming the argument."""
+    config = CASES["grpo_kl"][0]()
+    model, ex = tiny_qwen3(), example(ref=True)
+    assert_same(
+        value_and_grad(algo_core.grpo_loss_fn, model, ex, config),
+        value_and_grad(gtx.make_policy_loss_fn(logits_precision="float32"), model, ex, config),
+    )
+    with pytest.raises(ValueError, match="logits_precision"):
+        gtx.make_policy_loss_fn(logits_precision="fp32")
+
+
 @pytest.mark.parametrize("sampler", [False, True])
 def test_gmpo_through_tunix_matches_reference(sampler):
     """GMPO via the Tunix loss fn == gmpo_jax.reference.policy_loss on the model's dense logits (with

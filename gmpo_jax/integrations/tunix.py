@@ -90,7 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gmpo_jax
-from gmpo_jax._validation import _concrete
+from gmpo_jax._validation import _concrete, check_logits_precision
 from gmpo_jax.objectives import Sequences
 
 __all__ = [
@@ -123,6 +123,7 @@ def register(
     chunk_size: int | None = None,
     implementation: Any | None = None,
     max_completion_length: int | None = None,
+    logits_precision: str | None = None,
 ) -> str:
     """Register the fused policy loss with Tunix under ``name`` and return ``name``.
 
@@ -136,6 +137,9 @@ def register(
         :class:`gmpo_jax.GMPO` for GMPO.
       compute_entropy: also report Tunix's ``entropy`` metric (one more fused pass, no gradient).
       chunk_size, implementation: passed to :func:`gmpo_jax.fused_linear_policy_loss`.
+      logits_precision: passed to it too; set (``"float32"``), the head weight keeps its own dtype (a float32
+        weight with bfloat16 activations runs in the kernels, float32-accurate), else it is cast to the
+        activations' dtype as Tunix's heads compute.
       max_completion_length: the per-token scale ``norm`` of ``loss_agg_mode="sequence-mean-token-scale"``
         (Dr.GRPO): each sequence's token sum is divided by it. None: Tunix's default, the width of
         ``completion_ids`` (the completion length ``T`` padded, the packed row length ``L`` packed); set
@@ -159,6 +163,7 @@ def register(
         chunk_size=chunk_size,
         implementation=implementation,
         max_completion_length=max_completion_length,
+        logits_precision=logits_precision,
     )
     function_registry.register_policy_loss_fn(name)(fn)
     return name
@@ -171,6 +176,7 @@ def make_policy_loss_fn(
     chunk_size: int | None = None,
     implementation: Any | None = None,
     max_completion_length: int | None = None,
+    logits_precision: str | None = None,
 ) -> Callable:
     """The fused policy loss as a Tunix policy loss function (see :func:`register` for the arguments).
 
@@ -189,9 +195,10 @@ def make_policy_loss_fn(
       :func:`loss_arguments`, :func:`final_hidden_states` and :func:`lm_head` raise.
 
     Raises:
-      TypeError: ``objective`` is neither None nor a ``gmpo_jax.GMPO``.
-      ValueError: ``max_completion_length`` not a positive integer.
+      TypeError: ``objective`` is neither None nor a ``gmpo_jax.GMPO``; ``logits_precision`` not a string.
+      ValueError: ``max_completion_length`` not a positive integer; an unknown ``logits_precision``.
     """
+    check_logits_precision(logits_precision)
     if objective is not None and not isinstance(objective, gmpo_jax.GMPO):
         raise TypeError(f"objective must be None (Tunix's loss) or a gmpo_jax.GMPO, got {type(objective).__name__}")
     _check_max_completion_length(max_completion_length)
@@ -213,10 +220,14 @@ def make_policy_loss_fn(
             segment_positions=getattr(train_example, "segment_positions", None),
         )
         weight, layout = lm_head(model)
-        if weight.dtype != hidden.dtype:  # Tunix's heads compute in the activation dtype
+        if weight.dtype != hidden.dtype and logits_precision is None:  # Tunix's heads compute in the activation dtype
             weight = weight.astype(hidden.dtype)
         fused = dict(
-            weight_layout=layout, chunk_size=chunk_size, implementation=implementation, softcap=logit_softcap(model)
+            weight_layout=layout,
+            chunk_size=chunk_size,
+            implementation=implementation,
+            softcap=logit_softcap(model),
+            logits_precision=logits_precision,
         )
         loss, a = gmpo_jax.fused_linear_policy_loss(
             hidden, weight, ids, mask, train_example.advantages, **kwargs, **fused
