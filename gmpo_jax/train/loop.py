@@ -528,7 +528,8 @@ def _finish(c: TrainConfig, history, new_rows, wall: float, sample: str, log) ->
             f"{summary['first_step_s']:.1f} s){speed}"
         )
     log(
-        f"reward (mean of 10 steps): first {summary['reward_first10']:.3f} -> last {summary['reward_last10']:.3f}; "
+        f"reward (mean of {min(10, summary['steps'])} steps): first {summary['reward_first10']:.3f} -> last "
+        f"{summary['reward_last10']:.3f}; "
         f"exact answers {summary['exact_first10']:.1%} -> {summary['exact_last10']:.1%}"
         + (f"; last sample: {sample!r}" if sample else "")
     )
