@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it from the checkout
     sys.path.insert(0, ROOT)
 
-from benchmarks import tunix_bench  # noqa: E402
+from benchmarks import report, tunix_bench  # noqa: E402
 
 LOSS_ATOL, GRAD_TOL = 1e-6, 1e-4
 KEYS = {"device", "jax", "tunix", "commit", "config", "impl", "step_ms", "peak_bytes", "temp_bytes", "loss"}
@@ -76,12 +76,15 @@ def test_cpu_preset_records(cpu_records):
     assert 0 < fused["temp_bytes"] <= tunix["temp_bytes"]
 
 
-def test_report_table(cpu_records):
+def test_report_table(cpu_records, tmp_path):
     records, stdout = cpu_records
     text = tunix_bench.report(records)
     rows = [line for line in text.splitlines() if line.startswith("| cpu |")]
     assert len(rows) == 2 and "tunix_grpo" in rows[0] and "gmpo_jax_fused" in rows[1]
     assert rows[1].count(" / ") == 2 and text in stdout  # the driver prints the same table
+    path = tmp_path / "mixed.jsonl"  # benchmarks.report, which reads results/*.jsonl, leaves them out
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.load([str(path)]) == {}
 
 
 def test_gpu_configs_trace():
