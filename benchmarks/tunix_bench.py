@@ -391,8 +391,10 @@ def run_step(case: Case, impl: str, opts: dict[str, Any]) -> dict[str, Any]:
 def run_check(case: Case, dtype: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Loss and parameter gradients of both implementations at ``dtype`` (one process, same parameters
     and batch); float32 at HIGHEST matmul precision, so both sides are float32-exact. The model runs with
-    Tunix's ``RematConfig.DECODER`` (the same gradients; without it Tunix's attention keeps every layer's
-    ``[B, heads, L, L]`` float32 scores, ~100 GiB at Qwen2.5-0.5B 8 x 1280 by the CPU's memory analysis)."""
+    Tunix's ``RematConfig.DECODER``: the same gradients, and it should keep the float32 check's memory on
+    the GPU down (Tunix's attention materialises every layer's ``[B, heads, L, L]`` scores). Not measured
+    yet: the CPU compile's memory analysis gives ~95 GiB of temporaries for Qwen2.5-0.5B at 8 x 1280 with
+    or without the remat, so it says nothing of the GPU's schedule."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -431,8 +433,9 @@ def run_check(case: Case, dtype: str, opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_only(case: Case) -> list[str]:
-    """Trace (lower) both steps and the fused log-prob pass at the case's shapes without allocating the
-    model: catches shape and API errors before a device run. Returns one line per implementation."""
+    """Trace both training steps (lowered), the float32 check's gradients and the log-prob pass at the
+    case's shapes, on abstract parameters (nothing allocated): catches shape and API errors before a
+    device run. Returns a line per traced function group."""
     import jax
     from flax import nnx
 
@@ -450,8 +453,7 @@ def build_only(case: Case) -> list[str]:
             f"{case.name} {impl}: lowered in {time.perf_counter() - t0:.1f}s ({len(out)} outputs; "
             f"gmpo_jax backend here: {backend})"
         )
-    g, params, rest = nnx.split(model, nnx.Param, ...)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     f32_model, _ = _build(dataclasses.replace(case, remat="decoder"), "float32", 0, abstract=True)  # the check's
     g32, params32, rest32 = nnx.split(f32_model, nnx.Param, ...)
     for impl in IMPLS:
