@@ -12,9 +12,11 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from typing import Any
 
 GIB = float(2**30)
@@ -179,3 +181,55 @@ def fill_floor(rec: dict[str, Any], floors: dict[str, Any]) -> None:
         rec["x_floor"] = round(rec["median_ms"] / rec["floor_ms"], 3)
         if rec.get("pipelined_ms"):
             rec["x_floor_pipelined"] = round(rec["pipelined_ms"] / rec["floor_ms"], 3)
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a measured worker process: no preallocation (peaks are the job's own), the
+    checkout importable, unbuffered output."""
+    env = dict(os.environ)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if REPO_ROOT not in paths:
+        paths.append(REPO_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def run_child(cmd: list[str], label: str, timeout_s: float, log) -> tuple[list[dict[str, Any]], str, float]:
+    """Runs a worker command in a fresh process group (killed whole at the timeout); returns its records
+    (``emit`` lines), ``'ok' | 'timeout' | 'crash (rc=..)'`` and the seconds it took. ``log``: an open
+    file for the worker's output, or None."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    status = "ok"
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        status = "timeout"
+    seconds = time.perf_counter() - t0
+    if status == "ok" and proc.returncode != 0:
+        status = f"crash (rc={proc.returncode})"
+    if log is not None:
+        log.write(f"\n=== {label} :: {status} in {seconds:.1f}s\n")
+        noise = [ln for ln in out.splitlines() if not ln.startswith(RESULT_PREFIX)]
+        if noise:
+            log.write("--- stdout\n" + "\n".join(noise[-200:]) + "\n")
+        if err.strip():
+            log.write("--- stderr (last 150 lines)\n" + "\n".join(err.splitlines()[-150:]) + "\n")
+        log.flush()
+    return parse_records(out), status, seconds

@@ -67,6 +67,8 @@ def load(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
                     continue
                 if "layout" in r:  # multi-device runs (benchmarks.sharded_bench): tabulated by hand
                     continue
+                if str(r.get("kind", "")).startswith("tunix_"):  # benchmarks.tunix_bench: its own --report
+                    continue
                 dev = r.get("device") or os.path.splitext(os.path.basename(p))[0]
                 by_dev.setdefault(dev, []).append(r)
     return by_dev

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -204,53 +202,10 @@ def execute(job: dict[str, Any], opts: dict[str, Any]) -> list[dict[str, Any]]:
     raise ValueError(f"unknown job kind {job['kind']!r}")
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if _common.REPO_ROOT not in paths:
-        paths.append(_common.REPO_ROOT)
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
 def run_child(job: dict[str, Any], opts: dict[str, Any], timeout_s: float, log) -> tuple[list, str, float]:
     """Runs a job in a fresh process group; returns (records, 'ok'|'timeout'|'crash (rc=..)', seconds)."""
     cmd = [sys.executable, "-m", "benchmarks.run", "--child", json.dumps(job), "--opts", json.dumps(opts)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=_common.REPO_ROOT,
-        env=_child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    status = "ok"
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
-        status = "timeout"
-    seconds = time.perf_counter() - t0
-    if status == "ok" and proc.returncode != 0:
-        status = f"crash (rc={proc.returncode})"
-    if log is not None:
-        log.write(f"\n=== {_job_label(job)} :: {status} in {seconds:.1f}s\n")
-        noise = [ln for ln in out.splitlines() if not ln.startswith(_common.RESULT_PREFIX)]
-        if noise:
-            log.write("--- stdout\n" + "\n".join(noise[-200:]) + "\n")
-        if err.strip():
-            log.write("--- stderr (last 150 lines)\n" + "\n".join(err.splitlines()[-150:]) + "\n")
-        log.flush()
-    return _common.parse_records(out), status, seconds
+    return _common.run_child(cmd, _job_label(job), timeout_s, log)
 
 
 def _job_label(job: dict[str, Any]) -> str:
