@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_suite.sh                      # the README's main table (--only realistic)
 #   bash benchmarks/gpu_suite.sh --only kernels,core,peers,logits   # the older full suite (flat data)
+#   bash benchmarks/gpu_suite.sh --only features      # loss features vs the plain path (RESULTS.md)
 #
 # Arguments go to `python3 -m benchmarks.run --suite gpu` (see its --help). Installs the carried peer
 # wheels (.whl/, name it in `carry`) when present, prints versions, runs every job in its own process

@@ -9,6 +9,11 @@ LM head (issues 2, 3), GMPO objective with its defaults, ``old_logps`` given (of
   logits, bf16 matmul with f32 accumulation: the naive training step). Records before commit 6bd1818's
   successor used ``upcast=True`` (the f32 HIGHEST oracle); see docs/performance.md.
 
+Loss features (``opts``; 0 / ``"none"`` = off): ``entropy_coef``, ``softcap`` (both LM-head
+implementations and ``dense_jax``), ``logits_precision`` (``xla_chunked`` / ``mosaic_gpu``; ``dense_jax``
+refuses it: its float32 path is ``Precision.HIGHEST`` already) and ``input_dtype`` (``float32``: hidden and
+weight in float32, see ``as_float32``).
+
 Logits already computed (issue 5), logits ``[B, T + 1, V]``:
 
 * ``mosaic_gpu``, ``xla``: ``gmpo_jax.policy_loss_from_logits(..., implementation=name)``.
@@ -21,9 +26,10 @@ hidden and weight (LM head) or logits.
 Inputs: ``benchmarks.workloads`` (``opts["data"]``: ``peaked`` trained-LM-like batches, ``peaked-live``,
 or ``flat`` N(0, 1) data with uniform ids), created on the device in chunks (no float32 ``[N, V]``); each
 record carries the batch's statistics (mean entropy, masked / zero-advantage / clipped fractions). With
-``opts["grad_acc"]`` the LM-head records also carry the relative L2 error of both gradients against the
-float32 dense oracle (``grad_accuracy``). Only the public API of gmpo_jax is used (``gmpo_jax.reference``
-included): keep it that way, so that moving gmpo_jax's internals cannot break the benchmarks.
+``opts["grad_acc"]`` the LM-head records also carry the relative L2 error of both gradients against a
+dense oracle of the same loss (``grad_accuracy``; ``opts["oracle"]``: ``float32`` or ``float64``). Only the
+public API of gmpo_jax is used (``gmpo_jax.reference`` included): keep it that way, so that moving
+gmpo_jax's internals cannot break the benchmarks.
 
 Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (a high-water mark of the whole
 process, inputs included; ``None`` on CPU). JAX cannot reset it, so only the first mode run in a process
@@ -91,12 +97,29 @@ def lm_head_batch(cfg: Config, opts: dict[str, Any]) -> workloads.LMHeadBatch:
     return batch
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def as_float32(x, seed: int, stream: int):
+    """A bf16 array as float32 with the 16 mantissa bits below bf16 filled: ``x (1 + u 2**-10)``, ``u``
+    uniform in [-1, 1) (index-hashed). Within half a bf16 ulp, so it rounds back to ``x``: the float32 rows
+    see the bf16 batch. A plain cast would leave the low bits zero, and the split products of
+    ``logits_precision`` (``"bf16x3"`` drops the low x low terms) would then be exact by accident."""
+    u = (_hash_bits(seed, stream, x.shape) >> 8).astype(jnp.float32) * 2.0**-23 - 1.0
+    return x.astype(jnp.float32) * (1.0 + u * 2.0**-10)
+
+
 def lm_head_inputs(cfg: Config, opts: dict[str, Any]):
-    """``(hidden, weight, ids, mask, adv, old)`` in the call's argument order, and the batch statistics."""
+    """``(hidden, weight, ids, mask, adv, old)`` in the call's argument order, and the batch statistics
+    (of the bf16 batch). ``opts["input_dtype"] == "float32"``: hidden and weight through ``as_float32``."""
     batch = lm_head_batch(cfg, opts)
     stats = workloads.batch_stats(batch)
-    weight = batch.weight if opts["weight_layout"] == "hv" else jax.jit(jnp.transpose)(batch.weight)
-    return (batch.hidden, weight, batch.ids, batch.mask, batch.advantages, batch.old_logps), stats
+    hidden, weight = batch.hidden, batch.weight
+    if opts.get("input_dtype", "bfloat16") == "float32":
+        hidden, weight = as_float32(hidden, opts["seed"], 21), as_float32(weight, opts["seed"], 22)
+    elif opts.get("input_dtype", "bfloat16") != "bfloat16":
+        raise ValueError(f"unknown input_dtype {opts['input_dtype']!r}")
+    if opts["weight_layout"] != "hv":
+        weight = jax.jit(jnp.transpose)(weight)
+    return (hidden, weight, batch.ids, batch.mask, batch.advantages, batch.old_logps), stats
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -140,13 +163,27 @@ def _loss_only(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def loss_features(opts: dict[str, Any]) -> dict[str, Any]:
+    """``entropy_coef`` / ``softcap`` keywords of the LM-head loss and its oracles (only those that are on)."""
+    return {k: float(opts[k]) for k in ("entropy_coef", "softcap") if opts.get(k)}
+
+
+def logits_precision(opts: dict[str, Any]) -> str | None:
+    value = opts.get("logits_precision") or "none"
+    return None if value == "none" else value
+
+
 def lm_head_loss(impl: str, opts: dict[str, Any]) -> Callable:
     import gmpo_jax
 
     objective = gmpo_jax.GMPO()
     layout = opts["weight_layout"]
+    features = loss_features(opts)
+    precision = logits_precision(opts)
     if impl in ("xla_chunked", "mosaic_gpu"):
-        kw: dict[str, Any] = dict(objective=objective, implementation=impl, weight_layout=layout)
+        kw: dict[str, Any] = dict(objective=objective, implementation=impl, weight_layout=layout, **features)
+        if precision is not None:
+            kw["logits_precision"] = precision
         if opts.get("chunk_size"):
             kw["chunk_size"] = opts["chunk_size"]
 
@@ -156,12 +193,24 @@ def lm_head_loss(impl: str, opts: dict[str, Any]) -> Callable:
     elif impl == "dense_jax":
         from gmpo_jax import reference
 
+        if precision is not None:  # its float32 inputs run at HIGHEST already; a label would lie
+            raise NotImplementedError("dense_jax has no logits_precision (gmpo_jax.reference.policy_loss)")
+
         def loss(h, w, ids, mask, adv, old):
             # the naive bf16 training-step baseline: bf16 matmul with f32 accumulation, full logits
             # (upcast=True would be the f32 Precision.HIGHEST oracle, ~6x slower on the H200)
             return _loss_only(
                 reference.policy_loss(
-                    h, w, ids, mask, adv, objective=objective, old_logps=old, weight_layout=layout, upcast=False
+                    h,
+                    w,
+                    ids,
+                    mask,
+                    adv,
+                    objective=objective,
+                    old_logps=old,
+                    weight_layout=layout,
+                    upcast=False,
+                    **features,
                 )
             )
 
@@ -326,7 +375,8 @@ def input_specs(cfg: Config, opts: dict[str, Any]) -> tuple[jax.ShapeDtypeStruct
     tail = (S((B, T), jnp.int32), S((B, T), jnp.bool_), S((B,), jnp.float32), S((B, T), jnp.float32))
     if cfg.kind == "lm_head":
         w = (cfg.H, cfg.V) if opts["weight_layout"] == "hv" else (cfg.V, cfg.H)
-        return (S((B, T, cfg.H), jnp.bfloat16), S(w, jnp.bfloat16)) + tail
+        dtype = jnp.dtype(opts.get("input_dtype", "bfloat16"))
+        return (S((B, T, cfg.H), dtype), S(w, dtype)) + tail
     return (S((B, T + 1, cfg.V), jnp.bfloat16),) + tail
 
 
@@ -364,56 +414,140 @@ def apply_tuning(tuning: dict[str, Any] | None) -> dict[str, Any]:
     return applied
 
 
-GRAD_ORACLE_BYTES = 12 * 2**30  # largest float32 [N, V] logits the dense gradient oracle may form
+GRAD_ORACLE_BYTES = 12 * 2**30  # largest logits the dense gradient oracle may form (float32 [N, V]; float64 [T, V])
 
 
-def oracle_T(cfg: Config, budget: int | None = None) -> int:
-    """Tokens per sequence of the gradient-accuracy check: T, or the longest multiple of 128 whose float32
-    logits fit ``budget`` (the check then runs on the first T' positions of every sequence)."""
+def oracle_T(cfg: Config, budget: int | None = None, *, itemsize: int = 4, sequences: int | None = None) -> int:
+    """Tokens per sequence of the gradient-accuracy check: T, or the longest multiple of 128 whose logits
+    (``sequences`` rows of T' x V, ``itemsize`` bytes; default all B, float32) fit ``budget`` (the check
+    then runs on the first T' positions of every sequence)."""
     budget = GRAD_ORACLE_BYTES if budget is None else budget
-    if cfg.B * cfg.T * cfg.V * 4 <= budget:
+    rows = cfg.B if sequences is None else sequences
+    if rows * cfg.T * cfg.V * itemsize <= budget:
         return cfg.T
-    return max(128, (budget // (cfg.B * cfg.V * 4)) // 128 * 128)
+    return max(128, (budget // (rows * cfg.V * itemsize)) // 128 * 128)
 
 
 @jax.jit
 def _rel_l2(g, ref):
-    g, ref = g.astype(jnp.float32), ref.astype(jnp.float32)
+    """Relative L2 error of ``g`` against ``ref`` in ``ref``'s precision (float32; float64 under x64)."""
+    dt = jnp.promote_types(ref.dtype, jnp.float32)
+    g, ref = g.astype(dt), ref.astype(dt)
     return jnp.sqrt(jnp.sum(jnp.square(g - ref)) / jnp.maximum(jnp.sum(jnp.square(ref)), 1e-30))
 
 
 @functools.cache
-def _oracle_grad(layout: str) -> Callable:
+def _oracle_f32(layout: str, features: tuple[tuple[str, float], ...]) -> Callable:
+    """``(loss, (d hidden, d weight))`` of ``gmpo_jax.reference.policy_loss(upcast=True)``: full float32
+    logits at ``Precision.HIGHEST``, the same loss (``entropy_coef`` / ``softcap``) as the timed call."""
     import gmpo_jax
     from gmpo_jax import reference
 
     def oracle(h, w, ids, mask, adv, old):
         return _loss_only(
             reference.policy_loss(
-                h, w, ids, mask, adv, objective=gmpo_jax.GMPO(), old_logps=old, weight_layout=layout, upcast=True
+                h,
+                w,
+                ids,
+                mask,
+                adv,
+                objective=gmpo_jax.GMPO(),
+                old_logps=old,
+                weight_layout=layout,
+                upcast=True,
+                **dict(features),
             )
         )
 
-    return jax.jit(jax.grad(oracle, argnums=(0, 1)))
+    return jax.jit(jax.value_and_grad(oracle, argnums=(0, 1)))
+
+
+@functools.cache
+def _oracle_f64(layout: str, features: tuple[tuple[str, float], ...]) -> Callable:
+    """``(loss, (d hidden, d weight))`` of ``GMPO()`` (its default epsilons, no KL), the entropy term and the
+    soft cap as ``gmpo_jax.reference`` defines them, in float64 with full logits: call it under
+    ``jax.enable_x64``. ``gmpo_jax.reference`` computes in float32 whatever its inputs (its logits, log-probs
+    and objective math are float32 by contract), so this small copy of GMPO is the float64 oracle; the CPU
+    test checks it against the reference. GMPO's loss is a sum of per-sequence terms over ``B``: one
+    sequence at a time (``lax.scan``), so its float64 ``[T, V]`` logits and their residuals are what is live,
+    beside the float64 weight gradient."""
+    import gmpo_jax
+
+    gmpo = gmpo_jax.GMPO()
+    el, eh = float(gmpo.epsilon_low), float(gmpo.epsilon_high)
+    f = dict(features)
+    cap, coef = f.get("softcap"), f.get("entropy_coef")
+
+    def term(h, w, ids, mask, adv, old):  # one sequence: h [T, H], ids / mask / old [T], adv []
+        z = h @ w if layout == "hv" else h @ w.T
+        if cap:
+            z = cap * jnp.tanh(z / cap)
+        ls = jax.nn.log_softmax(z, axis=-1)
+        logp = jnp.take_along_axis(ls, jnp.where(mask, ids, 0)[:, None], axis=-1)[:, 0]
+        r = jnp.where(mask, logp - old, 0.0)
+        r_v = lax.stop_gradient(r)
+        c = jnp.where(adv > 0, jnp.where(r_v > eh, eh, r), jnp.where(r_v < -el, -el, r))  # one-sided log clip
+        n = jnp.maximum(jnp.sum(mask), 1)
+        live = jnp.any(mask) & (adv != 0)
+        out = jnp.where(live, -adv * jnp.exp(jnp.where(live, jnp.sum(jnp.where(mask, c, 0.0)) / n, 0.0)), 0.0)
+        if coef:  # -c * the per-sequence mean entropy (GMPO aggregates it as its KL term)
+            ent = -jnp.sum(jnp.exp(ls) * ls, axis=-1)
+            out = out - coef * jnp.sum(jnp.where(mask, ent, 0.0)) / n
+        return out
+
+    def oracle(h, w, ids, mask, adv, old):
+        h, w, adv, old = (x.astype(jnp.float64) for x in (h, w, adv, old))
+
+        def step(gw, xs):
+            value, (gh, gwb) = jax.value_and_grad(term, argnums=(0, 1))(xs[0], w, *xs[1:])
+            return gw + gwb, (value, gh)
+
+        gw, (values, gh) = lax.scan(step, jnp.zeros_like(w), (h, ids, mask, adv, old))
+        B = h.shape[0]
+        return jnp.sum(values) / B, (gh / B, gw / B)
+
+    return jax.jit(oracle)
+
+
+ORACLES = {
+    "float32": "gmpo_jax.reference.policy_loss(upcast=True)",
+    "float64": "float64 dense GMPO (benchmarks.jax_impls._oracle_f64, jax.enable_x64)",
+}
 
 
 def grad_accuracy(cfg: Config, fn: Callable, compiled_fwd_bwd, args: tuple, opts: dict[str, Any]) -> dict[str, Any]:
-    """Relative L2 error of d loss / d hidden and d loss / d weight of ``fn`` against the float32 dense
-    oracle (``gmpo_jax.reference.policy_loss(..., upcast=True)``: full float32 logits, HIGHEST precision)
-    on the same bf16 inputs; on the first ``oracle_T`` positions when the full batch's logits do not fit
-    (then ``fn``'s gradient is compiled again at that shape)."""
-    T2 = oracle_T(cfg)
-    out: dict[str, Any] = {"grad_acc_N": cfg.B * T2, "grad_oracle": "gmpo_jax.reference.policy_loss(upcast=True)"}
+    """Relative L2 error of d loss / d hidden and d loss / d weight of ``fn`` against a dense oracle of the
+    same loss on the same inputs (``opts["oracle"]``): ``float32``, ``gmpo_jax.reference.policy_loss(...,
+    upcast=True)`` (full float32 logits, HIGHEST precision), or ``float64`` (``_oracle_f64`` under
+    ``jax.enable_x64``: for the float32 modes, whose error is below the float32 oracle's own). On the first
+    ``oracle_T`` positions when the oracle's logits do not fit (then ``fn``'s gradient is compiled again at
+    that shape). Also the oracle's loss and ``fn``'s distance from it (the oracle computes the same loss)."""
+    kind = opts.get("oracle", "float32")
+    if kind not in ORACLES:
+        raise ValueError(f"unknown oracle {kind!r}; known: {tuple(ORACLES)}")
+    T2 = oracle_T(cfg, itemsize=8, sequences=1) if kind == "float64" else oracle_T(cfg)
+    out: dict[str, Any] = {"grad_acc_N": cfg.B * T2, "grad_oracle": ORACLES[kind]}
     if T2 == cfg.T:
-        sub, got = args, compiled_fwd_bwd(*args)[1]
+        sub, (loss, got) = args, compiled_fwd_bwd(*args)
     else:
         sub = tuple(a[:, :T2] if a.ndim >= 2 and i != 1 else a for i, a in enumerate(args))
-        got = jax.jit(jax.grad(fn, argnums=(0, 1)))(*sub)
+        loss, got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(*sub)
         out["grad_acc_note"] = f"oracle on the first {T2} of {cfg.T} positions of each sequence (memory)"
-    # float32 leaves: the oracle's gradients stay float32 (a bf16 leaf would round them to bf16)
-    ref = _oracle_grad(opts["weight_layout"])(sub[0].astype(jnp.float32), sub[1].astype(jnp.float32), *sub[2:])
-    out["grad_rel_err_hidden"] = round(float(_rel_l2(got[0], ref[0])), 6)
-    out["grad_rel_err_weight"] = round(float(_rel_l2(got[1], ref[1])), 6)
+    features = tuple(sorted(loss_features(opts).items()))
+    if kind == "float64":
+        with jax.enable_x64(True):
+            ref_loss, ref = _oracle_f64(opts["weight_layout"], features)(*sub)
+            errs = [float(_rel_l2(g, r)) for g, r in zip(got, ref)]
+            ref_loss = float(ref_loss)
+    else:  # float32 leaves: the oracle's gradients stay float32 (a bf16 leaf would round them to bf16)
+        h32, w32 = sub[0].astype(jnp.float32), sub[1].astype(jnp.float32)
+        ref_loss, ref = _oracle_f32(opts["weight_layout"], features)(h32, w32, *sub[2:])
+        errs = [float(_rel_l2(g, r)) for g, r in zip(got, ref)]
+        ref_loss = float(ref_loss)
+    del ref
+    out["grad_rel_err_hidden"], out["grad_rel_err_weight"] = (float(f"{e:.4g}") for e in errs)
+    out["oracle_loss"] = ref_loss
+    out["loss_abs_err"] = float(f"{abs(float(loss) - ref_loss):.3g}")
     return out
 
 
@@ -454,7 +588,13 @@ def run_impl(cfg: Config, impl: str, modes: list[str], opts: dict[str, Any]) -> 
             logit_scale=opts["logit_scale"],
             chunk_size=opts.get("chunk_size"),
             weight_f32_gib=_common.gib(cfg.H * cfg.V * 4),
+            input_dtype=opts.get("input_dtype", "bfloat16"),
+            logits_precision=logits_precision(opts),
+            entropy_coef=float(opts.get("entropy_coef") or 0.0),
+            softcap=float(opts.get("softcap") or 0.0),
         )
+        if opts.get("grad_acc"):
+            common["oracle"] = opts.get("oracle", "float32")
     else:
         argnums = (0,)
         grads_bytes = _nbytes(specs[0])

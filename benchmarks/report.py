@@ -300,10 +300,115 @@ def shape_tables(lat: dict[tuple, dict[str, Any]]) -> list[str]:
     return out
 
 
-def other_variants(lat: dict[tuple, dict[str, Any]]) -> list[str]:
-    """Records outside the main tables: sweeps (chunk_size, tuning constants) and other variants."""
+# ----------------------------------------------------------------------------------------------------
+# Loss features (run.py's "features" group): entropy_coef, softcap, logits_precision, float32 inputs
+
+FEATURES_COMMAND = "bash benchmarks/gpu_suite.sh --only features"
+
+
+def feature_settings(r: dict[str, Any]) -> tuple[str, str, str, float, float]:
+    """``(implementation, input_dtype, logits_precision, entropy_coef, softcap)`` of an LM-head record
+    (records before these options existed ran the defaults)."""
+    return (
+        r["implementation"],
+        r.get("input_dtype") or "bfloat16",
+        r.get("logits_precision") or "none",
+        float(r.get("entropy_coef") or 0.0),
+        float(r.get("softcap") or 0.0),
+    )
+
+
+def is_feature_key(key: tuple) -> bool:
+    _, dtype, precision, coef, cap = key
+    return dtype != "bfloat16" or precision != "none" or coef != 0 or cap != 0
+
+
+def is_feature(r: dict[str, Any]) -> bool:
+    """A record with a loss feature on (or float32 inputs): the Loss features table, not the others."""
+    return r.get("kind") == "lm_head" and is_feature_key(feature_settings(r))
+
+
+def _feature_rank(key: tuple) -> tuple:
+    impl, dtype, precision, coef, cap = key  # plain, entropy, soft cap, precision rows, then the portable path
+    return (impl != "mosaic_gpu", dtype != "bfloat16", precision != "none", precision == "bf16x3", cap != 0, coef != 0)
+
+
+def _feature_label(key: tuple) -> str:
+    _, dtype, precision, coef, cap = key
+    parts = [f"entropy_coef={coef:g}" if coef else "", f"softcap={cap:g}" if cap else ""]
+    parts.append(f"logits_precision={precision}" if precision != "none" else "")
+    return ", ".join(p for p in parts if p) or (
+        "plain" if dtype == "bfloat16" else "Precision.HIGHEST (no logits_precision)"
+    )
+
+
+def _err_pair(r: dict[str, Any] | None) -> str:
+    if not r or r.get("grad_rel_err_hidden") is None:
+        return "-"
+    oracle = "f64" if "float64" in str(r.get("grad_oracle")) else "f32"
+    return f"{r['grad_rel_err_hidden']:.2g} / {r['grad_rel_err_weight']:.2g} ({oracle})"
+
+
+def feature_tables(lat: dict[tuple, dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """One table per (workload, tuning) with loss-feature records: every feature row beside the plain bf16
+    rows (the same implementations, workload and tuning), per configuration: time [x the plain row of
+    ``mosaic_gpu``, else of the implementation there is], peak, and the gradient error against the oracle
+    the record names. Returns the lines and the records shown."""
+    recs = [r for r in lat.values() if r.get("kind") == "lm_head" and r["mode"] == "fwd+bwd"]
+    tuning_of = lambda r: json.dumps(r.get("tuning"), sort_keys=True)  # noqa: E731
+    groups: dict[tuple, list[dict[str, Any]]] = OrderedDict()
+    for r in recs:
+        if is_feature(r):
+            groups.setdefault((r.get("data") or "flat", tuning_of(r)), []).append(r)
+    out: list[str] = []
+    shown: list[dict[str, Any]] = []
+    for (data, tuning), feats in groups.items():
+        impls = {r["implementation"] for r in feats}
+        plain = [
+            r
+            for r in recs
+            if r["implementation"] in impls
+            and not is_feature(r)
+            and (r.get("data") or "flat") == data
+            and tuning_of(r) == tuning
+        ]
+        shown += feats + plain
+        configs = sorted({(r["shape"], r["B"], r["T"]) for r in feats}, key=lambda c: (c[0] != Q, c[1] * c[2]))
+        cell = {(feature_settings(r), r["shape"], r["B"], r["T"]): r for r in feats + plain}
+        keys = sorted({feature_settings(r) for r in feats + plain}, key=_feature_rank)
+        tuned = ", ".join(f"{k}={v}" for k, v in (json.loads(tuning) or {}).items())
+        out.append(f"### Loss features, forward + backward, {data} data{', ' + tuned if tuned else ''}\n")
+        hdr = ["feature", "implementation", "inputs"]
+        for shape, B, T in configs:
+            hdr += [f"{HEADS.get(shape, shape)}, {B} x {T}", "grad error hidden / weight"]
+        out.append("| " + " | ".join(hdr) + " |")
+        out.append("|" + "---|" * len(hdr))
+        for key in keys:
+            line = [_feature_label(key), f"`{key[0]}`", key[1]]
+            for shape, B, T in configs:
+                r = cell.get((key, shape, B, T))
+                base = next(
+                    (cell[k, shape, B, T] for k in keys if not is_feature_key(k) and (k, shape, B, T) in cell), None
+                )
+                ratio = _ratio(r, base) if r is not base else None
+                line += [_c(r) + (f" [{ratio:.2f}x plain]" if ratio else ""), _err_pair(r)]
+            out.append("| " + " | ".join(line) + " |")
+        out.append(
+            "\nCells: time per call (x the floor) [x the plain row: bf16 inputs, no feature], peak device memory. "
+            "Gradient error: relative L2 against the dense oracle the record names (f32: "
+            "`gmpo_jax.reference.policy_loss`, float32 logits at HIGHEST; f64: float64 logits, for the float32 "
+            "modes whose error is below the f32 oracle's own). float32 inputs: the bf16 batch with the mantissa "
+            f"bits below bf16 filled (`benchmarks.jax_impls.as_float32`). Reproduce: `{FEATURES_COMMAND}`.\n"
+        )
+    return out, shown
+
+
+def other_variants(lat: dict[tuple, dict[str, Any]], shown: list[dict[str, Any]] = ()) -> list[str]:
+    """Records outside the main tables (and not in ``shown``): sweeps (chunk_size, tuning constants) and
+    other variants."""
     known = set(LM_COLUMNS) | set(LOGITS_COLUMNS)
-    rest = [r for r in lat.values() if (r["implementation"], vkey(r)) not in known]
+    seen = {id(r) for r in shown}
+    rest = [r for r in lat.values() if (r["implementation"], vkey(r)) not in known and id(r) not in seen]
     if not rest:
         return []
     out = [
@@ -545,6 +650,7 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
         "_Generated by `python -m benchmarks.report` from `benchmarks/results/*.jsonl`; edit outside the markers._",
         "",
     ]
+    measured_features = False
     for dev, records in by_dev.items():
         lat = latest(records)
         if not lat:
@@ -561,7 +667,10 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
             out += checks
             out.append("")
         out += shape_tables(lat)
-        out += other_variants(lat)
+        features, shown = feature_tables(lat)
+        measured_features = measured_features or bool(features)
+        out += features
+        out += other_variants(lat, shown)
         bad = [r for r in lat.values() if r.get("status") not in ("ok", "oom")] + newer_failures(records, lat)
         if bad:
             out.append("Runs that did not produce a time:\n")
@@ -572,6 +681,13 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
                     f"{(r.get('error') or '')[:200]}"
                 )
             out.append("")
+    if not measured_features:
+        out += [
+            "## Loss features (entropy_coef, softcap, logits_precision, float32 inputs)\n",
+            f"_Not measured yet. On an H200: `{FEATURES_COMMAND}`, append `$OUT/run.jsonl` to "
+            "`benchmarks/results/nvidia-h200.jsonl`, then `python -m benchmarks.report` (benchmarks/README.md)._",
+            "",
+        ]
     out.append(END)
     return "\n".join(out)
 

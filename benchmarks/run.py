@@ -52,10 +52,45 @@ DEFAULT_OPTS: dict[str, Any] = dict(
     cce_no_filter=True,
     liger_inplace=True,
     objective="gmpo",
+    input_dtype="bfloat16",
+    logits_precision="none",
+    entropy_coef=0.0,
+    softcap=0.0,
+    oracle="float32",
 )
 
 # options that change what is computed: a non-default value is recorded in the variant
-LABELLED_OPTS = ("logit_scale", "logits_std", "ratio_noise", "mask", "weight_layout", "liger_chunk_size", "objective")
+LABELLED_OPTS = (
+    "logit_scale",
+    "logits_std",
+    "ratio_noise",
+    "mask",
+    "weight_layout",
+    "liger_chunk_size",
+    "objective",
+    "input_dtype",
+    "logits_precision",
+    "entropy_coef",
+    "softcap",
+    "oracle",
+)
+LM_HEAD_FEATURES = ("input_dtype", "logits_precision", "entropy_coef", "softcap", "oracle")  # jax_impls only
+CHOICES = {
+    "mask": ("full", "ragged"),
+    "weight_layout": ("hv", "vh"),
+    "objective": ("gmpo", "grpo"),
+    "data": ("peaked", "flat", "peaked-live"),
+    "input_dtype": ("bfloat16", "float32"),
+    "logits_precision": ("none", "float32", "bf16x3"),
+    "oracle": ("float32", "float64"),
+}
+
+
+def labelled(opts: dict[str, Any]) -> str:
+    """The variant label of the options in ``opts`` that are away from their defaults, e.g.
+    ``"input_dtype=float32,logits_precision=bf16x3"``."""
+    return ",".join(f"{k}={opts[k]}" for k in LABELLED_OPTS if k in opts and opts[k] != DEFAULT_OPTS[k])
+
 
 # ----------------------------------------------------------------------------------------------------
 # Suites
@@ -76,7 +111,60 @@ SUITE_GROUPS = {
     "peers": "cce_gmpo and liger_grpo on the LM-head shapes (flat data; PyTorch, skipped when not importable)",
     "logits": "policy loss from logits: mosaic_gpu, xla, dense_jax, liger_triton (flat data; GMPO, and GRPO "
     "for mosaic_gpu and Liger)",
+    "features": "loss features against the plain bf16 path (mosaic_gpu, peaked data, gradient accuracy): "
+    "entropy_coef, softcap, logits_precision with bf16 / float32 inputs, xla_chunked float32 (HIGHEST)",
 }
+# The loss-feature rows (options of one job each): the plain bf16 path, then each feature alone. The
+# precision rows are judged against the float64 oracle (their error is below the float32 oracle's own).
+F64 = dict(oracle="float64")
+FEATURE_ROWS: list[tuple[str, dict[str, Any]]] = [
+    ("mosaic_gpu", {}),
+    ("mosaic_gpu", dict(entropy_coef=0.01)),
+    ("mosaic_gpu", dict(softcap=30.0)),
+    ("mosaic_gpu", dict(logits_precision="float32", **F64)),
+    ("mosaic_gpu", dict(input_dtype="float32", logits_precision="float32", **F64)),
+    ("mosaic_gpu", dict(input_dtype="float32", logits_precision="bf16x3", **F64)),
+    ("xla_chunked", dict(input_dtype="float32", **F64)),  # the portable path's Precision.HIGHEST (the old fallback)
+]
+FEATURE_CONFIGS = [(Q, 8, 2048), (L, 4, 2048)]
+# One row bucket (no exact work skipping) on every feature row, the plain one included: eight row buckets
+# compile in 30-40 s per Mosaic job (records of 79fc5bb), which 14 jobs cannot afford in one 9-minute call;
+# one bucket compiles in ~6 s (f4d6cda). The plain path with skipping is the README's main table.
+FEATURE_TUNING: dict[str, Any] = {"ROW_BUCKETS": 1}
+# Seconds per job on the H200, estimated (not yet run): a one-bucket bf16 Mosaic job took ~20 s at f4d6cda;
+# float32 inputs, the float64 oracle and xla_chunked at HIGHEST (float32 GEMMs) cost more.
+FEATURE_TIMEOUTS = {"bf16": 30.0, "bf16+f64": 35.0, "f32": 40.0, "xla_f32": {Q: 50.0, L: 55.0}}
+
+
+def _feature_timeout(shape: str, impl: str, row: dict[str, Any]) -> float:
+    if impl == "xla_chunked":
+        return FEATURE_TIMEOUTS["xla_f32"][shape]
+    if row.get("input_dtype") == "float32":
+        return FEATURE_TIMEOUTS["f32"]
+    return FEATURE_TIMEOUTS["bf16+f64" if row.get("oracle") == "float64" else "bf16"]
+
+
+def feature_jobs(configs, impl_for: dict[str, str], tuning: dict[str, Any], timeout) -> list[dict[str, Any]]:
+    """The loss-feature jobs: every FEATURE_ROWS row at each configuration (row-major, so a budget cut drops
+    whole rows), peaked data, fwd+bwd, gradient accuracy. ``impl_for`` renames implementations (the CPU
+    stand-in runs xla_chunked for mosaic_gpu); ``timeout(shape, impl, row)`` sizes each job."""
+    jobs = []
+    for impl, row in FEATURE_ROWS:
+        for shape, B, T in configs:
+            job = _job(
+                "jax",
+                select(shape, B=B, T=T),
+                impl_for.get(impl, impl),
+                ["fwd+bwd"],
+                timeout(shape, impl, row),
+                dict(tuning) or None,
+                datas=["peaked"],
+                grad_acc=True,
+                **row,
+            )
+            job["variant"] = ",".join(x for x in (job.get("variant"), labelled(row)) if x) or None
+            jobs.append(job)
+    return jobs
 
 
 def _job(
@@ -150,6 +238,8 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
                 for kind, impl in (("jax", "mosaic_gpu"), ("torch", "liger_triton")):  # Liger's objective
                     job = _job(kind, cfg, impl, ["fwd+bwd"], 75.0, datas=["flat"], objective="grpo")
                     jobs.append(dict(job, variant="objective=grpo"))
+        if "features" in only:
+            jobs += feature_jobs(FEATURE_CONFIGS, {}, FEATURE_TUNING, _feature_timeout)
     elif suite == "cpu":  # a smoke run of the portable paths (mosaic_gpu needs a Hopper GPU): ~30 s on 2 cores
         datas = ["peaked", "flat"]
         cfg = select("cpu-tiny")
@@ -157,6 +247,8 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
             jobs.append(_job("jax", cfg, "xla_chunked", ["fwd+bwd"], 120.0, datas=datas, grad_acc=True))
         if "logits" in only:
             jobs.append(_job("jax", select("logits-cpu"), "xla", ["fwd+bwd"], 120.0, datas=datas))
+        if "features" in only:  # the GPU group's rows on the portable path (mosaic_gpu needs a Hopper GPU)
+            jobs += feature_jobs([("cpu-tiny", 2, 64)], {"mosaic_gpu": "xla_chunked"}, {}, lambda *_: 120.0)
     else:
         raise ValueError(f"unknown suite {suite!r} (gpu | cpu)")
     return jobs
@@ -402,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--only",
         action="append",
-        help=f"suite groups: {', '.join(SUITE_GROUPS)}, or all (default: realistic on the GPU, all on the CPU)",
+        help=f"suite groups: {', '.join(SUITE_GROUPS)}, or all (default: realistic on the GPU, all but "
+        "features on the CPU)",
     )
     p.add_argument("--results", help="JSONL to append to (default benchmarks/results/<device>.jsonl)")
     p.add_argument("--log", help="append every job's stderr here")
@@ -416,20 +509,22 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
             p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=v, help=f"(default {v})")
-        elif k in ("mask", "weight_layout", "objective", "data"):
-            choices = {
-                "mask": ("full", "ragged"),
-                "weight_layout": ("hv", "vh"),
-                "objective": ("gmpo", "grpo"),
-                "data": ("peaked", "flat", "peaked-live"),
-            }[k]
+        elif k in CHOICES:
             helps = {
                 "objective": "logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)",
                 "data": "workload (benchmarks/workloads.py): peaked = trained-LM-like, ragged masks, "
                 "zero-advantage groups; flat = N(0,1) data, full mask; peaked-live = peaked, all live",
                 "mask": "flat data only: legacy ragged mask (lengths in [3T/4, T])",
+                "input_dtype": "LM head: dtype of hidden and weight (float32: the bf16 batch with the mantissa "
+                "bits below bf16 filled, so that it rounds back to the bf16 batch)",
+                "logits_precision": "LM head: fused_linear_policy_loss(logits_precision=...); none = None",
+                "oracle": "--grad-acc: float32 = dense float32 HIGHEST (gmpo_jax.reference.policy_loss); "
+                "float64 = dense float64 under jax.enable_x64 (GMPO only), for errors below float32's",
             }
-            p.add_argument(flag, default=v, choices=choices, help=helps.get(k))
+            p.add_argument(flag, default=v, choices=CHOICES[k], help=helps.get(k))
+        elif k in ("entropy_coef", "softcap"):
+            what = "entropy_coef (loss -= c agg(H))" if k == "entropy_coef" else "softcap (Gemma's logit cap)"
+            p.add_argument(flag, type=float, default=v, help=f"LM head: {what}; 0 = off (default)")
         else:
             p.add_argument(flag, type=float if isinstance(v, float) else int, default=v, help=f"(default {v})")
     p.add_argument(
@@ -461,12 +556,16 @@ def main(argv: list[str] | None = None) -> int:
 
     opts = {k: getattr(args, k) for k in DEFAULT_OPTS}
     if args.suite:
-        only = _split(args.only) or (["realistic"] if args.suite == "gpu" else list(SUITE_GROUPS))
+        cpu_default = [g for g in SUITE_GROUPS if g != "features"]
+        only = _split(args.only) or (["realistic"] if args.suite == "gpu" else cpu_default)
         if "all" in only:
             only = list(SUITE_GROUPS)
         bad = [g for g in only if g not in SUITE_GROUPS]
         if bad:
             raise SystemExit(f"unknown --only group(s) {bad}; known: {list(SUITE_GROUPS)}")
+        features = [k for k in LM_HEAD_FEATURES if opts[k] != DEFAULT_OPTS[k]]
+        if features:  # the suites' jobs set them (the features group); a global value would mislabel peers
+            raise SystemExit(f"{features}: give them with --shape / --impl, not with --suite")
         jobs = suite_jobs(args.suite, only)
         jobs = [j for j in jobs if j["kind"] != "torch" or _torch_peers_importable(j["impl"])] + [
             dict(j, skip=True) for j in jobs if j["kind"] == "torch" and not _torch_peers_importable(j["impl"])
@@ -497,9 +596,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(
                     f"unknown {cfg.kind} implementation {impl!r}; known: {JAX_IMPLS[cfg.kind] + TORCH_IMPLS[cfg.kind]}"
                 )
+            features = [k for k in LM_HEAD_FEATURES if opts[k] != DEFAULT_OPTS[k]]
+            if features and (kind != "jax" or cfg.kind != "lm_head"):  # ignored there: the label would lie
+                raise SystemExit(f"{features} apply to the JAX LM-head implementations only, not {impl!r}")
             jobs.append(_job(kind, cfg, impl, modes, args.timeout_s or 600.0, over or None))
 
-    label = ",".join(f"{k}={opts[k]}" for k in LABELLED_OPTS if opts[k] != DEFAULT_OPTS[k])
+    label = labelled(opts)
     if label:  # data or peer settings away from the defaults: a variant, never mixed with default records
         for j in jobs:
             j["variant"] = ",".join(x for x in (j.get("variant"), label) if x)
@@ -513,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{_job_label(j):70s} timeout {j.get('timeout_s')}")
         for j in skipped:
             print(f"{_job_label(j):70s} SKIPPED (peer not importable)")
+        print(f"{len(jobs)} jobs; their timeouts sum to {sum(j['timeout_s'] for j in jobs):.0f} s (floor job aside)")
         return 0
 
     driver = Driver(opts, args.results, args.log, args.budget_s, args.timeout_s, isolate=not args.in_process)

@@ -281,3 +281,48 @@ def test_sharded_bench_two_cpu_devices(tmp_path):
     assert REQUIRED <= set(recs[0])
     np_losses = [r["loss"] for r in recs]
     assert max(np_losses) - min(np_losses) <= 1e-6 * max(1.0, abs(np_losses[0]))
+
+
+def test_loss_features_cpu(tmp_path):
+    """The "features" group (run.py): its CPU stand-in (xla_chunked for mosaic_gpu, cpu-tiny) runs every new
+    option once in one process; records carry the settings and their variant; each oracle computes the
+    timed loss (entropy term and soft cap included); float32 inputs with logits_precision="float32" are
+    float32-accurate against the float64 oracle; RESULTS.md gets the Loss features table. The GPU group's
+    jobs are listed, not run."""
+    from benchmarks import run
+
+    gpu = run.suite_jobs("gpu", ["features"])
+    assert len(gpu) == 2 * len(run.FEATURE_ROWS) and all(j["opts"]["grad_acc"] for j in gpu)
+    assert {(j["shape"], j["B"], j["T"]) for j in gpu} == {("qwen2.5-0.5b", 8, 2048), ("llama3-8b", 4, 2048)}
+    assert sum(j["opts"].get("oracle") == "float64" for j in gpu) == 8 and all(j["variant"] for j in gpu)
+
+    results = tmp_path / "features.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "benchmarks.run", "--suite", "cpu", "--only", "features", "--in-process"]
+    cmd += ["--results", str(results), "--iters", "2", "--warmup", "0", "--min-time-s", "0", "--commit", "test123"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    by = {r["variant"]: r for r in recs if r.get("kind") == "lm_head"}
+    assert set(by) == {run.labelled(row) or None for _, row in run.FEATURE_ROWS}
+    for r in by.values():
+        assert r["status"] == "ok" and r["implementation"] == "xla_chunked" and r["data"] == "peaked", r
+        settings = (r["input_dtype"], r["logits_precision"], r["entropy_coef"], r["softcap"], r["oracle"])
+        assert settings == (
+            "float32" if "input_dtype=float32" in str(r["variant"]) else "bfloat16",
+            next((p for p in ("float32", "bf16x3") if f"logits_precision={p}" in str(r["variant"])), None),
+            0.01 if "entropy_coef" in str(r["variant"]) else 0.0,
+            30.0 if "softcap" in str(r["variant"]) else 0.0,
+            "float64" if "oracle=float64" in str(r["variant"]) else "float32",
+        )
+        assert r["oracle"] in r["grad_oracle"] or "upcast=True" in r["grad_oracle"]
+        # the oracle's loss is the timed loss (an entropy term or cap left out would differ by >= 1e-2)
+        assert r["loss_abs_err"] < 1e-5 and r["oracle_loss"] == pytest.approx(r["loss"], abs=1e-5)
+    f32 = by["input_dtype=float32,logits_precision=float32,oracle=float64"]
+    assert f32["grad_rel_err_hidden"] < 1e-5 and f32["grad_rel_err_weight"] < 1e-5
+    assert by[None]["grad_rel_err_hidden"] > 100 * f32["grad_rel_err_hidden"]  # bf16 gradients: bf16 rounding
+    out = tmp_path / "RESULTS.md"
+    assert report.main(["--results", str(results), "--out", str(out), "--plot-dir", str(tmp_path)]) == 0
+    text = out.read_text()
+    assert "### Loss features" in text and "logits_precision=bf16x3" in text and "x plain]" in text
+    assert "Not measured yet" not in text
