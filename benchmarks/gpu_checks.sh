@@ -20,9 +20,17 @@ for f in contract kernels logits_loss; do
   run "$f" "tests/test_$f.py" &
   run "${f}_x64" --x64 "tests/test_$f.py" &
 done
+# the loss features' GPU tests (soft cap, entropy term, float32 head), plainly
+FEATURES="softcap entropy_term logits_precision"
+for f in $FEATURES; do
+  run "$f" "tests/test_$f.py" &
+done
 wait
 for f in contract kernels logits_loss; do
   for name in "$f" "${f}_x64"; do
     echo "[gpu_checks] $name exit $(cat "$OUT/$name.rc")"; tail -n 6 "$OUT/$name.log"
   done
+done
+for name in $FEATURES; do
+  echo "[gpu_checks] $name exit $(cat "$OUT/$name.rc")"; tail -n 6 "$OUT/$name.log"
 done
