@@ -99,6 +99,42 @@ def test_bf16_parts_hold_the_value():
     np.testing.assert_array_equal(ties, [1.0, 1 + 2.0**-6])
 
 
+def test_bf16_parts_keep_nan_and_inf():
+    """Every NaN bit pattern stays NaN in every part (CUDA's 0x7FFFFFFF and the sign-set 0xFFFFFFFF would round
+    into 0 on the bits); ``+-inf`` keeps its sign in the first part; float16 is exact in two parts."""
+    bits = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0xFF800000, 0x7F800000], np.uint32)
+    x = jnp.asarray(bits.view(np.float32))
+    parts = [np.asarray(p, np.float32) for p in bf16_parts(x, 3)]
+    for p in parts:
+        assert np.all(np.isnan(p[:4])), p
+    assert parts[0][4] == -np.inf and parts[0][5] == np.inf
+    h = np.random.default_rng(1).normal(size=512).astype(np.float16)
+    p16 = bf16_parts(jnp.asarray(h), 2)
+    np.testing.assert_array_equal(sum(np.asarray(p, np.float64) for p in p16), h.astype(np.float64))
+
+
+def test_nan_input_gives_nan_not_a_number():
+    """A NaN in ``hidden`` (CUDA's bit pattern) gives that token a NaN log-prob and the loss NaN gradients, as
+    the portable path does: the split must not turn it into 0."""
+    rng = np.random.default_rng(2)
+    h = rng.normal(size=(1, 2, 64)).astype(np.float32)
+    h[0, 0, 0] = np.array([0x7FFFFFFF], np.uint32).view(np.float32)[0]
+    w = (rng.normal(size=(64, 257)) * 0.3).astype(np.float32)
+    ids = np.array([[5, 7]], np.int32)
+    be = MosaicGpuBackend(interpret=True)
+    lp = np.asarray(gmpo_jax.fused_linear_logprobs(h, w, ids, implementation=be, logits_precision="float32"))
+    assert np.isnan(lp[0, 0]) and np.isfinite(lp[0, 1]), lp
+
+    def loss(h, w):
+        return gmpo_jax.fused_linear_policy_loss(
+            h, w, ids, np.ones((1, 2)), np.ones(1, np.float32), objective=gmpo_jax.GRPO(), implementation=be,
+            logits_precision="bf16x3",
+        )[0]  # fmt: skip
+
+    dh, dw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(w))
+    assert np.isnan(np.asarray(dw)).any() and np.isnan(np.asarray(dh)[0, 0]).any()
+
+
 def test_split_terms():
     """The kept products, largest first: six of three parts each (``i + j <= 2``), three of two, one per part of
     a float32 operand against a bfloat16 one."""
@@ -106,6 +142,7 @@ def test_split_terms():
     assert split_terms(2, 2, 1) == ((0, 0), (0, 1), (1, 0))
     assert split_terms(1, 3, 2) == ((0, 0), (0, 1), (0, 2))
     assert split_terms(1, 1, 2) == ((0, 0),)
+    assert split_terms(2, 2, 2) == ((0, 0), (0, 1), (1, 0), (1, 1))  # float16 operands: exact
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,7 +229,20 @@ def test_bf16_inputs_float32_dz():
     assert sum(errs["float32"]) < sum(errs[None]), errs
 
 
-def test_softcap_entropy_term_and_row_skipping():
+def test_float16_inputs():
+    """float16 inputs split into two bfloat16 parts (exact; four products): log-probs float32-accurate for
+    those inputs."""
+    case = _case(23, dtype=np.float16)
+    kw = dict(bias=None, temperature=0.9, weight_layout="hv")
+    want = spec.spec_logprobs(case.hidden, case.weight, case.ids, case.mask, **kw)
+    lp = gmpo_jax.fused_linear_logprobs(
+        case.hidden, case.weight, case.ids, completion_mask=case.mask, temperature=0.9,
+        implementation=MosaicGpuBackend(interpret=True), logits_precision="float32",
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(lp), want, rtol=0, atol=_logp_tol("float32", case.hidden, case.weight, "hv"))
+
+
+def test_softcap_and_entropy_term():
     """``logits_precision`` with the other features that change the kernels' epilogues: the soft cap and the
     entropy term (float32 inputs, against float64)."""
     case = _case(22, "vh")

@@ -31,6 +31,26 @@ __all__ = [
 LOGITS_PRECISIONS = {"float32": 2, "bf16x3": 1}
 
 
+def logits_precision_of(backend, requested=None):
+    """The precision a backend call runs at: ``requested`` (``check_supported``'s keyword) or the backend's own
+    ``logits_precision`` field; raises ``UnsupportedConfigError`` for a value not in ``LOGITS_PRECISIONS``."""
+    from gmpo_jax._dispatch import UnsupportedConfigError
+
+    precision = requested or getattr(backend, "logits_precision", None)
+    if precision is not None and precision not in LOGITS_PRECISIONS:
+        raise UnsupportedConfigError(f"logits_precision={precision!r} is not one of {tuple(LOGITS_PRECISIONS)}")
+    return precision
+
+
+def num_parts(dtype, order: int) -> int:
+    """bfloat16 parts of an operand of ``dtype`` at split ``order``: 1 for bfloat16 (itself), at most 2 for
+    float16 (exact), ``order + 1`` for float32."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16:
+        return 1
+    return min(order + 1, 2) if dtype == jnp.float16 else order + 1
+
+
 @runtime_checkable
 class LMHeadBackend(Protocol):
     """Per-chunk LM-head computations (rows = flattened tokens of a chunk).
@@ -138,13 +158,17 @@ def bf16_parts(x, n: int) -> list:
 
     The rounding is done on the bits (integer operations), not by ``astype``: on GPUs XLA's
     ``SimplifyFPConversions`` may fold an ``f32 -> bf16 -> f32`` chain and leave the next remainder 0
-    (:func:`stored_rowsum`). Finite ``|x| >= 2**128 (1 - 2**-9)`` rounds to ``inf``."""
+    (:func:`stored_rowsum`). A NaN stays NaN in every part (its bits are replaced by the quiet NaN's first:
+    rounding a NaN's payload could carry into the sign and give 0); ``+-inf`` stays ``+-inf`` in the first part
+    (NaN after it), and finite ``|x| >= 2**128 (1 - 2**-9)`` rounds to ``inf``. A float16 ``x`` needs two parts
+    to be exact (11 significand bits): pass ``n <= 2``."""
     if x.dtype == jnp.bfloat16:
         return [x]
     rest = x.astype(jnp.float32)
     parts = []
     for _ in range(n):
         bits = lax.bitcast_convert_type(rest, jnp.uint32)
+        bits = jnp.where(jnp.isnan(rest), jnp.uint32(0x7FC00000), bits)
         bits = (bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & 1))) & jnp.uint32(0xFFFF0000)  # nearest, ties to even
         hi = lax.bitcast_convert_type(bits, jnp.float32)
         parts.append(lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16))

@@ -44,7 +44,15 @@ from jax import lax
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.lm_head.backend import LOGITS_PRECISIONS, bf16_parts, cancel_rounding, split_dot, stored_rowsum
+from gmpo_jax.lm_head.backend import (
+    LOGITS_PRECISIONS,
+    bf16_parts,
+    cancel_rounding,
+    logits_precision_of,
+    num_parts,
+    split_dot,
+    stored_rowsum,
+)
 
 __all__ = ["MosaicGpuBackend", "supported_on", "block_config"]
 
@@ -137,11 +145,9 @@ class MosaicGpuBackend:
             raise BackendUnavailableError("Pallas Mosaic GPU kernels need a Hopper (sm_90) or newer GPU")
         if weight_layout not in ("hv", "vh"):
             raise UnsupportedConfigError(f"{weight_layout=} must be 'hv' or 'vh'")
-        precision = logits_precision or self.logits_precision
+        precision = logits_precision_of(self, logits_precision)
         hd, wd = jnp.dtype(hidden_dtype), jnp.dtype(weight_dtype)
         if precision is not None:
-            if precision not in LOGITS_PRECISIONS:
-                raise UnsupportedConfigError(f"logits_precision={precision!r} is not one of {tuple(LOGITS_PRECISIONS)}")
             if not {hd, wd} <= {*C.SUPPORTED_DTYPES, jnp.dtype(jnp.float32)}:
                 raise UnsupportedConfigError(f"mosaic_gpu needs bf16 / f16 / f32 hidden and weight, got {hd}, {wd}")
         elif hd != wd or hd not in C.SUPPORTED_DTYPES:
@@ -256,7 +262,8 @@ class MosaicGpuBackend:
         from gmpo_jax.kernels._common import split_terms
 
         order = LOGITS_PRECISIONS[self.logits_precision]
-        h_parts, w_parts = bf16_parts(hp, order + 1), bf16_parts(weight, order + 1)
+        h_parts = bf16_parts(hp, num_parts(hp.dtype, order))
+        w_parts = bf16_parts(weight, num_parts(weight.dtype, order))
         k_axis = 0 if weight_layout == "hv" else 1
         return Operands(
             hidden=jnp.concatenate(h_parts, axis=1) if len(h_parts) > 1 else h_parts[0],

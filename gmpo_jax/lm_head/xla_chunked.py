@@ -27,7 +27,7 @@ from jax import lax
 
 from gmpo_jax import tuning
 from gmpo_jax._dispatch import UnsupportedConfigError
-from gmpo_jax.lm_head.backend import LOGITS_PRECISIONS, cancel_rounding, stored_rowsum
+from gmpo_jax.lm_head.backend import cancel_rounding, logits_precision_of, stored_rowsum
 
 __all__ = ["XlaChunkedBackend", "shifted"]
 
@@ -118,9 +118,7 @@ class XlaChunkedBackend:
     ):
         if weight_layout not in ("hv", "vh"):
             raise UnsupportedConfigError(f"weight_layout={weight_layout!r}")
-        precision = logits_precision or self.logits_precision
-        if precision is not None and precision not in LOGITS_PRECISIONS:
-            raise UnsupportedConfigError(f"logits_precision={precision!r} is not one of {tuple(LOGITS_PRECISIONS)}")
+        logits_precision_of(self, logits_precision)
 
     def _vocab_block(self, rows, V):
         return self.vocab_block or tuning.xla_vocab_block(rows, V)
