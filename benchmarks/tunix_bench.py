@@ -432,10 +432,12 @@ def run_check(case: Case, dtype: str, opts: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
-def build_only(case: Case) -> list[str]:
+def build_only(case: Case, compile_steps: bool = False) -> list[str]:
     """Trace both training steps (lowered), the float32 check's gradients and the log-prob pass at the
     case's shapes, on abstract parameters (nothing allocated): catches shape and API errors before a
-    device run. Returns a line per traced function group."""
+    device run. Returns a line per traced function group. ``compile_steps``: also compile both steps for
+    this machine's backend and report their compiled memory analysis (temporaries: what the step allocates
+    beyond its arguments; on the CPU a property of the CPU program, not a GPU measurement)."""
     import jax
     from flax import nnx
 
@@ -453,6 +455,13 @@ def build_only(case: Case) -> list[str]:
             f"{case.name} {impl}: lowered in {time.perf_counter() - t0:.1f}s ({len(out)} outputs; "
             f"gmpo_jax backend here: {backend})"
         )
+        if compile_steps:
+            t0 = time.perf_counter()
+            ma = lowered.compile().memory_analysis()
+            lines.append(
+                f"{case.name} {impl}: compiled for {jax.default_backend()} in {time.perf_counter() - t0:.1f}s; "
+                f"temp {_gib(ma.temp_size_in_bytes)} GiB, arguments {_gib(ma.argument_size_in_bytes)} GiB"
+            )
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     f32_model, _ = _build(dataclasses.replace(case, remat="decoder"), "float32", 0, abstract=True)  # the check's
     g32, params32, rest32 = nnx.split(f32_model, nnx.Param, ...)
@@ -670,6 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit", help="commit to record (default: $GMPO_BENCH_COMMIT, git, or 'unknown')")
     p.add_argument("--dry-run", action="store_true", help="list the jobs and exit")
     p.add_argument("--build-only", action="store_true", help="trace the steps at the preset's shapes (no run)")
+    p.add_argument(
+        "--compile", action="store_true", help="with --build-only: also compile both steps, print their memory analysis"
+    )
     p.add_argument("--report", metavar="JSONL", help="print the markdown table of these records and exit")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--opts", help=argparse.SUPPRESS)
@@ -695,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [dataclasses.replace(c, **over) for c in PRESETS[args.preset]]
     if args.build_only:
         for case in cases:
-            for line in build_only(case):
+            for line in build_only(case, compile_steps=args.compile):
                 print(line, flush=True)
         return 0
     check_dtypes = [] if args.check_dtypes == "none" else _split([args.check_dtypes])
