@@ -104,6 +104,24 @@ def test_gpu_configs_trace():
         assert len(lines) == 4 and all(case.name in line for line in lines)
 
 
+def test_fused_step_compiles_without_the_logits():
+    """The Llama-3-8B-head step (1 layer), compiled for the CPU: the fused loss's temporaries are smaller than
+    Tunix's by at least one float32 ``[B, P + T, V]`` logits buffer (4.9 GiB), which Tunix's loss holds and the
+    fused one never makes."""
+    import re
+
+    case = dataclasses.replace(tunix_bench.PRESETS["gpu"][1], layers=1)
+    lines = tunix_bench.build_only(case, compile_steps=True)
+    temp = {
+        impl: float(re.search(r"temp ([0-9.]+) GiB", line).group(1))
+        for line in lines
+        for impl in tunix_bench.IMPLS
+        if f" {impl}: compiled" in line
+    }
+    logits_gib = case.B * (case.P + case.T) * 128256 * 4 / 2**30
+    assert temp["tunix_grpo"] - temp["gmpo_jax_fused"] >= logits_gib, (temp, logits_gib)
+
+
 def test_dry_run_lists_jobs(capsys):
     assert tunix_bench.main(["--preset", "gpu", "--dry-run", "--check-dtypes", "float32,bfloat16"]) == 0
     out = capsys.readouterr().out.splitlines()
