@@ -324,3 +324,24 @@ def test_bad_model_options_are_one_line_errors(tmp_path, argv, message, capsys, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gmpo-jax train: error: ") and message in err, err
     assert compile_counter == []
+
+
+def test_gpu_preset_builds_at_its_size():
+    """``--model qwen3 --preset gpu`` (never run here: no GPU) builds Qwen3-0.6B's architecture without its
+    embedding rows: traced abstractly (nothing allocated), about 0.44 B float32 parameters, H and V multiples
+    of 64 (the Mosaic kernels read the head in place)."""
+    from tunix.models.qwen3 import model as qwen3_model
+
+    from gmpo_jax.train.config import preset_config
+    from gmpo_jax.train.qwen3 import architecture
+
+    config = preset_config("gpu", model="qwen3")
+    arch = architecture(config, config.vocab_size)
+    cfg = qwen3_model.ModelConfig(**arch, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    model = nnx.eval_shape(lambda: qwen3_model.Qwen3(cfg, rngs=nnx.Rngs(0)))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    n = sum(math.prod(p.shape) for p in params)
+    assert 0.40e9 < n < 0.48e9, n
+    assert all(p.dtype == jnp.float32 for p in params)
+    assert (arch["embed_dim"], arch["num_layers"], arch["num_kv_heads"]) == (1024, 28, 8)
+    assert arch["embed_dim"] % 64 == 0 and arch["vocab_size"] % 64 == 0
