@@ -177,6 +177,7 @@ class XlaChunkedBackend:
         if self.logits_precision is not None:  # dz kept in float32, the GEMMs at float32 (not TF32)
             prec, cdt = lax.Precision.HIGHEST, jnp.float32
         axis = 1 if weight_layout == "hv" else 0
+        h_c = hidden.astype(cdt)  # the gradient GEMMs' hidden, converted once (a no-op unless dtypes differ)
         scale = (dlogp / temperature)[:, None]
         if entropy is not None:
             ent_scale, ent_h = (entropy[0] / temperature)[:, None], entropy[1][:, None]
@@ -198,7 +199,7 @@ class XlaChunkedBackend:
                 rowsum = rowsum - jnp.sum(dz, axis=1)
             dz_c = dz.astype(cdt)
             rowsum = rowsum + stored_rowsum(dz_c)  # the stored dz's rounding error
-            w_blk, h_c = w_blk.astype(cdt), hidden.astype(cdt)  # no-ops unless logits_precision upcasts
+            w_blk = w_blk.astype(cdt)  # a no-op unless dtypes differ or logits_precision upcasts
             if weight_layout == "hv":  # dh += dz W_b^T ; dW_b = h^T dz  ([H, size])
                 dh = dh + lax.dot_general(
                     dz_c, w_blk, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
