@@ -37,10 +37,11 @@ def _config(
     bias,
     T: int,
     V: int,
+    plan,
+    *,
     chunk_size,
     weight_layout: str,
     implementation,
-    plan,
     with_entropy: bool = False,
     softcap: float | None = None,
     logits_precision: str | None = None,
@@ -340,19 +341,7 @@ def fused_linear_policy_loss(
         )
         inputs = inputs._replace(ref_logps=ref_logps)
     ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
-    cfg = _config(
-        hidden,
-        weight,
-        bias,
-        T,
-        V,
-        chunk_size,
-        weight_layout,
-        implementation,
-        plan,
-        softcap=softcap,
-        logits_precision=logits_precision,
-    )
+    cfg = _config(hidden, weight, bias, T, V, plan, **head_args)
     head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
     loss, aux = fused_policy_loss(cfg, objective, head, inputs)
     return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
@@ -446,10 +435,10 @@ def fused_linear_logprobs(
         bias,
         T,
         V,
-        chunk_size,
-        weight_layout,
-        implementation,
         plan,
+        chunk_size=chunk_size,
+        weight_layout=weight_layout,
+        implementation=implementation,
         with_entropy=bool(return_entropy),
         softcap=softcap,
         logits_precision=logits_precision,
