@@ -6,6 +6,7 @@ device memory beside the measured child processes).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import importlib.metadata
@@ -197,10 +198,32 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(cmd: list[str], label: str, timeout_s: float, log) -> tuple[list[dict[str, Any]], str, float]:
-    """Runs a worker command in a fresh process group (killed whole at the timeout); returns its records
-    (``emit`` lines), ``'ok' | 'timeout' | 'crash (rc=..)'`` and the seconds it took. ``log``: an open
-    file for the worker's output, or None."""
+def add_worker_args(parser) -> None:
+    """The flags of a benchmark driver's worker protocol: ``--commit`` (recorded), and the hidden ``--child`` /
+    ``--opts`` (JSON) with which :func:`run_child` starts a worker."""
+    parser.add_argument("--commit", help="commit to record (default: $GMPO_BENCH_COMMIT, git, or 'unknown')")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--opts", help=argparse.SUPPRESS)
+
+
+def worker_main(args, execute) -> bool:
+    """Applies ``--commit`` (to this process and its workers); in a worker (``--child``) runs
+    ``execute(job, opts)`` and returns True (the driver then exits), else returns False."""
+    if args.commit:
+        os.environ["GMPO_BENCH_COMMIT"] = args.commit
+    if not args.child:
+        return False
+    execute(json.loads(args.child), json.loads(args.opts))
+    return True
+
+
+def run_child(
+    module: str, job: dict[str, Any], opts: dict[str, Any], label: str, timeout_s: float, log
+) -> tuple[list[dict[str, Any]], str, float]:
+    """Runs ``job`` in a worker (``python -m module --child job --opts opts``, :func:`worker_main`) in a fresh
+    process group (killed whole at the timeout); returns its records (``emit`` lines), ``'ok' | 'timeout' |
+    'crash (rc=..)'`` and the seconds it took. ``log``: an open file for the worker's output, or None."""
+    cmd = [sys.executable, "-m", module, "--child", json.dumps(job), "--opts", json.dumps(opts)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd,

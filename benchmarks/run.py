@@ -22,7 +22,6 @@ run and written into every record (``floor_ms``, ``x_floor``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -296,8 +295,7 @@ def execute(job: dict[str, Any], opts: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run_child(job: dict[str, Any], opts: dict[str, Any], timeout_s: float, log) -> tuple[list, str, float]:
     """Runs a job in a fresh process group; returns (records, 'ok'|'timeout'|'crash (rc=..)', seconds)."""
-    cmd = [sys.executable, "-m", "benchmarks.run", "--child", json.dumps(job), "--opts", json.dumps(opts)]
-    return _common.run_child(cmd, _job_label(job), timeout_s, log)
+    return _common.run_child("benchmarks.run", job, opts, _job_label(job), timeout_s, log)
 
 
 def _job_label(job: dict[str, Any]) -> str:
@@ -504,7 +502,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, help="per-job timeout (default: per job, 75-150 s)")
     p.add_argument("--in-process", action="store_true", help="no subprocesses (debugging; peaks then mix)")
     p.add_argument("--dry-run", action="store_true", help="list the jobs and exit")
-    p.add_argument("--commit", help="commit to record (default: $GMPO_BENCH_COMMIT, git, or 'unknown')")
     for k, v in DEFAULT_OPTS.items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
@@ -540,18 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=V1,V2,..",
         help="one job per value (product over several --sweep); NAME is chunk_size or as --tuning",
     )
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--opts", help=argparse.SUPPRESS)
+    _common.add_worker_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.commit:
-        os.environ["GMPO_BENCH_COMMIT"] = args.commit
-    if args.child:  # worker process
-        opts = json.loads(args.opts)
-        execute(json.loads(args.child), opts)
+    if _common.worker_main(args, execute):
         return 0
 
     opts = {k: getattr(args, k) for k in DEFAULT_OPTS}

@@ -555,8 +555,7 @@ def run_jobs(jobs, opts, budget_s: float | None, log_path: str | None, results: 
                 records.append(_placeholder(job, "skipped (budget)", device))
                 continue
         print(f"[tunix_bench] {elapsed:6.1f}s  {_label(job)}  (timeout {timeout:.0f}s)", flush=True)
-        cmd = [sys.executable, "-m", "benchmarks.tunix_bench", "--child", json.dumps(job), "--opts", json.dumps(opts)]
-        recs, status, secs = _common.run_child(cmd, _label(job), timeout, log)
+        recs, status, secs = _common.run_child("benchmarks.tunix_bench", job, opts, _label(job), timeout, log)
         recs = recs or [_placeholder(job, status, device)]
         for r in recs:
             device = device or r.get("device")
@@ -676,26 +675,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", help="also write the markdown table to this file")
     p.add_argument("--budget-s", type=float, help="start no job after this many seconds (jobs are cut to it)")
     p.add_argument("--timeout-s", type=float, help="per-job timeout (default 120 s on the CPU preset, else 150 s)")
-    p.add_argument("--commit", help="commit to record (default: $GMPO_BENCH_COMMIT, git, or 'unknown')")
     p.add_argument("--dry-run", action="store_true", help="list the jobs and exit")
     p.add_argument("--build-only", action="store_true", help="trace the steps at the preset's shapes (no run)")
     p.add_argument(
         "--compile", action="store_true", help="with --build-only: also compile both steps, print their memory analysis"
     )
     p.add_argument("--report", metavar="JSONL", help="print the markdown table of these records and exit")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--opts", help=argparse.SUPPRESS)
+    _common.add_worker_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.commit:
-        import os
-
-        os.environ["GMPO_BENCH_COMMIT"] = args.commit
-    if args.child:
-        execute(json.loads(args.child), json.loads(args.opts))
+    if _common.worker_main(args, execute):
         return 0
     if args.report:
         with open(args.report, encoding="utf-8") as f:
