@@ -514,6 +514,12 @@ def _f64(x):
     return np.asarray(x).astype(np.float64)
 
 
+def rel_err(got, want) -> float:
+    """``||got - want|| / ||want||`` (2-norm over every element, in float64): the relative gradient error."""
+    got, want = _f64(got).ravel(), _f64(want).ravel()
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
 def assert_loss_close(got, want: float, scale: float, dtype, what="loss"):
     tol = tol_for(dtype)
     got = float(got)

@@ -21,7 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import spec_numpy as spec
-from conftest import ENTROPY_TOL, GRAD_REL_F64, GRAD_REL_XLA, INTERPRET_MAX_ULP, LOGP_TOL, LSE_VS_XLA, SAVED_REL
+from conftest import (
+    ENTROPY_TOL,
+    GRAD_REL_F64,
+    GRAD_REL_XLA,
+    INTERPRET_MAX_ULP,
+    LOGP_TOL,
+    LSE_VS_XLA,
+    SAVED_REL,
+    rel_err,
+)
 
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.kernels import _common as C
@@ -65,12 +74,6 @@ def _oracle(h, w, b, ids, dlogp, T, layout):
     return dict(z=z, lse=lse, logp=logp, dh=dh, dw=dW if layout == "hv" else dW.T, db=dz.sum(0))
 
 
-def _rel(a, b):
-    a = np.asarray(a, np.float64).ravel()
-    b = np.asarray(b, np.float64).ravel()
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
 def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, saved=None):
     h, w, b, ids, dlogp = _inputs(R, H, V, layout, dtype, bias, scale, seed)
     if bad_ids:
@@ -101,15 +104,15 @@ def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, s
     dh, dw, db = be.grads(h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=dw0, db_acc=db0)
     assert dh.dtype == h.dtype and dh.shape == h.shape
     assert dw.dtype == jnp.float32 and dw.shape == w.shape
-    assert _rel(dh, ref["dh"]) < GRAD_REL_F64
-    assert _rel(np.asarray(dw) - np.asarray(dw0), ref["dw"]) < GRAD_REL_F64
+    assert rel_err(dh, ref["dh"]) < GRAD_REL_F64
+    assert rel_err(np.asarray(dw) - np.asarray(dw0), ref["dw"]) < GRAD_REL_F64
     if bias:
-        assert _rel(db, ref["db"]) < GRAD_REL_F64
+        assert rel_err(db, ref["db"]) < GRAD_REL_F64
     else:
         assert db is None
     dh_x, dw_x, db_x = xk.grads(h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=dw0, db_acc=db0)
-    assert _rel(dh, dh_x) < GRAD_REL_XLA
-    assert _rel(np.asarray(dw) - np.asarray(dw0), np.asarray(dw_x) - np.asarray(dw0)) < GRAD_REL_XLA
+    assert rel_err(dh, dh_x) < GRAD_REL_XLA
+    assert rel_err(np.asarray(dw) - np.asarray(dw0), np.asarray(dw_x) - np.asarray(dw0)) < GRAD_REL_XLA
     if saved is not None:  # the logits kept by the log-prob kernel (float16) replace the recompute
         if saved == "all":
             logp_s, lse_s, kept = be.logprobs_for_grads(h, w, b, ids, Tf, weight_layout=layout, budget_bytes=2**40)
@@ -125,11 +128,11 @@ def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, s
             h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=None, db_acc=db0, saved=kept
         )
         assert dh_s.dtype == h.dtype and dw_s.dtype == w.dtype and dw_s.shape == w.shape
-        assert _rel(dh_s, ref["dh"]) < GRAD_REL_F64 and _rel(dw_s, ref["dw"]) < GRAD_REL_F64
+        assert rel_err(dh_s, ref["dh"]) < GRAD_REL_F64 and rel_err(dw_s, ref["dw"]) < GRAD_REL_F64
         # against the recompute: float16 logits (p off by <= p |ln p| 2**-11) and a 16-bit dW
-        assert _rel(dh_s, dh) < SAVED_REL and _rel(dw_s, np.asarray(dw) - np.asarray(dw0)) < SAVED_REL
+        assert rel_err(dh_s, dh) < SAVED_REL and rel_err(dw_s, np.asarray(dw) - np.asarray(dw0)) < SAVED_REL
         if bias:
-            assert _rel(db_s, ref["db"]) < GRAD_REL_F64 and _rel(db_s, db) < SAVED_REL
+            assert rel_err(db_s, ref["db"]) < GRAD_REL_F64 and rel_err(db_s, db) < SAVED_REL
         assert be.logprobs_for_grads(h, w, b, ids, Tf, weight_layout=layout, budget_bytes=0)[2] is None
         dh_n, dw_n, _ = be.grads(h, w, b, ids, dlogp, lse, Tf, weight_layout=layout, dw_acc=None, db_acc=db0)
         assert dw_n.dtype == jnp.float32  # no accumulator, recompute: the chunk's own float32 gradient
@@ -420,9 +423,9 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
     g_x = jax.jit(lambda *a: xk.grads(*a, weight_layout=layout, dw_acc=dw0, db_acc=db0))
     dh, dw, db = g(h, w, b, ids, dlogp, lse_x, Tf)
     dh_x, dw_x, db_x = g_x(h, w, b, ids, dlogp, lse_x, Tf)
-    assert _rel(dh, dh_x) < 1e-2 and _rel(dw, dw_x) < 1e-2
+    assert rel_err(dh, dh_x) < 1e-2 and rel_err(dw, dw_x) < 1e-2
     if bias:
-        assert _rel(db, db_x) < 1e-2
+        assert rel_err(db, db_x) < 1e-2
     # bitwise rerun equality (no atomics)
     logp2, lse2 = lp(h, w, b, ids, Tf)
     dh2, dw2, db2 = g(h, w, b, ids, dlogp, lse_x, Tf)
@@ -440,9 +443,9 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
     logp_s, lse_s, kept = fs(h, w, b, ids, Tf)
     np.testing.assert_allclose(np.asarray(lse_s), np.asarray(lse_x), rtol=0, atol=1e-4 * (1 + zmax))
     dh_s, dw_s, db_s = gs(h, w, b, ids, dlogp, lse_s, Tf, kept)
-    assert dw_s.dtype == w.dtype and _rel(dh_s, dh_x) < 1e-2 and _rel(dw_s, dw_x) < 1e-2
+    assert dw_s.dtype == w.dtype and rel_err(dh_s, dh_x) < 1e-2 and rel_err(dw_s, dw_x) < 1e-2
     if bias:
-        assert _rel(db_s, db_x) < 1e-2
+        assert rel_err(db_s, db_x) < 1e-2
     dh_s2, dw_s2, _ = gs(h, w, b, ids, dlogp, lse_s, Tf, fs(h, w, b, ids, Tf)[2])
     np.testing.assert_array_equal(np.asarray(dh_s), np.asarray(dh_s2))
     np.testing.assert_array_equal(np.asarray(dw_s), np.asarray(dw_s2))
@@ -452,9 +455,9 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
         lambda *a: be._logprobs(*a, weight_layout=layout, with_entropy=False, save_tiles=n_keep)
     )(h, w, b, ids, Tf)
     dh_p, dw_p, db_p = gs(h, w, b, ids, dlogp, lse_p, Tf, part)
-    assert part.m.shape[0] == n_keep and _rel(dh_p, dh_x) < 1e-2 and _rel(dw_p, dw_x) < 1e-2
+    assert part.m.shape[0] == n_keep and rel_err(dh_p, dh_x) < 1e-2 and rel_err(dw_p, dw_x) < 1e-2
     if bias:
-        assert _rel(db_p, db_x) < 1e-2
+        assert rel_err(db_p, db_x) < 1e-2
 
 
 def _tiny_temperature_policy_case(implementation, B, T, H, V, temperature):
@@ -670,7 +673,7 @@ def test_interpret_padded_vocab_size_through_the_api():
     (v, (dh, dw)), (v0, (dh0, dw0)) = run(INTERPRET), run("xla_chunked")
     assert np.isfinite(float(v))
     np.testing.assert_allclose(float(v), float(v0), rtol=1e-5)
-    assert _rel(dh, dh0) < GRAD_REL_XLA and _rel(dw, dw0) < GRAD_REL_XLA
+    assert rel_err(dh, dh0) < GRAD_REL_XLA and rel_err(dw, dw0) < GRAD_REL_XLA
     assert np.all(np.asarray(dw)[:, real:] == 0)
 
 
@@ -716,7 +719,7 @@ def test_interpret_kept_logits_through_the_api(objective):
     for k in ("clip_fraction", "log_ratio_min", "log_ratio_max"):
         np.testing.assert_allclose(float(getattr(aux, k)), float(getattr(aux2, k)), rtol=1e-5, atol=1e-6)
     for a, b in ((dh, dh2), (dw, dw2), (db, db2)):
-        assert _rel(a, b) < SAVED_REL
+        assert rel_err(a, b) < SAVED_REL
     kw = (
         dict(loss_type="gmpo", epsilon_low=0.4, epsilon_high=0.4)
         if objective == "GMPO"
@@ -725,7 +728,7 @@ def test_interpret_kept_logits_through_the_api(objective):
     ref = spec.spec_policy_loss(h, w, ids, mask, adv, bias=bias, temperature=0.9, old_logps=old, **kw)
     np.testing.assert_allclose(float(loss), ref.loss, rtol=1e-4, atol=1e-6)
     for a, b in zip((dh, dw, db), (ref.dhidden, ref.dweight, ref.dbias)):
-        assert _rel(a, b) < GRAD_REL_F64
+        assert rel_err(a, b) < GRAD_REL_F64
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import spec_numpy as spec
-from conftest import LOGP_TOL, Obj, check_against_spec, make_case
+from conftest import LOGP_TOL, Obj, check_against_spec, make_case, rel_err
 
 import gmpo_jax
 from gmpo_jax._dispatch import UnsupportedConfigError
@@ -41,11 +41,6 @@ def _logp_tol(precision, hidden, weight, layout):
     s = np.max(np.abs(np.asarray(hidden, np.float64)) @ np.abs(w))
     per = (H + 6) * 2.0**-24 if precision == "float32" else 3 * 2.0**-16
     return 4 * per * s + LOGP_TOL
-
-
-def _rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
 def _case(seed, layout="hv", with_bias=False, dtype=np.float32):
@@ -168,7 +163,7 @@ def test_float32_head_against_spec(impl, precision, layout, with_bias, obj):
     check_against_spec(loss, aux, grads, want, case, obj)
     for g, w in zip(grads, (want.dhidden, want.dweight, want.dbias)):
         if w is not None and g is not None:
-            assert _rel(g, w) <= PREC_GRAD[precision], (precision, _rel(g, w))
+            assert rel_err(g, w) <= PREC_GRAD[precision], (precision, rel_err(g, w))
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16x3"])
@@ -207,8 +202,8 @@ def test_bf16_hidden_float32_weight():
     want = _spec(case, obj)
     _, _, (dh, dw, _) = _grads(case, obj, MosaicGpuBackend(interpret=True), "float32")
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
-    assert _rel(dw, want.dweight) <= PREC_GRAD["float32"], _rel(dw, want.dweight)
-    assert _rel(dh, want.dhidden) <= 2.0**-8, _rel(dh, want.dhidden)
+    assert rel_err(dw, want.dweight) <= PREC_GRAD["float32"], rel_err(dw, want.dweight)
+    assert rel_err(dh, want.dhidden) <= 2.0**-8, rel_err(dh, want.dhidden)
 
 
 def test_bf16_inputs_float32_dz():
@@ -224,7 +219,7 @@ def test_bf16_inputs_float32_dz():
     for precision in (None, "float32"):
         _, _, (dh, dw, _) = _grads(case, obj, be, precision, chunk_size=1)
         assert dh.dtype == dw.dtype == jnp.bfloat16
-        errs[precision] = (_rel(dh, want.dhidden), _rel(dw, want.dweight))
+        errs[precision] = (rel_err(dh, want.dhidden), rel_err(dw, want.dweight))
     assert max(errs["float32"]) <= 2.0**-8, errs
     assert sum(errs["float32"]) < sum(errs[None]), errs
 
@@ -250,7 +245,7 @@ def test_softcap_and_entropy_term():
     want = _spec(case, obj, softcap=4.0, entropy_coef=0.03)
     loss, aux, grads = _grads(case, obj, MosaicGpuBackend(interpret=True), "float32", softcap=4.0, entropy_coef=0.03)
     check_against_spec(loss, aux, grads, want, case, obj)
-    assert _rel(grads[1], want.dweight) <= PREC_GRAD["float32"]
+    assert rel_err(grads[1], want.dweight) <= PREC_GRAD["float32"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,5 +345,5 @@ def test_gpu_float32_head_against_float64(precision):
         ).sum(),
         argnums=(0, 1),
     )(jnp.asarray(h), jnp.asarray(w))
-    assert _rel(dh[0], want_dh) <= PREC_GRAD[precision], _rel(dh[0], want_dh)
-    assert _rel(dw, want_dw) <= PREC_GRAD[precision], _rel(dw, want_dw)
+    assert rel_err(dh[0], want_dh) <= PREC_GRAD[precision], rel_err(dh[0], want_dh)
+    assert rel_err(dw, want_dw) <= PREC_GRAD[precision], rel_err(dw, want_dw)
