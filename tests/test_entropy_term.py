@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import spec_numpy as spec
-from conftest import DTYPES, Obj, assert_grad_close, assert_loss_close, check_against_spec, make_case
+from conftest import DTYPES, Obj, assert_grad_close, assert_loss_close, check_against_spec, make_case, rel_err, SAVED_REL
 
 import gmpo_jax
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
@@ -45,6 +45,8 @@ IMPLS = {
     "xla_chunked": lambda: "xla_chunked",
     "mosaic_gpu": lambda: MosaicGpuBackend(interpret=True),
     "mosaic_gpu_skip": lambda: MosaicGpuBackend(interpret=True, row_buckets=4),
+    "mosaic_gpu_keep": lambda: MosaicGpuBackend(interpret=True, save_min_hidden=0),  # kept logits at any H
+    "mosaic_gpu_keep_skip": lambda: MosaicGpuBackend(interpret=True, save_min_hidden=0, row_buckets=4),
 }
 
 
@@ -65,10 +67,16 @@ def test_lm_head(obj, impl):
     check_against_spec(loss, aux, (*grads, None), want, case, obj)
 
 
-@pytest.mark.parametrize("impl", ["mosaic_gpu", "mosaic_gpu_skip"])
+@pytest.mark.parametrize("impl", ["mosaic_gpu", "mosaic_gpu_skip", "mosaic_gpu_keep", "mosaic_gpu_keep_skip"])
 @pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo", beta=0.04)], ids=str)
 def test_kernels_in_the_interpreter(obj, impl):
+    """The kernels (dz kernel's entropy epilogue; with ``mosaic_gpu_keep*`` the log-prob kernel keeps every
+    logits tile and dz is built from them with the entropy term, ``_skip``: on the live rows' prefix)
+    against the float64 spec."""
     case = _case(11, "bfloat16")
+    if impl.startswith("mosaic_gpu_keep"):
+        be = IMPLS[impl]()
+        assert be.keeps_logits(rows=B * T, H=H, V=V, weight_dtype=jnp.bfloat16, budget_bytes=2**30)
     want = _spec(case, obj)
     f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
         h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
@@ -134,6 +142,47 @@ def test_logits(obj, impl):
     assert_grad_close(np.asarray(g), dwant, np.float32, "dlogits")
 
 
+def test_kept_logits_match_the_recompute():
+    """``grads(saved=..., entropy=...)``: the entropy term's ``dz`` built from kept (float16) logits tiles, for
+    the leading tile kept and the rest recomputed, and for every tile kept, against the dz kernel's recompute
+    (``SAVED_REL``: float16 logits put ``p`` off by at most ``p |ln p| 2**-11``) and the float64 oracle."""
+    rng = np.random.default_rng(5)
+    R, Hk, Vk, t = 128, 64, 300, jnp.float32(0.8)
+    h = jnp.asarray(rng.normal(size=(R, Hk)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(Vk, Hk)) * 0.3, jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, Vk, R), jnp.int32)
+    dlogp = jnp.asarray(rng.normal(size=R) * (rng.random(R) < 0.7), jnp.float32)
+    gamma = jnp.asarray(rng.normal(size=R) * 0.1, jnp.float32)
+    be = MosaicGpuBackend(interpret=True, save_min_hidden=0)
+    logp, lse, ent = be.logprobs(h, w, None, ids, t, weight_layout="vh", with_entropy=True)
+    kw = dict(weight_layout="vh", dw_acc=None, db_acc=None, entropy=(gamma, ent))
+    dh, dw, _ = be.grads(h, w, None, ids, dlogp, lse, t, **kw)
+    # float64: dz = dlogp (onehot - p) / t - gamma p (ln p + H) / t
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T / 0.8
+    logq = z - z.max(1, keepdims=True)
+    logq -= np.log(np.exp(logq).sum(1, keepdims=True))
+    p, H64 = np.exp(logq), -(np.exp(logq) * logq).sum(1)
+    dz = -np.asarray(dlogp, np.float64)[:, None] * p
+    dz[np.arange(R), np.asarray(ids)] += np.asarray(dlogp, np.float64)
+    dz = (dz - np.asarray(gamma, np.float64)[:, None] * p * (logq + H64[:, None])) / 0.8
+    want_dh, want_dw = dz @ np.asarray(w, np.float64), dz.T @ np.asarray(h, np.float64)
+    assert rel_err(dh, want_dh) < 1e-2 and rel_err(dw, want_dw) < 1e-2  # bf16 outputs and dz
+    for save_tiles in (1, None):  # the leading tile kept, the rest recomputed; every tile kept
+        if save_tiles is None:
+            *stats, saved = be.logprobs_for_grads(
+                h, w, None, ids, t, weight_layout="vh", budget_bytes=2**30, with_entropy=True
+            )
+            assert saved is not None and saved.d.shape[1] >= Vk
+        else:
+            stats, saved = be._logprobs(h, w, None, ids, t, weight_layout="vh", with_entropy=True, save_tiles=1)
+            assert saved.m.shape[0] == 1 and saved.d.shape[1] < Vk
+        for a, b in zip(stats, (logp, lse, ent)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        dh_s, dw_s, _ = be.grads(h, w, None, ids, dlogp, lse, t, saved=saved, **kw)
+        assert rel_err(dh_s, dh) < SAVED_REL and rel_err(dw_s, dw) < SAVED_REL, (rel_err(dh_s, dh), rel_err(dw_s, dw))
+        assert rel_err(dh_s, want_dh) < 1e-2 and rel_err(dw_s, want_dw) < 1e-2
+
+
 @pytest.mark.parametrize(
     "c,err", [(float("nan"), ValueError), (True, TypeError), (np.ones(2), TypeError), ("0.1", TypeError)]
 )
@@ -164,6 +213,34 @@ def test_kernel_lowers_for_cuda(monkeypatch):
         )
     )
     jax.export.export(bwd, platforms=["cuda"])(h, w, i, f, f, f, f, acc)
+
+
+def test_kept_logits_lower_for_cuda(monkeypatch):
+    """At Llama-3-8B's head (H 4096, V 128256; 8192 rows), where a single chunk keeps its logits: the log-prob
+    kernel with the entropy statistic and the kept tiles together, and the gradient pass building dz with the
+    entropy term from them, lower to Mosaic GPU for CUDA (jax.export on the CPU)."""
+    from gmpo_jax.lm_head import mosaic_gpu, vjp
+
+    monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
+    R, Hl, Vl = 8192, 4096, 128256
+    be = MosaicGpuBackend()
+    h = jax.ShapeDtypeStruct((R, Hl), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((Hl, Vl), jnp.bfloat16)
+    i = jax.ShapeDtypeStruct((R,), jnp.int32)
+    f = jax.ShapeDtypeStruct((R,), jnp.float32)
+    budget = vjp._saved_budget(jnp.zeros((1,), jnp.bfloat16)) + 4 * Hl * Vl
+    assert be.save_plan(rows=R, H=Hl, V=Vl, budget_bytes=budget) > 0
+
+    def step(h, w, i, d, g):
+        t = jnp.float32(0.9)
+        logp, lse, ent, saved = be.logprobs_for_grads(
+            h, w, None, i, t, weight_layout="hv", budget_bytes=budget, with_entropy=True
+        )
+        assert saved is not None
+        return be.grads(h, w, None, i, d, lse, t, weight_layout="hv", dw_acc=None, db_acc=None, saved=saved,
+                        entropy=(g, ent))  # fmt: skip
+
+    jax.export.export(jax.jit(step), platforms=["cuda"])(h, w, i, f, f)
 
 
 @pytest.mark.gpu

@@ -79,7 +79,7 @@ def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
     from gmpo_jax.kernels.lm_head_lse import lm_head_lse_epilogue_bytes
 
     if kind in ("logprob", "logprob_saved"):  # up to four statistics (entropy); the saved tiles
-        return lm_head_lse_epilogue_bytes(cfg, n_stats=4 if kind == "logprob" else 3, save=kind == "logprob_saved")
+        return lm_head_lse_epilogue_bytes(cfg, n_stats=4, save=kind == "logprob_saved")
     dz_item = 4 if kind == "grad_f32" else itemsize
     return 2 * cfg.block_m * (cfg.block_n * dz_item + 4)  # the dz kernel's two output tiles and row sums
 
@@ -276,9 +276,13 @@ class MosaicGpuBackend:
             weight_bytes=2 * len(w_parts),
         )
 
-    def logprobs_for_grads(self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes):
+    def logprobs_for_grads(
+        self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes, with_entropy=False
+    ):
         """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
         tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes).
+        With ``with_entropy``, ``(logp, lse, entropy, saved)`` (the entropy as :meth:`logprobs` returns it;
+        ``grads`` then takes ``entropy=`` with the same ``saved``).
 
         Only for a bfloat16 weight: with ``saved``, ``grads`` returns the weight gradient in the weight's
         dtype, and the custom VJP multiplies it by the loss's cotangent afterwards. bfloat16 has float32's
@@ -290,17 +294,17 @@ class MosaicGpuBackend:
         if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
             save_tiles = self.save_plan(rows=R, H=H, V=V, budget_bytes=budget_bytes)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
-            (logp, lse), saved = self._logprobs(
+            stats, saved = self._logprobs(
                 hidden,
                 weight,
                 bias,
                 ids,
                 temperature,
                 weight_layout=weight_layout,
-                with_entropy=False,
+                with_entropy=with_entropy,
                 save_tiles=save_tiles,
             )
-        return logp, lse, saved
+        return (*stats, saved)
 
     def _logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles):
         from gmpo_jax.kernels import _common as C
@@ -372,10 +376,8 @@ class MosaicGpuBackend:
                     f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
                     f"not match the gradient kernel's {bn} / {Rp} (see save_plan)"
                 )
-            if saved is not None and (entropy is not None or precise):
-                raise ValueError(
-                    "an entropy term and logits_precision need the recomputed logits (no kept logits: saved=None)"
-                )
+            if saved is not None and precise:
+                raise ValueError("logits_precision needs the recomputed logits (no kept logits: saved=None)")
             t = jnp.asarray(temperature, jnp.float32)
             fresh = dw_acc is None
             if fresh:
@@ -491,7 +493,7 @@ class _GradPass:
         if kept:
             softcap = self.backend.softcap
             dz, exact = _dz_from_saved(
-                self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype, softcap, self.scale
+                self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype, softcap, self.scale, self.entropy
             )
             rowsum = stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
             return dz, rowsum if exact is None else rowsum - exact
@@ -591,13 +593,16 @@ def _aligned(weight, weight_layout):
     return jnp.pad(weight, pad)
 
 
-def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dtype, softcap=None, scale=None):
+def _dz_from_saved(
+    saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dtype, softcap=None, scale=None, entropy=None
+):
     """``dz = coef (onehot - exp2(d + m - lse2))`` of the window of ``wt`` saved tiles from column ``v0``
     (one XLA fusion: the float16 tiles read once, ``dz`` written once), ``[Rp, wt * block_n]``; columns
     ``>= width`` and ``-inf`` logits give 0, and ``|z2 - lse2|`` within ``snap_tolerance`` counts as 0
-    (``p = 1``) as in the dz kernel. Returns ``(dz, None)``; with ``softcap``, ``dz`` times ``1 - t**2``
-    (``t = z / cap``, ``z = (d + m) / scale`` the capped logit) and, second, its float32 row sums (the exact
-    row no longer sums to 0; ``cancel_rounding`` takes the stored minus these)."""
+    (``p = 1``) as in the dz kernel. ``entropy``: ``(gamma / T, H)`` ``[Rp]`` of an entropy term, which adds
+    ``-(gamma / T) p (ln p + H)`` as the dz kernel does. Returns ``(dz, None)``; with ``softcap``, ``dz``
+    times ``1 - t**2`` (``t = z / cap``, ``z = (d + m) / scale`` the capped logit) and, second, its float32
+    row sums (the exact row no longer sums to 0; ``cancel_rounding`` takes the stored minus these)."""
     from gmpo_jax.kernels import _common as C
 
     bn = saved.block_n
@@ -610,6 +615,9 @@ def _dz_from_saved(saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dt
     p = jnp.where(col < width, jnp.exp2(z), 0.0)
     onehot = jnp.where(col == ids_w[:, None], 1.0, 0.0)
     dz = coef[:, None] * (onehot - p)
+    if entropy is not None:  # ln p = z2 ln 2, clamped where p underflows to 0 (the dz kernel's epilogue)
+        gamma, ent = entropy
+        dz = dz - gamma[:, None] * p * (jnp.maximum(z, -256.0) * C.LN2 + ent[:, None])
     if softcap is None:
         return dz.astype(dtype), None
     zc = (d + m[:, :, None]).reshape(Rp, wt * bn) / scale[:, None]  # the capped logit (before the temperature)

@@ -136,13 +136,14 @@ def _saved_budget(weight) -> int:
 def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False):
     """``(logp [R], lse [R], entropy [R] or None, saved or None)`` of rows ``h [R, H]``; ``keep``: the backend
     may keep what its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy
-    as budget; not with the entropy)."""
+    as budget)."""
     weight, lay = head.weight, cfg.weight_layout
     if keep:
-        logp, lse, saved = cfg.backend.logprobs_for_grads(
-            h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight)
+        kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
+        *stats, saved = cfg.backend.logprobs_for_grads(
+            h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight), **kw
         )
-        return logp, lse, None, saved
+        return *stats, *([] if with_entropy else [None]), saved
     if with_entropy:
         return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, with_entropy=True), None)
     return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None, None)
@@ -215,16 +216,21 @@ def _chunk_step_skipping(
     on the unmasked rows, the backward on the rows with a non-zero ``d loss / d logp``. With ``keep`` both
     passes share the forward's prefix (the kept logits hold those rows)."""
     t, buckets = chunk.temperature, cfg.row_buckets
+    with_ent = chunk.entropy_coef is not None
     if keep:  # only under differentiation
         order = rows.order(chunk.mask)
 
         def run(S):
             hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
-            logp_s, lse_s, _, saved = _forward(cfg, head, hs, ids_s, t, keep=True)
+            logp_s, lse_s, ent_s, saved = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent)
             logp = rows.scatter_back(logp_s, order).reshape(chunk.mask.shape)
             num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
+            entropy = None
+            if with_ent:  # the entropy's cotangent is 0 off the prefix (masked rows): same rows
+                ent_num, gamma = _entropy_term(objective, chunk, rows.scatter_back(ent_s, order), denominator)
+                num, entropy = num + ent_num, (rows.take(gamma, order, S), ent_s)
             dlogp_s = rows.take(dlogp.reshape(-1), order, S)
-            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, None, db, saved)
+            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, None, db, saved, entropy)
             return num, sums, rows.scatter_back(dh_s, order), dw_, db_
 
         def empty():
@@ -232,7 +238,6 @@ def _chunk_step_skipping(
             return num, sums, jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32), db
 
         return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
-    with_ent = chunk.entropy_coef is not None
     n_out = 3 if with_ent else 2  # logp, lse[, entropy]
     logp, lse, *ent = rows.on_live_rows(
         buckets,
@@ -287,7 +292,7 @@ def _scan_policy(
     # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
     # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
     single = with_grads and n == 1
-    keep = single and inputs.entropy_coef is None and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
+    keep = single and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
     step = _chunk_step_skipping if cfg.row_buckets > 1 else _chunk_step
 
     def body(carry, i):
