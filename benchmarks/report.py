@@ -349,6 +349,17 @@ def _err_pair(r: dict[str, Any] | None) -> str:
     return f"{r['grad_rel_err_hidden']:.2g} / {r['grad_rel_err_weight']:.2g} ({oracle})"
 
 
+def _feature_command(tuning: str) -> str:
+    """How a features table's records are made: the suite (its one-bucket tuning), or one job per row."""
+    if json.loads(tuning) == {"ROW_BUCKETS": 1}:
+        return f"`{FEATURES_COMMAND}`"
+    return (
+        "one job per cell, `python3 -m benchmarks.run --shape SHAPE --B B --T T --impl mosaic_gpu --mode fwd+bwd "
+        "--data peaked --grad-acc true` plus the feature's flag (e.g. `--entropy-coef 0.01`); the plain row is "
+        "the main table's record"
+    )
+
+
 def feature_tables(lat: dict[tuple, dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
     """One table per (workload, tuning) with loss-feature records: every feature row beside the plain bf16
     rows (the same implementations, workload and tuning), per configuration: time [x the plain row of
@@ -372,8 +383,9 @@ def feature_tables(lat: dict[tuple, dict[str, Any]]) -> tuple[list[str], list[di
             and (r.get("data") or "flat") == data
             and tuning_of(r) == tuning
         ]
-        shown += feats + plain
         configs = sorted({(r["shape"], r["B"], r["T"]) for r in feats}, key=lambda c: (c[0] != Q, c[1] * c[2]))
+        plain = [r for r in plain if (r["shape"], r["B"], r["T"]) in configs]  # the others stay in their tables
+        shown += feats + plain
         cell = {(feature_settings(r), r["shape"], r["B"], r["T"]): r for r in feats + plain}
         keys = sorted({feature_settings(r) for r in feats + plain}, key=_feature_rank)
         tuned = ", ".join(f"{k}={v}" for k, v in (json.loads(tuning) or {}).items())
@@ -398,7 +410,7 @@ def feature_tables(lat: dict[tuple, dict[str, Any]]) -> tuple[list[str], list[di
             "Gradient error: relative L2 against the dense oracle the record names (f32: "
             "`gmpo_jax.reference.policy_loss`, float32 logits at HIGHEST; f64: float64 logits, for the float32 "
             "modes whose error is below the f32 oracle's own). float32 inputs: the bf16 batch with the mantissa "
-            f"bits below bf16 filled (`benchmarks.jax_impls.as_float32`). Reproduce: `{FEATURES_COMMAND}`.\n"
+            f"bits below bf16 filled (`benchmarks.jax_impls.as_float32`). Reproduce: {_feature_command(tuning)}.\n"
         )
     return out, shown
 
