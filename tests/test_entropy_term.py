@@ -194,18 +194,24 @@ def test_bad_coefficient_raises(c, err):
         )
 
 
+def _abstract_head(R, H, V):
+    """Shapes of ``R`` rows of bf16 hidden states, an ``[H, V]`` bf16 weight, int32 ids and a float32 row vector."""
+    return (
+        jax.ShapeDtypeStruct((R, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((H, V), jnp.bfloat16),
+        jax.ShapeDtypeStruct((R,), jnp.int32),
+        jax.ShapeDtypeStruct((R,), jnp.float32),
+    )
+
+
 def test_kernel_lowers_for_cuda(monkeypatch):
     """The dz kernel with the entropy term (two more row inputs, ``p (log p + H)`` in the epilogue) lowers to
     Mosaic GPU for CUDA at Qwen2.5-0.5B's head (jax.export on the CPU)."""
     from gmpo_jax.lm_head import mosaic_gpu
 
     monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
-    R, Hq, Vq = 4096, 896, 151936
     be = MosaicGpuBackend()
-    h = jax.ShapeDtypeStruct((R, Hq), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((Hq, Vq), jnp.bfloat16)
-    i = jax.ShapeDtypeStruct((R,), jnp.int32)
-    f = jax.ShapeDtypeStruct((R,), jnp.float32)
+    h, w, i, f = _abstract_head(4096, 896, 151936)
     acc = jax.ShapeDtypeStruct(w.shape, jnp.float32)
     bwd = jax.jit(
         lambda h, w, i, d, l, g, e, a: be.grads(
@@ -224,10 +230,7 @@ def test_kept_logits_lower_for_cuda(monkeypatch):
     monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
     R, Hl, Vl = 8192, 4096, 128256
     be = MosaicGpuBackend()
-    h = jax.ShapeDtypeStruct((R, Hl), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((Hl, Vl), jnp.bfloat16)
-    i = jax.ShapeDtypeStruct((R,), jnp.int32)
-    f = jax.ShapeDtypeStruct((R,), jnp.float32)
+    h, w, i, f = _abstract_head(R, Hl, Vl)
     budget = vjp._saved_budget(jnp.zeros((1,), jnp.bfloat16)) + 4 * Hl * Vl
     assert be.save_plan(rows=R, H=Hl, V=Vl, budget_bytes=budget) > 0
 
