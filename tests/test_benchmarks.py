@@ -326,3 +326,20 @@ def test_loss_features_cpu(tmp_path):
     text = out.read_text()
     assert "### Loss features" in text and "logits_precision=bf16x3" in text and "x plain]" in text
     assert "Not measured yet" not in text
+
+
+def test_precision_probe_runs_and_restores_the_gemm():
+    """``benchmarks.precision_probe`` at a small shape in the interpreter: every variant within the float32
+    head's interpreter bounds (``test_logits_precision``), and the patched ``split_dot`` put back."""
+    from benchmarks import precision_probe
+    from gmpo_jax.lm_head import backend, mosaic_gpu
+
+    recs = precision_probe.probe(R=64, H=64, V=200, interpret=True)
+    assert mosaic_gpu.split_dot is backend.split_dot
+    assert [(r["logits_precision"], r["gradient_gemms"]) for r in recs] == [
+        ("float32", "split_dot"), ("float32", "highest"), ("bf16x3", "split_dot"), ("bf16x3", "highest"),
+        (None, "portable"),
+    ]  # fmt: skip
+    for r in recs:
+        bound = 1e-4 if r["logits_precision"] == "bf16x3" else 1e-5
+        assert r["dh_rel"] < bound and r["dw_rel"] < bound, r

@@ -12,7 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import spec_numpy as spec
-from conftest import DTYPES, Obj, assert_grad_close, assert_loss_close, check_against_spec, make_case, rel_err, SAVED_REL
+from conftest import (
+    DTYPES,
+    SAVED_REL,
+    Obj,
+    assert_grad_close,
+    assert_loss_close,
+    check_against_spec,
+    make_case,
+    rel_err,
+)
 
 import gmpo_jax
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
