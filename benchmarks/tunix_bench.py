@@ -7,8 +7,9 @@ Examples::
     python -m benchmarks.tunix_bench --preset gpu --build-only     # trace the GPU-size steps on the CPU
     python -m benchmarks.tunix_bench --report /tmp/tunix.jsonl     # markdown table of the records
 
-One training step of a randomly initialised Tunix model (Tunix's ``GRPOConfig``: ``beta=0.04``,
-``kl_loss_mode="low_var_kl"``, ``sequence-mean-token-mean``, off-policy old log-probs), as Tunix's trainer
+One training step of a randomly initialised Tunix model (its input embedding scaled to ``EMBED_STD``;
+Tunix's ``GRPOConfig``: ``beta=0.04``, ``kl_loss_mode="low_var_kl"``, ``sequence-mean-token-mean``,
+off-policy old log-probs), as Tunix's trainer
 runs it: ``nnx.value_and_grad`` of the policy loss function over every parameter, then
 ``optimizer.update`` (AdamW), jitted with the train state donated. Two implementations of the loss:
 
@@ -52,6 +53,10 @@ from benchmarks import _common
 IMPLS = ("tunix_grpo", "gmpo_jax_fused")
 PAD_ID, EOS_ID = 0, 1
 OLD_NOISE, REF_NOISE = 0.15, 0.05  # std of the log-prob noise of the old and reference policies
+# Tunix's Embedder draws the embedding from N(0, 1); tied to the LM head (Qwen2.5-0.5B) that gives logits up to
+# |z| ~ 950, which Tunix's Qwen2 rounds to bf16 (log-probs off by ~1 nat: benchmarks/RESULTS.md, 2026-12-01) and
+# which made both losses' steps non-finite. Scaled to Hugging Face's initializer_range for these models.
+EMBED_STD = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +166,7 @@ def _register() -> str:
 
 def _build(case: Case, dtype: str, seed: int, abstract: bool = False):
     """``(model, optimizer)`` at ``dtype`` (AdamW, as Tunix's trainers use); abstract: shapes only."""
+    import jax
     import optax
     from flax import nnx
 
@@ -168,6 +174,8 @@ def _build(case: Case, dtype: str, seed: int, abstract: bool = False):
 
     def make():
         model = model_cls(cfg, rngs=nnx.Rngs(seed))
+        emb = model.embedder.input_embedding  # Tunix draws it from N(0, 1): see EMBED_STD
+        emb.value = emb.value * jax.numpy.asarray(EMBED_STD, emb.value.dtype)
         return model, nnx.Optimizer(model, optax.adamw(1e-6), wrt=nnx.Param)
 
     return nnx.eval_shape(make) if abstract else make()
