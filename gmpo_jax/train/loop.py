@@ -533,5 +533,6 @@ def _finish(c: TrainConfig, history, new_rows, wall: float, sample: str, log) ->
         f"exact answers {summary['exact_first10']:.1%} -> {summary['exact_last10']:.1%}"
         + (f"; last sample: {sample!r}" if sample else "")
     )
-    log(f"outputs: {c.run_dir}/ (metrics.jsonl, checkpoints/{c.steps}{', training.png' if 'plot' in summary else ''})")
+    plot = ", training.png" if "plot" in summary else ""
+    log(f"outputs: {c.run_dir}/ (config.json, metrics.jsonl, summary.json, checkpoints/{c.steps}{plot})")
     return summary
