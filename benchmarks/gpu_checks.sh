@@ -25,6 +25,8 @@ FEATURES="softcap entropy_term logits_precision"
 for f in $FEATURES; do
   run "$f" "tests/test_$f.py" &
 done
+# the float32 head's gradient error, split GEMMs vs one HIGHEST GEMM (a diagnostic, not a test: JSON lines)
+timeout "$LIMIT" python3 -m benchmarks.precision_probe > "$OUT/precision_probe.log" 2>&1 &
 wait
 for f in contract kernels logits_loss; do
   for name in "$f" "${f}_x64"; do
@@ -34,3 +36,4 @@ done
 for name in $FEATURES; do
   echo "[gpu_checks] $name exit $(cat "$OUT/$name.rc")"; tail -n 6 "$OUT/$name.log"
 done
+echo "[gpu_checks] precision_probe"; grep '^{' "$OUT/precision_probe.log" || tail -n 6 "$OUT/precision_probe.log"
