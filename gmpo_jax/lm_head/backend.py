@@ -97,9 +97,9 @@ class LMHeadBackend(Protocol):
         temperature, *, weight_layout, budget_bytes) -> (logp, lse, saved)``, keeping what its gradient
         pass can reuse within ``budget_bytes`` of device memory (``saved`` None when it keeps nothing;
         with an entropy term it is also given ``with_entropy=True`` and returns ``(logp, lse, entropy,
-        saved)``); ``grads`` then gets ``saved=`` (only when it is not None, with ``entropy=`` too), and ``keeps_logits(*, rows, H, V,
-        weight_dtype, budget_bytes) -> bool`` saying whether it would keep anything. ``gmpo_jax.lm_head.mosaic_gpu`` keeps
-        the logits.
+        saved)``); ``grads`` then gets ``saved=`` (only when it is not None, with ``entropy=`` too), and
+        ``keeps_logits(*, rows, H, V, weight_dtype, budget_bytes) -> bool`` saying whether it would keep
+        anything. ``gmpo_jax.lm_head.mosaic_gpu`` keeps the logits.
         """
 
 

@@ -143,7 +143,9 @@ def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entro
         *stats, saved = cfg.backend.logprobs_for_grads(
             h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight), **kw
         )
-        return *stats, *([] if with_entropy else [None]), saved
+        if not with_entropy:
+            stats.append(None)  # (logp, lse) -> (logp, lse, None)
+        return (*stats, saved)
     if with_entropy:
         return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, with_entropy=True), None)
     return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None, None)
