@@ -184,6 +184,9 @@ def lm_head_loss(impl: str, opts: dict[str, Any]) -> Callable:
         kw: dict[str, Any] = dict(objective=objective, implementation=impl, weight_layout=layout, **features)
         if precision is not None:
             kw["logits_precision"] = precision
+        grad_filter = str(opts.get("grad_filter") or "none")
+        if grad_filter != "none":
+            kw["grad_filter"] = grad_filter if grad_filter == "auto" else float(grad_filter)
         if opts.get("chunk_size"):
             kw["chunk_size"] = opts["chunk_size"]
 

@@ -55,6 +55,7 @@ DEFAULT_OPTS: dict[str, Any] = dict(
     logits_precision="none",
     entropy_coef=0.0,
     softcap=0.0,
+    grad_filter="none",
     oracle="float32",
 )
 
@@ -71,9 +72,10 @@ LABELLED_OPTS = (
     "logits_precision",
     "entropy_coef",
     "softcap",
+    "grad_filter",
     "oracle",
 )
-LM_HEAD_FEATURES = ("input_dtype", "logits_precision", "entropy_coef", "softcap", "oracle")  # jax_impls only
+LM_HEAD_FEATURES = ("input_dtype", "logits_precision", "entropy_coef", "softcap", "grad_filter", "oracle")  # jax_impls
 CHOICES = {
     "mask": ("full", "ragged"),
     "weight_layout": ("hv", "vh"),
@@ -521,6 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "float64 = dense float64 under jax.enable_x64 (GMPO only), for errors below float32's",
             }
             p.add_argument(flag, default=v, choices=CHOICES[k], help=helps.get(k))
+        elif k == "grad_filter":
+            p.add_argument(
+                flag, default=v, help="LM head: fused_linear_policy_loss(grad_filter=...): none, auto or a float"
+            )
         elif k in ("entropy_coef", "softcap"):
             what = "entropy_coef (loss -= c agg(H))" if k == "entropy_coef" else "softcap (Gemma's logit cap)"
             p.add_argument(flag, type=float, default=v, help=f"LM head: {what}; 0 = off (default)")

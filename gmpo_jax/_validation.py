@@ -86,6 +86,26 @@ def check_softcap(softcap) -> None:
         raise ValueError(f"softcap must be finite and > 0, got softcap={softcap!r}")
 
 
+def grad_filter_threshold(grad_filter) -> float | None:
+    """``grad_filter``: None (exact), ``"auto"`` (``tuning.GRAD_FILTER_AUTO``) or a Python real in ``[0, 1)``
+    (static: it is compiled into the gradient pass); returns the threshold, or None."""
+    from gmpo_jax import tuning
+
+    if grad_filter is None:
+        return None
+    if isinstance(grad_filter, str):
+        if grad_filter != "auto":
+            raise ValueError(f"grad_filter must be None, 'auto' or a float in [0, 1), got grad_filter={grad_filter!r}")
+        return float(tuning.GRAD_FILTER_AUTO)
+    if isinstance(grad_filter, (bool, np.bool_)) or not isinstance(grad_filter, numbers.Real):
+        raise TypeError(
+            f"grad_filter must be None, 'auto' or a Python float in [0, 1), got grad_filter={grad_filter!r}"
+        )
+    if not 0.0 <= float(grad_filter) < 1.0:
+        raise ValueError(f"grad_filter must be in [0, 1), got grad_filter={grad_filter!r}")
+    return float(grad_filter)
+
+
 def check_logits_precision(logits_precision) -> None:
     """``logits_precision``: None, ``"float32"`` or ``"bf16x3"`` (static: it selects the kernels' products)."""
     from gmpo_jax.lm_head.backend import LOGITS_PRECISIONS

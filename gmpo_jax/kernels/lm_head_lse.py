@@ -49,6 +49,7 @@ def lm_head_lse_partials(
     vocab_size: int,
     cfg: C.LMHeadBlocks,
     num_splits: int,
+    tiles_per_split: int | None = None,
     with_entropy: bool = False,
     save_tiles: int = 0,
     softcap: float | None = None,
@@ -67,6 +68,8 @@ def lm_head_lse_partials(
       bias: ``[num_tiles * block_n]`` f32 (zero-padded past ``V``) or None.
       ids: ``[Rp]`` int32 target ids (any value; ids outside ``[0, V)`` pick nothing).
       row_scale: ``[Rp]`` f32, ``log2(e) / temperature`` per row.
+      tiles_per_split: None (``ceil(num_tiles / num_splits)``), or the vocabulary tiles of every split but the
+        last, with ``num_splits = ceil(num_tiles / tiles_per_split)`` (the gradient filter's fixed windows).
       with_entropy: also accumulate ``e2`` (two more float32 operations per logit).
       save_tiles: also return the first ``save_tiles`` logits tiles (module docstring; at most the number
         of tiles); the epilogue then stages a ``[block_m, block_n]`` float16 tile per warpgroup in shared
@@ -82,8 +85,9 @@ def lm_head_lse_partials(
     rows = hidden.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     num_tiles = C.cdiv(vocab_size, bn)
-    tiles_per_split = C.cdiv(num_tiles, num_splits)
-    assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits)
+    if tiles_per_split is None:
+        tiles_per_split = C.cdiv(num_tiles, num_splits)
+    assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits, tiles_per_split)
     k_iters = C.part_k_iters(hidden, weight, weight_layout, terms, bk)
     assert rows % (2 * bm) == 0
     has_bias = bias is not None

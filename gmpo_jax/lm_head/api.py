@@ -45,9 +45,11 @@ def _config(
     with_entropy: bool = False,
     softcap: float | None = None,
     logits_precision: str | None = None,
+    grad_filter: float | None = None,
 ) -> LMHeadConfig:
     """The static configuration: the backend resolved for one device's rows and vocabulary shard (with the
-    soft cap and the logits precision set on it)."""
+    soft cap and the logits precision set on it, and the gradient filter's threshold where the backend has
+    one: a backend without it, and a vocabulary-parallel plan, compute the exact gradient)."""
     B, H = hidden.shape[0], hidden.shape[2]
     if plan is not None:
         B, V_local = B // plan.data_shards, V // plan.vocab_shards
@@ -75,6 +77,9 @@ def _config(
         if not (dataclasses.is_dataclass(backend) and field in {f.name for f in dataclasses.fields(backend)}):
             raise UnsupportedConfigError(f"the LM-head backend {backend.name!r} has no {what}")
         backend = dataclasses.replace(backend, **{field: value})
+    fields = {f.name for f in dataclasses.fields(backend)} if dataclasses.is_dataclass(backend) else set()
+    if grad_filter is not None and "grad_filter" in fields and (plan is None or plan.vocab_axis is None):
+        backend = dataclasses.replace(backend, grad_filter=grad_filter)
     return LMHeadConfig(
         backend=sharding.local_backend(backend, plan, V),
         chunk_size=chunk,
@@ -133,6 +138,7 @@ def fused_linear_policy_loss(
     softcap: float | None = None,
     entropy_coef: ScalarLike | None = None,
     logits_precision: str | None = None,
+    grad_filter: float | str | None = None,
     weight_layout: str = "hv",
     chunk_size: int | None = None,
     implementation: Any | None = None,
@@ -237,6 +243,18 @@ def fused_linear_policy_loss(
         2510.13786). ``"bf16x3"``: two parts and three products in the kernels (up to ``3 * 2**-16``
         of each product instead of float32's ``2**-24``; half the work); the portable path computes
         both like ``"float32"``. Costs: docs/performance.md "Float32 LM head".
+      grad_filter: None (default: the exact gradient), ``"auto"`` (the threshold ``tuning.GRAD_FILTER_AUTO``)
+        or a Python float ``tau`` in ``[0, 1)``: the LM head's gradient may skip, per token row, each
+        vocabulary window of ``tuning.GRAD_FILTER_WINDOW`` columns whose softmax mass off the row's target is
+        ``<= tau`` (measured by the forward pass, so skipped windows are never recomputed; the target's own
+        window is always kept). Error bound: a row ``r`` with cotangent ``c_r = d loss / d logp_r`` loses
+        ``dz`` entries of total absolute value ``<= |c_r| D_r / temperature``, ``D_r <= n_windows tau`` its
+        dropped mass, so its hidden-state gradient moves by at most ``|c_r| D_r max_v |W_v - W_(y_r)| /
+        temperature`` and each weight column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature``
+        over the rows that dropped it. What is kept is computed as in the exact path. Only the ``mosaic_gpu``
+        backend skips work; the others (and vocabulary-parallel calls) return the exact gradient, which
+        meets the bound. No effect on the loss, the metrics or evaluation without gradients. Accuracy and
+        speed as measured: docs/performance.md "Gradient filter".
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
@@ -274,7 +292,7 @@ def fused_linear_policy_loss(
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``logits_precision``, a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``logits_precision``, a ``grad_filter`` other than None, ``"auto"`` or a float in ``[0, 1)`` (TypeError for a non-number), a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
@@ -308,6 +326,7 @@ def fused_linear_policy_loss(
     V_.check_top_entropy_quantile(top_entropy_quantile)
     V_.check_softcap(softcap)
     V_.check_logits_precision(logits_precision)
+    tau = V_.grad_filter_threshold(grad_filter)
     plan = _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout)
     inputs = V_.policy_inputs(**token_args)
     head_args = dict(
@@ -341,7 +360,7 @@ def fused_linear_policy_loss(
         )
         inputs = inputs._replace(ref_logps=ref_logps)
     ids, bias = sharding.mask_padded_vocab(inputs.ids, bias, V, vocab_size)
-    cfg = _config(hidden, weight, bias, T, V, plan, **head_args)
+    cfg = _config(hidden, weight, bias, T, V, plan, **head_args, grad_filter=tau)
     head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
     loss, aux = fused_policy_loss(cfg, objective, head, inputs)
     return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)

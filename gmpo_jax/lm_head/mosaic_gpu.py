@@ -44,6 +44,7 @@ from jax import lax
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax.lm_head import rows as rows_lib
 from gmpo_jax.lm_head.backend import (
     LOGITS_PRECISIONS,
     bf16_parts,
@@ -123,6 +124,8 @@ class MosaicGpuBackend:
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
     softcap: float | None = None  # Gemma's final-logit cap: z = cap tanh((h W + b) / cap) / T (static)
     logits_precision: str | None = None  # None, "float32" or "bf16x3" (backend.LOGITS_PRECISIONS)
+    grad_filter: float | None = None  # the gradient filter's threshold (module docstring); None: exact
+    filter_window: int = tuning.GRAD_FILTER_WINDOW  # its vocabulary windows, columns (a multiple of 256)
     name: str = "mosaic_gpu"
 
     # -- seam -------------------------------------------------------------------------------------
@@ -172,10 +175,15 @@ class MosaicGpuBackend:
                     f"(> {C.SMEM_BYTES}) with {cfg}"
                 )
 
-    def logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False):
+    def logprobs(
+        self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False, with_window_mass=False
+    ):
+        """The seam's ``logprobs``; ``with_window_mass`` (the gradient filter, ``grad_filter`` set) appends each
+        row's softmax mass off its target per vocabulary window, ``[R, cdiv(V, filter_window)]`` float32, for
+        :meth:`grads`' ``window_mass``."""
         R, H, V = self._check_call(hidden, weight, bias, weight_layout, with_entropy=with_entropy)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
-            out, _ = self._logprobs(
+            out, mass = self._logprobs(
                 hidden,
                 weight,
                 bias,
@@ -184,8 +192,9 @@ class MosaicGpuBackend:
                 weight_layout=weight_layout,
                 with_entropy=with_entropy,
                 save_tiles=0,
+                window_mass=with_window_mass,
             )
-        return out
+        return (*out, mass) if with_window_mass else out
 
     def save_plan(self, *, rows: int, H: int, V: int, budget_bytes: int) -> int:
         """How many leading vocabulary tiles of the logits ``logprobs_for_grads`` keeps (0: none): the most
@@ -306,7 +315,11 @@ class MosaicGpuBackend:
             )
         return (*stats, saved)
 
-    def _logprobs(self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles):
+    def _logprobs(
+        self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles, window_mass=False
+    ):
+        """``((logp, lse[, entropy]), saved)``; with ``window_mass``, ``saved`` is the gradient filter's
+        ``[R, n_windows]`` mass instead (one split per window)."""
         from gmpo_jax.kernels import _common as C
         from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
@@ -316,7 +329,12 @@ class MosaicGpuBackend:
         cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
         hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
         n_tiles = C.cdiv(V, cfg.block_n)
-        splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
+        tiles_per_split = None
+        if window_mass:  # one split per filter window, so that its statistics are the window's
+            tiles_per_split = self._filter_tiles(cfg.block_n)
+            splits = C.cdiv(n_tiles, tiles_per_split)
+        else:
+            splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
         ops = self._operands(hp, weight, weight_layout)
         out = lm_head_lse_partials(
             ops.hidden,
@@ -328,6 +346,7 @@ class MosaicGpuBackend:
             vocab_size=V,
             cfg=cfg,
             num_splits=splits,
+            tiles_per_split=tiles_per_split,
             with_entropy=with_entropy,
             save_tiles=save_tiles,
             softcap=self.softcap,
@@ -336,6 +355,8 @@ class MosaicGpuBackend:
         )
         stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
         logp, lse, *ent = (x[:R] for x in lm_head_merge_splits(*stats))
+        if window_mass:
+            saved = _window_mass(*(x[:, :R] for x in stats[:3]), lse, ids, self.filter_window)
         valid = (ids >= 0) & (ids < V)
         logp = jnp.where(valid, logp, jnp.nan)
         if with_entropy:  # in [0, log V], as the XLA path's
@@ -357,9 +378,13 @@ class MosaicGpuBackend:
         db_acc,
         saved=None,
         entropy=None,
+        window_mass=None,
     ):
         """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
         the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
+
+        ``window_mass`` (``[R, n_windows]``, from ``logprobs(with_window_mass=True)``; only with ``grad_filter``):
+        the gradient filter (module docstring): each vocabulary window runs on the rows that need it.
 
         ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned (float32, or the weight's
         dtype when ``saved`` is given), each window's block written once."""
@@ -378,6 +403,8 @@ class MosaicGpuBackend:
                 )
             if saved is not None and precise:
                 raise ValueError("logits_precision needs the recomputed logits (no kept logits: saved=None)")
+            if window_mass is not None and (self.grad_filter is None or saved is not None):
+                raise ValueError("window_mass needs grad_filter set and no kept logits (saved=None)")
             t = jnp.asarray(temperature, jnp.float32)
             fresh = dw_acc is None
             if fresh:
@@ -405,11 +432,14 @@ class MosaicGpuBackend:
             n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
             item = ops.dz_bytes, ops.weight_bytes
             carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc, jnp.zeros((Rp,), jnp.float32))
+            if window_mass is not None:
+                live = _filter_live(window_mass, gp, self.grad_filter, self.filter_window, Rp)
+                carry = gp.filtered_windows(carry, live, self._filter_tiles(bn))
             if save_tiles:
                 carry = gp.windows(
                     carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, *item, kept=True), True
                 )
-            if save_tiles < n_tiles:
+            if window_mass is None and save_tiles < n_tiles:
                 carry = gp.windows(
                     carry, save_tiles, n_tiles, self._window_tiles(Rp, H, n_tiles - save_tiles, bn, *item), False
                 )
@@ -419,6 +449,14 @@ class MosaicGpuBackend:
         return dh[:R].astype(hidden.dtype), dw_acc, db_acc
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _filter_tiles(self, block_n: int) -> int:
+        """Vocabulary tiles of ``block_n`` columns per gradient-filter window."""
+        if self.filter_window <= 0 or self.filter_window % block_n:
+            raise UnsupportedConfigError(
+                f"filter_window={self.filter_window} must be a positive multiple of the kernels' {block_n}-column tiles"
+            )
+        return self.filter_window // block_n
+
     def _check_call(self, hidden, weight, bias, weight_layout: str, with_entropy: bool = False):
         """``(R, H, V)`` of a seam call, after :meth:`check_supported` accepted it."""
         R, H = hidden.shape
@@ -576,6 +614,99 @@ class _GradPass:
             b_blk = None if self.bias_p is None else self.bias_p[v0 : v0 + C.cdiv(c1 - v0, bn) * bn]
             carry = self.window(carry, v0, c1 - v0, C.cdiv(c1 - v0, bn), kept, w_blk, b_blk)
         return carry
+
+    def subset(self, idx, keep) -> _GradPass:
+        """The pass over rows ``idx`` only (``[S]``, a multiple of the CTA rows), the rows where ``keep`` is
+        False given a zero cotangent (their ``dz`` is exactly 0)."""
+        take = lambda x: None if x is None else jnp.take(x, idx, axis=0)  # noqa: E731
+        ops = self.ops._replace(hidden=take(self.ops.hidden), hidden_parts=[take(p) for p in self.ops.hidden_parts])
+        entropy = None if self.entropy is None else (jnp.where(keep, take(self.entropy[0]), 0.0), take(self.entropy[1]))
+        return dataclasses.replace(
+            self,
+            hp=take(self.hp),
+            ops=ops,
+            ids_p=take(self.ids_p),
+            scale=take(self.scale),
+            coef=jnp.where(keep, take(self.coef), 0.0),
+            lse2=take(self.lse2),
+            entropy=entropy,
+        )
+
+    def filtered_windows(self, carry, live, tiles: int):
+        """The gradient filter's pass: vocabulary windows of ``tiles`` tiles, each on the static prefix of its rows
+        reordered live first (``live`` ``[n_windows, Rp]`` bool) that holds all of them (``_filter_sizes``, one
+        ``lax.switch`` per window; no live row: nothing runs). The full windows in a ``lax.scan``, the partial
+        one after it; ``dh`` and the row sums scattered back (each window's rows are distinct: deterministic)."""
+        from gmpo_jax.kernels import _common as C
+
+        bn, Rp = self.cfg.block_n, self.hp.shape[0]
+        width = tiles * bn
+        sizes = _filter_sizes(Rp)
+
+        def one(carry, live_w, v0, cols, wt, w_blk=None, b_blk=None):
+            order = rows_lib.order(live_w)
+
+            def run(S):
+                idx = order.perm[:S]
+                dh, dw_acc, db_acc, rowsum = carry
+                sub = self.subset(idx, jnp.take(live_w, idx))
+                zero = (jnp.zeros((S, dh.shape[1]), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
+                dh_s, dw_acc, db_acc, rowsum_s = sub.window(zero, v0, cols, wt, False, w_blk, b_blk)
+                dh = dh.at[idx].add(dh_s, unique_indices=True)
+                return dh, dw_acc, db_acc, rowsum.at[idx].add(rowsum_s, unique_indices=True)
+
+            return rows_lib.on_prefix(order.n_live, sizes, run, lambda: carry)
+
+        n_full = self.V // width
+        if n_full:
+            carry, _ = lax.scan(
+                lambda c, w: (one(c, live[w], w * width, width, tiles), None),
+                carry,
+                jnp.arange(n_full, dtype=jnp.int32),
+            )
+        v0 = n_full * width
+        if v0 < self.V:
+            wt = C.cdiv(self.V - v0, bn)
+            end = min(v0 + wt * bn, self.w_kernel.shape[self.axis])
+            w_blk = lax.slice_in_dim(self.w_kernel, v0, end, axis=self.axis)
+            b_blk = None if self.bias_p is None else self.bias_p[v0 : v0 + wt * bn]
+            carry = one(carry, live[n_full], v0, self.V - v0, wt, w_blk, b_blk)
+        return carry
+
+
+def _window_mass(m2, l, t2, lse, ids, window: int):
+    """Each row's softmax mass off its target per vocabulary window, ``[R, n_windows]`` float32, from the log-prob
+    kernel's per-split statistics (one split per window, ``[n_windows, R]``): ``l 2^(m2 - lse2)`` less the
+    target's ``2^(t2 - lse2)`` in its own window (float32 rounding: about ``1e-7`` of the row's largest
+    probability)."""
+    from gmpo_jax.kernels import _common as C
+
+    lse2 = (lse * C.LOG2E)[None]
+    total = jnp.where(l > 0, l * jnp.exp2(m2 - lse2), 0.0)
+    own = jnp.arange(m2.shape[0], dtype=jnp.int32)[:, None] == (ids.astype(jnp.int32) // window)[None]
+    target = jnp.where(own, jnp.exp2(t2 - lse2), 0.0)
+    return jnp.maximum(total - target, 0.0).T
+
+
+def _filter_live(mass, gp: _GradPass, tau: float, window: int, Rp: int):
+    """``[n_windows, Rp]`` bool: the (row, window) blocks the filter keeps: rows with a cotangent, in their
+    target's window, in every window whose mass off the target exceeds ``tau``, and in every window when the
+    row has an entropy term's cotangent (kept exact)."""
+    R, n_w = mass.shape
+    mass = jnp.pad(mass, ((0, Rp - R), (0, 0)))
+    has_coef = gp.coef != 0
+    ent = jnp.zeros((Rp,), bool) if gp.entropy is None else gp.entropy[0] != 0
+    own = jnp.arange(n_w, dtype=jnp.int32)[:, None] == (gp.ids_p // window)[None]
+    return (has_coef | ent)[None] & ((mass.T > tau) | own | ent[None])
+
+
+def _filter_sizes(Rp: int) -> tuple[int, ...]:
+    """The gradient filter's static row prefixes of a window: ``Rp / 2**k`` for ``k < tuning.GRAD_FILTER_LEVELS``,
+    rounded up to ``tuning.ROW_ALIGN`` rows, ``Rp`` included."""
+    from gmpo_jax.kernels._common import cdiv
+
+    align = tuning.ROW_ALIGN
+    return tuple(sorted({min(Rp, cdiv(cdiv(Rp, 2**k), align) * align) for k in range(tuning.GRAD_FILTER_LEVELS)}))
 
 
 def _aligned(weight, weight_layout):

@@ -133,11 +133,24 @@ def _saved_budget(weight) -> int:
     return 4 * weight.size + SAVED_LOGITS_SLACK
 
 
+def _filters(cfg: LMHeadConfig) -> bool:
+    """Whether the backend runs the gradient filter (its ``grad_filter`` is set): its ``logprobs`` then also
+    returns each row's mass per vocabulary window, which its ``grads`` takes as ``window_mass``."""
+    return getattr(cfg.backend, "grad_filter", None) is not None
+
+
 def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False):
     """``(logp [R], lse [R], entropy [R] or None, saved or None)`` of rows ``h [R, H]``; ``keep``: the backend
     may keep what its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy
-    as budget)."""
+    as budget). With the gradient filter (:func:`_filters`, never with ``keep``) ``saved`` is the rows'
+    ``[R, n_windows]`` window mass."""
     weight, lay = head.weight, cfg.weight_layout
+    if _filters(cfg) and not keep:
+        kw = {"with_entropy": True} if with_entropy else {}
+        *stats, mass = cfg.backend.logprobs(
+            h, weight, head.bias, ids, t, weight_layout=lay, with_window_mass=True, **kw
+        )
+        return (*stats, None, mass) if not with_entropy else (*stats, mass)
     if keep:
         kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
         *stats, saved = cfg.backend.logprobs_for_grads(
@@ -164,7 +177,7 @@ def _entropy_term(objective, chunk: PolicyInputs, ent, denominator):
 def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, saved, entropy=None):
     """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``
     (``entropy``: ``(gamma, H)`` of an entropy term, see the seam)."""
-    kw = {} if saved is None else {"saved": saved}
+    kw = {} if saved is None else {"window_mass" if _filters(cfg) else "saved": saved}
     if entropy is not None:
         kw["entropy"] = entropy
     return cfg.backend.grads(
@@ -240,13 +253,15 @@ def _chunk_step_skipping(
             return num, sums, jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32), db
 
         return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
+    filters = _filters(cfg)
     n_out = 3 if with_ent else 2  # logp, lse[, entropy]
-    logp, lse, *ent = rows.on_live_rows(
-        buckets,
-        chunk.mask,
-        lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False, with_entropy=with_ent)[:n_out],
-        (h, ids),
-    )
+
+    def forward(hs, ids_s):
+        out = _forward(cfg, head, hs, ids_s, t, keep=False, with_entropy=with_ent)
+        return out[:n_out] + out[3:] if filters else out[:n_out]  # the filter's window mass per row
+
+    logp, lse, *ent = rows.on_live_rows(buckets, chunk.mask, forward, (h, ids))
+    mass = ent.pop() if filters else None
     num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
     extra = ()
     if with_ent:
@@ -259,13 +274,16 @@ def _chunk_step_skipping(
     live = dlogp != 0
     if with_ent:  # a row with an entropy cotangent has work even where d loss / d logp is 0
         live = live | (extra[0] != 0)
+
+    def backward(hs, ids_s, dlogp_s, lse_s, *rest):
+        mass_s, e_s = (rest[-1], rest[:-1]) if filters else (None, rest)
+        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, mass_s, tuple(e_s) or None)
+
     grads = rows.on_live_rows(
-        buckets,
+        1 if filters else buckets,  # the filter picks each vocabulary window's rows itself
         live,
-        lambda hs, ids_s, dlogp_s, lse_s, *e_s: _backward(
-            cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, None, tuple(e_s) or None
-        ),
-        (h, ids, dlogp, lse, *extra),
+        backward,
+        (h, ids, dlogp, lse, *extra) + ((mass,) if filters else ()),
         accumulators=(jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db),
     )
     return (num, sums, *grads)
@@ -294,7 +312,7 @@ def _scan_policy(
     # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
     # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
     single = with_grads and n == 1
-    keep = single and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
+    keep = single and not _filters(cfg) and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
     step = _chunk_step_skipping if cfg.row_buckets > 1 else _chunk_step
 
     def body(carry, i):

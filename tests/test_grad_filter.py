@@ -1,0 +1,195 @@
+"""The LM head's gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): per token row, the vocabulary
+windows whose softmax mass off the row's target is ``<= tau`` are left out of the gradient pass.
+
+Against an independent float64 NumPy implementation of what the filter computes: the forward's window masses,
+which (row, window) blocks are kept (rows with a cotangent; their target's window; windows above ``tau``), and
+the gradients of the kept entries (``dh = sum_kept dz_v (W_v - W_y)``: the exact path's rounding cancellation,
+``backend.cancel_rounding``, applied to what is kept). The kernels run in the Pallas interpreter on peaked
+rows (a Zipf-like prior direction, as trained heads have), windows of two 128-column tiles, a partial last
+window. Tolerances: bfloat16 inputs and a bfloat16 ``dz`` (``conftest.TOLERANCES["bfloat16"]``: cosine and
+norm); masses to float32 rounding. Each filtered case is also checked to differ from the exact gradient by more
+than that tolerance, so a filter that drops nothing (or everything) fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_grad_close, rel_err
+
+import gmpo_jax
+from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+from gmpo_jax.objectives import PolicyInputs, evaluate
+
+H, V, WINDOW = 64, 1000, 256  # four windows, the last one 232 columns
+f64 = np.float64
+
+
+def _peaked(seed, R, V=V, layout="hv"):
+    """bf16 ``hidden [R, H]``, ``weight``, ids sampled from the rows' own softmax (mostly low ids), a bias."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0.0, 0.15, (H, V))
+    w[0] = -1.5 * np.log1p(np.arange(V))  # the frequent tokens first: every row's runners-up
+    h = rng.normal(0.0, 1.0, (R, H))
+    h[:, 0] = 1.0
+    w = w.astype(ml_dtypes.bfloat16)
+    h = h.astype(ml_dtypes.bfloat16)
+    z = h.astype(f64) @ w.astype(f64)
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    ids = np.array([rng.choice(V, p=row) for row in p], np.int32)
+    bias = rng.normal(0.0, 0.1, V).astype(np.float32)
+    return h, (w if layout == "hv" else np.ascontiguousarray(w.T)), ids, bias
+
+
+def _reference(h, w_hv, ids, dlogp, tau, t, bias=None):
+    """float64: (window mass [R, n_w], kept [R, V], dh, dW [H, V], db) of the filtered gradient."""
+    hh, ww = h.astype(f64), w_hv.astype(f64)
+    z = hh @ ww + (0.0 if bias is None else bias.astype(f64))
+    z = z / t
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    R = h.shape[0]
+    onehot = np.zeros((R, V))
+    onehot[np.arange(R), ids] = 1.0
+    n_w = -(-V // WINDOW)
+    off = np.pad(p * (1 - onehot), ((0, 0), (0, n_w * WINDOW - V))).reshape(R, n_w, WINDOW).sum(-1)
+    live = (off > tau) | (np.arange(n_w)[None] == (ids // WINDOW)[:, None])
+    live &= (dlogp != 0)[:, None]
+    kept = np.repeat(live, WINDOW, axis=1)[:, :V]
+    dz = np.where(kept, (dlogp / t)[:, None] * (onehot - p), 0.0)
+    dh = dz @ ww.T - dz.sum(1, keepdims=True) * ww[:, ids].T
+    return off, kept, dh, hh.T @ dz, dz.sum(0)
+
+
+def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None):
+    b = None if bias is None else jnp.asarray(bias)
+    logp, lse, mass = backend.logprobs(
+        jnp.asarray(h), jnp.asarray(w), b, jnp.asarray(ids), t, weight_layout=layout, with_window_mass=True
+    )
+    grads = backend.grads(
+        jnp.asarray(h), jnp.asarray(w), b, jnp.asarray(ids), jnp.asarray(dlogp), lse, t,
+        weight_layout=layout, dw_acc=None, db_acc=None if b is None else jnp.zeros((V,), jnp.float32),
+        window_mass=mass,
+    )  # fmt: skip
+    return mass, grads
+
+
+@pytest.mark.parametrize(
+    "layout, with_bias, tau, t",
+    [("hv", False, 0.02, 1.0), ("vh", True, 0.01, 0.8), ("hv", False, 0.0, 1.0)],
+)
+def test_filtered_gradient_against_float64(layout, with_bias, tau, t):
+    R = 256
+    h, w, ids, bias = _peaked(1, R, layout=layout)
+    bias = bias if with_bias else None
+    rng = np.random.default_rng(2)
+    dlogp = rng.normal(0.0, 1.0, R).astype(np.float32)
+    dlogp[rng.random(R) < 0.3] = 0.0  # rows without a cotangent: no window kept
+    w_hv = w if layout == "hv" else w.T
+    off, kept, dh_ref, dw_ref, db_ref = _reference(h, w_hv, ids, dlogp, tau, t, bias)
+    be = MosaicGpuBackend(interpret=True, filter_window=WINDOW, grad_filter=tau)
+    mass, (dh, dw, db) = _seam(be, h, w, ids, dlogp, t, layout, bias)
+    np.testing.assert_allclose(np.asarray(mass), off, atol=2e-6, rtol=1e-4)
+    dw = np.asarray(dw) if layout == "hv" else np.asarray(dw).T
+    assert_grad_close(np.asarray(dh, np.float32), dh_ref, np.float32, "dh", grad_rtol=1e-2)
+    assert_grad_close(dw.astype(np.float32), dw_ref, np.float32, "dW", grad_rtol=1e-2)
+    if with_bias:
+        assert_grad_close(np.asarray(db), db_ref, np.float32, "db", grad_rtol=1e-2)
+    _, _, dh_exact, dw_exact, _ = _reference(h, w_hv, ids, dlogp, -1.0, t, bias)  # every window kept
+    frac = kept[dlogp != 0].mean()
+    if tau > 0:  # the filter dropped blocks, and the result is nearer the filtered than the exact gradient
+        assert frac < 0.9, f"the filter kept {frac:.0%} of the live rows' columns"
+        gap = rel_err(dh_ref, dh_exact)
+        assert gap > 1e-2 and rel_err(np.asarray(dh, np.float32), dh_ref) < gap / 3
+    else:  # tau = 0 keeps every window with any mass: the exact gradient
+        assert rel_err(dh_ref, dh_exact) < 1e-12
+
+
+def _loss(h, w, ids, mask, adv, impl, grad_filter):
+    return gmpo_jax.fused_linear_policy_loss(
+        h, w, ids, mask, adv, objective=gmpo_jax.GMPO(beta=0.0), implementation=impl, grad_filter=grad_filter
+    )
+
+
+@pytest.fixture(scope="module")
+def batch():
+    B, T = 4, 64
+    h, w, ids, _ = _peaked(3, B * T)
+    mask = np.arange(T)[None] < np.array([[64], [40], [64], [20]])
+    adv = np.array([1.0, -0.5, 0.0, 0.8], np.float32)  # a zero-advantage sequence: no window at all
+    return jnp.asarray(h.reshape(B, T, H)), jnp.asarray(w), jnp.asarray(ids.reshape(B, T)), jnp.asarray(mask), adv
+
+
+def _grads(batch, impl, grad_filter):
+    h, w, ids, mask, adv = batch
+    (loss, aux), g = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)(h, w, ids, mask, adv, impl, grad_filter)
+    return loss, aux, g
+
+
+@pytest.mark.parametrize("row_buckets", [1, 4])
+def test_policy_loss_with_filter(batch, row_buckets):
+    """Through the fused loss (both chunk paths): the loss and metrics are the exact path's; at ``tau = 0`` the
+    gradients are; at ``tau = 0.02`` they differ but stay within the documented bound; reruns are bitwise equal."""
+    impl = lambda: MosaicGpuBackend(interpret=True, filter_window=WINDOW, row_buckets=row_buckets)  # noqa: E731
+    loss0, aux0, (dh0, dw0) = _grads(batch, impl(), None)
+    loss, aux, (dh, dw) = _grads(batch, impl(), 0.0)
+    np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
+    np.testing.assert_allclose(float(aux.clip_fraction), float(aux0.clip_fraction))
+    assert rel_err(np.asarray(dh, np.float32), np.asarray(dh0, np.float32)) < 5e-3
+    assert rel_err(np.asarray(dw, np.float32), np.asarray(dw0, np.float32)) < 5e-3
+    loss1, _, (dh1, dw1) = _grads(batch, impl(), 0.02)
+    _, _, (dh2, dw2) = _grads(batch, impl(), 0.02)
+    np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(dh1), np.asarray(dh2))  # deterministic
+    np.testing.assert_array_equal(np.asarray(dw1), np.asarray(dw2))
+    err = rel_err(np.asarray(dh1, np.float32), np.asarray(dh0, np.float32))
+    assert 5e-3 < err < 0.5, err
+    # the bound per row: |d dh_r| <= |c_r| D_r max_v |W_v - W_y| (c_r = d loss / d logp_r, T = 1)
+    h, w, ids, mask, adv = batch
+    logp = gmpo_jax.fused_linear_logprobs(h, w, ids, completion_mask=mask)
+    obj = gmpo_jax.GMPO(beta=0.0)
+    inputs = PolicyInputs(mask=mask, advantages=jnp.asarray(adv), ids=None, temperature=None)
+    _, _, c = evaluate(obj, logp, inputs, obj.denominator(mask, None, None).astype(jnp.float32), with_grads=True)
+    R = ids.size
+    wh = np.asarray(w, f64)
+    z = np.asarray(h, f64).reshape(R, H) @ wh
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    flat_ids = np.asarray(ids).reshape(R)
+    p[np.arange(R), flat_ids] = 0.0
+    n_w = -(-V // WINDOW)
+    off = np.pad(p, ((0, 0), (0, n_w * WINDOW - V))).reshape(R, n_w, WINDOW).sum(-1)
+    dropped = np.where(np.arange(n_w)[None] == (flat_ids // WINDOW)[:, None], 0.0, np.where(off <= 0.02, off, 0.0))
+    spread = np.max(np.linalg.norm(wh[:, :, None] - wh[:, None, flat_ids], axis=0), axis=0)  # max_v |W_v - W_y|
+    bound = np.abs(np.asarray(c, f64).reshape(R)) * dropped.sum(1) * spread
+    moved = np.linalg.norm(np.asarray(dh1, f64).reshape(R, H) - np.asarray(dh0, f64).reshape(R, H), axis=1)
+    slack = 2e-2 * np.linalg.norm(np.asarray(dh0, f64).reshape(R, H), axis=1) + 1e-6  # bf16 rounding of both
+    assert np.all(moved <= bound + slack), np.max(moved - bound - slack)
+
+
+def test_xla_chunked_ignores_the_filter(batch):
+    """A backend that cannot skip returns the exact gradient (which meets any bound), bitwise."""
+    _, _, (dh0, dw0) = _grads(batch, "xla_chunked", None)
+    _, _, (dh1, dw1) = _grads(batch, "xla_chunked", "auto")
+    np.testing.assert_array_equal(np.asarray(dh0), np.asarray(dh1))
+    np.testing.assert_array_equal(np.asarray(dw0), np.asarray(dw1))
+
+
+@pytest.mark.parametrize(
+    "value, error", [("fast", ValueError), (1.0, ValueError), (-0.1, ValueError), (True, TypeError), ([0.1], TypeError)]
+)
+def test_bad_grad_filter_raises(batch, value, error):
+    h, w, ids, mask, adv = batch
+    with pytest.raises(error, match="grad_filter"):
+        _loss(h, w, ids, mask, adv, "xla_chunked", value)
+
+
+def test_filter_window_must_fit_the_tiles(batch):
+    h, w, ids, mask, adv = batch
+    be = MosaicGpuBackend(interpret=True, filter_window=200)
+    with pytest.raises(NotImplementedError, match="filter_window"):
+        jax.grad(lambda h: _loss(h, w, ids, mask, adv, be, 0.01)[0])(h)
