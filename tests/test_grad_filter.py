@@ -3,8 +3,8 @@ windows whose softmax mass off the row's target is ``<= tau`` are left out of th
 
 Against an independent float64 NumPy implementation of what the filter computes: the forward's window masses,
 which (row, window) blocks are kept (rows with a cotangent; their target's window; windows above ``tau``), and
-the gradients of the kept entries (``dh = sum_kept dz_v (W_v - W_y)``: the exact path's rounding cancellation,
-``backend.cancel_rounding``, applied to what is kept). The kernels run in the Pallas interpreter on peaked
+the gradients of the kept entries (``dh = sum_kept dz_v W_v``: the exact path's rounding cancellation,
+``backend.cancel_rounding``, removes the rounding of the stored ``dz`` only, not the dropped mass). The kernels run in the Pallas interpreter on peaked
 rows (a Zipf-like prior direction, as trained heads have), windows of two 128-column tiles, a partial last
 window. Tolerances: bfloat16 inputs and a bfloat16 ``dz`` (``conftest.TOLERANCES["bfloat16"]``: cosine and
 norm); masses to float32 rounding. Each filtered case is also checked to differ from the exact gradient by more
@@ -61,7 +61,7 @@ def _reference(h, w_hv, ids, dlogp, tau, t, bias=None):
     live &= (dlogp != 0)[:, None]
     kept = np.repeat(live, WINDOW, axis=1)[:, :V]
     dz = np.where(kept, (dlogp / t)[:, None] * (onehot - p), 0.0)
-    dh = dz @ ww.T - dz.sum(1, keepdims=True) * ww[:, ids].T
+    dh = dz @ ww.T
     return off, kept, dh, hh.T @ dz, dz.sum(0)
 
 
@@ -148,7 +148,7 @@ def test_policy_loss_with_filter(batch, row_buckets):
     np.testing.assert_array_equal(np.asarray(dw1), np.asarray(dw2))
     err = rel_err(np.asarray(dh1, np.float32), np.asarray(dh0, np.float32))
     assert 5e-3 < err < 0.5, err
-    # the bound per row: |d dh_r| <= |c_r| D_r max_v |W_v - W_y| (c_r = d loss / d logp_r, T = 1)
+    # the bound per row: |d dh_r| <= |c_r| D_r max_v |W_v| (c_r = d loss / d logp_r, T = 1)
     h, w, ids, mask, adv = batch
     logp = gmpo_jax.fused_linear_logprobs(h, w, ids, completion_mask=mask)
     obj = gmpo_jax.GMPO(beta=0.0)
@@ -164,8 +164,7 @@ def test_policy_loss_with_filter(batch, row_buckets):
     n_w = -(-V // WINDOW)
     off = np.pad(p, ((0, 0), (0, n_w * WINDOW - V))).reshape(R, n_w, WINDOW).sum(-1)
     dropped = np.where(np.arange(n_w)[None] == (flat_ids // WINDOW)[:, None], 0.0, np.where(off <= 0.02, off, 0.0))
-    spread = np.max(np.linalg.norm(wh[:, :, None] - wh[:, None, flat_ids], axis=0), axis=0)  # max_v |W_v - W_y|
-    bound = np.abs(np.asarray(c, f64).reshape(R)) * dropped.sum(1) * spread
+    bound = np.abs(np.asarray(c, f64).reshape(R)) * dropped.sum(1) * np.max(np.linalg.norm(wh, axis=0))
     moved = np.linalg.norm(np.asarray(dh1, f64).reshape(R, H) - np.asarray(dh0, f64).reshape(R, H), axis=1)
     slack = 2e-2 * np.linalg.norm(np.asarray(dh0, f64).reshape(R, H), axis=1) + 1e-6  # bf16 rounding of both
     assert np.all(moved <= bound + slack), np.max(moved - bound - slack)

@@ -249,7 +249,7 @@ def fused_linear_policy_loss(
         ``<= tau`` (measured by the forward pass, so skipped windows are never recomputed; the target's own
         window is always kept). Error bound: a row ``r`` with cotangent ``c_r = d loss / d logp_r`` loses
         ``dz`` entries of total absolute value ``<= |c_r| D_r / temperature``, ``D_r <= n_windows tau`` its
-        dropped mass, so its hidden-state gradient moves by at most ``|c_r| D_r max_v |W_v - W_(y_r)| /
+        dropped mass, so its hidden-state gradient moves by at most ``|c_r| D_r max_v |W_v| /
         temperature`` and each weight column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature``
         over the rows that dropped it. What is kept is computed as in the exact path. Only the ``mosaic_gpu``
         backend skips work; the others (and vocabulary-parallel calls) return the exact gradient, which

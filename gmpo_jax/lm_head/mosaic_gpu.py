@@ -435,6 +435,9 @@ class MosaicGpuBackend:
             if window_mass is not None:
                 live = _filter_live(window_mass, gp, self.grad_filter, self.filter_window, Rp)
                 carry = gp.filtered_windows(carry, live, self._filter_tiles(bn))
+                if self.softcap is None:  # (with a cap the kernel's row sums are already the rounding only)
+                    dh, dw_acc, db_acc, rowsum = carry
+                    carry = dh, dw_acc, db_acc, rowsum - gp.coef * _dropped_mass(window_mass, live)
             if save_tiles:
                 carry = gp.windows(
                     carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, *item, kept=True), True
@@ -698,6 +701,17 @@ def _filter_live(mass, gp: _GradPass, tau: float, window: int, Rp: int):
     ent = jnp.zeros((Rp,), bool) if gp.entropy is None else gp.entropy[0] != 0
     own = jnp.arange(n_w, dtype=jnp.int32)[:, None] == (gp.ids_p // window)[None]
     return (has_coef | ent)[None] & ((mass.T > tau) | own | ent[None])
+
+
+def _dropped_mass(mass, live):
+    """``[Rp]``: each row's softmax mass in the windows the filter drops (``mass`` ``[R, n_windows]``, ``live``
+    ``[n_windows, Rp]``). The kept ``dz`` of a row then sums to ``coef * dropped`` instead of 0 (its target
+    is kept), so the rounding that ``cancel_rounding`` removes is the stored row sum less that: cancelling
+    the stored sum alone would also move ``dh`` by ``coef * dropped * W[:, id]``, which on a trained head
+    (large target columns) is many times the dropped entries' own ``sum_v dz_v W_v``."""
+    R = mass.shape[0]
+    dropped = jnp.sum(jnp.where(live[:, :R].T, 0.0, mass), axis=1)
+    return jnp.pad(dropped, (0, live.shape[1] - R))
 
 
 def _filter_sizes(Rp: int) -> tuple[int, ...]:
