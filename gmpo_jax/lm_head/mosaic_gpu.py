@@ -565,12 +565,17 @@ class _GradPass:
     def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
         """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""
         dh, dw_acc, db_acc, rowsum = carry
+        dh_w, dw_blk, db_blk, rowsum_w = self.window_grads(v0, width, wt, kept, w_blk, b_blk)
+        dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, width, dw_blk, db_blk)
+        return dh + dh_w, dw_acc, db_acc, rowsum + rowsum_w
+
+    def window_grads(self, v0, width, wt, kept, w_blk=None, b_blk=None):
+        """One window's own ``(dh [Rp, H], dW block, db block or None, row sums [Rp])``, float32."""
         axis, bn = self.axis, self.cfg.block_n
         if w_blk is None:  # a full window inside the loop: dynamic slices of static width
             w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
             b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
-        dz, rowsum_w = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
-        rowsum = rowsum + rowsum_w
+        dz, rowsum = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
         if dz.shape[1] != width:
             dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns
@@ -581,18 +586,23 @@ class _GradPass:
         else:  # float32 dz: its parts times the weight's parts (split along H, the other axis)
             dz_parts = bf16_parts(dz, ops.order + 1)
             w_parts = jnp.split(w_blk, ops.weight_parts, axis=1 - axis)
-        dh = dh + split_dot(dz_parts, w_parts, (((1,), (axis,)), ((), ())), ops.order or 0)
+        dh = split_dot(dz_parts, w_parts, (((1,), (axis,)), ((), ())), ops.order or 0)
         a, b = (ops.hidden_parts, dz_parts) if axis == 1 else (dz_parts, ops.hidden_parts)  # dW in the weight's layout
         dw_blk = split_dot(a, b, (((0,), (0,)), ((), ())), ops.order or 0)
+        db_blk = None if self.bias_p is None else jnp.sum(dz.astype(jnp.float32), axis=0)
+        return dh, dw_blk, db_blk, rowsum
+
+    def accumulate(self, dw_acc, db_acc, v0, width, dw_blk, db_blk):
+        """``dW[:, window] += dw_blk`` (written once when the accumulator is fresh), ``db[window] += db_blk``."""
+        axis = self.axis
         if not self.fresh:
             dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
         dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
         if db_acc is not None:
-            db_blk = jnp.sum(dz.astype(jnp.float32), axis=0)
             db_acc = lax.dynamic_update_slice_in_dim(
                 db_acc, lax.dynamic_slice_in_dim(db_acc, v0, width) + db_blk, v0, axis=0
             )
-        return dh, dw_acc, db_acc, rowsum
+        return dw_acc, db_acc
 
     def windows(self, carry, tile0, tile1, wt, kept):
         """Tiles ``[tile0, tile1)`` in windows of ``wt``: the full ones in a loop (one dz buffer and one
@@ -619,9 +629,12 @@ class _GradPass:
         return carry
 
     def subset(self, idx, keep) -> _GradPass:
-        """The pass over rows ``idx`` only (``[S]``, a multiple of the CTA rows), the rows where ``keep`` is
-        False given a zero cotangent (their ``dz`` is exactly 0)."""
-        take = lambda x: None if x is None else jnp.take(x, idx, axis=0)  # noqa: E731
+        """The pass over rows ``idx`` only (``[S]``, a multiple of the CTA rows; None: every row, in place), the rows
+        where ``keep`` is False given a zero cotangent (their ``dz`` is exactly 0)."""
+        if idx is None:
+            take = lambda x: x  # noqa: E731
+        else:
+            take = lambda x: None if x is None else jnp.take(x, idx, axis=0)  # noqa: E731
         ops = self.ops._replace(hidden=take(self.ops.hidden), hidden_parts=[take(p) for p in self.ops.hidden_parts])
         entropy = None if self.entropy is None else (jnp.where(keep, take(self.entropy[0]), 0.0), take(self.entropy[1]))
         return dataclasses.replace(
@@ -638,8 +651,9 @@ class _GradPass:
     def filtered_windows(self, carry, live, tiles: int):
         """The gradient filter's pass: vocabulary windows of ``tiles`` tiles, each on the static prefix of its rows
         reordered live first (``live`` ``[n_windows, Rp]`` bool) that holds all of them (``_filter_sizes``, one
-        ``lax.switch`` per window; no live row: nothing runs). The full windows in a ``lax.scan``, the partial
-        one after it; ``dh`` and the row sums scattered back (each window's rows are distinct: deterministic)."""
+        ``lax.switch`` per window; no live row: nothing runs; all ``Rp`` rows: in place, no gather). The full windows
+        in a ``lax.scan``, the partial one after it; ``dh`` and the row sums scattered back (each window's rows are
+        distinct: deterministic); the weight's accumulators are updated outside the switch."""
         from gmpo_jax.kernels import _common as C
 
         bn, Rp = self.cfg.block_n, self.hp.shape[0]
@@ -647,18 +661,28 @@ class _GradPass:
         sizes = _filter_sizes(Rp)
 
         def one(carry, live_w, v0, cols, wt, w_blk=None, b_blk=None):
+            dh, dw_acc, db_acc, rowsum = carry
             order = rows_lib.order(live_w)
+            H = dh.shape[1]
+            shape = (H, cols) if self.axis == 1 else (cols, H)
+            nothing = (dh, rowsum, jnp.zeros(shape, jnp.float32), None if self.bias_p is None else jnp.zeros((cols,)))
 
             def run(S):
+                if S == Rp:  # every row: no gather, no scatter
+                    dh_s, dw_blk, db_blk, rowsum_s = self.subset(None, live_w).window_grads(
+                        v0, cols, wt, False, w_blk, b_blk
+                    )
+                    return dh + dh_s, rowsum + rowsum_s, dw_blk, db_blk
                 idx = order.perm[:S]
-                dh, dw_acc, db_acc, rowsum = carry
                 sub = self.subset(idx, jnp.take(live_w, idx))
-                zero = (jnp.zeros((S, dh.shape[1]), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
-                dh_s, dw_acc, db_acc, rowsum_s = sub.window(zero, v0, cols, wt, False, w_blk, b_blk)
-                dh = dh.at[idx].add(dh_s, unique_indices=True)
-                return dh, dw_acc, db_acc, rowsum.at[idx].add(rowsum_s, unique_indices=True)
+                dh_s, dw_blk, db_blk, rowsum_s = sub.window_grads(v0, cols, wt, False, w_blk, b_blk)
+                dh_w = dh.at[idx].add(dh_s, unique_indices=True)
+                return dh_w, rowsum.at[idx].add(rowsum_s, unique_indices=True), dw_blk, db_blk
 
-            return rows_lib.on_prefix(order.n_live, sizes, run, lambda: carry)
+            # the weight's accumulators stay outside the switch (updated in place, not an operand of it)
+            dh, rowsum, dw_blk, db_blk = rows_lib.on_prefix(order.n_live, sizes, run, lambda: nothing)
+            dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, cols, dw_blk, db_blk)
+            return dh, dw_acc, db_acc, rowsum
 
         n_full = self.V // width
         if n_full:
