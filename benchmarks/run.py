@@ -99,6 +99,7 @@ def labelled(opts: dict[str, Any]) -> str:
 Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
 # the README's main table: peaked then flat, ours against CCE (default and exact), with gradient accuracy
 REALISTIC_CONFIGS = [(Q, 8, 2048), (L, 4, 2048), (Q, 2, 32768)]
+FILTER_ROW = "0.001"  # the main table's grad_filter column: tuning.GRAD_FILTER_AUTO (a test keeps them equal)
 # masked tokens and zero-advantage sequences against the same batch fully live; B = 20 in groups of 2
 # gives 30 % zero-advantage sequences, lengths uniform over 20-100 % of T about 40 % masked tokens
 SPARSITY_CONFIGS = [(Q, 20, 768), (G, 20, 768)]  # 20 x 768: one chunk (16384 // 768 = 21 >= 20)
@@ -209,6 +210,9 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
             cfg = select(shape, B=B, T=T)
             jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 150.0, save_batch=True, **both))
             jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 150.0, **both))
+            filtered = dict(grad_filter=FILTER_ROW)  # the gradient filter at "auto"'s threshold, beside the exact path
+            job = _job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 150.0, **both, **filtered)
+            jobs.append(dict(job, variant=labelled(filtered)))
         for shape, B, T in SPARSITY_CONFIGS:
             jobs.append(
                 _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 120.0, datas=["peaked", "peaked-live"])

@@ -17,8 +17,9 @@ if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it f
 
 import numpy as np  # noqa: E402
 
-from benchmarks import report, workloads  # noqa: E402
+from benchmarks import report, run, workloads  # noqa: E402
 from benchmarks.shapes import SHAPES, select  # noqa: E402
+from gmpo_jax import tuning  # noqa: E402
 
 REQUIRED = {
     "implementation",
@@ -166,13 +167,24 @@ def test_report_readme_blocks(tmp_path):
         grad_rel_err_weight=0.002,
         variant=None,
     )
-    found = report.update_readme(str(readme), {"nvidia-h200": [rec]})
+    filtered = dict(rec, variant=f"grad_filter={run.FILTER_ROW}", median_ms=24.0, grad_rel_err_hidden=0.0035)
+    found = report.update_readme(str(readme), {"nvidia-h200": [rec, filtered]})
     text = readme.read_text()
     assert found == ["lm_head"] and text.startswith("intro\n") and text.endswith("outro\n")
-    assert "stale" not in text and "30 ms (1.50x), 1.30 GiB" in text and "0.3 / 0.2 %" in text
+    assert "stale" not in text and "30 ms (1.50x), 1.30 GiB | 24 ms (1.20x), 1.30 GiB |" in text
+    assert "0.3 / 0.2 %; 0.35 / 0.2 %; -; -" in text
     assert "bash benchmarks/gpu_suite.sh" in text and "abc1234" in text
     empty = report.block_sparsity([])
     assert "Not measured yet" in empty and "bash benchmarks/gpu_suite.sh" in empty
+
+
+def test_realistic_suite_times_the_filter_at_auto():
+    """The main table's filtered column is ``grad_filter="auto"``'s threshold, and the GPU suite runs it."""
+    assert float(run.FILTER_ROW) == tuning.GRAD_FILTER_AUTO
+    jobs = run.suite_jobs("gpu", ["realistic"])
+    filtered = [j for j in jobs if j.get("variant") == f"grad_filter={run.FILTER_ROW}"]
+    assert len(filtered) == len(run.REALISTIC_CONFIGS)
+    assert all(j["opts"]["grad_filter"] == run.FILTER_ROW and j["impl"] == "mosaic_gpu" for j in filtered)
 
 
 # ----------------------------------------------------------------------------------------------------
