@@ -808,7 +808,8 @@ def block_lm_head(recs: list[dict[str, Any]]) -> str:
         "Cells: median ms (x the floor), peak device memory (inputs included). Floor: 6·N·H·V at the "
         "bf16 XLA matmul rate measured in the same run. Gradient error: relative L2 error against a "
         "float32 dense oracle on the same bf16 inputs (`grad_acc_N` in the records says on how many "
-        "tokens).",
+        f'tokens). The `grad_filter={FILTER_ROW}` column (`"auto"`) comes from `bash benchmarks/gpu_suite.sh '
+        "--only filter`.",
         "",
         _provenance(used, COMMANDS["lm_head"]),
     ]

@@ -108,6 +108,8 @@ GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
 SUITE_GROUPS = {
     "realistic": "README main table: mosaic_gpu and CCE (default, filter_eps=None) on peaked then flat data, "
     "gradient accuracy; then masked / zero-advantage vs fully live (LM head and logits paths)",
+    "filter": "the README main table's grad_filter column: mosaic_gpu with grad_filter=FILTER_ROW on its shapes, "
+    "peaked then flat, gradient accuracy",
     "kernels": "mosaic_gpu on the LM-head shapes (flat data)",
     "core": "xla_chunked and dense_jax on the LM-head shapes (flat data)",
     "peers": "cce_gmpo and liger_grpo on the LM-head shapes (flat data; PyTorch, skipped when not importable)",
@@ -204,15 +206,18 @@ def _gpu_timeout(cfg: Config, impl: str) -> float:
 def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
     """Jobs in priority order (the most informative first: a budget cut drops the tail)."""
     jobs: list[dict[str, Any]] = []
+    both = dict(datas=["peaked", "flat"], grad_acc=True)
     if suite == "gpu" and "realistic" in only:
-        both = dict(datas=["peaked", "flat"], grad_acc=True)
         for shape, B, T in REALISTIC_CONFIGS:
             cfg = select(shape, B=B, T=T)
             jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 150.0, save_batch=True, **both))
             jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 150.0, **both))
-            filtered = dict(grad_filter=FILTER_ROW)  # the gradient filter at "auto"'s threshold, beside the exact path
-            job = _job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 150.0, **both, **filtered)
+    if suite == "gpu" and "filter" in only:  # the main table's grad_filter column ("auto"'s threshold)
+        filtered = dict(grad_filter=FILTER_ROW)
+        for shape, B, T in REALISTIC_CONFIGS:
+            job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 150.0, **both, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
+    if suite == "gpu" and "realistic" in only:
         for shape, B, T in SPARSITY_CONFIGS:
             jobs.append(
                 _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 120.0, datas=["peaked", "peaked-live"])

@@ -178,10 +178,11 @@ def test_report_readme_blocks(tmp_path):
     assert "Not measured yet" in empty and "bash benchmarks/gpu_suite.sh" in empty
 
 
-def test_realistic_suite_times_the_filter_at_auto():
-    """The main table's filtered column is ``grad_filter="auto"``'s threshold, and the GPU suite runs it."""
+def test_filter_suite_times_the_filter_at_auto():
+    """The main table's filtered column is ``grad_filter="auto"``'s threshold, and the GPU suite's filter group runs it."""
     assert float(run.FILTER_ROW) == tuning.GRAD_FILTER_AUTO
-    jobs = run.suite_jobs("gpu", ["realistic"])
+    assert not [j for j in run.suite_jobs("gpu", ["realistic"]) if "grad_filter" in j.get("opts", {})]
+    jobs = run.suite_jobs("gpu", ["filter"])
     filtered = [j for j in jobs if j.get("variant") == f"grad_filter={run.FILTER_ROW}"]
     assert len(filtered) == len(run.REALISTIC_CONFIGS)
     assert all(j["opts"]["grad_filter"] == run.FILTER_ROW and j["impl"] == "mosaic_gpu" for j in filtered)
