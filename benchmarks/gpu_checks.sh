@@ -20,8 +20,8 @@ for f in contract kernels logits_loss; do
   run "$f" "tests/test_$f.py" &
   run "${f}_x64" --x64 "tests/test_$f.py" &
 done
-# the loss features' GPU tests (soft cap, entropy term, float32 head), plainly
-FEATURES="softcap entropy_term logits_precision"
+# the loss features' GPU tests (soft cap, entropy term, float32 head, gradient filter), plainly
+FEATURES="softcap entropy_term logits_precision grad_filter"
 for f in $FEATURES; do
   run "$f" "tests/test_$f.py" &
 done
