@@ -99,7 +99,8 @@ def grad_filter_threshold(grad_filter) -> float | None:
         return float(tuning.GRAD_FILTER_AUTO)
     if isinstance(grad_filter, (bool, np.bool_)) or not isinstance(grad_filter, numbers.Real):
         raise TypeError(
-            f"grad_filter must be None, 'auto' or a Python float in [0, 1), got grad_filter={grad_filter!r}"
+            "grad_filter must be None, 'auto' or a real number in [0, 1) (a Python or NumPy scalar: it is static, "
+            f"not traced), got grad_filter={grad_filter!r}"
         )
     if not 0.0 <= float(grad_filter) < 1.0:
         raise ValueError(f"grad_filter must be in [0, 1), got grad_filter={grad_filter!r}")

@@ -196,6 +196,26 @@ def test_bad_grad_filter_raises(batch, value, error):
         _loss(h, w, ids, mask, adv, "xla_chunked", value)
 
 
+@pytest.mark.parametrize(
+    "value, error", [(float("nan"), ValueError), (5.0, ValueError), ("fast", ValueError), (True, TypeError)]
+)
+def test_bad_backend_grad_filter_raises(value, error):
+    with pytest.raises(error, match="grad_filter"):
+        MosaicGpuBackend(interpret=True, grad_filter=value)
+
+
+def test_backend_grad_filter_applies_unless_the_call_sets_one():
+    """``"auto"`` on the instance resolves to the threshold; the call's value, when given, replaces it."""
+    from gmpo_jax.lm_head.api import _config
+
+    be = MosaicGpuBackend(interpret=True, grad_filter="auto")
+    assert be.grad_filter == tuning.GRAD_FILTER_AUTO
+    h, w = jnp.zeros((2, 8, H), jnp.bfloat16), jnp.zeros((H, V), jnp.bfloat16)
+    kw = dict(implementation=be, chunk_size=None, weight_layout="hv")
+    assert _config(h, w, None, 8, V, None, grad_filter=None, **kw).backend.grad_filter == tuning.GRAD_FILTER_AUTO
+    assert _config(h, w, None, 8, V, None, grad_filter=0.25, **kw).backend.grad_filter == 0.25
+
+
 def test_filter_window_must_fit_the_tiles(batch):
     h, w, ids, mask, adv = batch
     be = MosaicGpuBackend(interpret=True, filter_window=200)

@@ -243,15 +243,18 @@ def fused_linear_policy_loss(
         2510.13786). ``"bf16x3"``: two parts and three products in the kernels (up to ``3 * 2**-16``
         of each product instead of float32's ``2**-24``; half the work); the portable path computes
         both like ``"float32"``. Costs: docs/performance.md "Float32 LM head".
-      grad_filter: None (default: the exact gradient), ``"auto"`` (the threshold ``tuning.GRAD_FILTER_AUTO``)
-        or a Python float ``tau`` in ``[0, 1)``: the LM head's gradient may skip, per token row, each
+      grad_filter: None (default: the exact gradient, unless an ``implementation=MosaicGpuBackend(grad_filter=...)``
+        instance sets its own), ``"auto"`` (the threshold ``tuning.GRAD_FILTER_AUTO``) or a real number ``tau``
+        in ``[0, 1)`` (static; given here it replaces the backend's): the LM head's gradient may skip, per token row, each
         vocabulary window of ``tuning.GRAD_FILTER_WINDOW`` columns whose softmax mass off the row's target is
         ``<= tau`` (measured by the forward pass, so skipped windows are never recomputed; the target's own
         window is always kept). Error bound: a row ``r`` with cotangent ``c_r = d loss / d logp_r`` loses
-        ``dz`` entries of total absolute value ``<= |c_r| D_r / temperature``, ``D_r <= n_windows tau`` its
+        ``dz`` entries of total absolute value ``<= |c_r| D_r / temperature``, ``D_r <= (n_windows - 1) tau`` its
         dropped mass, so its hidden-state gradient moves by at most ``|c_r| D_r max_v |W_v| /
         temperature`` and each weight column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature``
-        over the rows that dropped it. What is kept is computed as in the exact path. Only the ``mosaic_gpu``
+        over the rows that dropped it. What is kept is computed as in the exact path. Rows with an
+        ``entropy_coef`` term keep every window (that term's gradient stays exact), so with ``entropy_coef``
+        nothing is skipped. Only the ``mosaic_gpu``
         backend skips work; the others (and vocabulary-parallel calls) return the exact gradient, which
         meets the bound. No effect on the loss, the metrics or evaluation without gradients. Accuracy and
         speed as measured: docs/performance.md "Gradient filter".

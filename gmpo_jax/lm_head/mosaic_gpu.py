@@ -114,6 +114,10 @@ class MosaicGpuBackend:
     logits_precision: None (products of the 16-bit inputs, exact in float32; ``dz`` rounded to their dtype
     before the gradient GEMMs), or ``"float32"`` / ``"bf16x3"``: split-bfloat16 products for float32 / float16
     operands and a float32 ``dz`` (module docstring); then the inputs may be bf16, f16 or f32, each its own.
+    grad_filter: None (exact), ``"auto"`` or a threshold in ``[0, 1)``: the gradient filter (module docstring;
+    ``fused_linear_policy_loss(grad_filter=...)`` replaces it when given there), validated here
+    (``ValueError`` / ``TypeError`` naming it); filter_window: its vocabulary windows, a multiple of the
+    gradient kernel's tile width (else ``UnsupportedConfigError`` when the filter runs).
     """
 
     interpret: bool = False
@@ -127,6 +131,11 @@ class MosaicGpuBackend:
     grad_filter: float | None = None  # the gradient filter's threshold (module docstring); None: exact
     filter_window: int = tuning.GRAD_FILTER_WINDOW  # its vocabulary windows, columns (a multiple of 256)
     name: str = "mosaic_gpu"
+
+    def __post_init__(self):
+        from gmpo_jax._validation import grad_filter_threshold
+
+        object.__setattr__(self, "grad_filter", grad_filter_threshold(self.grad_filter))
 
     # -- seam -------------------------------------------------------------------------------------
     def check_supported(
