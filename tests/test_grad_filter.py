@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import assert_grad_close, rel_err
+from test_logits_loss import needs_hopper
 
 import gmpo_jax
 from gmpo_jax import tuning
@@ -226,17 +227,8 @@ def test_filter_window_must_fit_the_tiles(batch):
 # --------------------------------------------------------------------------------------------------
 # GPU: real heads on the realistic workload, against a float32 dense oracle
 # --------------------------------------------------------------------------------------------------
-def _hopper():
-    from gmpo_jax._device import supported_on
-
-    try:
-        return any(supported_on(d) for d in jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@needs_hopper
 @pytest.mark.parametrize("H, V, B, T", [(896, 151936, 4, 2048), (4096, 128256, 2, 2048)], ids=["qwen", "llama3"])
 def test_gpu_filter_on_the_realistic_workload(H, V, B, T):
     """``grad_filter="auto"`` on peaked rows with ragged masks and zero-advantage groups

@@ -442,11 +442,12 @@ class MosaicGpuBackend:
             item = ops.dz_bytes, ops.weight_bytes
             carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc, jnp.zeros((Rp,), jnp.float32))
             if window_mass is not None:
-                live = _filter_live(window_mass, gp, self.grad_filter, self.filter_window, Rp)
+                mass = jnp.pad(window_mass, ((0, Rp - R), (0, 0)))  # padding rows: no mass, no cotangent
+                live = _filter_live(mass, gp, self.grad_filter, self.filter_window)
                 carry = gp.filtered_windows(carry, live, self._filter_tiles(bn))
                 if self.softcap is None:  # (with a cap the kernel's row sums are already the rounding only)
                     dh, dw_acc, db_acc, rowsum = carry
-                    carry = dh, dw_acc, db_acc, rowsum - gp.coef * _dropped_mass(window_mass, live)
+                    carry = dh, dw_acc, db_acc, rowsum - gp.coef * _dropped_mass(mass, live)
             if save_tiles:
                 carry = gp.windows(
                     carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, *item, kept=True), True
@@ -677,16 +678,13 @@ class _GradPass:
             nothing = (dh, rowsum, jnp.zeros(shape, jnp.float32), None if self.bias_p is None else jnp.zeros((cols,)))
 
             def run(S):
-                if S == Rp:  # every row: no gather, no scatter
-                    dh_s, dw_blk, db_blk, rowsum_s = self.subset(None, live_w).window_grads(
-                        v0, cols, wt, False, w_blk, b_blk
-                    )
-                    return dh + dh_s, rowsum + rowsum_s, dw_blk, db_blk
-                idx = order.perm[:S]
-                sub = self.subset(idx, jnp.take(live_w, idx))
+                idx = None if S == Rp else order.perm[:S]  # every row: in place, no gather or scatter
+                sub = self.subset(idx, live_w if idx is None else jnp.take(live_w, idx))
                 dh_s, dw_blk, db_blk, rowsum_s = sub.window_grads(v0, cols, wt, False, w_blk, b_blk)
-                dh_w = dh.at[idx].add(dh_s, unique_indices=True)
-                return dh_w, rowsum.at[idx].add(rowsum_s, unique_indices=True), dw_blk, db_blk
+                if idx is None:
+                    return dh + dh_s, rowsum + rowsum_s, dw_blk, db_blk
+                add = lambda x, y: x.at[idx].add(y, unique_indices=True)  # noqa: E731
+                return add(dh, dh_s), add(rowsum, rowsum_s), dw_blk, db_blk
 
             # the weight's accumulators stay outside the switch (updated in place, not an operand of it)
             dh, rowsum, dw_blk, db_blk = rows_lib.on_prefix(order.n_live, sizes, run, lambda: nothing)
@@ -724,12 +722,11 @@ def _window_mass(m2, l, t2, lse, ids, window: int):
     return jnp.maximum(total - target, 0.0).T
 
 
-def _filter_live(mass, gp: _GradPass, tau: float, window: int, Rp: int):
-    """``[n_windows, Rp]`` bool: the (row, window) blocks the filter keeps: rows with a cotangent, in their
-    target's window, in every window whose mass off the target exceeds ``tau``, and in every window when the
-    row has an entropy term's cotangent (kept exact)."""
-    R, n_w = mass.shape
-    mass = jnp.pad(mass, ((0, Rp - R), (0, 0)))
+def _filter_live(mass, gp: _GradPass, tau: float, window: int):
+    """``[n_windows, Rp]`` bool from ``mass`` ``[Rp, n_windows]``: the (row, window) blocks the filter keeps:
+    rows with a cotangent, in their target's window, in every window whose mass off the target exceeds
+    ``tau``, and in every window when the row has an entropy term's cotangent (kept exact)."""
+    Rp, n_w = mass.shape
     has_coef = gp.coef != 0
     ent = jnp.zeros((Rp,), bool) if gp.entropy is None else gp.entropy[0] != 0
     own = jnp.arange(n_w, dtype=jnp.int32)[:, None] == (gp.ids_p // window)[None]
@@ -737,14 +734,12 @@ def _filter_live(mass, gp: _GradPass, tau: float, window: int, Rp: int):
 
 
 def _dropped_mass(mass, live):
-    """``[Rp]``: each row's softmax mass in the windows the filter drops (``mass`` ``[R, n_windows]``, ``live``
+    """``[Rp]``: each row's softmax mass in the windows the filter drops (``mass`` ``[Rp, n_windows]``, ``live``
     ``[n_windows, Rp]``). The kept ``dz`` of a row then sums to ``coef * dropped`` instead of 0 (its target
     is kept), so the rounding that ``cancel_rounding`` removes is the stored row sum less that: cancelling
     the stored sum alone would also move ``dh`` by ``coef * dropped * W[:, id]``, which on a trained head
     (large target columns) is many times the dropped entries' own ``sum_v dz_v W_v``."""
-    R = mass.shape[0]
-    dropped = jnp.sum(jnp.where(live[:, :R].T, 0.0, mass), axis=1)
-    return jnp.pad(dropped, (0, live.shape[1] - R))
+    return jnp.sum(jnp.where(live.T, 0.0, mass), axis=1)
 
 
 def _filter_sizes(Rp: int) -> tuple[int, ...]:

@@ -145,14 +145,13 @@ def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entro
     as budget). With the gradient filter (:func:`_filters`, never with ``keep``) ``saved`` is the rows'
     ``[R, n_windows]`` window mass."""
     weight, lay = head.weight, cfg.weight_layout
+    kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
     if _filters(cfg) and not keep:
-        kw = {"with_entropy": True} if with_entropy else {}
         *stats, mass = cfg.backend.logprobs(
             h, weight, head.bias, ids, t, weight_layout=lay, with_window_mass=True, **kw
         )
         return (*stats, None, mass) if not with_entropy else (*stats, mass)
     if keep:
-        kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
         *stats, saved = cfg.backend.logprobs_for_grads(
             h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight), **kw
         )
