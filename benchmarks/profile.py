@@ -1,0 +1,98 @@
+"""Where one LM-head step's GPU time goes: a `jax.profiler` trace of GMPO forward + backward, summed per kernel.
+
+    PYTHONPATH=. python3 -m benchmarks.profile --shape qwen2.5-0.5b --B 8 --T 2048 --grad-filter 0.001
+    PYTHONPATH=. python3 -m benchmarks.profile ... --tuning GRAD_FILTER_LEVELS=3   # a tuning constant
+
+Prints the wall time per step and, per device-event name (kernels, copies), the time per step, the number
+of launches per step and the share of the device's busy time, largest first. Names are XLA's (fusions,
+custom calls: the Pallas kernels carry their own names). Reading it: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import tempfile
+import time
+
+import jax
+
+from benchmarks import jax_impls
+from benchmarks.shapes import select
+from benchmarks.workloads import make_lm_head_batch
+
+
+def _device_events(path: str, prefix: str = "/device:GPU"):
+    """``{(line, name): [durations_ns]}`` of every event on the GPU planes of the trace in ``path``."""
+    files = glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        raise SystemExit(f"no .xplane.pb under {path}")
+    data = jax.profiler.ProfileData.from_file(files[0])
+    per_name: dict[str, list[int]] = collections.defaultdict(list)
+    for plane in data.planes:
+        if not plane.name.startswith(prefix):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                per_name[(line.name, ev.name)].append(ev.duration_ns)
+    return per_name
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen2.5-0.5b")
+    p.add_argument("--B", type=int, default=8)
+    p.add_argument("--T", type=int, default=2048)
+    p.add_argument("--data", default="peaked")
+    p.add_argument("--grad-filter", default="none", help="none, auto or a float")
+    p.add_argument("--tuning", action="append", default=[], help="NAME=VALUE of gmpo_jax.tuning")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args(argv)
+
+    jax_impls.apply_tuning({k: eval(v, {}) for k, v in (t.split("=", 1) for t in args.tuning)})  # noqa: S307
+    import gmpo_jax
+
+    cfg = select(args.shape, B=args.B, T=args.T)
+    b = make_lm_head_batch(cfg.B, cfg.T, cfg.H, cfg.V, args.data)
+    kw = {}
+    if args.grad_filter != "none":
+        kw["grad_filter"] = args.grad_filter if args.grad_filter == "auto" else float(args.grad_filter)
+
+    def loss(h, w):
+        out = gmpo_jax.fused_linear_policy_loss(
+            h, w, b.ids, b.mask, b.advantages, old_logps=b.old_logps, objective=gmpo_jax.GMPO(), **kw
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    for _ in range(3):
+        jax.block_until_ready(step(b.hidden, b.weight))
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        jax.block_until_ready(step(b.hidden, b.weight))
+    wall = (time.perf_counter() - t0) / args.steps
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(args.steps):
+                jax.block_until_ready(step(b.hidden, b.weight))
+        events = _device_events(d)
+    print(
+        f"{args.shape} {cfg.B}x{cfg.T} {args.data} grad_filter={args.grad_filter} {args.tuning}: "
+        f"wall {wall * 1e3:.2f} ms/step"
+    )
+    for line in sorted({k[0] for k in events}):
+        rows = [(n, d) for (ln, n), d in events.items() if ln == line]
+        busy = sum(sum(d) for _, d in rows) / args.steps
+        print(
+            f"-- line {line!r}: busy {busy / 1e6:.2f} ms/step, {sum(len(d) for _, d in rows) / args.steps:.0f} events/step"
+        )
+        for name, d in sorted(rows, key=lambda r: -sum(r[1]))[: args.top]:
+            t = sum(d) / args.steps
+            print(f"{t / 1e6:8.3f} ms {len(d) / args.steps:6.1f}x {100 * t / busy:5.1f}%  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
