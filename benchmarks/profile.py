@@ -25,19 +25,42 @@ from benchmarks.workloads import make_lm_head_batch
 
 
 def _device_events(path: str, prefix: str = "/device:GPU"):
-    """``{(line, name): [durations_ns]}`` of every event on the GPU planes of the trace in ``path``."""
+    """``({(line, name): [durations_ns]}, [(start_ns, end_ns, name)])`` of every event on the GPU planes of the
+    trace in ``path``."""
     files = glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True)
     if not files:
         raise SystemExit(f"no .xplane.pb under {path}")
     data = jax.profiler.ProfileData.from_file(files[0])
     per_name: dict[str, list[int]] = collections.defaultdict(list)
+    spans = []
     for plane in data.planes:
         if not plane.name.startswith(prefix):
             continue
         for line in plane.lines:
             for ev in line.events:
                 per_name[(line.name, ev.name)].append(ev.duration_ns)
-    return per_name
+                spans.append((ev.start_ns, ev.end_ns, ev.name))
+    return per_name, spans
+
+
+def _gaps(spans, steps: int, top: int) -> None:
+    """Prints the device's idle time (no event on any stream) between the first and last event, per step, and
+    the largest idle totals by the pair of events around them (what the device waited between)."""
+    spans = sorted(spans)
+    if not spans:
+        return
+    idle, pairs = 0.0, collections.Counter()
+    end, last = spans[0][1], spans[0][2]
+    for s, e, name in spans[1:]:
+        if s > end + 2000:  # idle for more than 2 us
+            idle += s - end
+            pairs[(last[:50], name[:50])] += s - end
+        if e > end:
+            end, last = e, name
+    span = spans[-1][1] - spans[0][0]
+    print(f"-- device span {span / steps / 1e6:.2f} ms/step, idle (> 2 us gaps) {idle / steps / 1e6:.2f} ms/step")
+    for (a, b), t in pairs.most_common(top):
+        print(f"{t / steps / 1e6:8.3f} ms idle  after {a}  before {b}")
 
 
 def main(argv=None) -> None:
@@ -78,11 +101,12 @@ def main(argv=None) -> None:
         with jax.profiler.trace(d):
             for _ in range(args.steps):
                 jax.block_until_ready(step(b.hidden, b.weight))
-        events = _device_events(d)
+        events, spans = _device_events(d)
     print(
         f"{args.shape} {cfg.B}x{cfg.T} {args.data} grad_filter={args.grad_filter} {args.tuning}: "
         f"wall {wall * 1e3:.2f} ms/step"
     )
+    _gaps(spans, args.steps, 12)
     for line in sorted({k[0] for k in events}):
         rows = [(n, d) for (ln, n), d in events.items() if ln == line]
         busy = sum(sum(d) for _, d in rows) / args.steps

@@ -361,6 +361,11 @@ def test_block_config_and_splits():
         s = C.lm_head_num_splits(rows_ctas, tiles, 132)
         per = C.cdiv(tiles, s)
         assert 1 <= s <= tiles and C.cdiv(tiles, per) == s  # every split non-empty
+    # a gradient-filter window on 256 rows (2 row blocks) of 16 tiles: 4 tiles per split at least by default,
+    # one per split for the window kernels (min_tiles=1), the grid being what limits so few rows
+    assert C.lm_head_num_splits(2, 16, 132) == 4
+    assert C.lm_head_num_splits(2, 16, 132, min_tiles=1) == 16
+    assert C.lm_head_num_splits(128, 16, 132, min_tiles=1) == 1  # a full wave already
 
 
 def test_block_table():

@@ -85,15 +85,16 @@ def _even_splits(num_tiles: int, splits: int) -> int:
     return cdiv(num_tiles, cdiv(num_tiles, splits))
 
 
-def lm_head_num_splits(num_row_ctas: int, num_vocab_tiles: int, num_sms: int) -> int:
+def lm_head_num_splits(num_row_ctas: int, num_vocab_tiles: int, num_sms: int, min_tiles: int = 4) -> int:
     """Vocabulary splits per row block of the LM-head kernels so that the grid fills the GPU in whole waves.
 
     Deterministic and cheap: the fewest splits (at most 32) whose CTA count wastes the least of
-    the last wave, counting only splits that leave at least 4 vocabulary tiles per split.
+    the last wave, counting only splits that leave at least ``min_tiles`` vocabulary tiles per split (the
+    gradient kernel's windows pass 1: on the few rows the gradient filter keeps, the grid is what limits it).
     """
     best, best_eff = 1, 0.0
     for s in range(1, 33):
-        if s > 1 and num_vocab_tiles / s < 4:
+        if s > 1 and num_vocab_tiles / s < min_tiles:
             break
         ctas = num_row_ctas * s
         eff = ctas / (cdiv(ctas, num_sms) * num_sms)

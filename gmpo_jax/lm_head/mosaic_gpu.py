@@ -549,7 +549,9 @@ class _GradPass:
             rowsum = stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
             return dz, rowsum if exact is None else rowsum - exact
         cfg = self.cfg
-        splits = C.lm_head_num_splits(self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret))
+        splits = C.lm_head_num_splits(
+            self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret), min_tiles=1
+        )
         dz, rowsum = lm_head_dlogits_window(
             self.ops.hidden,
             w_blk,
@@ -670,9 +672,10 @@ class _GradPass:
         width = tiles * bn
         sizes = _filter_sizes(Rp)
 
-        def one(carry, live_w, v0, cols, wt, w_blk=None, b_blk=None):
+        orders = jax.vmap(rows_lib.order)(live)  # every window's row order at once, before the loop
+
+        def one(carry, live_w, order, v0, cols, wt, w_blk=None, b_blk=None):
             dh, dw_acc, db_acc, rowsum = carry
-            order = rows_lib.order(live_w)
             H = dh.shape[1]
             shape = (H, cols) if self.axis == 1 else (cols, H)
             nothing = (dh, rowsum, jnp.zeros(shape, jnp.float32), None if self.bias_p is None else jnp.zeros((cols,)))
@@ -694,7 +697,7 @@ class _GradPass:
         n_full = self.V // width
         if n_full:
             carry, _ = lax.scan(
-                lambda c, w: (one(c, live[w], w * width, width, tiles), None),
+                lambda c, w: (one(c, live[w], jax.tree.map(lambda x: x[w], orders), w * width, width, tiles), None),
                 carry,
                 jnp.arange(n_full, dtype=jnp.int32),
             )
@@ -704,7 +707,8 @@ class _GradPass:
             end = min(v0 + wt * bn, self.w_kernel.shape[self.axis])
             w_blk = lax.slice_in_dim(self.w_kernel, v0, end, axis=self.axis)
             b_blk = None if self.bias_p is None else self.bias_p[v0 : v0 + wt * bn]
-            carry = one(carry, live[n_full], v0, self.V - v0, wt, w_blk, b_blk)
+            last = jax.tree.map(lambda x: x[n_full], orders)
+            carry = one(carry, live[n_full], last, v0, self.V - v0, wt, w_blk, b_blk)
         return carry
 
 
