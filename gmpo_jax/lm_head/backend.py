@@ -90,8 +90,8 @@ class LMHeadBackend(Protocol):
 
         ``dw_acc`` (float32, ``weight.shape``) and ``db_acc`` (float32 ``[V]`` or None) are accumulated
         into and returned: ``dw_acc + hidden^T dz`` (laid out like the weight), ``db_acc + sum_rows dz``.
-        ``dw_acc=None`` (a call of one chunk): return ``hidden^T dz`` itself (float32, or the weight's
-        dtype after ``logprobs_for_grads`` kept the logits).
+        ``dw_acc=None`` (a call of one chunk): return ``hidden^T dz`` itself, float32 or rounded once to the
+        weight's dtype (``gmpo_jax.lm_head.mosaic_gpu``).
 
         Optional extension: a backend may also define ``logprobs_for_grads(hidden, weight, bias, ids,
         temperature, *, weight_layout, budget_bytes) -> (logp, lse, saved)``, keeping what its gradient

@@ -395,8 +395,9 @@ class MosaicGpuBackend:
         ``window_mass`` (``[R, n_windows]``, from ``logprobs(with_window_mass=True)``; only with ``grad_filter``):
         the gradient filter (module docstring): each vocabulary window runs on the rows that need it.
 
-        ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned (float32, or the weight's
-        dtype when ``saved`` is given), each window's block written once."""
+        ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned in the weight's dtype
+        (float32 for a float16 weight without ``saved``: its range), each window's block written once (a float32 GEMM result
+        rounded once: what the caller's final cast would give, without a float32 weight-sized buffer)."""
         from gmpo_jax.kernels import _common as C
 
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
@@ -416,8 +417,9 @@ class MosaicGpuBackend:
                 raise ValueError("window_mass needs grad_filter set and no kept logits (saved=None)")
             t = jnp.asarray(temperature, jnp.float32)
             fresh = dw_acc is None
-            if fresh:
-                dw_acc = jnp.zeros(weight.shape, weight.dtype if saved is not None else jnp.float32)
+            if fresh:  # every window's block is written once: rounded once, as the caller's cast would
+                f16 = saved is None and weight.dtype == jnp.float16  # (kept logits: only ever for 16-bit results)
+                dw_acc = jnp.zeros(weight.shape, jnp.float32 if f16 else weight.dtype)
             ops = self._operands(hp, weight, weight_layout)
             gp = _GradPass(
                 backend=self,

@@ -249,7 +249,7 @@ def _chunk_step_skipping(
 
         def empty():
             num, sums, _ = evaluate(objective, jnp.zeros(chunk.mask.shape), chunk, denominator, with_grads=False)
-            return num, sums, jnp.zeros_like(h), jnp.zeros(head.weight.shape, jnp.float32), db
+            return num, sums, jnp.zeros_like(h), jnp.zeros_like(head.weight), db
 
         return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
     filters = _filters(cfg)
@@ -283,7 +283,7 @@ def _chunk_step_skipping(
         live,
         backward,
         (h, ids, dlogp, lse, *extra) + ((mass,) if filters else ()),
-        accumulators=(jnp.zeros(head.weight.shape, jnp.float32) if dw is None else dw, db),
+        accumulators=(jnp.zeros_like(head.weight) if dw is None else dw, db),  # None: the chunk's own, any dtype
     )
     return (num, sums, *grads)
 
@@ -303,8 +303,10 @@ def _scan_policy(
 ):
     """``(numerator, MetricSums, Head of gradients)`` of these rows over the given (global) denominator.
 
-    The weight gradient is float32, or the weight's dtype when a single chunk's backend kept its logits
-    (``logprobs_for_grads``); without ``with_grads`` the gradients are None."""
+    The weight gradient is float32, or what a single chunk's backend returns (``grads(dw_acc=None)``: the
+    Mosaic GPU backend rounds it to the weight's dtype once; data parallel without kept logits, a float32
+    accumulator instead, so that the devices' sum is rounded once); without ``with_grads`` the gradients are
+    None."""
     hidden, weight, bias = head
     T, H = hidden.shape[1:]
     n, locate = _chunk_plan(hidden.shape[0], cfg.chunk_size)
@@ -312,6 +314,7 @@ def _scan_policy(
     # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
     single = with_grads and n == 1
     keep = single and not _filters(cfg) and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
+    summed = cfg.plan is not None and cfg.plan.data_axis is not None  # the weight gradient is summed over devices
     step = _chunk_step_skipping if cfg.row_buckets > 1 else _chunk_step
 
     def body(carry, i):
@@ -327,7 +330,7 @@ def _scan_policy(
     dh = dw = db = None
     if with_grads:
         dh = jnp.zeros_like(hidden)
-        dw = None if single else jnp.zeros(weight.shape, jnp.float32)
+        dw = None if single and (keep or not summed) else jnp.zeros(weight.shape, jnp.float32)
         db = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
     init = (jnp.zeros((), jnp.float32), MetricSums.zeros(), dh, dw, db)
     with jax.named_scope(f"gmpo_jax/{cfg.backend.name}/policy_loss"):
@@ -347,7 +350,7 @@ def _sharded_policy(cfg: LMHeadConfig, objective, head: Head, inputs: PolicyInpu
         if plan.data_axis is None:
             return num, sums, grads
         with jax.named_scope("gmpo_jax/data_parallel/reduce"):
-            if grads is not None:  # summed in float32 (a single chunk that kept its logits returns 16-bit)
+            if grads is not None:  # summed in float32 (a single chunk that kept its logits returns 16 bits)
                 dw = None if grads.weight is None else plan.sum_data(grads.weight.astype(jnp.float32))
                 grads = grads._replace(weight=dw, bias=plan.sum_data(grads.bias))
             return plan.sum_data(num), sums.all_reduce(plan.data_axis), grads
