@@ -100,10 +100,11 @@ ROW_ALIGN = 128
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of
 # GRAD_FILTER_WINDOW columns (a multiple of every kernel's tile width), each window's rows on the smallest of
 # the prefixes Rp / 2**k, k < GRAD_FILTER_LEVELS; "auto" is the threshold GRAD_FILTER_AUTO (a window's
-# softmax mass off the target). Peaked workload (docs/performance.md "Gradient filter"): at 1e-3 the 4096-column
-# windows keep 8.5 % of the (row, window) blocks of the rows with a gradient (CPU, Qwen2.5-0.5B head); H200,
-# 2026-12-02 (d993bfa): hidden / weight-gradient error 0.21 / 0.23 % (Qwen 8 x 2048; exact path 0.19 / 0.24 %)
-# and 0.21 / 0.24 % (Llama-3-8B 4 x 2048), i.e. within 1.5x of the exact path's own error.
+# softmax mass off the target). Peaked workload (docs/performance.md "Gradient filter"): at 1e-3, 4096-column
+# windows keep 8.5 % of the (row, window) blocks of the rows with a gradient (CPU, Qwen2.5-0.5B head). Each
+# window costs a fixed overhead (switch, gathers, small ops): H200, 2026-12-02 (dbe89cd profile), Qwen 8 x 2048
+# peaked 10.5 ms at 4096 columns, 9.2 ms at 8192; 8cfd05a: hidden / weight-gradient error 0.20 / 0.23 % (Qwen;
+# exact path 0.19 / 0.24 %) and 0.20 / 0.24 % (Llama-3-8B 4 x 2048), within 1.5x of the exact path's own.
 GRAD_FILTER_WINDOW = 8192
 GRAD_FILTER_LEVELS = 7
 GRAD_FILTER_AUTO = 1e-3
