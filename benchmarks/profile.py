@@ -48,6 +48,7 @@ def _gaps(spans, steps: int, top: int) -> None:
     the largest idle totals by the pair of events around them (what the device waited between)."""
     spans = sorted(spans)
     if not spans:
+        print("-- no GPU device events in the trace (a GPU is needed: on CPU the trace has host events only)")
         return
     idle, pairs = 0.0, collections.Counter()
     end, last = spans[0][1], spans[0][2]

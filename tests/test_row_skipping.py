@@ -94,7 +94,9 @@ def test_order_is_numpys_stable_argsort(n):
     for k, live in enumerate(masks):
         want = np.argsort(np.where(live, 0, 1), kind="stable")
         order = rows.order(jnp.asarray(live))
-        for got in (order, jax.tree.map(lambda x: x[k], batched)):
+        as_int = rows.order(jnp.asarray(live, jnp.int32))  # a 0/1 integer or float mask means the same
+        as_float = rows.order(jnp.asarray(live, jnp.float32))
+        for got in (order, jax.tree.map(lambda x: x[k], batched), as_int, as_float):
             np.testing.assert_array_equal(np.asarray(got.perm), want)
             np.testing.assert_array_equal(np.asarray(got.inv)[want], np.arange(n))
             assert int(got.n_live) == int(live.sum())

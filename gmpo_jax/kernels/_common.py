@@ -90,7 +90,8 @@ def lm_head_num_splits(num_row_ctas: int, num_vocab_tiles: int, num_sms: int, mi
 
     Deterministic and cheap: the fewest splits (at most 32) whose CTA count wastes the least of
     the last wave, counting only splits that leave at least ``min_tiles`` vocabulary tiles per split (the
-    gradient kernel's windows pass 1: on the few rows the gradient filter keeps, the grid is what limits it).
+    gradient kernel's windows pass 1: on few rows, the gradient filter's or a small batch's, the grid is what
+    limits it; on many rows one split already fills the GPU).
     """
     best, best_eff = 1, 0.0
     for s in range(1, 33):

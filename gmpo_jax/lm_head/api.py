@@ -157,12 +157,15 @@ def fused_linear_policy_loss(
     \log\pi_{old}))`). The ``[B, T, V]`` logits are never materialised in float32: memory beyond the
     inputs is one float32 copy of the weight (gradient accumulator), the ``[B, T, H]`` hidden gradient
     and one chunk's vocabulary block. A call of one chunk needs no accumulation across chunks; there the
-    Mosaic GPU kernels (a bfloat16 weight, ``H >= 3584``) keep the weight gradient in bfloat16 and, in
-    the memory that saves plus 384 MiB, as much of the chunk's logits in float16 as fits with the
-    gradient pass's own temporaries; that pass reads them instead of computing them again (Llama-3-8B's
-    head: 1.3x faster at 8192 tokens, all kept; 1.1x at 16384, half kept). The weight gradient is then
-    rounded to bfloat16 before the cotangent scales it (a double rounding; bfloat16 has float32's
-    range). Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the gradients are
+    Mosaic GPU kernels write the weight gradient in the weight's dtype (bfloat16; float16 weights and
+    data-parallel calls keep float32), and (``H >= 3584``) keep, in the memory that saves plus 384 MiB,
+    as much of the chunk's logits in float16 as fits with the gradient pass's own temporaries; that pass
+    reads them instead of computing them again (Llama-3-8B's head: 1.3x faster at 8192 tokens, all kept;
+    1.1x at 16384, half kept). The weight gradient is then rounded to bfloat16 before the cotangent
+    scales it: a double rounding when the loss is scaled by a constant that is not a power of two
+    (``jax.grad(lambda w: loss(w) / 3)``: about 1.2x the weight-gradient error of a float32 accumulator;
+    pass ``advantages / 3`` instead (the same gradient without ``beta`` or ``entropy_coef``), or use two
+    chunks). Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the gradients are
     computed in the forward pass and scaled by the cotangent); evaluation without differentiation does
     no gradient work.
 

@@ -16,7 +16,8 @@ them alive (docs/performance.md, "LM head: mosaic_gpu").
 is needed): when the chunk's logits fit the memory it is given, the log-prob kernel also writes them
 (float16, relative to each row's running maximum: ``kernels.lm_head_lse``) and ``grads`` forms
 ``dz`` from them window by window in XLA instead of recomputing the logits: ``6 N H V`` flops in all
-instead of ``8 N H V``. It then returns the weight gradient in the weight's dtype, written once per window.
+instead of ``8 N H V``. A single chunk's weight gradient (``grads(dw_acc=None)``, kept logits or not) is
+returned in the weight's dtype (float32 for float16 weights without kept logits), written once per window.
 
 Rows are padded to the kernels' row block (zero rows, zero cotangent); the bulk copies zero-fill
 the tail of the last vocabulary tile and the kernels mask it (``-inf`` logits, zero gradient). The

@@ -44,7 +44,7 @@ def order(live: jax.Array) -> RowOrder:
 
     A stable partition by prefix sums (what a stable ``argsort`` of the 0/1 key gives, without a sort:
     the gradient filter orders the rows once per vocabulary window, where sorts cost milliseconds)."""
-    live = live.reshape(-1)
+    live = jnp.asarray(live).reshape(-1) != 0  # any 0/1 dtype (``~`` of an integer would be bitwise)
     n_live = jnp.sum(live, dtype=jnp.int32)
     inv = jnp.where(
         live, jnp.cumsum(live, dtype=jnp.int32) - 1, n_live + jnp.cumsum(~live, dtype=jnp.int32) - 1

@@ -18,7 +18,8 @@ Design decisions (and why):
   multiplies these residuals by the cotangent. A call that is one chunk needs no accumulator: the
   backend returns that chunk's weight gradient. Plain evaluation (no differentiation) runs the primal,
   which computes only log-probs and the loss: no gradient work at all.
-* **Memory.** Live at once: the inputs, one float32 copy of the weight (the ``dW`` accumulator), the
+* **Memory.** Live at once: the inputs, one float32 copy of the weight (the ``dW`` accumulator; a single
+  chunk on ``mosaic_gpu`` writes its weight gradient in the weight's dtype instead), the
   ``[B, T, H]`` hidden gradient and one chunk's workspace (the backend's vocabulary block). Never a
   ``[chunk, T, V]`` or ``[B, T, V]`` array in float32. One exception, inside the same bound: a single
   chunk whose backend can keep its logits for the gradient pass (``logprobs_for_grads``: the Mosaic GPU
