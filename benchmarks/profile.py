@@ -20,8 +20,8 @@ import time
 import jax
 
 from benchmarks import jax_impls
+from benchmarks.run import DEFAULT_OPTS, _parse_setting
 from benchmarks.shapes import select
-from benchmarks.workloads import make_lm_head_batch
 
 
 def _device_events(path: str, prefix: str = "/device:GPU"):
@@ -69,42 +69,34 @@ def main(argv=None) -> None:
     p.add_argument("--shape", default="qwen2.5-0.5b")
     p.add_argument("--B", type=int, default=8)
     p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--data", default="peaked")
-    p.add_argument("--grad-filter", default="none", help="none, auto or a float")
+    p.add_argument("--impl", default="mosaic_gpu", help="mosaic_gpu or xla_chunked")
+    p.add_argument("--data", default=DEFAULT_OPTS["data"])
+    p.add_argument("--grad-filter", default=DEFAULT_OPTS["grad_filter"], help="none, auto or a float")
     p.add_argument("--tuning", action="append", default=[], help="NAME=VALUE of gmpo_jax.tuning")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)
 
-    jax_impls.apply_tuning({k: eval(v, {}) for k, v in (t.split("=", 1) for t in args.tuning)})  # noqa: S307
-    import gmpo_jax
-
+    # before the backends are imported: their dataclass defaults read gmpo_jax.tuning
+    jax_impls.apply_tuning(dict(_parse_setting(t) for t in args.tuning))
+    # the benchmark's own batch and loss (benchmarks.run with these options measures the same step)
     cfg = select(args.shape, B=args.B, T=args.T)
-    b = make_lm_head_batch(cfg.B, cfg.T, cfg.H, cfg.V, args.data)
-    kw = {}
-    if args.grad_filter != "none":
-        kw["grad_filter"] = args.grad_filter if args.grad_filter == "auto" else float(args.grad_filter)
-
-    def loss(h, w):
-        out = gmpo_jax.fused_linear_policy_loss(
-            h, w, b.ids, b.mask, b.advantages, old_logps=b.old_logps, objective=gmpo_jax.GMPO(), **kw
-        )
-        return out[0] if isinstance(out, tuple) else out
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    opts = dict(DEFAULT_OPTS, data=args.data, grad_filter=args.grad_filter)
+    inputs, _ = jax_impls.lm_head_inputs(cfg, opts)
+    step = jax.jit(jax.value_and_grad(jax_impls.lm_head_loss(args.impl, opts), argnums=(0, 1)))
     for _ in range(3):
-        jax.block_until_ready(step(b.hidden, b.weight))
+        jax.block_until_ready(step(*inputs))
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        jax.block_until_ready(step(b.hidden, b.weight))
+        jax.block_until_ready(step(*inputs))
     wall = (time.perf_counter() - t0) / args.steps
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(args.steps):
-                jax.block_until_ready(step(b.hidden, b.weight))
+                jax.block_until_ready(step(*inputs))
         events, spans = _device_events(d)
     print(
-        f"{args.shape} {cfg.B}x{cfg.T} {args.data} grad_filter={args.grad_filter} {args.tuning}: "
+        f"{args.impl} {args.shape} {cfg.B}x{cfg.T} {args.data} grad_filter={args.grad_filter} {args.tuning}: "
         f"wall {wall * 1e3:.2f} ms/step"
     )
     _gaps(spans, args.steps, 12)

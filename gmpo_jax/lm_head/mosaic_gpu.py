@@ -637,11 +637,16 @@ class _GradPass:
             )
         v0 = c0 + n_full * wt * bn
         if v0 < c1:
-            end = min(v0 + C.cdiv(c1 - v0, bn) * bn, self.w_kernel.shape[self.axis])
-            w_blk = lax.slice_in_dim(self.w_kernel, v0, end, axis=self.axis)
-            b_blk = None if self.bias_p is None else self.bias_p[v0 : v0 + C.cdiv(c1 - v0, bn) * bn]
-            carry = self.window(carry, v0, c1 - v0, C.cdiv(c1 - v0, bn), kept, w_blk, b_blk)
+            tail = C.cdiv(c1 - v0, bn)
+            carry = self.window(carry, v0, c1 - v0, tail, kept, *self.tail_blocks(v0, tail))
         return carry
+
+    def tail_blocks(self, v0: int, wt: int):
+        """The weight (and bias) columns of the partial window of ``wt`` tiles at static ``v0``: static slices
+        (the aligned weight's padding columns included, up to its end)."""
+        end = min(v0 + wt * self.cfg.block_n, self.w_kernel.shape[self.axis])
+        w_blk = lax.slice_in_dim(self.w_kernel, v0, end, axis=self.axis)
+        return w_blk, None if self.bias_p is None else self.bias_p[v0 : v0 + wt * self.cfg.block_n]
 
     def subset(self, idx, keep) -> _GradPass:
         """The pass over rows ``idx`` only (``[S]``, a multiple of the CTA rows; None: every row, in place), the rows
@@ -677,8 +682,9 @@ class _GradPass:
 
         orders = jax.vmap(rows_lib.order)(live)  # every window's row order at once, before the loop
 
-        def one(carry, live_w, order, v0, cols, wt, w_blk=None, b_blk=None):
+        def one(carry, w, v0, cols, wt, w_blk=None, b_blk=None):  # window w: columns [v0, v0 + cols)
             dh, dw_acc, db_acc, rowsum = carry
+            live_w, order = live[w], jax.tree.map(lambda x: x[w], orders)
             H = dh.shape[1]
             shape = (H, cols) if self.axis == 1 else (cols, H)
             nothing = (dh, rowsum, jnp.zeros(shape, jnp.float32), None if self.bias_p is None else jnp.zeros((cols,)))
@@ -700,18 +706,14 @@ class _GradPass:
         n_full = self.V // width
         if n_full:
             carry, _ = lax.scan(
-                lambda c, w: (one(c, live[w], jax.tree.map(lambda x: x[w], orders), w * width, width, tiles), None),
+                lambda c, w: (one(c, w, w * width, width, tiles), None),
                 carry,
                 jnp.arange(n_full, dtype=jnp.int32),
             )
         v0 = n_full * width
         if v0 < self.V:
             wt = C.cdiv(self.V - v0, bn)
-            end = min(v0 + wt * bn, self.w_kernel.shape[self.axis])
-            w_blk = lax.slice_in_dim(self.w_kernel, v0, end, axis=self.axis)
-            b_blk = None if self.bias_p is None else self.bias_p[v0 : v0 + wt * bn]
-            last = jax.tree.map(lambda x: x[n_full], orders)
-            carry = one(carry, live[n_full], last, v0, self.V - v0, wt, w_blk, b_blk)
+            carry = one(carry, n_full, v0, self.V - v0, wt, *self.tail_blocks(v0, wt))
         return carry
 
 
