@@ -47,8 +47,9 @@ def _peaked(seed, R, V=V, layout="hv"):
     return h, (w if layout == "hv" else np.ascontiguousarray(w.T)), ids, bias
 
 
-def _reference(h, w_hv, ids, dlogp, tau, t, bias=None):
-    """float64: (window mass [R, n_w], kept [R, V], dh, dW [H, V], db) of the filtered gradient."""
+def _reference(h, w_hv, ids, dlogp, tau, t, bias=None, tail=None):
+    """float64: (window mass [R, n_w], kept [R, V], dh, dW [H, V], db) of the filtered gradient; the windows from
+    column ``tail`` on (and the last, partial one) kept together (all where any one is)."""
     hh, ww = h.astype(f64), w_hv.astype(f64)
     z = hh @ ww + (0.0 if bias is None else bias.astype(f64))
     z = z / t
@@ -60,6 +61,8 @@ def _reference(h, w_hv, ids, dlogp, tau, t, bias=None):
     n_w = -(-V // WINDOW)
     off = np.pad(p * (1 - onehot), ((0, 0), (0, n_w * WINDOW - V))).reshape(R, n_w, WINDOW).sum(-1)
     live = (off > tau) | (np.arange(n_w)[None] == (ids // WINDOW)[:, None])
+    n_head = min(V // WINDOW, n_w if tail is None else tail // WINDOW)
+    live[:, n_head:] = live[:, n_head:].any(1, keepdims=True)
     live &= (dlogp != 0)[:, None]
     kept = np.repeat(live, WINDOW, axis=1)[:, :V]
     dz = np.where(kept, (dlogp / t)[:, None] * (onehot - p), 0.0)
@@ -81,16 +84,18 @@ def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None):
 
 
 @pytest.mark.parametrize(
-    "layout, with_bias, tau, t, levels",
+    "layout, with_bias, tau, t, levels, tail",
     [
-        ("hv", False, 0.02, 1.0, None),
-        ("vh", True, 0.01, 0.8, None),
-        ("hv", False, 0.0, 1.0, None),
-        ("hv", True, 0.02, 1.0, 1),
+        ("hv", False, 0.02, 1.0, None, None),
+        ("vh", True, 0.01, 0.8, None, 256),
+        ("hv", False, 0.0, 1.0, None, None),
+        ("hv", True, 0.02, 1.0, 1, 512),
     ],
 )
-def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, monkeypatch):
-    """``levels=1``: one row prefix (all rows), so every window runs in place with its dropped rows' cotangent zeroed."""
+def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, tail, monkeypatch):
+    """``levels=1``: one row prefix (all rows), so every window runs in place with its dropped rows' cotangent zeroed.
+    ``tail``: the windows from that column on (1-3 or 2-3; the last is partial) are the tail, kept together and run
+    in one step."""
     if levels is not None:
         monkeypatch.setattr(tuning, "GRAD_FILTER_LEVELS", levels)
     R = 256
@@ -100,8 +105,8 @@ def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, mo
     dlogp = rng.normal(0.0, 1.0, R).astype(np.float32)
     dlogp[rng.random(R) < 0.3] = 0.0  # rows without a cotangent: no window kept
     w_hv = w if layout == "hv" else w.T
-    off, kept, dh_ref, dw_ref, db_ref = _reference(h, w_hv, ids, dlogp, tau, t, bias)
-    be = MosaicGpuBackend(interpret=True, filter_window=WINDOW, grad_filter=tau)
+    off, kept, dh_ref, dw_ref, db_ref = _reference(h, w_hv, ids, dlogp, tau, t, bias, tail)
+    be = MosaicGpuBackend(interpret=True, filter_window=WINDOW, grad_filter=tau, filter_tail=tail or 65536)
     mass, (dh, dw, db) = _seam(be, h, w, ids, dlogp, t, layout, bias)
     np.testing.assert_allclose(np.asarray(mass), off, atol=2e-6, rtol=1e-4)
     dw = np.asarray(dw) if layout == "hv" else np.asarray(dw).T
@@ -111,6 +116,8 @@ def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, mo
         assert_grad_close(np.asarray(db), db_ref, np.float32, "db", grad_rtol=1e-2)
     _, _, dh_exact, dw_exact, _ = _reference(h, w_hv, ids, dlogp, -1.0, t, bias)  # every window kept
     frac = kept[dlogp != 0].mean()
+    if tail is not None:  # the tail rule changed what is kept (so a backend without it fails)
+        assert (kept != _reference(h, w_hv, ids, dlogp, tau, t, bias)[1]).any()
     if tau > 0:  # the filter dropped blocks, and the result is nearer the filtered than the exact gradient
         assert frac < 0.9, f"the filter kept {frac:.0%} of the live rows' columns"
         gap = rel_err(dh_ref, dh_exact)
@@ -144,7 +151,9 @@ def _grads(batch, impl, grad_filter):
 def test_policy_loss_with_filter(batch, row_buckets):
     """Through the fused loss (both chunk paths): the loss and metrics are the exact path's; at ``tau = 0`` the
     gradients are; at ``tau = 0.02`` they differ but stay within the documented bound; reruns are bitwise equal."""
-    impl = lambda: MosaicGpuBackend(interpret=True, filter_window=WINDOW, row_buckets=row_buckets)  # noqa: E731
+    impl = lambda: MosaicGpuBackend(  # noqa: E731  (4 buckets: windows 1-3 are the tail)
+        interpret=True, filter_window=WINDOW, row_buckets=row_buckets, filter_tail=WINDOW if row_buckets > 1 else 65536
+    )
     loss0, aux0, (dh0, dw0) = _grads(batch, impl(), None)
     loss, aux, (dh, dw) = _grads(batch, impl(), 0.0)
     np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
@@ -217,10 +226,13 @@ def test_backend_grad_filter_applies_unless_the_call_sets_one():
     assert _config(h, w, None, 8, V, None, grad_filter=0.25, **kw).backend.grad_filter == 0.25
 
 
-def test_filter_window_must_fit_the_tiles(batch):
+@pytest.mark.parametrize(
+    "kw, name", [(dict(filter_window=200), "filter_window"), (dict(filter_tail=300), "filter_tail")]
+)
+def test_filter_window_must_fit_the_tiles(batch, kw, name):
     h, w, ids, mask, adv = batch
-    be = MosaicGpuBackend(interpret=True, filter_window=200)
-    with pytest.raises(NotImplementedError, match="filter_window"):
+    be = MosaicGpuBackend(interpret=True, **kw)
+    with pytest.raises(NotImplementedError, match=name):
         jax.grad(lambda h: _loss(h, w, ids, mask, adv, be, 0.01)[0])(h)
 
 

@@ -118,7 +118,9 @@ class MosaicGpuBackend:
     grad_filter: None (exact), ``"auto"`` or a threshold in ``[0, 1)``: the gradient filter (module docstring;
     ``fused_linear_policy_loss(grad_filter=...)`` replaces it when given there), validated here
     (``ValueError`` / ``TypeError`` naming it); filter_window: its vocabulary windows, a multiple of the
-    gradient kernel's tile width (else ``UnsupportedConfigError`` when the filter runs).
+    gradient kernel's tile width (else ``UnsupportedConfigError`` when the filter runs); filter_tail: the column
+    from which its windows (and always the last, partial one) form one tail, kept or dropped together per row and run
+    on the union of their rows in one step (a positive multiple of ``filter_window``, else ``UnsupportedConfigError``).
     """
 
     interpret: bool = False
@@ -131,6 +133,7 @@ class MosaicGpuBackend:
     logits_precision: str | None = None  # None, "float32" or "bf16x3" (backend.LOGITS_PRECISIONS)
     grad_filter: float | None = None  # the gradient filter's threshold (module docstring); None: exact
     filter_window: int = tuning.GRAD_FILTER_WINDOW  # its vocabulary windows, columns (a multiple of 256)
+    filter_tail: int = tuning.GRAD_FILTER_TAIL  # its windows from this column on are kept together
     name: str = "mosaic_gpu"
 
     def __post_init__(self):
@@ -446,8 +449,9 @@ class MosaicGpuBackend:
             carry = (jnp.zeros((Rp, H), jnp.float32), dw_acc, db_acc, jnp.zeros((Rp,), jnp.float32))
             if window_mass is not None:
                 mass = jnp.pad(window_mass, ((0, Rp - R), (0, 0)))  # padding rows: no mass, no cotangent
-                live = _filter_live(mass, gp, self.grad_filter, self.filter_window)
-                carry = gp.filtered_windows(carry, live, self._filter_tiles(bn))
+                n_head = self._filter_head(bn, V)
+                live = _filter_live(mass, gp, self.grad_filter, self.filter_window, n_head)
+                carry = gp.filtered_windows(carry, live, self._filter_tiles(bn), n_head)
                 if self.softcap is None:  # (with a cap the kernel's row sums are already the rounding only)
                     dh, dw_acc, db_acc, rowsum = carry
                     carry = dh, dw_acc, db_acc, rowsum - gp.coef * _dropped_mass(mass, live)
@@ -472,6 +476,16 @@ class MosaicGpuBackend:
                 f"filter_window={self.filter_window} must be a positive multiple of the kernels' {block_n}-column tiles"
             )
         return self.filter_window // block_n
+
+    def _filter_head(self, block_n: int, V: int) -> int:
+        """The gradient filter's head: its full windows before ``filter_tail`` (each run on its own rows); the
+        columns after them are the tail (``_GradPass.filtered_windows``)."""
+        tiles = self._filter_tiles(block_n)
+        if self.filter_tail <= 0 or self.filter_tail % self.filter_window:
+            raise UnsupportedConfigError(
+                f"filter_tail={self.filter_tail} must be a positive multiple of filter_window={self.filter_window}"
+            )
+        return min(self.filter_tail // self.filter_window, V // (tiles * block_n))
 
     def _check_call(self, hidden, weight, bias, weight_layout: str, with_entropy: bool = False):
         """``(R, H, V)`` of a seam call, after :meth:`check_supported` accepted it."""
@@ -668,53 +682,68 @@ class _GradPass:
             entropy=entropy,
         )
 
-    def filtered_windows(self, carry, live, tiles: int):
-        """The gradient filter's pass: vocabulary windows of ``tiles`` tiles, each on the static prefix of its rows
-        reordered live first (``live`` ``[n_windows, Rp]`` bool) that holds all of them (``_filter_sizes``, one
-        ``lax.switch`` per window; no live row: nothing runs; all ``Rp`` rows: in place, no gather). The full windows
-        in a ``lax.scan``, the partial one after it; ``dh`` and the row sums scattered back (each window's rows are
-        distinct: deterministic); the weight's accumulators are updated outside the switch."""
+    def filtered_windows(self, carry, live, tiles: int, n_head: int):
+        """The gradient filter's pass over vocabulary windows of ``tiles`` tiles, ``live`` ``[n_windows, Rp]`` bool.
+        The ``n_head`` full windows of the head, in a ``lax.scan``, each on the static prefix of its rows reordered
+        live first that holds all of them (``_filter_sizes``, one ``lax.switch`` per window; no live row: nothing
+        runs; all ``Rp`` rows: in place, no gather); their ``dh`` and row sums scattered back (each window's rows are
+        distinct: deterministic), the weight's accumulators updated outside the switch. Then the tail (the columns
+        after the head, ``live`` the same for each of its windows) in one step: one switch on its rows' prefix, and
+        in it the exact pass's windows (``windows``, sized to the workspace for that prefix) over the tail's columns,
+        the accumulators updated in place. The head holds the frequent tokens, where rows differ in which windows
+        they need; in the tail few rows need any window and mostly the same rows (docs/performance.md)."""
         from gmpo_jax.kernels import _common as C
 
         bn, Rp = self.cfg.block_n, self.hp.shape[0]
         width = tiles * bn
         sizes = _filter_sizes(Rp)
 
-        orders = jax.vmap(rows_lib.order)(live)  # every window's row order at once, before the loop
+        def rows_of(live_w, order, S):  # the pass over the prefix S of a window's rows, and their indices
+            idx = None if S == Rp else order.perm[:S]  # every row: in place, no gather or scatter
+            return idx, self.subset(idx, live_w if idx is None else jnp.take(live_w, idx))
 
-        def one(carry, w, v0, cols, wt, w_blk=None, b_blk=None):  # window w: columns [v0, v0 + cols)
+        def put(x, idx, y):  # the prefix's dh / row sums into the whole
+            return x + y if idx is None else x.at[idx].add(y, unique_indices=True)
+
+        if n_head:
+            orders = jax.vmap(rows_lib.order)(live[:n_head])  # every window's row order at once, before the loop
+
+            def head(carry, w):  # window w: columns [w width, (w + 1) width)
+                dh, dw_acc, db_acc, rowsum = carry
+                live_w, order = live[w], jax.tree.map(lambda x: x[w], orders)
+                v0 = w * width
+                shape = (dh.shape[1], width) if self.axis == 1 else (width, dh.shape[1])
+                no_db = None if self.bias_p is None else jnp.zeros((width,))
+                nothing = (dh, rowsum, jnp.zeros(shape, jnp.float32), no_db)
+
+                def run(S):
+                    idx, sub = rows_of(live_w, order, S)
+                    dh_s, dw_blk, db_blk, rowsum_s = sub.window_grads(v0, width, tiles, False)
+                    return put(dh, idx, dh_s), put(rowsum, idx, rowsum_s), dw_blk, db_blk
+
+                dh, rowsum, dw_blk, db_blk = rows_lib.on_prefix(order.n_live, sizes, run, lambda: nothing)
+                dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, width, dw_blk, db_blk)
+                return (dh, dw_acc, db_acc, rowsum), None
+
+            carry, _ = lax.scan(head, carry, jnp.arange(n_head, dtype=jnp.int32))
+        tile0, n_tiles = n_head * tiles, C.cdiv(self.V, bn)
+        if tile0 == n_tiles:
+            return carry
+        live_t = live[n_head]
+        order = rows_lib.order(live_t)
+        H = self.hp.shape[1]
+
+        def tail(S):
+            idx, sub = rows_of(live_t, order, S)
+            wt = self.backend._window_tiles(S, H, n_tiles - tile0, bn, self.ops.dz_bytes, self.ops.weight_bytes)
+            if idx is None:
+                return sub.windows(carry, tile0, n_tiles, wt, False)
             dh, dw_acc, db_acc, rowsum = carry
-            live_w, order = live[w], jax.tree.map(lambda x: x[w], orders)
-            H = dh.shape[1]
-            shape = (H, cols) if self.axis == 1 else (cols, H)
-            nothing = (dh, rowsum, jnp.zeros(shape, jnp.float32), None if self.bias_p is None else jnp.zeros((cols,)))
+            own = (jnp.zeros((S, H), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
+            dh_s, dw_acc, db_acc, rowsum_s = sub.windows(own, tile0, n_tiles, wt, False)
+            return put(dh, idx, dh_s), dw_acc, db_acc, put(rowsum, idx, rowsum_s)
 
-            def run(S):
-                idx = None if S == Rp else order.perm[:S]  # every row: in place, no gather or scatter
-                sub = self.subset(idx, live_w if idx is None else jnp.take(live_w, idx))
-                dh_s, dw_blk, db_blk, rowsum_s = sub.window_grads(v0, cols, wt, False, w_blk, b_blk)
-                if idx is None:
-                    return dh + dh_s, rowsum + rowsum_s, dw_blk, db_blk
-                add = lambda x, y: x.at[idx].add(y, unique_indices=True)  # noqa: E731
-                return add(dh, dh_s), add(rowsum, rowsum_s), dw_blk, db_blk
-
-            # the weight's accumulators stay outside the switch (updated in place, not an operand of it)
-            dh, rowsum, dw_blk, db_blk = rows_lib.on_prefix(order.n_live, sizes, run, lambda: nothing)
-            dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, cols, dw_blk, db_blk)
-            return dh, dw_acc, db_acc, rowsum
-
-        n_full = self.V // width
-        if n_full:
-            carry, _ = lax.scan(
-                lambda c, w: (one(c, w, w * width, width, tiles), None),
-                carry,
-                jnp.arange(n_full, dtype=jnp.int32),
-            )
-        v0 = n_full * width
-        if v0 < self.V:
-            wt = C.cdiv(self.V - v0, bn)
-            carry = one(carry, n_full, v0, self.V - v0, wt, *self.tail_blocks(v0, wt))
-        return carry
+        return rows_lib.on_prefix(order.n_live, sizes, tail, lambda: carry)
 
 
 def _window_mass(m2, l, t2, lse, ids, window: int):
@@ -731,15 +760,19 @@ def _window_mass(m2, l, t2, lse, ids, window: int):
     return jnp.maximum(total - target, 0.0).T
 
 
-def _filter_live(mass, gp: _GradPass, tau: float, window: int):
+def _filter_live(mass, gp: _GradPass, tau: float, window: int, n_head: int):
     """``[n_windows, Rp]`` bool from ``mass`` ``[Rp, n_windows]``: the (row, window) blocks the filter keeps:
     rows with a cotangent, in their target's window, in every window whose mass off the target exceeds
-    ``tau``, and in every window when the row has an entropy term's cotangent (kept exact)."""
+    ``tau``, and in every window when the row has an entropy term's cotangent (kept exact); the windows from
+    ``n_head`` on (the tail) are kept together: all of them where any one is."""
     Rp, n_w = mass.shape
     has_coef = gp.coef != 0
     ent = jnp.zeros((Rp,), bool) if gp.entropy is None else gp.entropy[0] != 0
     own = jnp.arange(n_w, dtype=jnp.int32)[:, None] == (gp.ids_p // window)[None]
-    return (has_coef | ent)[None] & ((mass.T > tau) | own | ent[None])
+    live = (has_coef | ent)[None] & ((mass.T > tau) | own | ent[None])
+    if n_head < n_w:
+        live = live.at[n_head:].set(jnp.any(live[n_head:], axis=0))
+    return live
 
 
 def _dropped_mass(mass, live):
