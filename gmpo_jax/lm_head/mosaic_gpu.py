@@ -547,6 +547,7 @@ class _GradPass:
     saved: Any  # SavedLogits or None
     fresh: bool  # dW blocks are written, not accumulated (a single chunk)
     entropy: Any = None  # ([Rp] gamma / temperature, [Rp] entropy) of an entropy term, or None
+    acc0: int = 0  # the column where the weight / bias accumulators start (the filter's tail: its own blocks)
 
     @property
     def axis(self) -> int:
@@ -623,7 +624,7 @@ class _GradPass:
 
     def accumulate(self, dw_acc, db_acc, v0, width, dw_blk, db_blk):
         """``dW[:, window] += dw_blk`` (written once when the accumulator is fresh), ``db[window] += db_blk``."""
-        axis = self.axis
+        axis, v0 = self.axis, v0 - self.acc0
         if not self.fresh:
             dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
         dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
@@ -729,21 +730,28 @@ class _GradPass:
         tile0, n_tiles = n_head * tiles, C.cdiv(self.V, bn)
         if tile0 == n_tiles:
             return carry
-        live_t = live[n_head]
+        dh, dw_acc, db_acc, rowsum = carry
+        live_t, c0 = live[n_head], tile0 * bn
         order = rows_lib.order(live_t)
-        H = self.hp.shape[1]
+        H, cols = self.hp.shape[1], self.V - c0
+        # the tail's own weight / bias gradient blocks: the switch does not take the weight-sized accumulators (with
+        # them as its operands the filtered Llama-3 step's peak memory grew by the weight gradient's size: 66232b7)
+        acc = jnp.zeros((H, cols) if self.axis == 1 else (cols, H), jnp.float32 if not self.fresh else dw_acc.dtype)
+        acc = (acc, None if db_acc is None else jnp.zeros((cols,), jnp.float32))
 
         def tail(S):
             idx, sub = rows_of(live_t, order, S)
+            sub = dataclasses.replace(sub, acc0=c0)
             wt = self.backend._window_tiles(S, H, n_tiles - tile0, bn, self.ops.dz_bytes, self.ops.weight_bytes)
+            own = (dh, *acc, rowsum) if idx is None else (jnp.zeros((S, H), jnp.float32), *acc, jnp.zeros((S,)))
+            dh_s, dw_t, db_t, rowsum_s = sub.windows(own, tile0, n_tiles, wt, False)
             if idx is None:
-                return sub.windows(carry, tile0, n_tiles, wt, False)
-            dh, dw_acc, db_acc, rowsum = carry
-            own = (jnp.zeros((S, H), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
-            dh_s, dw_acc, db_acc, rowsum_s = sub.windows(own, tile0, n_tiles, wt, False)
-            return put(dh, idx, dh_s), dw_acc, db_acc, put(rowsum, idx, rowsum_s)
+                return dh_s, rowsum_s, dw_t, db_t
+            return put(dh, idx, dh_s), put(rowsum, idx, rowsum_s), dw_t, db_t
 
-        return rows_lib.on_prefix(order.n_live, sizes, tail, lambda: carry)
+        dh, rowsum, dw_t, db_t = rows_lib.on_prefix(order.n_live, sizes, tail, lambda: (dh, rowsum, *acc))
+        dw_acc, db_acc = self.accumulate(dw_acc, db_acc, c0, cols, dw_t, db_t)
+        return dh, dw_acc, db_acc, rowsum
 
 
 def _window_mass(m2, l, t2, lse, ids, window: int):
