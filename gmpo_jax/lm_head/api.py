@@ -251,7 +251,8 @@ def fused_linear_policy_loss(
         in ``[0, 1)`` (static; given here it replaces the backend's): the LM head's gradient may skip, per token row, each
         vocabulary window of ``tuning.GRAD_FILTER_WINDOW`` columns whose softmax mass off the row's target is
         ``<= tau`` (measured by the forward pass, so skipped windows are never recomputed; the target's own
-        window is always kept). Error bound: a row ``r`` with cotangent ``c_r = d loss / d logp_r`` loses
+        window is always kept; the windows from column ``tuning.GRAD_FILTER_TAIL`` on are kept or skipped
+        together: all of them where any one is kept). Error bound: a row ``r`` with cotangent ``c_r = d loss / d logp_r`` loses
         ``dz`` entries of total absolute value ``<= |c_r| D_r / temperature``, ``D_r <= (n_windows - 1) tau`` its
         dropped mass, so its hidden-state gradient moves by at most ``|c_r| D_r max_v |W_v| /
         temperature`` and each weight column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature``

@@ -19,6 +19,12 @@ is needed): when the chunk's logits fit the memory it is given, the log-prob ker
 instead of ``8 N H V``. A single chunk's weight gradient (``grads(dw_acc=None)``, kept logits or not) is
 returned in the weight's dtype (float32 for float16 weights without kept logits), written once per window.
 
+The gradient filter (``grad_filter``; docs/DESIGN.md, docs/SPEC.md): the log-prob kernel runs one vocabulary split
+per ``filter_window`` so that its statistics give each row's softmax mass off its target per window; ``grads``
+then runs each window of the head (the columns before ``filter_tail``) on the static prefix of its rows reordered
+live first (one ``lax.switch`` per window), and the tail (the rest, its windows kept together) in one step on the
+prefix of the union of its rows. Skipped (row, window) blocks are never recomputed.
+
 Rows are padded to the kernels' row block (zero rows, zero cotangent); the bulk copies zero-fill
 the tail of the last vocabulary tile and the kernels mask it (``-inf`` logits, zero gradient). The
 weight is read in place when its vocabulary dimension suits the bulk copies (``V % 64 == 0`` for
