@@ -740,22 +740,27 @@ class _GradPass:
         live_t, c0 = live[n_head], tile0 * bn
         order = rows_lib.order(live_t)
         H, cols = self.hp.shape[1], self.V - c0
-        # the tail's own weight / bias gradient blocks: the switch does not take the weight-sized accumulators (with
-        # them as its operands the filtered Llama-3 step's peak memory grew by the weight gradient's size: 66232b7)
-        acc = jnp.zeros((H, cols) if self.axis == 1 else (cols, H), jnp.float32 if not self.fresh else dw_acc.dtype)
-        acc = (acc, None if db_acc is None else jnp.zeros((cols,), jnp.float32))
+
+        # the tail's own weight / bias gradient blocks, made in each branch: the switch takes no weight-sized
+        # operand (with the accumulators as its operands, one branch updating them in place and another passing
+        # them through, the filtered Llama-3 step's peak grew by the weight gradient's size: 66232b7)
+        def blocks():
+            dw_t = jnp.zeros((H, cols) if self.axis == 1 else (cols, H), dw_acc.dtype if self.fresh else jnp.float32)
+            return dw_t, None if db_acc is None else jnp.zeros((cols,), jnp.float32)
 
         def tail(S):
             idx, sub = rows_of(live_t, order, S)
             sub = dataclasses.replace(sub, acc0=c0)
             wt = self.backend._window_tiles(S, H, n_tiles - tile0, bn, self.ops.dz_bytes, self.ops.weight_bytes)
-            own = (dh, *acc, rowsum) if idx is None else (jnp.zeros((S, H), jnp.float32), *acc, jnp.zeros((S,)))
+            own = (
+                (dh, *blocks(), rowsum) if idx is None else (jnp.zeros((S, H), jnp.float32), *blocks(), jnp.zeros((S,)))
+            )
             dh_s, dw_t, db_t, rowsum_s = sub.windows(own, tile0, n_tiles, wt, False)
             if idx is None:
                 return dh_s, rowsum_s, dw_t, db_t
             return put(dh, idx, dh_s), put(rowsum, idx, rowsum_s), dw_t, db_t
 
-        dh, rowsum, dw_t, db_t = rows_lib.on_prefix(order.n_live, sizes, tail, lambda: (dh, rowsum, *acc))
+        dh, rowsum, dw_t, db_t = rows_lib.on_prefix(order.n_live, sizes, tail, lambda: (dh, rowsum, *blocks()))
         dw_acc, db_acc = self.accumulate(dw_acc, db_acc, c0, cols, dw_t, db_t)
         return dh, dw_acc, db_acc, rowsum
 
