@@ -109,7 +109,7 @@ GRAD_FILTER_WINDOW = 8192
 GRAD_FILTER_LEVELS = 7
 # From column GRAD_FILTER_TAIL on, the windows are one tail (kept together per row, run in one step on the union
 # of their rows): BPE vocabularies put the frequent tokens first, so past it few rows need any window, mostly the
-# same rows (peaked workload, Qwen2.5-0.5B head 8 x 2048 at 1e-3: 220 rows need a window past column 57344, 3-30
+# same rows (peaked workload, Qwen2.5-0.5B head 8 x 2048 at 1e-3: 220 rows need a window past column 57344, 3-32
 # each window), and one step replaces a dozen windows' fixed costs at the same work.
 GRAD_FILTER_TAIL = 65536
 GRAD_FILTER_AUTO = 1e-3

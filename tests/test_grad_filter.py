@@ -214,6 +214,13 @@ def test_bad_backend_grad_filter_raises(value, error):
         MosaicGpuBackend(interpret=True, grad_filter=value)
 
 
+@pytest.mark.parametrize("name", ["filter_window", "filter_tail"])
+@pytest.mark.parametrize("value, error", [(512.0, TypeError), (None, TypeError), (True, TypeError), (0, ValueError)])
+def test_bad_backend_filter_columns_raise(name, value, error):
+    with pytest.raises(error, match=name):
+        MosaicGpuBackend(interpret=True, **{name: value})
+
+
 def test_backend_grad_filter_applies_unless_the_call_sets_one():
     """``"auto"`` on the instance resolves to the threshold; the call's value, when given, replaces it."""
     from gmpo_jax.lm_head.api import _config

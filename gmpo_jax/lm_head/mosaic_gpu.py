@@ -126,7 +126,8 @@ class MosaicGpuBackend:
     (``ValueError`` / ``TypeError`` naming it); filter_window: its vocabulary windows, a multiple of the
     gradient kernel's tile width (else ``UnsupportedConfigError`` when the filter runs); filter_tail: the column
     from which its windows (and always the last, partial one) form one tail, kept or dropped together per row and run
-    on the union of their rows in one step (a positive multiple of ``filter_window``, else ``UnsupportedConfigError``).
+    on the union of their rows in one step (a positive int: else ``TypeError`` / ``ValueError`` here; a multiple of
+    ``filter_window``, else ``UnsupportedConfigError`` when the filter runs).
     """
 
     interpret: bool = False
@@ -146,6 +147,12 @@ class MosaicGpuBackend:
         from gmpo_jax._validation import grad_filter_threshold
 
         object.__setattr__(self, "grad_filter", grad_filter_threshold(self.grad_filter))
+        for name in ("filter_window", "filter_tail"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int (columns), got {value!r}")
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
 
     # -- seam -------------------------------------------------------------------------------------
     def check_supported(
@@ -741,9 +748,7 @@ class _GradPass:
         order = rows_lib.order(live_t)
         H, cols = self.hp.shape[1], self.V - c0
 
-        # the tail's own weight / bias gradient blocks, made in each branch: the switch takes no weight-sized
-        # operand (with the accumulators as its operands, one branch updating them in place and another passing
-        # them through, the filtered Llama-3 step's peak grew by the weight gradient's size: 66232b7)
+        # the tail's own weight / bias gradient blocks, made in each branch: the switch takes no weight-sized operand
         def blocks():
             dw_t = jnp.zeros((H, cols) if self.axis == 1 else (cols, H), dw_acc.dtype if self.fresh else jnp.float32)
             return dw_t, None if db_acc is None else jnp.zeros((cols,), jnp.float32)
@@ -751,7 +756,10 @@ class _GradPass:
         def tail(S):
             idx, sub = rows_of(live_t, order, S)
             sub = dataclasses.replace(sub, acc0=c0)
-            wt = self.backend._window_tiles(S, H, n_tiles - tile0, bn, self.ops.dz_bytes, self.ops.weight_bytes)
+            # windows whose dz, weight slice and float32 dW block fit the workspace (not _window_tiles' one window
+            # when dz alone fits: here that window's float32 dW block would be [H, V - F], 0.96 GiB at Llama-3)
+            per_tile = _per_column(S, H, self.ops.dz_bytes, self.ops.weight_bytes) * bn
+            wt = max(1, min(n_tiles - tile0, self.backend.workspace_bytes // per_tile))
             own = (
                 (dh, *blocks(), rowsum) if idx is None else (jnp.zeros((S, H), jnp.float32), *blocks(), jnp.zeros((S,)))
             )
