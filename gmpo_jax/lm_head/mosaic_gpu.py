@@ -277,13 +277,16 @@ class MosaicGpuBackend:
         return Rp * H * 4 + max(kept, rest)
 
     def _window_tiles(
-        self, Rp: int, H: int, n_tiles: int, bn: int, dz_bytes: int, w_bytes: int, *, kept: bool = False
+        self, Rp: int, H: int, n_tiles: int, bn: int, dz_bytes: int, w_bytes: int, *, kept: bool = False, whole=True
     ) -> int:
         """Vocabulary tiles per gradient window over ``n_tiles`` tiles: all when their dz fits
         ``workspace_bytes`` (no weight slice, few rows: N = 512), else as many as the workspace holds (dz,
         weight slice, dW), or half of it for the kept tiles (room for the kept logits: Llama-3 at 8192 rows).
-        ``dz_bytes`` / ``w_bytes``: bytes per element of dz (with its split parts) and of the weight slice."""
-        if self.workspace_bytes >= Rp * n_tiles * bn * dz_bytes:
+        ``dz_bytes`` / ``w_bytes``: bytes per element of dz (with its split parts) and of the weight slice.
+        ``whole=False``: no whole-range window when only dz fits (the gradient filter's tail, where that window's
+        float32 dW block ``[H, V - filter_tail]`` is not the weight copy the memory target allows: 0.96 GiB at
+        Llama-3)."""
+        if whole and self.workspace_bytes >= Rp * n_tiles * bn * dz_bytes:
             return n_tiles
         workspace = self.workspace_bytes // 2 if kept else self.workspace_bytes
         return max(1, min(n_tiles, workspace // (_per_column(Rp, H, dz_bytes, w_bytes) * bn)))
@@ -484,9 +487,9 @@ class MosaicGpuBackend:
     # -- helpers ----------------------------------------------------------------------------------
     def _filter_tiles(self, block_n: int) -> int:
         """Vocabulary tiles of ``block_n`` columns per gradient-filter window."""
-        if self.filter_window <= 0 or self.filter_window % block_n:
+        if self.filter_window % block_n:  # (positive: checked when constructed)
             raise UnsupportedConfigError(
-                f"filter_window={self.filter_window} must be a positive multiple of the kernels' {block_n}-column tiles"
+                f"filter_window={self.filter_window} must be a multiple of the kernels' {block_n}-column tiles"
             )
         return self.filter_window // block_n
 
@@ -494,9 +497,9 @@ class MosaicGpuBackend:
         """The gradient filter's head: its full windows before ``filter_tail`` (each run on its own rows); the
         columns after them are the tail (``_GradPass.filtered_windows``)."""
         tiles = self._filter_tiles(block_n)
-        if self.filter_tail <= 0 or self.filter_tail % self.filter_window:
+        if self.filter_tail % self.filter_window:  # (positive: checked when constructed)
             raise UnsupportedConfigError(
-                f"filter_tail={self.filter_tail} must be a positive multiple of filter_window={self.filter_window}"
+                f"filter_tail={self.filter_tail} must be a multiple of filter_window={self.filter_window}"
             )
         return min(self.filter_tail // self.filter_window, V // (tiles * block_n))
 
@@ -703,8 +706,9 @@ class _GradPass:
         runs; all ``Rp`` rows: in place, no gather); their ``dh`` and row sums scattered back (each window's rows are
         distinct: deterministic), the weight's accumulators updated outside the switch. Then the tail (the columns
         after the head, ``live`` the same for each of its windows) in one step: one switch on its rows' prefix, and
-        in it the exact pass's windows (``windows``, sized to the workspace for that prefix) over the tail's columns,
-        the accumulators updated in place. The head holds the frequent tokens, where rows differ in which windows
+        in it the exact pass's windows (``windows``; each window's dz, weight slice and float32 dW block within the
+        workspace for that prefix) over the tail's columns into the tail's own gradient blocks (made in each branch:
+        no weight-sized operand of the switch), added to the accumulators after it. The head holds the frequent tokens, where rows differ in which windows
         they need; in the tail few rows need any window and mostly the same rows (docs/performance.md)."""
         from gmpo_jax.kernels import _common as C
 
@@ -756,10 +760,8 @@ class _GradPass:
         def tail(S):
             idx, sub = rows_of(live_t, order, S)
             sub = dataclasses.replace(sub, acc0=c0)
-            # windows whose dz, weight slice and float32 dW block fit the workspace (not _window_tiles' one window
-            # when dz alone fits: here that window's float32 dW block would be [H, V - F], 0.96 GiB at Llama-3)
-            per_tile = _per_column(S, H, self.ops.dz_bytes, self.ops.weight_bytes) * bn
-            wt = max(1, min(n_tiles - tile0, self.backend.workspace_bytes // per_tile))
+            item = self.ops.dz_bytes, self.ops.weight_bytes
+            wt = self.backend._window_tiles(S, H, n_tiles - tile0, bn, *item, whole=False)
             own = (
                 (dh, *blocks(), rowsum) if idx is None else (jnp.zeros((S, H), jnp.float32), *blocks(), jnp.zeros((S,)))
             )
