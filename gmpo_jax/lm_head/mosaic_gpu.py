@@ -563,7 +563,6 @@ class _GradPass:
     saved: Any  # SavedLogits or None
     fresh: bool  # dW blocks are written, not accumulated (a single chunk)
     entropy: Any = None  # ([Rp] gamma / temperature, [Rp] entropy) of an entropy term, or None
-    acc0: int = 0  # the column where the weight / bias accumulators start (the filter's tail: its own blocks)
 
     @property
     def axis(self) -> int:
@@ -640,7 +639,7 @@ class _GradPass:
 
     def accumulate(self, dw_acc, db_acc, v0, width, dw_blk, db_blk):
         """``dW[:, window] += dw_blk`` (written once when the accumulator is fresh), ``db[window] += db_blk``."""
-        axis, v0 = self.axis, v0 - self.acc0
+        axis = self.axis
         if not self.fresh:
             dw_blk = lax.dynamic_slice_in_dim(dw_acc, v0, width, axis=axis) + dw_blk
         dw_acc = lax.dynamic_update_slice_in_dim(dw_acc, dw_blk.astype(dw_acc.dtype), v0, axis=axis)
@@ -707,8 +706,9 @@ class _GradPass:
         distinct: deterministic), the weight's accumulators updated outside the switch. Then the tail (the columns
         after the head, ``live`` the same for each of its windows) in one step: one switch on its rows' prefix, and
         in it the exact pass's windows (``windows``; each window's dz, weight slice and float32 dW block within the
-        workspace for that prefix) over the tail's columns into the tail's own gradient blocks (made in each branch:
-        no weight-sized operand of the switch), added to the accumulators after it. The head holds the frequent tokens, where rows differ in which windows
+        workspace for that prefix) over the tail's columns, adding into the accumulators in place (a block of the
+        tail's own, added after the switch, cost an extra zero fill and copy of ``[H, V - tail]``: 0.6 ms at the
+        Llama-3 head, docs/performance.md). The head holds the frequent tokens, where rows differ in which windows
         they need; in the tail few rows need any window and mostly the same rows (docs/performance.md)."""
         from gmpo_jax.kernels import _common as C
 
@@ -747,32 +747,22 @@ class _GradPass:
         tile0, n_tiles = n_head * tiles, C.cdiv(self.V, bn)
         if tile0 == n_tiles:
             return carry
-        dh, dw_acc, db_acc, rowsum = carry
-        live_t, c0 = live[n_head], tile0 * bn
+        live_t = live[n_head]
         order = rows_lib.order(live_t)
-        H, cols = self.hp.shape[1], self.V - c0
+        H = self.hp.shape[1]
+        item = self.ops.dz_bytes, self.ops.weight_bytes
 
-        # the tail's own weight / bias gradient blocks, made in each branch: the switch takes no weight-sized operand
-        def blocks():
-            dw_t = jnp.zeros((H, cols) if self.axis == 1 else (cols, H), dw_acc.dtype if self.fresh else jnp.float32)
-            return dw_t, None if db_acc is None else jnp.zeros((cols,), jnp.float32)
-
-        def tail(S):
+        def tail(S):  # the accumulators go through the switch: each window adds into them in place
             idx, sub = rows_of(live_t, order, S)
-            sub = dataclasses.replace(sub, acc0=c0)
-            item = self.ops.dz_bytes, self.ops.weight_bytes
             wt = self.backend._window_tiles(S, H, n_tiles - tile0, bn, *item, whole=False)
-            own = (
-                (dh, *blocks(), rowsum) if idx is None else (jnp.zeros((S, H), jnp.float32), *blocks(), jnp.zeros((S,)))
-            )
-            dh_s, dw_t, db_t, rowsum_s = sub.windows(own, tile0, n_tiles, wt, False)
             if idx is None:
-                return dh_s, rowsum_s, dw_t, db_t
-            return put(dh, idx, dh_s), put(rowsum, idx, rowsum_s), dw_t, db_t
+                return sub.windows(carry, tile0, n_tiles, wt, False)
+            dh, dw_acc, db_acc, rowsum = carry
+            own = (jnp.zeros((S, H), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
+            dh_s, dw_acc, db_acc, rowsum_s = sub.windows(own, tile0, n_tiles, wt, False)
+            return put(dh, idx, dh_s), dw_acc, db_acc, put(rowsum, idx, rowsum_s)
 
-        dh, rowsum, dw_t, db_t = rows_lib.on_prefix(order.n_live, sizes, tail, lambda: (dh, rowsum, *blocks()))
-        dw_acc, db_acc = self.accumulate(dw_acc, db_acc, c0, cols, dw_t, db_t)
-        return dh, dw_acc, db_acc, rowsum
+        return rows_lib.on_prefix(order.n_live, sizes, tail, lambda: carry)
 
 
 def _window_mass(m2, l, t2, lse, ids, window: int):
