@@ -707,8 +707,8 @@ class _GradPass:
         after the head, ``live`` the same for each of its windows) in one step: one switch on its rows' prefix, and
         in it the exact pass's windows (``windows``; each window's dz, weight slice and float32 dW block within the
         workspace for that prefix) over the tail's columns, adding into the accumulators in place (a block of the
-        tail's own, added after the switch, cost an extra zero fill and copy of ``[H, V - tail]``: 0.6 ms at the
-        Llama-3 head, docs/performance.md). The head holds the frequent tokens, where rows differ in which windows
+        tail's own, added after the switch, would cost a zero fill and a copy of ``[H, V - tail]``:
+        docs/performance.md). The head holds the frequent tokens, where rows differ in which windows
         they need; in the tail few rows need any window and mostly the same rows (docs/performance.md)."""
         from gmpo_jax.kernels import _common as C
 
