@@ -70,32 +70,49 @@ def _reference(h, w_hv, ids, dlogp, tau, t, bias=None, tail=None):
     return off, kept, dh, hh.T @ dz, dz.sum(0)
 
 
-def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None):
+def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None, budget=None):
+    """The filter through the seam; ``budget``: bytes of kept logits (``logprobs_for_grads``), None: recomputed."""
     b = None if bias is None else jnp.asarray(bias)
-    logp, lse, mass = backend.logprobs(
-        jnp.asarray(h), jnp.asarray(w), b, jnp.asarray(ids), t, weight_layout=layout, with_window_mass=True
-    )
+    args = jnp.asarray(h), jnp.asarray(w), b, jnp.asarray(ids), t
+    kw = {}
+    if budget is None:
+        logp, lse, mass = backend.logprobs(*args, weight_layout=layout, with_window_mass=True)
+    else:
+        logp, lse, saved, mass = backend.logprobs_for_grads(
+            *args, weight_layout=layout, budget_bytes=budget, with_window_mass=True
+        )
+        assert saved is not None and saved.m.shape[0] == backend.save_plan(
+            rows=h.shape[0], H=H, V=V, budget_bytes=budget
+        )
+        kw["saved"] = saved
     grads = backend.grads(
         jnp.asarray(h), jnp.asarray(w), b, jnp.asarray(ids), jnp.asarray(dlogp), lse, t,
         weight_layout=layout, dw_acc=None, db_acc=None if b is None else jnp.zeros((V,), jnp.float32),
-        window_mass=mass,
+        window_mass=mass, **kw,
     )  # fmt: skip
     return mass, grads
 
 
+# Kept logits (``logprobs_for_grads``): a budget for every tile, or for 5 of the 8 (128-column tiles, windows of 2):
+# head window 0 and half of window 2 kept (window 2 straddles: recomputed), or the tail's first 3 tiles kept.
 @pytest.mark.parametrize(
-    "layout, with_bias, tau, t, levels, tail",
+    "layout, with_bias, tau, t, levels, tail, keep",
     [
-        ("hv", False, 0.02, 1.0, None, None),
-        ("vh", True, 0.01, 0.8, None, 256),
-        ("hv", False, 0.0, 1.0, None, None),
-        ("hv", True, 0.02, 1.0, 1, 512),
+        ("hv", False, 0.02, 1.0, None, None, None),
+        ("vh", True, 0.01, 0.8, None, 256, None),
+        ("hv", False, 0.0, 1.0, None, None, None),
+        ("hv", True, 0.02, 1.0, 1, 512, None),
+        ("hv", False, 0.02, 1.0, None, None, "all"),
+        ("vh", True, 0.01, 0.8, None, 256, "part"),
+        ("hv", True, 0.02, 1.0, None, 512, "part"),
     ],
 )
-def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, tail, monkeypatch):
+def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, tail, keep, monkeypatch):
     """``levels=1``: one row prefix (all rows), so every window runs in place with its dropped rows' cotangent zeroed.
     ``tail``: the windows from that column on (1-3 or 2-3; the last is partial) are the tail, kept together and run
-    in one step."""
+    in one step. ``keep``: the kept windows' dz from the forward's saved logits tiles, all of them or the first 5 of
+    the 8 (128-column tiles): with the tail from window 1 its tiles 2-4 are read, 5-7 recomputed; with the tail from
+    window 2 the head's two windows are read, the tail's tile 4 too."""
     if levels is not None:
         monkeypatch.setattr(tuning, "GRAD_FILTER_LEVELS", levels)
     R = 256
@@ -106,8 +123,13 @@ def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, ta
     dlogp[rng.random(R) < 0.3] = 0.0  # rows without a cotangent: no window kept
     w_hv = w if layout == "hv" else w.T
     off, kept, dh_ref, dw_ref, db_ref = _reference(h, w_hv, ids, dlogp, tau, t, bias, tail)
-    be = MosaicGpuBackend(interpret=True, filter_window=WINDOW, grad_filter=tau, filter_tail=tail or 65536)
-    mass, (dh, dw, db) = _seam(be, h, w, ids, dlogp, t, layout, bias)
+    be = MosaicGpuBackend(
+        interpret=True, filter_window=WINDOW, grad_filter=tau, filter_tail=tail or 65536, save_min_hidden=0
+    )
+    budget = {None: None, "all": 1 << 30}.get(keep)
+    if keep == "part":  # the smallest budget that keeps 5 tiles
+        budget = next(b for b in range(0, 1 << 26, 1 << 10) if be.save_plan(rows=R, H=H, V=V, budget_bytes=b) == 5)
+    mass, (dh, dw, db) = _seam(be, h, w, ids, dlogp, t, layout, bias, budget)
     np.testing.assert_allclose(np.asarray(mass), off, atol=2e-6, rtol=1e-4)
     dw = np.asarray(dw) if layout == "hv" else np.asarray(dw).T
     assert_grad_close(np.asarray(dh, np.float32), dh_ref, np.float32, "dh", grad_rtol=1e-2)
@@ -147,12 +169,22 @@ def _grads(batch, impl, grad_filter):
     return loss, aux, g
 
 
-@pytest.mark.parametrize("row_buckets", [1, 4])
-def test_policy_loss_with_filter(batch, row_buckets):
-    """Through the fused loss (both chunk paths): the loss and metrics are the exact path's; at ``tau = 0`` the
-    gradients are; at ``tau = 0.02`` they differ but stay within the documented bound; reruns are bitwise equal."""
+@pytest.mark.parametrize("row_buckets, keep", [(1, False), (4, False), (1, True), (4, True)])
+def test_policy_loss_with_filter(batch, row_buckets, keep):
+    """Through the fused loss (both chunk paths, with and without kept logits): the loss and metrics are the exact
+    path's; at ``tau = 0`` the gradients are; at ``tau = 0.02`` they differ but stay within the documented bound;
+    reruns are bitwise equal."""
     impl = lambda: MosaicGpuBackend(  # noqa: E731  (4 buckets: windows 1-3 are the tail)
-        interpret=True, filter_window=WINDOW, row_buckets=row_buckets, filter_tail=WINDOW if row_buckets > 1 else 65536
+        interpret=True,
+        filter_window=WINDOW,
+        row_buckets=row_buckets,
+        filter_tail=WINDOW if row_buckets > 1 else 65536,
+        save_min_hidden=0 if keep else tuning.SAVED_LOGITS_MIN_H,
+    )
+    h, w = batch[:2]
+    assert (
+        impl().keeps_logits(rows=h.shape[0] * h.shape[1], H=H, V=V, weight_dtype=w.dtype, budget_bytes=4 * w.size)
+        == keep
     )
     loss0, aux0, (dh0, dw0) = _grads(batch, impl(), None)
     loss, aux, (dh, dw) = _grads(batch, impl(), 0.0)

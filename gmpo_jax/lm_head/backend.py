@@ -99,7 +99,8 @@ class LMHeadBackend(Protocol):
         with an entropy term it is also given ``with_entropy=True`` and returns ``(logp, lse, entropy,
         saved)``); ``grads`` then gets ``saved=`` (only when it is not None, with ``entropy=`` too), and
         ``keeps_logits(*, rows, H, V, weight_dtype, budget_bytes) -> bool`` saying whether it would keep
-        anything. ``gmpo_jax.lm_head.mosaic_gpu`` keeps the logits.
+        anything. ``gmpo_jax.lm_head.mosaic_gpu`` keeps the logits; with its gradient filter it is also given
+        ``with_window_mass=True``, appends the window mass after ``saved`` and its ``grads`` gets both.
         """
 
 

@@ -23,7 +23,8 @@ The gradient filter (``grad_filter``; docs/DESIGN.md, docs/SPEC.md): the log-pro
 per ``filter_window`` so that its statistics give each row's softmax mass off its target per window; ``grads``
 then runs each window of the head (the columns before ``filter_tail``) on the static prefix of its rows reordered
 live first (one ``lax.switch`` per window), and the tail (the rest, its windows kept together) in one step on the
-prefix of the union of its rows. Skipped (row, window) blocks are never recomputed.
+prefix of the union of its rows. Skipped (row, window) blocks are never recomputed; where the chunk keeps its
+logits (as above), the kept windows read their ``dz`` from them (the rows' tiles gathered) instead.
 
 Rows are padded to the kernels' row block (zero rows, zero cotangent); the bulk copies zero-fill
 the tail of the last vocabulary tile and the kernels mask it (``-inf`` logits, zero gradient). The
@@ -209,7 +210,7 @@ class MosaicGpuBackend:
         :meth:`grads`' ``window_mass``."""
         R, H, V = self._check_call(hidden, weight, bias, weight_layout, with_entropy=with_entropy)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
-            out, mass = self._logprobs(
+            out, _, mass = self._logprobs(
                 hidden,
                 weight,
                 bias,
@@ -315,12 +316,24 @@ class MosaicGpuBackend:
         )
 
     def logprobs_for_grads(
-        self, hidden, weight, bias, ids, temperature, *, weight_layout, budget_bytes, with_entropy=False
+        self,
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature,
+        *,
+        weight_layout,
+        budget_bytes,
+        with_entropy=False,
+        with_window_mass=False,
     ):
         """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
         tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes).
         With ``with_entropy``, ``(logp, lse, entropy, saved)`` (the entropy as :meth:`logprobs` returns it;
-        ``grads`` then takes ``entropy=`` with the same ``saved``).
+        ``grads`` then takes ``entropy=`` with the same ``saved``). With ``with_window_mass`` (the gradient
+        filter), the window mass is appended as in :meth:`logprobs` (``grads`` takes ``saved=`` and
+        ``window_mass=``: the filter's kept windows in the saved tiles read them instead of recomputing).
 
         Only for a bfloat16 weight: with ``saved``, ``grads`` returns the weight gradient in the weight's
         dtype, and the custom VJP multiplies it by the loss's cotangent afterwards. bfloat16 has float32's
@@ -332,7 +345,7 @@ class MosaicGpuBackend:
         if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
             save_tiles = self.save_plan(rows=R, H=H, V=V, budget_bytes=budget_bytes)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
-            stats, saved = self._logprobs(
+            stats, saved, mass = self._logprobs(
                 hidden,
                 weight,
                 bias,
@@ -341,14 +354,16 @@ class MosaicGpuBackend:
                 weight_layout=weight_layout,
                 with_entropy=with_entropy,
                 save_tiles=save_tiles,
+                window_mass=with_window_mass,
             )
-        return (*stats, saved)
+        return (*stats, saved, mass) if with_window_mass else (*stats, saved)
 
     def _logprobs(
         self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles, window_mass=False
     ):
-        """``((logp, lse[, entropy]), saved)``; with ``window_mass``, ``saved`` is the gradient filter's
-        ``[R, n_windows]`` mass instead (one split per window)."""
+        """``((logp, lse[, entropy]), saved, mass)``: ``saved`` the kept tiles (``SavedLogits``, or None without
+        ``save_tiles``), ``mass`` the gradient filter's ``[R, n_windows]`` window mass with ``window_mass`` (one
+        split per window), else None."""
         from gmpo_jax.kernels import _common as C
         from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
@@ -384,13 +399,12 @@ class MosaicGpuBackend:
         )
         stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
         logp, lse, *ent = (x[:R] for x in lm_head_merge_splits(*stats))
-        if window_mass:
-            saved = _window_mass(*(x[:, :R] for x in stats[:3]), lse, ids, self.filter_window)
+        mass = _window_mass(*(x[:, :R] for x in stats[:3]), lse, ids, self.filter_window) if window_mass else None
         valid = (ids >= 0) & (ids < V)
         logp = jnp.where(valid, logp, jnp.nan)
         if with_entropy:  # in [0, log V], as the XLA path's
-            return (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))), saved
-        return (logp, lse), saved
+            return (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))), saved, mass
+        return (logp, lse), saved, mass
 
     def grads(
         self,
@@ -412,8 +426,9 @@ class MosaicGpuBackend:
         """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
         the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
 
-        ``window_mass`` (``[R, n_windows]``, from ``logprobs(with_window_mass=True)``; only with ``grad_filter``):
-        the gradient filter (module docstring): each vocabulary window runs on the rows that need it.
+        ``window_mass`` (``[R, n_windows]``, from ``logprobs`` or ``logprobs_for_grads`` ``(with_window_mass=True)``;
+        only with ``grad_filter``): the gradient filter (module docstring): each vocabulary window runs on the rows
+        that need it, from the kept tiles where ``saved`` holds the whole window.
 
         ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned in the weight's dtype
         (float32 for a float16 weight without ``saved``: its range), each window's block written once (a float32 GEMM result
@@ -433,8 +448,8 @@ class MosaicGpuBackend:
                 )
             if saved is not None and precise:
                 raise ValueError("logits_precision needs the recomputed logits (no kept logits: saved=None)")
-            if window_mass is not None and (self.grad_filter is None or saved is not None):
-                raise ValueError("window_mass needs grad_filter set and no kept logits (saved=None)")
+            if window_mass is not None and self.grad_filter is None:
+                raise ValueError("window_mass needs grad_filter set (MosaicGpuBackend(grad_filter=...))")
             t = jnp.asarray(temperature, jnp.float32)
             fresh = dw_acc is None
             if fresh:  # every window's block is written once: rounded once, as the caller's cast would
@@ -467,11 +482,11 @@ class MosaicGpuBackend:
                 mass = jnp.pad(window_mass, ((0, Rp - R), (0, 0)))  # padding rows: no mass, no cotangent
                 n_head = self._filter_head(bn, V)
                 live = _filter_live(mass, gp, self.grad_filter, self.filter_window, n_head)
-                carry = gp.filtered_windows(carry, live, self._filter_tiles(bn), n_head)
+                carry = gp.filtered_windows(carry, live, self._filter_tiles(bn), n_head, save_tiles)
                 if self.softcap is None:  # (with a cap the kernel's row sums are already the rounding only)
                     dh, dw_acc, db_acc, rowsum = carry
                     carry = dh, dw_acc, db_acc, rowsum - gp.coef * _dropped_mass(mass, live)
-            if save_tiles:
+            if window_mass is None and save_tiles:
                 carry = gp.windows(
                     carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, *item, kept=True), True
                 )
@@ -563,6 +578,7 @@ class _GradPass:
     saved: Any  # SavedLogits or None
     fresh: bool  # dW blocks are written, not accumulated (a single chunk)
     entropy: Any = None  # ([Rp] gamma / temperature, [Rp] entropy) of an entropy term, or None
+    saved_rows: Any = None  # [S] the rows of ``saved`` this pass reads (``subset``), or None: all of them
 
     @property
     def axis(self) -> int:
@@ -575,9 +591,13 @@ class _GradPass:
         from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
 
         if kept:
-            softcap = self.backend.softcap
+            softcap, saved, bn = self.backend.softcap, self.saved, self.cfg.block_n
+            if self.saved_rows is not None:  # the window's tiles of this subset's rows only
+                d = jnp.take(lax.dynamic_slice_in_dim(saved.d, v0, wt * bn, axis=1), self.saved_rows, axis=0)
+                m = jnp.take(lax.dynamic_slice_in_dim(saved.m, v0 // bn, wt, axis=0), self.saved_rows, axis=1)
+                saved, v0 = SavedLogits(d, m), 0
             dz, exact = _dz_from_saved(
-                self.saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype, softcap, self.scale, self.entropy
+                saved, v0, wt, ids_w, self.lse2, self.coef, width, self.hp.dtype, softcap, self.scale, self.entropy
             )
             rowsum = stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
             return dz, rowsum if exact is None else rowsum - exact
@@ -680,7 +700,8 @@ class _GradPass:
 
     def subset(self, idx, keep) -> _GradPass:
         """The pass over rows ``idx`` only (``[S]``, a multiple of the CTA rows; None: every row, in place), the rows
-        where ``keep`` is False given a zero cotangent (their ``dz`` is exactly 0)."""
+        where ``keep`` is False given a zero cotangent (their ``dz`` is exactly 0); kept logits are read at those
+        rows (``saved_rows``)."""
         if idx is None:
             take = lambda x: x  # noqa: E731
         else:
@@ -696,9 +717,10 @@ class _GradPass:
             coef=jnp.where(keep, take(self.coef), 0.0),
             lse2=take(self.lse2),
             entropy=entropy,
+            saved_rows=None if idx is None or self.saved is None else idx,
         )
 
-    def filtered_windows(self, carry, live, tiles: int, n_head: int):
+    def filtered_windows(self, carry, live, tiles: int, n_head: int, save_tiles: int = 0):
         """The gradient filter's pass over vocabulary windows of ``tiles`` tiles, ``live`` ``[n_windows, Rp]`` bool.
         The ``n_head`` full windows of the head, in a ``lax.scan``, each on the static prefix of its rows reordered
         live first that holds all of them (``_filter_sizes``, one ``lax.switch`` per window; no live row: nothing
@@ -709,7 +731,9 @@ class _GradPass:
         workspace for that prefix) over the tail's columns, adding into the accumulators in place (a block of the
         tail's own, added after the switch, would cost a zero fill and a copy of ``[H, V - tail]``:
         docs/performance.md). The head holds the frequent tokens, where rows differ in which windows
-        they need; in the tail few rows need any window and mostly the same rows (docs/performance.md)."""
+        they need; in the tail few rows need any window and mostly the same rows (docs/performance.md).
+        ``save_tiles``: the leading tiles ``saved`` holds; the head windows inside them and the tail's columns
+        inside them take dz from the kept logits (``kept``), the others recompute it."""
         from gmpo_jax.kernels import _common as C
 
         bn, Rp = self.cfg.block_n, self.hp.shape[0]
@@ -723,27 +747,32 @@ class _GradPass:
         def put(x, idx, y):  # the prefix's dh / row sums into the whole
             return x + y if idx is None else x.at[idx].add(y, unique_indices=True)
 
-        if n_head:
-            orders = jax.vmap(rows_lib.order)(live[:n_head])  # every window's row order at once, before the loop
-
-            def head(carry, w):  # window w: columns [w width, (w + 1) width)
+        def head(kept):
+            def step(carry, w):  # window w: columns [w width, (w + 1) width)
                 dh, dw_acc, db_acc, rowsum = carry
                 live_w, order = live[w], jax.tree.map(lambda x: x[w], orders)
                 v0 = w * width
                 shape = (dh.shape[1], width) if self.axis == 1 else (width, dh.shape[1])
-                no_db = None if self.bias_p is None else jnp.zeros((width,))
+                no_db = None if self.bias_p is None else jnp.zeros((width,), jnp.float32)
                 nothing = (dh, rowsum, jnp.zeros(shape, jnp.float32), no_db)
 
                 def run(S):
                     idx, sub = rows_of(live_w, order, S)
-                    dh_s, dw_blk, db_blk, rowsum_s = sub.window_grads(v0, width, tiles, False)
+                    dh_s, dw_blk, db_blk, rowsum_s = sub.window_grads(v0, width, tiles, kept)
                     return put(dh, idx, dh_s), put(rowsum, idx, rowsum_s), dw_blk, db_blk
 
                 dh, rowsum, dw_blk, db_blk = rows_lib.on_prefix(order.n_live, sizes, run, lambda: nothing)
                 dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, width, dw_blk, db_blk)
                 return (dh, dw_acc, db_acc, rowsum), None
 
-            carry, _ = lax.scan(head, carry, jnp.arange(n_head, dtype=jnp.int32))
+            return step
+
+        if n_head:
+            orders = jax.vmap(rows_lib.order)(live[:n_head])  # every window's row order at once, before the loop
+            n_kept = min(n_head, save_tiles // tiles)  # the head windows inside the kept tiles
+            for kept, w0, w1 in ((True, 0, n_kept), (False, n_kept, n_head)):
+                if w1 > w0:
+                    carry, _ = lax.scan(head(kept), carry, jnp.arange(w0, w1, dtype=jnp.int32))
         tile0, n_tiles = n_head * tiles, C.cdiv(self.V, bn)
         if tile0 == n_tiles:
             return carry
@@ -752,14 +781,19 @@ class _GradPass:
         H = self.hp.shape[1]
         item = self.ops.dz_bytes, self.ops.weight_bytes
 
+        split = min(max(save_tiles, tile0), n_tiles)  # the tail's tiles [tile0, split) are kept
+
         def tail(S):  # the accumulators go through the switch: each window adds into them in place
             idx, sub = rows_of(live_t, order, S)
-            wt = self.backend._window_tiles(S, H, n_tiles - tile0, bn, *item, whole=False)
-            if idx is None:
-                return sub.windows(carry, tile0, n_tiles, wt, False)
             dh, dw_acc, db_acc, rowsum = carry
-            own = (jnp.zeros((S, H), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
-            dh_s, dw_acc, db_acc, rowsum_s = sub.windows(own, tile0, n_tiles, wt, False)
+            own = carry if idx is None else (jnp.zeros((S, H), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
+            for kept, t0, t1 in ((True, tile0, split), (False, split, n_tiles)):
+                if t1 > t0:
+                    wt = self.backend._window_tiles(S, H, t1 - t0, bn, *item, kept=kept, whole=False)
+                    own = sub.windows(own, t0, t1, wt, kept)
+            if idx is None:
+                return own
+            dh_s, dw_acc, db_acc, rowsum_s = own
             return put(dh, idx, dh_s), dw_acc, db_acc, put(rowsum, idx, rowsum_s)
 
         return rows_lib.on_prefix(order.n_live, sizes, tail, lambda: carry)

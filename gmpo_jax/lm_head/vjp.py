@@ -134,6 +134,14 @@ def _saved_budget(weight) -> int:
     return 4 * weight.size + SAVED_LOGITS_SLACK
 
 
+class _Filtered(NamedTuple):
+    """What the gradient filter's forward hands its backward: the kept logits (None: recomputed) and the rows'
+    ``[R, n_windows]`` window mass."""
+
+    kept: Any
+    mass: jax.Array
+
+
 def _filters(cfg: LMHeadConfig) -> bool:
     """Whether the backend runs the gradient filter (its ``grad_filter`` is set): its ``logprobs`` then also
     returns each row's mass per vocabulary window, which its ``grads`` takes as ``window_mass``."""
@@ -143,22 +151,23 @@ def _filters(cfg: LMHeadConfig) -> bool:
 def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False):
     """``(logp [R], lse [R], entropy [R] or None, saved or None)`` of rows ``h [R, H]``; ``keep``: the backend
     may keep what its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy
-    as budget). With the gradient filter (:func:`_filters`, never with ``keep``) ``saved`` is the rows'
-    ``[R, n_windows]`` window mass."""
+    as budget). With the gradient filter (:func:`_filters`) ``saved`` is a :class:`_Filtered`."""
     weight, lay = head.weight, cfg.weight_layout
     kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
-    if _filters(cfg) and not keep:
-        *stats, mass = cfg.backend.logprobs(
-            h, weight, head.bias, ids, t, weight_layout=lay, with_window_mass=True, **kw
-        )
-        return (*stats, None, mass) if not with_entropy else (*stats, mass)
+    if _filters(cfg):
+        kw["with_window_mass"] = True
     if keep:
         *stats, saved = cfg.backend.logprobs_for_grads(
             h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight), **kw
         )
+        if _filters(cfg):
+            saved = _Filtered(kept=stats.pop(), mass=saved)
         if not with_entropy:
             stats.append(None)  # (logp, lse) -> (logp, lse, None)
         return (*stats, saved)
+    if _filters(cfg):
+        *stats, mass = cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, **kw)
+        return (*stats, *([] if with_entropy else [None]), _Filtered(kept=None, mass=mass))
     if with_entropy:
         return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, with_entropy=True), None)
     return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None, None)
@@ -176,8 +185,11 @@ def _entropy_term(objective, chunk: PolicyInputs, ent, denominator):
 
 def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, saved, entropy=None):
     """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``
-    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam)."""
-    kw = {} if saved is None else {"window_mass" if _filters(cfg) else "saved": saved}
+    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``saved`` as :func:`_forward` returns it)."""
+    if isinstance(saved, _Filtered):
+        kw = {"window_mass": saved.mass, **({} if saved.kept is None else {"saved": saved.kept})}
+    else:
+        kw = {} if saved is None else {"saved": saved}
     if entropy is not None:
         kw["entropy"] = entropy
     return cfg.backend.grads(
@@ -258,7 +270,7 @@ def _chunk_step_skipping(
 
     def forward(hs, ids_s):
         out = _forward(cfg, head, hs, ids_s, t, keep=False, with_entropy=with_ent)
-        return out[:n_out] + out[3:] if filters else out[:n_out]  # the filter's window mass per row
+        return out[:n_out] + (out[3].mass,) if filters else out[:n_out]  # the filter's window mass per row
 
     logp, lse, *ent = rows.on_live_rows(buckets, chunk.mask, forward, (h, ids))
     mass = ent.pop() if filters else None
@@ -277,7 +289,8 @@ def _chunk_step_skipping(
 
     def backward(hs, ids_s, dlogp_s, lse_s, *rest):
         mass_s, e_s = (rest[-1], rest[:-1]) if filters else (None, rest)
-        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, mass_s, tuple(e_s) or None)
+        saved = None if mass_s is None else _Filtered(kept=None, mass=mass_s)
+        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, saved, tuple(e_s) or None)
 
     grads = rows.on_live_rows(
         1 if filters else buckets,  # the filter picks each vocabulary window's rows itself
@@ -314,7 +327,7 @@ def _scan_policy(
     # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
     # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
     single = with_grads and n == 1
-    keep = single and not _filters(cfg) and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
+    keep = single and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
     summed = cfg.plan is not None and cfg.plan.data_axis is not None  # the weight gradient is summed over devices
     step = _chunk_step_skipping if cfg.row_buckets > 1 else _chunk_step
 
