@@ -786,7 +786,9 @@ class _GradPass:
         def tail(S):  # the accumulators go through the switch: each window adds into them in place
             idx, sub = rows_of(live_t, order, S)
             dh, dw_acc, db_acc, rowsum = carry
-            own = carry if idx is None else (jnp.zeros((S, H), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
+            own = (
+                carry if idx is None else (jnp.zeros((S, H), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
+            )
             for kept, t0, t1 in ((True, tile0, split), (False, split, n_tiles)):
                 if t1 > t0:
                     wt = self.backend._window_tiles(S, H, t1 - t0, bn, *item, kept=kept, whole=False)
