@@ -178,7 +178,7 @@ def test_kept_logits_match_the_recompute():
             )
             assert saved is not None and saved.d.shape[1] >= Vk
         else:
-            stats, saved = be._logprobs(h, w, None, ids, t, weight_layout="vh", with_entropy=True, save_tiles=1)
+            stats, saved, _ = be._logprobs(h, w, None, ids, t, weight_layout="vh", with_entropy=True, save_tiles=1)
             assert saved.m.shape[0] == 1 and saved.d.shape[1] < Vk
         for a, b in zip(stats, (logp, lse, ent)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

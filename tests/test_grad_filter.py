@@ -94,8 +94,6 @@ def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None, budget=None):
     return mass, grads
 
 
-# Kept logits (``logprobs_for_grads``): a budget for every tile, or for 5 of the 8 (128-column tiles, windows of 2):
-# head window 0 and half of window 2 kept (window 2 straddles: recomputed), or the tail's first 3 tiles kept.
 @pytest.mark.parametrize(
     "layout, with_bias, tau, t, levels, tail, keep",
     [
@@ -103,17 +101,18 @@ def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None, budget=None):
         ("vh", True, 0.01, 0.8, None, 256, None),
         ("hv", False, 0.0, 1.0, None, None, None),
         ("hv", True, 0.02, 1.0, 1, 512, None),
-        ("hv", False, 0.02, 1.0, None, None, "all"),
-        ("vh", True, 0.01, 0.8, None, 256, "part"),
-        ("hv", True, 0.02, 1.0, None, 512, "part"),
+        ("hv", False, 0.02, 1.0, None, None, 8),
+        ("hv", False, 0.02, 1.0, None, None, 3),
+        ("vh", True, 0.01, 0.8, None, 256, 5),
+        ("hv", True, 0.02, 1.0, None, 512, 5),
     ],
 )
 def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, tail, keep, monkeypatch):
     """``levels=1``: one row prefix (all rows), so every window runs in place with its dropped rows' cotangent zeroed.
     ``tail``: the windows from that column on (1-3 or 2-3; the last is partial) are the tail, kept together and run
-    in one step. ``keep``: the kept windows' dz from the forward's saved logits tiles, all of them or the first 5 of
-    the 8 (128-column tiles): with the tail from window 1 its tiles 2-4 are read, 5-7 recomputed; with the tail from
-    window 2 the head's two windows are read, the tail's tile 4 too."""
+    in one step. ``keep``: that many of the 8 logits tiles (128 columns) kept by the forward, the kept windows' dz read
+    from them: all 8; 3 (head window 0 read, window 1 straddles the kept range: recomputed); 5 with the tail from
+    window 1 (its tiles 2-4 read, 5-7 recomputed) or from window 2 (head windows 0-1 read, the tail's tile 4 too)."""
     if levels is not None:
         monkeypatch.setattr(tuning, "GRAD_FILTER_LEVELS", levels)
     R = 256
@@ -127,9 +126,9 @@ def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, ta
     be = MosaicGpuBackend(
         interpret=True, filter_window=WINDOW, grad_filter=tau, filter_tail=tail or 65536, save_min_hidden=0
     )
-    budget = {None: None, "all": 1 << 30}.get(keep)
-    if keep == "part":  # the smallest budget that keeps 5 tiles
-        budget = next(b for b in range(0, 1 << 26, 1 << 10) if be.save_plan(rows=R, H=H, V=V, budget_bytes=b) == 5)
+    budget = None
+    if keep is not None:  # the smallest budget that keeps `keep` tiles
+        budget = next(b for b in range(0, 1 << 26, 1 << 10) if be.save_plan(rows=R, H=H, V=V, budget_bytes=b) == keep)
     mass, (dh, dw, db) = _seam(be, h, w, ids, dlogp, t, layout, bias, budget)
     np.testing.assert_allclose(np.asarray(mass), off, atol=2e-6, rtol=1e-4)
     dw = np.asarray(dw) if layout == "hv" else np.asarray(dw).T
@@ -229,6 +228,17 @@ def test_xla_chunked_ignores_the_filter(batch):
     _, _, (dh1, dw1) = _grads(batch, "xla_chunked", "auto")
     np.testing.assert_array_equal(np.asarray(dh0), np.asarray(dh1))
     np.testing.assert_array_equal(np.asarray(dw0), np.asarray(dw1))
+
+
+@pytest.mark.parametrize("shape", [(256, 3), (128, 4)])
+def test_window_mass_of_the_wrong_shape_raises(shape):
+    """``grads(window_mass=...)`` must be ``[rows, n_windows]`` (4 windows here): a wrong one raises at trace time
+    (a missing window would be read past the array, clamped: a wrong gradient)."""
+    h, w, ids, _ = _peaked(4, 256)
+    be = MosaicGpuBackend(interpret=True, filter_window=WINDOW, grad_filter=0.01)
+    args = jnp.asarray(h), jnp.asarray(w), None, jnp.asarray(ids), jnp.zeros((256,)), jnp.zeros((256,)), 1.0
+    with pytest.raises(ValueError, match=r"window_mass must be \[rows, n_windows\] = \[256, 4\]"):
+        be.grads(*args, weight_layout="hv", dw_acc=None, db_acc=None, window_mass=jnp.zeros(shape))
 
 
 @pytest.mark.parametrize(

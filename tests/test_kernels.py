@@ -118,7 +118,7 @@ def _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed, bad_ids=False, s
             logp_s, lse_s, kept = be.logprobs_for_grads(h, w, b, ids, Tf, weight_layout=layout, budget_bytes=2**40)
             assert kept is not None and kept.d.shape[1] >= V
         else:  # the leading `saved` tiles kept, the rest recomputed
-            (logp_s, lse_s), kept = be._logprobs(
+            (logp_s, lse_s), kept, _ = be._logprobs(
                 h, w, b, ids, Tf, weight_layout=layout, with_entropy=False, save_tiles=saved
             )
             assert kept.m.shape[0] == saved and kept.d.shape[1] < V
@@ -460,7 +460,7 @@ def test_gpu_real_shapes(R, H, V, layout, bias, T, scale):
     np.testing.assert_array_equal(np.asarray(dw_s), np.asarray(dw_s2))
     # a third of the tiles kept, the rest recomputed after them
     n_keep = C.cdiv(V, kept.block_n) // 3
-    (_, lse_p), part = jax.jit(
+    (_, lse_p), part, _ = jax.jit(
         lambda *a: be._logprobs(*a, weight_layout=layout, with_entropy=False, save_tiles=n_keep)
     )(h, w, b, ids, Tf)
     dh_p, dw_p, db_p = gs(h, w, b, ids, dlogp, lse_p, Tf, part)

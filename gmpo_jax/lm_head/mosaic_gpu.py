@@ -428,7 +428,7 @@ class MosaicGpuBackend:
 
         ``window_mass`` (``[R, n_windows]``, from ``logprobs`` or ``logprobs_for_grads`` ``(with_window_mass=True)``;
         only with ``grad_filter``): the gradient filter (module docstring): each vocabulary window runs on the rows
-        that need it, from the kept tiles where ``saved`` holds the whole window.
+        that need it, reading dz from ``saved`` in the head windows it holds whole and in the tail's tiles it holds.
 
         ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned in the weight's dtype
         (float32 for a float16 weight without ``saved``: its range), each window's block written once (a float32 GEMM result
@@ -450,6 +450,12 @@ class MosaicGpuBackend:
                 raise ValueError("logits_precision needs the recomputed logits (no kept logits: saved=None)")
             if window_mass is not None and self.grad_filter is None:
                 raise ValueError("window_mass needs grad_filter set (MosaicGpuBackend(grad_filter=...))")
+            n_windows = C.cdiv(V, self.filter_window)
+            if window_mass is not None and tuple(window_mass.shape) != (R, n_windows):
+                raise ValueError(
+                    f"window_mass must be [rows, n_windows] = [{R}, {n_windows}] (logprobs(with_window_mass=True) "
+                    f"of the same rows), got shape {tuple(window_mass.shape)}"
+                )
             t = jnp.asarray(temperature, jnp.float32)
             fresh = dw_acc is None
             if fresh:  # every window's block is written once: rounded once, as the caller's cast would

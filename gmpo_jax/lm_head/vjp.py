@@ -161,8 +161,9 @@ def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entro
         *stats, saved = cfg.backend.logprobs_for_grads(
             h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight), **kw
         )
-        if _filters(cfg):
-            saved = _Filtered(kept=stats.pop(), mass=saved)
+        if _filters(cfg):  # (..., kept, mass): the window mass comes last
+            mass, kept = saved, stats.pop()
+            saved = _Filtered(kept=kept, mass=mass)
         if not with_entropy:
             stats.append(None)  # (logp, lse) -> (logp, lse, None)
         return (*stats, saved)
