@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 -m benchmarks.profile --shape qwen2.5-0.5b --B 8 --T 2048 --grad-filter 0.001
     PYTHONPATH=. python3 -m benchmarks.profile ... --tuning GRAD_FILTER_LEVELS=3   # a tuning constant
 
-Prints the wall time per step and, per device-event name (kernels, copies), the time per step, the number
+Prints the first call's time (compile + one step), the wall time per step and, per device-event name (kernels, copies), the time per step, the number
 of launches per step and the share of the device's busy time, largest first. Names are XLA's (fusions,
 custom calls: the Pallas kernels carry their own names). Reading it: docs/performance.md.
 """
@@ -84,7 +84,10 @@ def main(argv=None) -> None:
     opts = dict(DEFAULT_OPTS, data=args.data, grad_filter=args.grad_filter)
     inputs, _ = jax_impls.lm_head_inputs(cfg, opts)
     step = jax.jit(jax.value_and_grad(jax_impls.lm_head_loss(args.impl, opts), argnums=(0, 1)))
-    for _ in range(3):
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(*inputs))
+    first = time.perf_counter() - t0
+    for _ in range(2):
         jax.block_until_ready(step(*inputs))
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -97,7 +100,7 @@ def main(argv=None) -> None:
         events, spans = _device_events(d)
     print(
         f"{args.impl} {args.shape} {cfg.B}x{cfg.T} {args.data} grad_filter={args.grad_filter} {args.tuning}: "
-        f"wall {wall * 1e3:.2f} ms/step"
+        f"wall {wall * 1e3:.2f} ms/step; first call (compile + one step) {first:.1f} s"
     )
     _gaps(spans, args.steps, 12)
     for line in sorted({k[0] for k in events}):
