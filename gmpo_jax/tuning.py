@@ -113,12 +113,6 @@ GRAD_FILTER_LEVELS = 7
 # each window), and one step replaces a dozen windows' fixed costs at the same work.
 GRAD_FILTER_TAIL = 65536
 GRAD_FILTER_AUTO = 1e-3
-# With the filter, a single chunk that could keep its logits (as the exact path does: a bfloat16 weight, H >=
-# SAVED_LOGITS_MIN_H) keeps them too and the kept windows read dz from them, when True. Off: measured only on the
-# CPU (interpreter tests); the first H200 attempt (2026-12-02, 9826059, Llama-3-8B 4 x 2048, one process per workload) did not finish within the
-# job's 95 s (the suite's job without it timed both workloads in 94 s): compile or run time not yet known
-# (docs/performance.md).
-GRAD_FILTER_KEEPS_LOGITS = False
 
 
 def row_buckets(backend) -> int:

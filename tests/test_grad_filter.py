@@ -170,7 +170,7 @@ def _grads(batch, impl, grad_filter):
 
 
 @pytest.mark.parametrize("row_buckets, keep", [(1, False), (4, False), (1, True), (4, True)])
-def test_policy_loss_with_filter(batch, row_buckets, keep, monkeypatch):
+def test_policy_loss_with_filter(batch, row_buckets, keep):
     """Through the fused loss (both chunk paths, with and without kept logits): the loss and metrics are the exact
     path's; at ``tau = 0`` the gradients are; at ``tau = 0.02`` they differ but stay within the documented bound;
     reruns are bitwise equal."""
@@ -182,7 +182,6 @@ def test_policy_loss_with_filter(batch, row_buckets, keep, monkeypatch):
         save_min_hidden=0 if keep else tuning.SAVED_LOGITS_MIN_H,
     )
     h, w = batch[:2]
-    monkeypatch.setattr(tuning, "GRAD_FILTER_KEEPS_LOGITS", keep)
     budget = vjp._saved_budget(w)  # what the fused loss gives a single chunk
     assert (
         impl().keeps_logits(rows=h.shape[0] * h.shape[1], H=H, V=V, weight_dtype=w.dtype, budget_bytes=budget) == keep

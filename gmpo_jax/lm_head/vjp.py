@@ -49,7 +49,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from gmpo_jax import tuning
 from gmpo_jax.lm_head import rows
 from gmpo_jax.lm_head.backend import LMHeadBackend
 from gmpo_jax.lm_head.sharding import ShardingPlan
@@ -329,8 +328,7 @@ def _scan_policy(
     # One chunk: no weight-gradient accumulator (the backend returns the chunk's own), and a backend that
     # can keep its logits for the gradient pass may use the float32 copy of the weight it spares.
     single = with_grads and n == 1
-    filter_keeps = not _filters(cfg) or tuning.GRAD_FILTER_KEEPS_LOGITS  # (the gradient filter: opt-in, tuning)
-    keep = single and filter_keeps and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
+    keep = single and _keeps_logits(cfg.backend, cfg.chunk_size * T, H, weight)
     summed = cfg.plan is not None and cfg.plan.data_axis is not None  # the weight gradient is summed over devices
     step = _chunk_step_skipping if cfg.row_buckets > 1 else _chunk_step
 
