@@ -57,6 +57,7 @@ DEFAULT_OPTS: dict[str, Any] = dict(
     softcap=0.0,
     grad_filter="none",
     oracle="float32",
+    skip_masked_rows=False,
 )
 
 # options that change what is computed: a non-default value is recorded in the variant
@@ -74,6 +75,7 @@ LABELLED_OPTS = (
     "softcap",
     "grad_filter",
     "oracle",
+    "skip_masked_rows",
 )
 LM_HEAD_FEATURES = ("input_dtype", "logits_precision", "entropy_coef", "softcap", "grad_filter", "oracle")  # jax_impls
 CHOICES = {
@@ -219,9 +221,13 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
             jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "realistic" in only:
         for shape, B, T in SPARSITY_CONFIGS:
-            jobs.append(
-                _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 120.0, datas=["peaked", "peaked-live"])
-            )
+            cfg, pair = select(shape, B=B, T=T), dict(datas=["peaked", "peaked-live"])
+            jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 120.0, **pair))
+            if cfg.kind == "logits":  # the logits path skips masked / zero-gradient rows only when asked
+                skip = dict(skip_masked_rows=True)
+                jobs.append(
+                    dict(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 120.0, **pair, **skip), variant=labelled(skip))
+                )
     if suite == "gpu":
         for shape, B, T in GPU_LM_CONFIGS:
             cfg = select(shape, B=B, T=T)
@@ -518,7 +524,14 @@ def build_parser() -> argparse.ArgumentParser:
     for k, v in DEFAULT_OPTS.items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=v, help=f"(default {v})")
+            what = (
+                "logits path, mosaic_gpu: MosaicGpuLogitsBackend(skip_masked_rows=...); "
+                if k.startswith("skip")
+                else ""
+            )
+            p.add_argument(
+                flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=v, help=f"{what}(default {v})"
+            )
         elif k in CHOICES:
             helps = {
                 "objective": "logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)",

@@ -49,6 +49,7 @@ FUSED_SKIP = dataclasses.replace(FUSED, skip_masked_rows=True)  # masked rows no
 FUSED_REREAD = dataclasses.replace(FUSED, resident_rows=False)
 FUSED_REREAD_SKIP = dataclasses.replace(FUSED_SKIP, resident_rows=False)
 INTERPRET_LEAN = dataclasses.replace(INTERPRET, fwd=K.LogitsBlocks(block_v=128, stages=2, pick_target=False))
+INTERPRET_SKIP = dataclasses.replace(INTERPRET, skip_masked_rows=True)  # 64-row blocks without work not read
 
 
 def _on_hopper() -> bool:
@@ -122,10 +123,13 @@ def make_inputs(
     ris=None,
     empty_row=None,
     adv=None,
+    lengths=None,
 ):
     rng = np.random.default_rng(seed)
     logits = (rng.normal(size=(B, T + int(extra), V)) * scale).astype(DTYPES[dtype])
     mask = ragged_mask(B, T, rng, empty_row=empty_row)
+    if lengths is not None:  # completion lengths instead of random ones
+        mask = np.arange(T)[None, :] < np.asarray(lengths)[:, None]
     ids = rng.integers(0, V, size=(B, T)).astype(np.int32)
     ids = np.where(mask, ids, np.where(rng.random((B, T)) < 0.5, -100, V + 5)).astype(np.int32)
     if adv is None:
@@ -414,6 +418,83 @@ def test_mosaic_gpu_interpret(dtype, B, T, V, extra, obj, temperature, backend):
     assert float(aux.clip_fraction) == float(a_x.clip_fraction)
 
 
+def test_row_block_flags():
+    """One flag per CTA row block at its first row (the last block slid back to end at R), 0 elsewhere."""
+    live = np.zeros(200, bool)
+    live[[5, 150]] = True  # blocks 0 ([0, 64)) and 2 ([128, 192)); block 1 empty; block 3 = [136, 200)
+    flags = np.asarray(K.row_block_flags(jnp.asarray(live)))
+    want = np.zeros(200, np.float32)
+    want[[0, 136, 128]] = 1.0  # rows 0, 128 and the slid-back 136 (150 is in it); row 64: 0
+    np.testing.assert_array_equal(flags, want)
+    assert np.asarray(K.row_block_flags(jnp.zeros(64, bool))).sum() == 0
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_kernels_skip_flagged_blocks_interpret(inplace):
+    """Kernel level: a block flagged dead is not read, whatever its rows hold: the forward reports m2 = l =
+    t2 = 0 there, the backward stores zeros there (its c is nonzero: a kernel that read it would not);
+    the other blocks match the kernels without flags bitwise. R = 192: three blocks, the middle one
+    flagged dead (a flag must hold for every row of its block: ``row_block_flags`` guarantees it, and
+    rows shared with a slid-back block are then dead in both)."""
+    rng = np.random.default_rng(13)
+    R, V, tau = 192, 256, 0.7
+    x = jnp.asarray(rng.normal(size=(R, V)).astype(ml_dtypes.bfloat16))
+    ids = jnp.asarray(rng.integers(0, V, R).astype(np.int32))
+    k = jnp.full((R,), K.LOG2E / tau, jnp.float32)
+    flags = np.zeros(R, np.float32)
+    flags[[0, 128]] = 1.0  # block [64, 128) dead
+    flags = jnp.asarray(flags)
+    dead = slice(64, 128)
+    cfg = K.LogitsBlocks(block_v=128, stages=2, tiles_per_cta=1)
+    params = INTERPRET._interpret_params()
+    ref = K.logits_lse_partials(x, ids, k, cfg=cfg, num_splits=2, interpret=params)
+    got = K.logits_lse_partials(x, ids, k, cfg=cfg, num_splits=2, block_live=flags, interpret=params)
+    for r, g in zip(ref, got):
+        r, g = np.array(r), np.asarray(g)
+        assert np.all(g[:, dead] == 0), "a dead block must report zeros, not read its rows"
+        r[:, dead] = 0.0
+        np.testing.assert_array_equal(g, r)
+    lse2 = K.logits_merge_splits(*ref)[2]
+    c = jnp.asarray(rng.normal(size=R).astype(np.float32))
+    kw = dict(cfg=cfg, inplace=inplace, interpret=params)
+    d_ref = np.array(K.logits_dlogits(x, ids, k, lse2, c, **kw))
+    d = np.asarray(K.logits_dlogits(x, ids, k, lse2, c, block_live=flags, **kw))
+    assert np.all(d[dead] == 0) and np.abs(d_ref[dead]).max() > 0
+    d_ref[dead] = 0
+    np.testing.assert_array_equal(d, d_ref)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        INTERPRET_SKIP,
+        dataclasses.replace(INTERPRET_SKIP, fwd=INTERPRET_LEAN.fwd),
+        dataclasses.replace(INTERPRET_SKIP, inplace=True),
+    ],
+    ids=["pick", "lean", "inplace"],
+)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_skip_masked_rows_three_pass_interpret(backend, beta):
+    """``skip_masked_rows`` on the three-pass path (GMPO) against float64 and against the same call without
+    skipping (equal loss and dlogits): 4 x 50 rows of the kernels' view = four 64-row blocks, the
+    second all masked (sequence 1 after 10 tokens, sequence 2 empty: not read forward or backward), the third
+    and the slid-back fourth ([136, 200)) hold sequence 3, of zero advantage (read forward; without a KL term
+    its gradient is exactly 0: not read backward)."""
+    B, T, V = 4, 49, 320
+    case = make_inputs(21, B=B, T=T, V=V, dtype="bfloat16", lengths=[T, 10, 0, T], adv=[0.8, -1.1, 0.5, 0.0])
+    obj = Obj("gmpo", beta=beta)
+    (loss, aux), g = check(case, obj, backend, temperature=0.8)
+    (l_0, a_0), g_0 = value_and_grad(case, obj, dataclasses.replace(backend, skip_masked_rows=False), temperature=0.8)
+    assert float(loss) == pytest.approx(float(l_0), rel=1e-6, abs=1e-8)
+    assert float(aux.clip_fraction) == float(a_0.clip_fraction)
+    # within one bfloat16 ulp: the wrapper's selects change XLA's fusion of the lean path's log-sum-exp, and a
+    # float32 ulp there can move a bfloat16 rounding (seen once in 64000 entries); bitwise otherwise
+    g, g_0 = _f64(g), _f64(g_0)
+    np.testing.assert_allclose(g, g_0, rtol=2**-7, atol=0)
+    if backend.fwd.pick_target:
+        np.testing.assert_array_equal(g, g_0)
+
+
 @pytest.mark.parametrize("pick_target", [True, False], ids=["pick", "lean"])
 def test_mosaic_gpu_kernels_interpret_extreme(pick_target):
     """Kernel level: extreme and -inf logits, ids outside [0, V), a row block sliding back (R = 72)."""
@@ -499,22 +580,37 @@ def test_mosaic_gpu_interpret_tiny_temperature_argmax_targets(backend, temperatu
         (3, 22, False, 768, False, jnp.bfloat16),  # 66 rows -> 264 x 192
         (2, 1024, True, 128256, True, jnp.float32),  # float32: 32-column (128-byte) tiles, 2x the SMEM
         (2, 1024, True, 128256, "inplace", jnp.bfloat16),  # dlogits into the logits' buffer, 64-column tiles
+        (16, 1024, True, 128256, "skip", jnp.bfloat16),  # skip_masked_rows: blocks without work not read
+        (2, 1024, True, 128256, "inplace-skip", jnp.bfloat16),  # zero blocks stored in place
     ],
-    ids=["llama3-2x1025", "llama3-16x1025-lean", "tiny-3x22", "llama3-2x1025-f32-lean", "llama3-2x1025-inplace"],
+    ids=[
+        "llama3-2x1025",
+        "llama3-16x1025-lean",
+        "tiny-3x22",
+        "llama3-2x1025-f32-lean",
+        "llama3-2x1025-inplace",
+        "llama3-16x1025-skip",
+        "llama3-2x1025-inplace-skip",
+    ],
 )
 def test_mosaic_gpu_lowers_for_cuda(B, T, extra, V, lean, dtype):
     """Both kernels lower to Mosaic GPU for CUDA (jax.export on CPU; no GPU needed): shapes, layouts and
     the tiled bulk copies' divisibility rules are checked at this stage (what failed on the device at
     2050 rows before the row split)."""
-    backend = MosaicGpuLogitsBackend(fwd=K.LogitsBlocks(pick_target=not lean), inplace=lean == "inplace")
+    backend = MosaicGpuLogitsBackend(
+        fwd=K.LogitsBlocks(pick_target=not lean),
+        inplace=str(lean).startswith("inplace"),
+        skip_masked_rows=str(lean).endswith("skip"),
+    )
     dataclasses.replace(backend, interpret=True).check_supported(dtype=dtype, B=B, T=T, Tl=T + int(extra), V=V)
     z = jax.ShapeDtypeStruct((B, T + int(extra), V), dtype)
     i = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    m = jax.ShapeDtypeStruct((B, T), jnp.bool_)
     f = jax.ShapeDtypeStruct((B, T), jnp.float32)
     r = jax.ShapeDtypeStruct((B, T + int(extra)), jnp.float32)
-    fwd = jax.jit(lambda z, i: backend.logprobs(z, i, T=T, temperature=jnp.float32(0.9)))
+    fwd = jax.jit(lambda z, i, m: backend.logprobs(z, i, T=T, temperature=jnp.float32(0.9), mask=m))
     bwd = jax.jit(lambda z, i, r, d: backend.dlogits(z, i, r, d, T=T, temperature=jnp.float32(0.9)))
-    jax.export.export(fwd, platforms=["cuda"])(z, i)
+    jax.export.export(fwd, platforms=["cuda"])(z, i, m)
     jax.export.export(bwd, platforms=["cuda"])(z, i, r, f)
 
 
@@ -843,6 +939,24 @@ def test_mosaic_gpu_inplace_full_shape():
     inplace = MosaicGpuLogitsBackend(inplace=True)
     f = jax.jit(lambda z, *rest: jax.grad(lambda z: _call(obj.lib(), inplace, z, *rest)[0])(z), donate_argnums=0)
     np.testing.assert_allclose(_f64(f(jnp.array(logits), *rest)), _f64(g0), rtol=2.0**-7, atol=0)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_skip_masked_rows_three_pass_full_shape(inplace):
+    """``skip_masked_rows`` on the device, three-pass path (GMPO), Llama-3 vocabulary, B = 8, T = 256 (2056
+    rows: a slid-back row block): sequences 2-3 empty, 5 half masked, 6-7 of zero advantage; against
+    float64 (``check``) and the same call without skipping (to one bf16 ulp)."""
+    B, T = 8, 256
+    lengths, adv = [T, 175, 0, 0, T, 128, T, 75], [0.9, -0.6, 0.4, 1.2, -1.0, 0.7, 0.0, 0.0]
+    case = make_inputs(18, B=B, T=T, V=128256, dtype="bfloat16", scale=3.0, lengths=lengths, adv=adv)
+    obj = Obj("gmpo")
+    skip = MosaicGpuLogitsBackend(skip_masked_rows=True, inplace=inplace)
+    (loss, _), g = check(case, obj, skip)
+    (l_0, _), g_0 = value_and_grad(case, obj, dataclasses.replace(skip, skip_masked_rows=False))
+    assert float(loss) == pytest.approx(float(l_0), rel=1e-6)
+    np.testing.assert_allclose(_f64(g), _f64(g_0), rtol=2.0**-7, atol=0)
 
 
 @pytest.mark.parametrize("backend", [INTERPRET, INTERPRET_LEAN], ids=["pick", "lean"])

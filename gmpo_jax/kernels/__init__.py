@@ -21,6 +21,7 @@ from gmpo_jax.kernels._common import (
     lm_head_num_splits,
     logits_num_splits,
     merge_splits,
+    row_block_flags,
 )
 from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
 from gmpo_jax.kernels.lm_head_lse import lm_head_lse_epilogue_bytes, lm_head_lse_partials, lm_head_merge_splits
@@ -49,6 +50,7 @@ __all__ = [
     "lm_head_num_splits",
     "logits_num_splits",
     "merge_splits",
+    "row_block_flags",
     "lm_head_lse_partials",
     "lm_head_merge_splits",
     "lm_head_lse_epilogue_bytes",

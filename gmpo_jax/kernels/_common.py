@@ -260,6 +260,19 @@ def row_block_start(rows: int):
     return jnp.minimum(lax.axis_index("rows") * BLOCK_ROWS, rows - BLOCK_ROWS)
 
 
+def row_block_flags(live):
+    """``[R]`` float32 with, at the first row of each CTA's 64-row block (:func:`row_block_start`: the last
+    block slid back to end at ``R``), 1.0 if any of the block's rows is ``live`` (``[R]`` bool) and 0.0 if
+    none is; 0.0 at every other row. A kernel that stages it with its per-row vectors reads entry 0 of its
+    block's copy: whether the block has any work (the three-pass logits kernels skip the blocks without).
+    Block starts are distinct (the slid-back start ``R - 64`` is a multiple of 64 only when it is not slid)."""
+    R = live.shape[0]
+    starts = jnp.minimum(jnp.arange(cdiv(R, BLOCK_ROWS), dtype=jnp.int32) * BLOCK_ROWS, R - BLOCK_ROWS)
+    rows = starts[:, None] + jnp.arange(BLOCK_ROWS, dtype=jnp.int32)[None, :]
+    any_live = jnp.any(live[rows], axis=1)
+    return jnp.zeros((R,), jnp.float32).at[starts].set(any_live.astype(jnp.float32), unique_indices=True)
+
+
 def tile_start(j, block_v: int, vocab: int):
     """Column of vocabulary tile ``j``: nominally ``j * block_v``, slid back to end at ``vocab``."""
     return jnp.minimum(j * block_v, vocab - block_v)

@@ -28,13 +28,19 @@ from gmpo_jax.kernels._compat import iota, plgpu
 __all__ = ["logits_dlogits"]
 
 
-def logits_dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: C.LogitsBlocks, inplace: bool = False, interpret=None):
+def logits_dlogits(
+    x, ids, k_rows, lse2_rows, c_rows, *, cfg: C.LogitsBlocks, inplace: bool = False, block_live=None, interpret=None
+):
     """``dz[r, v] = c_r * (onehot(ids_r)[v] - exp2(x[r, v] * k_r - lse2_r))`` in ``x.dtype``, ``[R, V]``.
 
     Args: ``x`` ``[R, V]`` bf16 / f16 / f32 logits; ``ids`` ``[R]`` int32 (outside ``[0, V)``: no one-hot);
     ``k_rows`` ``[R]`` float32 ``log2(e) / T``; ``lse2_rows`` ``[R]`` float32 base-2 log-sum-exp of ``x * k``
     (``logits_merge_splits``); ``c_rows`` ``[R]`` float32 ``d loss / d logp / T``. ``cfg``: ``block_v``,
     ``stages``, ``tiles_per_cta``. Rows with ``c_r == 0`` are exactly 0 whatever ``x`` holds there.
+
+    ``block_live``: None, or ``[R]`` float32 ``_common.row_block_flags(c_rows != 0)``: a 64-row block without a
+    row that carries gradient then reads nothing and stores zeros (exact: its rows are 0 either way); the
+    masked tokens and zero-advantage sequences of a real RL batch fill whole blocks.
 
     With ``inplace``, ``dz`` is written into the buffer of ``x`` (``x`` is passed to the kernel as a
     ``jax.Ref``, which XLA aliases in and out: no second ``[R, V]`` buffer when the logits are dead
@@ -60,23 +66,28 @@ def logits_dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: C.LogitsBlocks, in
     if inplace and V % bv:
         raise ValueError(f"in place needs V % block_v == 0, got V={V}, block_v={bv}")
 
+    skip = block_live is not None
+    vectors = (ids, k_rows, lse2_rows, c_rows) + ((block_live,) if skip else ())
+
     def kernel(*refs):
+        n_vec = len(vectors)
+        scratch_refs = refs[-6:]
+        x_smem, o_smem, loaded, ids_smem, f_smem, vec_barrier = scratch_refs
         if inplace:
-            ids_ref, k_ref, lse_ref, c_ref, x_ref, x_smem, o_smem, loaded, ids_smem, f_smem, vec_barrier = refs
+            vec_refs, x_ref = refs[:n_vec], refs[n_vec]
             o_ref = x_ref
         else:
-            x_ref, ids_ref, k_ref, lse_ref, c_ref, o_ref, x_smem, o_smem, loaded, ids_smem, f_smem, vec_barrier = refs
+            x_ref, vec_refs, o_ref = refs[0], refs[1 : 1 + n_vec], refs[1 + n_vec]
+        ids_ref, k_ref, lse_ref, c_ref = vec_refs[:4]
         split = lax.axis_index("split")
         last_rows = lax.axis_index("rows") == num_row_blocks - 1
         row0 = C.row_block_start(R)
         tile0 = split * tps
         n_tiles = jnp.minimum(tps, num_tiles - tile0)
-        ids_v, k_v, lse_v, c_v = C.load_row_vectors(
-            ((ids_ref, ids_smem), (k_ref, f_smem.at[0]), (lse_ref, f_smem.at[1]), (c_ref, f_smem.at[2])),
-            row0,
-            vec_barrier,
-            interpret,
-        )
+        pairs = ((ids_ref, ids_smem), (k_ref, f_smem.at[0]), (lse_ref, f_smem.at[1]), (c_ref, f_smem.at[2]))
+        if skip:
+            pairs += ((vec_refs[4], f_smem.at[3]),)
+        ids_v, k_v, lse_v, c_v, *_ = C.load_row_vectors(pairs, row0, vec_barrier, interpret)
         tol_v = C.snap_tolerance(lse_v)
 
         def tile(t):
@@ -100,32 +111,49 @@ def logits_dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: C.LogitsBlocks, in
                     )
                 )
 
-        for s in range(stages):  # prologue: fill the ring
+        def gradient_pass():
+            for s in range(stages):  # prologue: fill the ring
 
-            @pl.when(s < n_tiles)
-            def _():
-                fetch(s, s)
+                @pl.when(s < n_tiles)
+                def _():
+                    fetch(s, s)
 
-        @pl.loop(0, n_tiles)
-        def _step(t):
-            slot = C.rem(t, stages)
-            plgpu.barrier_wait(loaded.at[slot])
-            col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)  # column within the tile
-            z2 = x_smem.at[slot][...].astype(jnp.float32) * C.bcast_rows(k_v, shape) - C.bcast_rows(lse_v, shape)
-            p = jnp.exp2(jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2))  # see snap_tolerance
-            g = jnp.where(col == C.bcast_rows(ids_v - C.tile_start(tile0 + t, bv, V), shape), 1.0 - p, -p)
-            c = C.bcast_rows(c_v, shape)
-            dz = jnp.where(c != 0.0, c * g, 0.0).astype(dtype)
-            # the store that last read o_smem[slot] (tile t - stages) must be done; includes a barrier
-            plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
-            o_smem.at[slot][...] = dz
-            plgpu.commit_smem()  # fence + warpgroup barrier: every thread has also finished reading x_smem[slot]
-            store(t, slot)
+            @pl.loop(0, n_tiles)
+            def _step(t):
+                slot = C.rem(t, stages)
+                plgpu.barrier_wait(loaded.at[slot])
+                col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)  # column within the tile
+                z2 = x_smem.at[slot][...].astype(jnp.float32) * C.bcast_rows(k_v, shape) - C.bcast_rows(lse_v, shape)
+                p = jnp.exp2(jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2))  # see snap_tolerance
+                g = jnp.where(col == C.bcast_rows(ids_v - C.tile_start(tile0 + t, bv, V), shape), 1.0 - p, -p)
+                c = C.bcast_rows(c_v, shape)
+                dz = jnp.where(c != 0.0, c * g, 0.0).astype(dtype)
+                # the store that last read o_smem[slot] (tile t - stages) must be done; includes a barrier
+                plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+                o_smem.at[slot][...] = dz
+                plgpu.commit_smem()  # fence + warpgroup barrier: every thread has also finished reading x_smem[slot]
+                store(t, slot)
 
-            @pl.when(t + stages < n_tiles)
-            def _():
-                fetch(t + stages, slot)
+                @pl.when(t + stages < n_tiles)
+                def _():
+                    fetch(t + stages, slot)
 
+        def zero_pass():  # no row of the block carries gradient: one tile of zeros, stored to every tile
+            col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)
+            o_smem.at[0][...] = jnp.where(col < 0, 1.0, 0.0).astype(dtype)  # (zeros in the stores' layout)
+            plgpu.commit_smem()
+
+            @pl.loop(0, n_tiles)
+            def _step(t):
+                plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # bounded stores in flight
+                store(t, 0)
+
+        if skip:
+            live = f_smem.at[3][0] != 0.0  # row_block_flags: entry 0 of the block's copy
+            pl.when(live)(gradient_pass)
+            pl.when(~live)(zero_pass)
+        else:
+            gradient_pass()
         plgpu.wait_smem_to_gmem(0)
 
     transforms = C.smem_transforms(jnp.dtype(dtype).itemsize)
@@ -134,12 +162,12 @@ def logits_dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: C.LogitsBlocks, in
         plgpu.SMEM((stages, bm, bv), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=stages),
         plgpu.SMEM((bm,), jnp.int32),
-        plgpu.SMEM((3, bm), jnp.float32),
-        plgpu.Barrier(num_arrivals=4, num_barriers=1),
+        plgpu.SMEM((len(vectors) - 1, bm), jnp.float32),
+        plgpu.Barrier(num_arrivals=len(vectors), num_barriers=1),
     ]
     grid = dict(grid=(num_splits, num_row_blocks), grid_names=("split", "rows"))
     if inplace:
-        return _call_in_place(kernel, scratch, grid, interpret, x, ids, k_rows, lse2_rows, c_rows)
+        return _call_in_place(kernel, scratch, grid, interpret, x, *vectors)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((R, V), dtype),
@@ -148,7 +176,7 @@ def logits_dlogits(x, ids, k_rows, lse2_rows, c_rows, *, cfg: C.LogitsBlocks, in
         interpret=interpret,
         **grid,
     )
-    return call(x, ids, k_rows, lse2_rows, c_rows)
+    return call(x, *vectors)
 
 
 def _call_in_place(kernel, scratch, grid, interpret, x, *row_inputs):

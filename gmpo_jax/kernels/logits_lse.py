@@ -36,7 +36,7 @@ from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
 __all__ = ["logits_lse_partials", "logits_merge_splits"]
 
 
-def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int, interpret=None):
+def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int, block_live=None, interpret=None):
     """Per-split online log-sum-exp statistics (base 2) of the rows of ``x``.
 
     Args:
@@ -45,6 +45,8 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
       k_rows: ``[R]`` float32, ``log2(e) / temperature`` per row.
       cfg: block sizes (``block_v``, ``stages``, ``pick_target``).
       num_splits: vocabulary splits (every split non-empty, see ``_common.logits_num_splits``).
+      block_live: None, or ``[R]`` float32 ``_common.row_block_flags(live)``: a 64-row block without a live
+        row reads nothing and reports ``m2 = l = t2 = 0`` for its rows (the caller defines what they mean).
 
     Returns:
       ``(m2, l, t2)``, each ``[num_splits, R]`` float32: running max of ``z2 = x * k``, sum of
@@ -60,12 +62,18 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
     assert R >= bm and V >= bv, (R, V)
     shape = (bm, bv)
 
-    def kernel(x_ref, ids_ref, k_ref, m_out, l_out, t_out, stat_smem, ids_smem, k_smem, vec_barrier):
+    skip = block_live is not None
+    vectors = (ids, k_rows) + ((block_live,) if skip else ())
+
+    def kernel(x_ref, *refs):
+        ids_ref, k_ref = refs[:2]
+        m_out, l_out, t_out, stat_smem, ids_smem, k_smem, vec_barrier = refs[len(vectors) :]
         split = lax.axis_index("split")
         row0 = C.row_block_start(R)
         tile0 = split * tps
         n_tiles = jnp.minimum(tps, num_tiles - tile0)
-        ids_v, k_v = C.load_row_vectors(((ids_ref, ids_smem), (k_ref, k_smem)), row0, vec_barrier, interpret)
+        pairs = ((ids_ref, ids_smem), (k_ref, k_smem.at[0])) + (((refs[2], k_smem.at[1]),) if skip else ())
+        ids_v, k_v, *_ = C.load_row_vectors(pairs, row0, vec_barrier, interpret)
         neg_inf = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
         zero = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
 
@@ -102,28 +110,40 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
         def index_map(t):
             return (row0, C.tile_start(tile0 + t, bv, V))
 
-        # Traced in 32-bit mode: with jax_enable_x64 the pipeline's own `lax.min(max_concurrent_steps,
-        # num_steps)` of a dynamic grid takes the Python int as int64 against its int32 step count and fails
-        # (jax 0.10.2); everything it and the bodies compute is 32-bit anyway (a no-op without x64).
-        with jax.enable_x64(False):
-            m2, l, t2 = plgpu.emit_pipeline(
-                body if cfg.pick_target else body_lean,
-                grid=(n_tiles,),
-                in_specs=[
-                    plgpu.BlockSpec(
-                        (pl.Element(bm), pl.Element(bv)),
-                        index_map,
-                        transforms=C.smem_transforms(jnp.dtype(x.dtype).itemsize),
-                    )
-                ],
-                max_concurrent_steps=stages,
-                init_carry=(neg_inf, zero, zero),
-            )(x_ref)
-        if not cfg.pick_target:
-            m2 = m2 * k_v  # to the base-2 units of z2 (-inf stays -inf: k > 0)
-        stat_smem[0] = m2
-        stat_smem[1] = l
-        stat_smem[2] = t2
+        def stats_pass():
+            # Traced in 32-bit mode: with jax_enable_x64 the pipeline's own `lax.min(max_concurrent_steps,
+            # num_steps)` of a dynamic grid takes the Python int as int64 against its int32 step count and fails
+            # (jax 0.10.2); everything it and the bodies compute is 32-bit anyway (a no-op without x64).
+            with jax.enable_x64(False):
+                m2, l, t2 = plgpu.emit_pipeline(
+                    body if cfg.pick_target else body_lean,
+                    grid=(n_tiles,),
+                    in_specs=[
+                        plgpu.BlockSpec(
+                            (pl.Element(bm), pl.Element(bv)),
+                            index_map,
+                            transforms=C.smem_transforms(jnp.dtype(x.dtype).itemsize),
+                        )
+                    ],
+                    max_concurrent_steps=stages,
+                    init_carry=(neg_inf, zero, zero),
+                )(x_ref)
+            if not cfg.pick_target:
+                m2 = m2 * k_v  # to the base-2 units of z2 (-inf stays -inf: k > 0)
+            stat_smem[0] = m2
+            stat_smem[1] = l
+            stat_smem[2] = t2
+
+        def skipped_pass():  # no live row in the block: nothing read
+            for i in range(3):
+                stat_smem[i] = zero
+
+        if skip:
+            live = k_smem.at[1][0] != 0.0  # row_block_flags: entry 0 of the block's copy
+            pl.when(live)(stats_pass)
+            pl.when(~live)(skipped_pass)
+        else:
+            stats_pass()
         plgpu.commit_smem()
         dst = (split, pl.ds(row0, bm))
         plgpu.copy_smem_to_gmem(stat_smem.at[0], m_out.at[dst])
@@ -139,15 +159,15 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
         scratch_types=[
             plgpu.SMEM((3, bm), jnp.float32),
             plgpu.SMEM((bm,), jnp.int32),
-            plgpu.SMEM((bm,), jnp.float32),
-            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            plgpu.SMEM((len(vectors) - 1, bm), jnp.float32),
+            plgpu.Barrier(num_arrivals=len(vectors), num_barriers=1),
         ],
         grid=(num_splits, C.cdiv(R, bm)),
         grid_names=("split", "rows"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    return tuple(o[:, :R] for o in call(x, ids, k_rows))
+    return tuple(o[:, :R] for o in call(x, *vectors))
 
 
 def logits_merge_splits(m2, l, t2):

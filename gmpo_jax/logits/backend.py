@@ -3,8 +3,9 @@
 A backend computes, over logits ``[B, Tl, V]`` (``Tl = T`` or ``T + 1``; only the first ``T`` positions
 count), the two memory-bound passes of the loss; the objective math lives in ``gmpo_jax.objectives``::
 
-    logprobs(logits, ids, *, T, temperature) -> (logp [B, T] f32, residual)
-        # logp = z[id] - logsumexp(z), z = logits[:, :T] / temperature in f32 (one read of the logits)
+    logprobs(logits, ids, *, T, temperature, mask) -> (logp [B, T] f32, residual)
+        # logp = z[id] - logsumexp(z), z = logits[:, :T] / temperature in f32 (one read of the logits);
+        # mask [B, T] bool: a backend may skip masked rows (their logp is then 0: the objective ignores it)
     dlogits(logits, ids, residual, dlogp [B, T] f32, *, T, temperature) -> [B, Tl, V] logits.dtype
         # dlogp / temperature * (onehot(id) - softmax(z)); rows t >= T and rows with dlogp == 0 are 0
     check_supported(*, dtype, B, T, Tl, V)   # raises UnsupportedConfigError / BackendUnavailableError

@@ -38,10 +38,14 @@ class MosaicGpuLogitsBackend:
     scales it by the cotangent (a cotangent other than 1 rounds a bf16 gradient twice, about one ulp);
     see :meth:`fused_plan` for when it
     applies (bf16 / f32, not with ``inplace``).
-    ``skip_masked_rows`` (fused path only): the kernel does not read the rows of masked tokens (nor the
-    dropped last position of ``[B, T + 1, V]`` logits), it only writes their zero gradient. Off by
-    default: measured on an H200 it is faster with ragged masks and slightly slower with a full mask,
-    which the benchmarks use (docs/performance.md). Turn it on for batches with padding.
+    ``skip_masked_rows``: rows that need no work are not read. The fused kernel skips the rows of masked
+    tokens (and the dropped last position of ``[B, T + 1, V]`` logits), writing only their zero gradient;
+    the three-pass path (GMPO, GSPO) skips whole 64-row blocks of the kernels' row view: the forward those
+    whose rows are all masked (or dropped), the backward those whose rows all carry a zero gradient
+    (masked tokens, zero-advantage sequences), which it fills with zeros. A skipped or masked token's
+    log-prob is reported as 0 (the objective ignores it). Exact either way. Off by default: measured on an
+    H200 the fused kernel is faster with ragged masks and slightly slower with a full mask
+    (docs/performance.md). Turn it on for RL batches (ragged completions, zero-advantage groups).
     ``resident_rows`` (fused path only): when a CTA's share of a row fits in its shared-memory ring (the
     device plan: a quarter of a Llama-3 or Qwen row per CTA of a cluster), the kernel's second pass reads
     the row from shared memory instead of fetching it again (measured faster on an H200); False re-reads
@@ -130,10 +134,21 @@ class MosaicGpuLogitsBackend:
         ids_r = jnp.pad(ids, ((0, 0), (0, Tl - T))).reshape(R, 1) - W * jnp.arange(k, dtype=jnp.int32)[None]
         return logits.reshape(R * k, W), ids_r.reshape(R * k), R, k
 
-    def logprobs(self, logits, ids, *, T, temperature):
+    def _row_flags(self, rows_live, Tl: int, T: int, k: int):
+        """``kernels.row_block_flags`` of the kernels' row view (``[B, T]`` bool, padded with False to ``Tl``
+        positions, each row repeated for its ``k`` pieces), or None without ``skip_masked_rows``."""
+        if not self.skip_masked_rows:
+            return None
+        live = jnp.pad(rows_live, ((0, 0), (0, Tl - T))).reshape(-1)
+        return K.row_block_flags(jnp.repeat(live, k))
+
+    def logprobs(self, logits, ids, *, T, temperature, mask=None):
+        """``(logp [B, T], lse2 [B, Tl])``; with ``skip_masked_rows`` and a ``mask`` (``[B, T]`` bool), the
+        blocks of masked rows are not read and every masked token's ``logp`` and ``lse2`` are 0."""
         B, Tl, V = logits.shape
         x, ids_r, R, k = self._rows(logits, ids, T)
         kk = jnp.broadcast_to(jnp.float32(K.LOG2E) / temperature, (R * k,))
+        flags = None if mask is None else self._row_flags(mask, Tl, T, k)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logits_lse"):
             parts = K.logits_lse_partials(
                 x,
@@ -141,6 +156,7 @@ class MosaicGpuLogitsBackend:
                 kk,
                 cfg=self.fwd,
                 num_splits=self._splits(R * k, x.shape[1]),
+                block_live=flags,
                 interpret=self._interpret_params(),
             )
             # [S, R * k] -> [S * k, R]: the row pieces are more splits of the same row
@@ -156,7 +172,11 @@ class MosaicGpuLogitsBackend:
             tgt = tgt.astype(jnp.float32) / temperature
         # logp <= 0 exactly: at tiny temperatures (|z| / T ~ 1e7) the target and the log-sum-exp reach
         # natural units through different roundings and could differ by an ulp (~0.5) the wrong way
-        return jnp.minimum(tgt - lse, 0.0), lse2.reshape(B, Tl)
+        logp, lse2 = jnp.minimum(tgt - lse, 0.0), lse2.reshape(B, Tl)
+        if flags is not None:  # skipped blocks' statistics mean nothing: every masked token gets 0
+            logp = jnp.where(mask, logp, 0.0)
+            lse2 = jnp.where(jnp.pad(mask, ((0, 0), (0, Tl - T))), lse2, 0.0)
+        return logp, lse2
 
     def dlogits(self, logits, ids, lse2, dlogp, *, T, temperature):
         B, Tl, V = logits.shape
@@ -169,7 +189,15 @@ class MosaicGpuLogitsBackend:
             cfg = dataclasses.replace(cfg, block_v=128 // jnp.dtype(logits.dtype).itemsize)
         with jax.named_scope("gmpo_jax/mosaic_gpu/dlogits"):
             dz = K.logits_dlogits(
-                x, ids_r, kk, rep(lse2), c, cfg=cfg, inplace=self.inplace, interpret=self._interpret_params()
+                x,
+                ids_r,
+                kk,
+                rep(lse2),
+                c,
+                cfg=cfg,
+                inplace=self.inplace,
+                block_live=self._row_flags(dlogp != 0.0, Tl, T, k),
+                interpret=self._interpret_params(),
             )
         return dz.reshape(B, Tl, V)
 

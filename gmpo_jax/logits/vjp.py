@@ -125,7 +125,7 @@ def _id_ok(inputs: PolicyInputs, V: int):
 
 
 def _run(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs, *, with_grads: bool):
-    logp, residual = cfg.backend.logprobs(logits, inputs.ids, T=cfg.T, temperature=inputs.temperature)
+    logp, residual = cfg.backend.logprobs(logits, inputs.ids, T=cfg.T, temperature=inputs.temperature, mask=inputs.mask)
     logp = jnp.where(_id_ok(inputs, logits.shape[-1]), logp, jnp.nan)
     loss, aux, dlogp = _objective(objective, logp, inputs, with_grads=with_grads)
     loss, aux, ent = _add_entropy_term(objective, logits, inputs, cfg.T, loss, aux)

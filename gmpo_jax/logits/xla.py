@@ -95,10 +95,11 @@ class XlaLogitsBackend:
         if self.lse not in ("online", "two_pass"):
             raise UnsupportedConfigError(f"lse={self.lse!r}")
 
-    def logprobs(self, logits, ids, *, T, temperature):
+    def logprobs(self, logits, ids, *, T, temperature, mask=None):
         """``(logp [B, T] f32, lse [B, T] f32)`` of ``z = logits[:, :T] / temperature``.
 
-        ``ids`` must be in ``[0, V)`` wherever the caller cares (others yield garbage, not errors).
+        ``ids`` must be in ``[0, V)`` wherever the caller cares (others yield garbage, not errors). ``mask``
+        (the completion mask) is not used: every row is read.
         """
         V = logits.shape[-1]
         with jax.named_scope("gmpo_jax/xla/logits_lse"):
