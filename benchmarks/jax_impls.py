@@ -252,10 +252,10 @@ def logits_loss(impl: Any, opts: dict[str, Any]) -> tuple[Callable, str | None]:
 
     grpo = opts.get("objective", "gmpo") == "grpo"
     objective = gmpo_jax.GRPO(loss_type="grpo") if grpo else gmpo_jax.GMPO()
-    if impl == "mosaic_gpu" and opts.get("skip_masked_rows"):
+    if impl == "mosaic_gpu" and not opts.get("skip_masked_rows", True):  # the library's default is True
         from gmpo_jax.logits.mosaic_gpu import MosaicGpuLogitsBackend
 
-        impl = MosaicGpuLogitsBackend(skip_masked_rows=True)
+        impl = MosaicGpuLogitsBackend(skip_masked_rows=False)
     if impl in ("mosaic_gpu", "xla") or not isinstance(impl, str):  # a name or a backend instance
 
         def loss(logits, ids, mask, adv, old):

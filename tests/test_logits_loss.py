@@ -35,6 +35,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 
 # Interpret-mode kernels: the device's block width (128 columns) and shallow rings, so that tiny shapes
 # still have several tiles, two vocabulary splits, partial last blocks and several row blocks.
+# (skip_masked_rows is on by default: most cases run the skipping kernels; *_NOSKIP / *_SKIP name it)
 INTERPRET = MosaicGpuLogitsBackend(
     interpret=True,
     fwd=K.LogitsBlocks(block_v=128, stages=2),
@@ -43,13 +44,16 @@ INTERPRET = MosaicGpuLogitsBackend(
     fused=False,
 )
 # The fused forward (token-local objectives write dlogits in the forward of the VJP), cluster-free there.
-FUSED = MosaicGpuLogitsBackend(interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2), num_splits=2)
+FUSED = MosaicGpuLogitsBackend(
+    interpret=True, fwd=K.LogitsBlocks(block_v=128, stages=2), num_splits=2, skip_masked_rows=False
+)
 FUSED_SKIP = dataclasses.replace(FUSED, skip_masked_rows=True)  # masked rows not read (2 stages: it applies)
 # The second pass fetches each row again (the tests' rows of 2 tiles are otherwise resident in the ring)
 FUSED_REREAD = dataclasses.replace(FUSED, resident_rows=False)
 FUSED_REREAD_SKIP = dataclasses.replace(FUSED_SKIP, resident_rows=False)
 INTERPRET_LEAN = dataclasses.replace(INTERPRET, fwd=K.LogitsBlocks(block_v=128, stages=2, pick_target=False))
 INTERPRET_SKIP = dataclasses.replace(INTERPRET, skip_masked_rows=True)  # 64-row blocks without work not read
+assert INTERPRET_SKIP == INTERPRET, "skip_masked_rows is the default"
 
 
 def _on_hopper() -> bool:
