@@ -273,6 +273,17 @@ def row_block_flags(live):
     return jnp.zeros((R,), jnp.float32).at[starts].set(any_live.astype(jnp.float32), unique_indices=True)
 
 
+def by_block_flag(flag_smem, live_pass, dead_pass) -> None:
+    """In a kernel: ``live_pass()`` when this CTA's row block has work (entry 0 of its shared-memory copy of
+    :func:`row_block_flags`), else ``dead_pass()``; ``live_pass()`` alone when ``flag_smem`` is None."""
+    if flag_smem is None:
+        live_pass()
+        return
+    live = flag_smem[0] != 0.0
+    pl.when(live)(live_pass)
+    pl.when(~live)(dead_pass)
+
+
 def tile_start(j, block_v: int, vocab: int):
     """Column of vocabulary tile ``j``: nominally ``j * block_v``, slid back to end at ``vocab``."""
     return jnp.minimum(j * block_v, vocab - block_v)

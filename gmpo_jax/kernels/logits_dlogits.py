@@ -148,12 +148,7 @@ def logits_dlogits(
                 plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # bounded stores in flight
                 store(t, 0)
 
-        if skip:
-            live = f_smem.at[3][0] != 0.0  # row_block_flags: entry 0 of the block's copy
-            pl.when(live)(gradient_pass)
-            pl.when(~live)(zero_pass)
-        else:
-            gradient_pass()
+        C.by_block_flag(f_smem.at[3] if skip else None, gradient_pass, zero_pass)
         plgpu.wait_smem_to_gmem(0)
 
     transforms = C.smem_transforms(jnp.dtype(dtype).itemsize)

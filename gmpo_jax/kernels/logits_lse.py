@@ -138,12 +138,7 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
             for i in range(3):
                 stat_smem[i] = zero
 
-        if skip:
-            live = k_smem.at[1][0] != 0.0  # row_block_flags: entry 0 of the block's copy
-            pl.when(live)(stats_pass)
-            pl.when(~live)(skipped_pass)
-        else:
-            stats_pass()
+        C.by_block_flag(k_smem.at[1] if skip else None, stats_pass, skipped_pass)
         plgpu.commit_smem()
         dst = (split, pl.ds(row0, bm))
         plgpu.copy_smem_to_gmem(stat_smem.at[0], m_out.at[dst])
