@@ -43,10 +43,10 @@ class MosaicGpuLogitsBackend:
     the three-pass path (GMPO, GSPO) skips whole 64-row blocks of the kernels' row view: the forward those
     whose rows are all masked (or dropped), the backward those whose rows all carry a zero gradient
     (masked tokens, zero-advantage sequences), which it fills with zeros. A skipped or masked token's
-    log-prob is reported as 0 (the objective ignores it). Exact either way. On by default: measured on an
-    H200 (docs/performance.md), a batch with 39 % of its tokens masked and 30 % zero-advantage sequences
-    took 0.73x (GMPO) / 0.78x (GRPO, fused) the time of the same batch fully live, against 1.0x without
-    skipping; a fully live batch costs at most a few percent more with it. False reads every row.
+    log-prob is reported as 0 (the objective ignores it). Exact either way. On by default: RL batches
+    (ragged completions, zero-advantage groups) save most of the skipped rows' bytes, a fully live batch pays
+    a little for the bookkeeping (measurements: docs/performance.md, "Exact work skipping in the logits
+    path"). False reads every row.
     ``resident_rows`` (fused path only): when a CTA's share of a row fits in its shared-memory ring (the
     device plan: a quarter of a Llama-3 or Qwen row per CTA of a cluster), the kernel's second pass reads
     the row from shared memory instead of fetching it again (measured faster on an H200); False re-reads
