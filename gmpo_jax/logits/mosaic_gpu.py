@@ -38,8 +38,10 @@ class MosaicGpuLogitsBackend:
     scales it by the cotangent (a cotangent other than 1 rounds a bf16 gradient twice, about one ulp);
     see :meth:`fused_plan` for when it
     applies (bf16 / f32, not with ``inplace``).
-    ``skip_masked_rows``: rows that need no work are not read. The fused kernel skips the rows of masked
-    tokens (and the dropped last position of ``[B, T + 1, V]`` logits), writing only their zero gradient;
+    ``skip_masked_rows``: rows that need no work are not read where the kernels can skip them. The fused
+    kernel skips the rows of masked tokens (and the dropped last position of ``[B, T + 1, V]`` logits),
+    writing only their zero gradient, when its plan allows (``FusedLogitsBlocks.skip_dead_rows``: a CTA's
+    share of a row resident in its ring, or ``stages`` at most its tiles of a row; the device plan is);
     the three-pass path (GMPO, GSPO) skips whole 64-row blocks of the kernels' row view: the forward those
     whose rows are all masked (or dropped), the backward those whose rows all carry a zero gradient
     (masked tokens, zero-advantage sequences), which it fills with zeros. A skipped or masked token's
