@@ -52,7 +52,8 @@ other ``kl_loss_mode`` / ``kl_clamp_value``  a second fused pass (:func:`gmpo_ja
 =====================================  =============================================================
 
 With ``objective=gmpo_jax.GMPO(...)`` the objective's epsilons are used (Tunix's ``epsilon`` is ignored);
-``beta`` and the reference still come from the Tunix config (the objective's own ``beta`` must be 0);
+``beta`` and the reference still come from the Tunix config (the objective's own ``beta`` must be 0, checked by
+:func:`register`: Tunix computes the reference log-probs only when its config's ``beta`` is non-zero);
 ``loss_agg_mode`` must be ``"sequence-mean-token-mean"`` (GMPO's own reduction is per sequence: the
 geometric mean over each packed sequence, the mean of ``-A exp(s)`` over the ``n+`` non-empty sequences,
 ``A`` a sequence's mean token advantage).
@@ -65,7 +66,8 @@ the last two aggregated per sequence like the loss.
 Not mapped (``NotImplementedError`` naming the feature): dual-clip PPO (``epsilon_c``), ``gspo-token``
 with ``sampler_is_weights`` (per-token weights make GSPO-token's gradient differ from a sequence ratio's),
 models whose ``__call__`` has no ``output_hidden_states``;
-with GMPO also ``gspo-token`` and other aggregation modes (GMPO takes ``sampler_is_weights`` as
+with GMPO also ``gspo-token``, other aggregation modes and ``use_bias_correction_kl`` with a KL that Tunix
+computes itself (a ``kl_loss_mode`` other than ``"low_var_kl"``, or ``kl_clamp_value``) (GMPO takes ``sampler_is_weights`` as
 ``rollout_is_ratio``: each sequence's term times the geometric mean of its tokens' weights). ``gspo-token`` with
 ``[B, T]`` advantages that vary within a sequence gives GSPO-token's loss value but a sequence ratio's
 gradient (Tunix's own learners give one advantage per sequence, also when packed). Tunix clamps token
@@ -119,6 +121,8 @@ def register(
     name: str = DEFAULT_NAME,
     objective: gmpo_jax.GMPO | None = None,
     *,
+    replace: bool = False,
+    algo_config: Any | None = None,
     compute_entropy: bool = False,
     chunk_size: int | None = None,
     implementation: Any | None = None,
@@ -130,11 +134,22 @@ def register(
     Pass the result as ``policy_loss_fn=`` of ``GRPOConfig`` / ``DAPOConfig`` / ``DrGRPOConfig`` (they do
     not validate the name) before building the learner, which looks the function up in its ``__init__``.
 
+    Everything that can be checked before the learner's first step is checked here, so that a mistake
+    raises now rather than inside the learner's loss after the first rollout: the objective (a GMPO's own
+    ``beta`` must be 0: the learner passes the KL coefficient in its config's ``beta`` and computes the
+    reference log-probs only when that ``beta`` is non-zero), the name and, when given, the learner's config
+    (what :func:`loss_arguments` would raise on its first call for the config alone).
+
     Args:
-      name: the registry name; Tunix's own ``"grpo"`` and ``"ppo"`` are refused (nothing of Tunix is
-        overwritten). Registering a name again replaces the earlier function (Tunix logs a warning).
+      name: the registry name, a non-empty string; Tunix's own ``"grpo"`` and ``"ppo"`` are refused (nothing
+        of Tunix is overwritten).
       objective: None for Tunix's own GRPO-family loss as its config describes it, or a
-        :class:`gmpo_jax.GMPO` for GMPO.
+        :class:`gmpo_jax.GMPO` for GMPO, with ``beta=0`` (set the KL coefficient as the config's ``beta``).
+      replace: a ``name`` already in Tunix's registry (registered earlier, by this function or another) is
+        refused unless True; then the new function replaces it (Tunix logs a warning).
+      algo_config: optional, the learner's ``GRPOConfig`` / ``DAPOConfig`` / ``DrGRPOConfig``: checked now
+        (its ``policy_loss_fn`` must be ``name``; the aggregation mode, ``loss_algo``, ``epsilon_c`` and,
+        with GMPO, the modes GMPO supports); create the config with ``policy_loss_fn=name``, then register.
       compute_entropy: also report Tunix's ``entropy`` metric (one more fused pass, no gradient).
       chunk_size, implementation: passed to :func:`gmpo_jax.fused_linear_policy_loss`.
       logits_precision: passed to it too; set (``"float32"``), the head weight keeps its own dtype (a float32
@@ -149,12 +164,19 @@ def register(
       ``name``.
 
     Raises:
-      ValueError: ``name`` is one of Tunix's built-in losses; ``max_completion_length`` not a positive
-        integer.
-      TypeError: ``objective`` is neither None nor a ``gmpo_jax.GMPO``.
+      ValueError: ``name`` is one of Tunix's built-in losses, or already registered and ``replace`` is
+        False; a GMPO objective whose ``beta`` is not 0; ``max_completion_length`` not a positive integer;
+        ``algo_config.policy_loss_fn`` is not ``name``; what :func:`loss_arguments` raises for
+        ``algo_config``'s aggregation mode or ``loss_algo``.
+      NotImplementedError: a feature of ``algo_config`` with no gmpo_jax counterpart (module docstring).
+      TypeError: ``name`` not a non-empty string; ``objective`` is neither None nor a ``gmpo_jax.GMPO``.
+
+    Nothing is registered when it raises.
     """
     from tunix.rl import function_registry
 
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
     if name in _TUNIX_BUILTIN_LOSSES:
         raise ValueError(f"{name=} is a Tunix built-in loss; choose another name (default {DEFAULT_NAME!r})")
     fn = make_policy_loss_fn(
@@ -165,6 +187,24 @@ def register(
         max_completion_length=max_completion_length,
         logits_precision=logits_precision,
     )
+    if algo_config is not None:
+        configured = getattr(algo_config, "policy_loss_fn", name)
+        if configured != name:
+            raise ValueError(
+                f"algo_config.policy_loss_fn={configured!r} but this registers {name=}: the learner would not "
+                "use this loss; create the config with policy_loss_fn=name"
+            )
+        _check_config(algo_config, objective)
+    try:
+        function_registry.get_policy_loss_fn(name)
+    except LookupError:
+        pass
+    else:
+        if not replace:
+            raise ValueError(
+                f"a policy loss named {name!r} is already registered with Tunix; choose another name, or pass "
+                "replace=True to replace it"
+            )
     function_registry.register_policy_loss_fn(name)(fn)
     return name
 
@@ -196,11 +236,11 @@ def make_policy_loss_fn(
 
     Raises:
       TypeError: ``objective`` is neither None nor a ``gmpo_jax.GMPO``; ``logits_precision`` not a string.
-      ValueError: ``max_completion_length`` not a positive integer; an unknown ``logits_precision``.
+      ValueError: a GMPO objective whose ``beta`` is not 0; ``max_completion_length`` not a positive integer;
+        an unknown ``logits_precision``.
     """
     check_logits_precision(logits_precision)
-    if objective is not None and not isinstance(objective, gmpo_jax.GMPO):
-        raise TypeError(f"objective must be None (Tunix's loss) or a gmpo_jax.GMPO, got {type(objective).__name__}")
+    _check_objective(objective)
     _check_max_completion_length(max_completion_length)
 
     def policy_loss_fn(model, train_example, algo_config, pad_id, eos_id, **unused):
@@ -365,7 +405,9 @@ def loss_arguments(
     """
     agg = algo_config.loss_agg_mode
     loss_algo = getattr(algo_config, "loss_algo", "grpo")
-    _check_supported(algo_config, train_example, agg, loss_algo)
+    _check_objective(objective)
+    _check_config(algo_config, objective)
+    _check_example(train_example, loss_algo)
     _check_max_completion_length(max_completion_length)
     mask = train_example.completion_mask
     segment_ids = getattr(train_example, "segment_ids", None)
@@ -374,12 +416,7 @@ def loss_arguments(
     B, T = mask.shape
     beta = float(getattr(algo_config, "beta", None) or 0.0)
     ref = train_example.ref_per_token_logps
-    fold_kl = (
-        ref is not None
-        and beta != 0.0
-        and algo_config.kl_loss_mode == "low_var_kl"
-        and getattr(algo_config, "kl_clamp_value", None) is None
-    )
+    fold_kl = ref is not None and beta != 0.0 and _folds_kl(algo_config)
     n, nonempty = _sequence_counts(_live(mask, segment_ids), segment_ids)
     sampler_is = getattr(train_example, "sampler_is_weights", None)
     kl_beta = beta if fold_kl else 0.0
@@ -387,7 +424,7 @@ def loss_arguments(
         norm = max_completion_length or T
         objective, scale, num_items = _tunix_objective(algo_config, agg, loss_algo, kl_beta, norm, n, nonempty)
     else:
-        objective, scale, num_items = _gmpo_objective(objective, agg, loss_algo, kl_beta, sampler_is, n, nonempty)
+        objective, scale, num_items = _gmpo_objective(objective, kl_beta, n, nonempty)
 
     temperature = getattr(algo_config, "temperature", None)
     temperature = 1.0 if temperature in (None, 0.0, 1.0) else temperature
@@ -412,14 +449,56 @@ def _check_max_completion_length(max_completion_length) -> None:
         raise ValueError(f"max_completion_length must be a positive integer or None, got {max_completion_length}")
 
 
-def _check_supported(algo_config: Any, train_example: Any, agg: str, loss_algo: str) -> None:
-    """Raise for the Tunix features with no gmpo_jax counterpart (the module docstring lists them)."""
+def _check_objective(objective) -> None:
+    """Raise for an objective the learner cannot run: neither None nor a GMPO, or a GMPO with its own beta."""
+    if objective is None:
+        return
+    if not isinstance(objective, gmpo_jax.GMPO):
+        raise TypeError(f"objective must be None (Tunix's loss) or a gmpo_jax.GMPO, got {type(objective).__name__}")
+    beta = _concrete(objective.beta)
+    if beta is None or beta.shape != () or float(beta) != 0.0:
+        raise ValueError(
+            f"objective.beta={objective.beta!r} must be 0 with Tunix: the learner passes the KL coefficient as its "
+            "config's beta (GRPOConfig(beta=...)) and computes the reference log-probs "
+            "(train_example.ref_per_token_logps) only when that beta is non-zero; gmpo_jax applies the config's "
+            "beta. Pass GMPO(beta=0.0) and set the config's beta"
+        )
+
+
+def _folds_kl(algo_config: Any) -> bool:
+    """True iff Tunix's KL is the k3 KL that the fused objective computes itself (else a second pass)."""
+    return algo_config.kl_loss_mode == "low_var_kl" and getattr(algo_config, "kl_clamp_value", None) is None
+
+
+def _check_config(algo_config: Any, objective) -> None:
+    """Raise for the config's Tunix features with no gmpo_jax counterpart (the module docstring lists them),
+    for ``objective`` (None or a GMPO) as :func:`loss_arguments` will use it."""
+    agg = algo_config.loss_agg_mode
+    loss_algo = getattr(algo_config, "loss_algo", "grpo")
     if agg not in _AGG_MODES:
         raise ValueError(f"unknown Tunix {agg=}; expected one of {_AGG_MODES}")
     if loss_algo not in ("grpo", "gspo-token"):
         raise ValueError(f"unknown Tunix {loss_algo=}; expected 'grpo' or 'gspo-token'")
     if getattr(algo_config, "epsilon_c", None) is not None:
         raise NotImplementedError("dual-clip PPO (algo_config.epsilon_c) is not supported by gmpo_jax")
+    if objective is None:
+        return
+    if loss_algo != "grpo":
+        raise NotImplementedError(f"GMPO is token-level; Tunix {loss_algo=} has no GMPO counterpart")
+    if agg != "sequence-mean-token-mean":
+        raise NotImplementedError(f"GMPO reduces per sequence; Tunix {agg=} is not supported with it")
+    beta = float(getattr(algo_config, "beta", None) or 0.0)
+    if objective.use_bias_correction_kl and beta != 0.0 and not _folds_kl(algo_config):
+        raise NotImplementedError(
+            "GMPO(use_bias_correction_kl=True) corrects the k3 KL that GMPO computes itself; Tunix's "
+            f"kl_loss_mode={algo_config.kl_loss_mode!r} / kl_clamp_value="
+            f"{getattr(algo_config, 'kl_clamp_value', None)!r} run as Tunix's own KL, which it would not "
+            "correct: set kl_loss_mode='low_var_kl' and kl_clamp_value=None, or use_bias_correction_kl=False"
+        )
+
+
+def _check_example(train_example: Any, loss_algo: str) -> None:
+    """Raise for the train example's Tunix features with no gmpo_jax counterpart, and its advantages' shape."""
     if loss_algo == "gspo-token" and getattr(train_example, "sampler_is_weights", None) is not None:
         raise NotImplementedError(
             "loss_algo='gspo-token' with train_example.sampler_is_weights is not supported: with per-token "
@@ -472,17 +551,10 @@ def _tunix_objective(algo_config: Any, agg: str, loss_algo: str, beta: float, no
     return objective, scale, num_items
 
 
-def _gmpo_objective(objective, agg: str, loss_algo: str, beta: float, sampler_is, n, nonempty):
-    """``(GMPO objective with Tunix's beta, loss scale, None)``; raises where Tunix's options do not apply.
+def _gmpo_objective(objective, beta: float, n, nonempty):
+    """``(GMPO objective with Tunix's beta, loss scale, None)`` (:func:`_check_config` checked the modes).
     ``sampler_is_weights`` pass as ``rollout_is_ratio`` (GMPO weights each sequence by the geometric mean of
     its tokens' weights, SPEC.md "Rollout correction")."""
-    del sampler_is
-    if objective.beta != 0.0:
-        raise ValueError(f"{objective.beta=}: with Tunix set beta in its config (algo_config.beta)")
-    if loss_algo != "grpo":
-        raise NotImplementedError(f"GMPO is token-level; Tunix {loss_algo=} has no GMPO counterpart")
-    if agg != "sequence-mean-token-mean":
-        raise NotImplementedError(f"GMPO reduces per sequence; Tunix {agg=} is not supported with it")
     objective = gmpo_jax.GMPO(
         epsilon_low=objective.epsilon_low,
         epsilon_high=objective.epsilon_high,
