@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.experimental.pallas as pl
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from gmpo_jax import _lse
@@ -45,6 +46,9 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 BLOCK_ROWS = 64  # rows of one warpgroup's WGMMA register tile (m = 64): the logits kernels' row block
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a per-row vector of a WGMMA tile (a row lives in one quad of threads)
+# float32 constants for a select between two constants: ``jnp.where(c, 1.0, 0.0)`` of Python floats is a
+# float64 array under jax_enable_x64 (issue 31: no float64 work on the GPU path)
+ONE, ZERO = np.float32(1.0), np.float32(0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,7 +195,7 @@ def tile_tail(p, tie, exact_one: bool = True):
     tail = jnp.where(tie, 0.0, p).sum(axis=1)
     if exact_one:
         return tail, jnp.round(p.sum(axis=1) - tail)
-    return tail, jnp.where(tie, 1.0, 0.0).sum(axis=1)
+    return tail, jnp.where(tie, ONE, ZERO).sum(axis=1)
 
 
 def online_merge(m_old, l_old, m_new, rescale, tail, ties):

@@ -447,7 +447,7 @@ def _cluster_merge(xchg, cluster: int, i, m, l, k, interpret):
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     # the parts at the maximum keep their l and are counted; the others' whole sums l + 1 are rescaled
     terms = [jnp.where(mj == m, lj, (lj + 1.0) * jnp.exp2((mj - m_safe) * k)) for mj, lj in zip(ms, ls)]
-    ties = [jnp.where(mj == m, 1.0, 0.0) for mj in ms]
+    ties = [jnp.where(mj == m, C.ONE, C.ZERO) for mj in ms]
     return m, sum(terms) + (sum(ties) - 1.0)
 
 
@@ -470,7 +470,7 @@ def _token_step(rd, k, m, l, token_fn, live) -> _Token:
     m_max = m.max()
     m_all = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     same = m == m_max
-    l_all = jnp.where(same, l, (l + 1.0) * jnp.exp2((m - m_all) * k)).sum() + (jnp.where(same, 1.0, 0.0).sum() - 1.0)
+    l_all = jnp.where(same, l, (l + 1.0) * jnp.exp2((m - m_all) * k)).sum() + (jnp.where(same, C.ONE, C.ZERO).sum() - 1.0)
     log2_l = C.log2_1p(l_all)
     lse = (m_all * k + log2_l) * C.LN2
     # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
