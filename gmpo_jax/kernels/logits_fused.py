@@ -470,7 +470,9 @@ def _token_step(rd, k, m, l, token_fn, live) -> _Token:
     m_max = m.max()
     m_all = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     same = m == m_max
-    l_all = jnp.where(same, l, (l + 1.0) * jnp.exp2((m - m_all) * k)).sum() + (jnp.where(same, C.ONE, C.ZERO).sum() - 1.0)
+    l_all = jnp.where(same, l, (l + 1.0) * jnp.exp2((m - m_all) * k)).sum() + (
+        jnp.where(same, C.ONE, C.ZERO).sum() - 1.0
+    )
     log2_l = C.log2_1p(l_all)
     lse = (m_all * k + log2_l) * C.LN2
     # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
