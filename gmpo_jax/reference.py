@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmpo_jax import _lse
 from gmpo_jax import _validation as V_
 from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, evaluate, high_entropy_tokens, loss_and_aux
 
@@ -37,7 +38,7 @@ def logits(hidden, weight, *, bias=None, temperature=1.0, weight_layout="hv", up
 def _target_logprobs(z, ids):
     """``log_softmax(z)[ids]`` in float32; NaN where an id lies outside ``[0, V)``."""
     V = z.shape[-1]
-    logp_all = jax.nn.log_softmax(z.astype(jnp.float32), axis=-1)
+    logp_all = _lse.log_softmax(z.astype(jnp.float32), axis=-1)  # the tail kept apart from the max (issue 31)
     logp = jnp.take_along_axis(logp_all, jnp.clip(ids, 0, V - 1)[..., None], axis=-1)[..., 0]
     return jnp.where((ids >= 0) & (ids < V), logp, jnp.nan)
 
@@ -47,15 +48,15 @@ def _loss(objective: Objective, z, inputs: PolicyInputs, top_entropy_quantile) -
     V_.check_top_entropy_quantile(top_entropy_quantile)
     threshold = None
     if top_entropy_quantile != 1.0:
-        p = jax.nn.softmax(lax.stop_gradient(z), axis=-1)
-        entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+        ls = _lse.log_softmax(lax.stop_gradient(z), axis=-1)
+        entropy = -jnp.sum(jnp.where(jnp.isfinite(ls), jnp.exp(ls) * ls, 0.0), axis=-1)
         select, threshold = high_entropy_tokens(entropy, inputs.mask, top_entropy_quantile)
         inputs = inputs._replace(token_select=select)
     logp = _target_logprobs(z, inputs.ids)
     denom = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(jnp.float32)
     num, sums, _ = evaluate(objective, logp, inputs, denom, with_grads=False)
     if inputs.entropy_coef is not None:  # -c sum w H, differentiated by autodiff through full logits
-        ls = jax.nn.log_softmax(z, axis=-1)
+        ls = _lse.log_softmax(z, axis=-1)
         ent = -jnp.sum(jnp.where(jnp.isfinite(ls), jnp.exp(ls) * ls, 0.0), axis=-1)
         w = objective.entropy_weights(inputs.mask, inputs.segment_ids)
         num = num - inputs.entropy_coef * jnp.sum(w * ent)

@@ -630,7 +630,7 @@ def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop
 
 def test_interpret_split_of_masked_vocabulary_is_not_nan():
     """A -inf bias over the last vocabulary tiles (a padded vocabulary masked by ``vocab_size``) leaves a
-    whole split without a finite logit: its statistics must stay (m = -inf, l = 0), not NaN, and the merged
+    whole split without a finite logit: its statistics must stay (m = -inf, l = -1), not NaN, and the merged
     log-sum-exp must equal the float64 one over the finite columns. Rows with every column masked give
     lse = -inf. (Was NaN: exp2(-inf - -inf).)"""
     from gmpo_jax.kernels._compat import interpret_params
@@ -654,12 +654,13 @@ def test_interpret_split_of_masked_vocabulary_is_not_nan():
         num_splits=3,
         interpret=interpret_params(),
     )
-    assert np.all(np.asarray(m2)[2] == -np.inf) and np.all(np.asarray(l)[2] == 0)
+    # the empty state (m = -inf, l = -1): l is the sum excluding one instance of the max (issue 31)
+    assert np.all(np.asarray(m2)[2] == -np.inf) and np.all(np.asarray(l)[2] == -1)
     _, lse = lm_head_merge_splits(m2, l, t2)
     z = np.asarray(h, np.float64) @ np.asarray(w, np.float64)[:, :250]
     want = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1))
     np.testing.assert_allclose(np.asarray(lse), want, rtol=0, atol=LOGP_TOL * (1 + np.abs(z).max()))
-    all_masked = lm_head_merge_splits(jnp.full((2, 4), -jnp.inf), jnp.zeros((2, 4)), jnp.zeros((2, 4)))[1]
+    all_masked = lm_head_merge_splits(jnp.full((2, 4), -jnp.inf), jnp.full((2, 4), -1.0), jnp.zeros((2, 4)))[1]
     assert np.all(np.asarray(all_masked) == -np.inf)
 
 

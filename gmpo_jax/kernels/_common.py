@@ -33,8 +33,10 @@ from typing import NamedTuple
 import jax
 import jax.experimental.pallas as pl
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from gmpo_jax import _lse
 from gmpo_jax.kernels._compat import load_vector, needs_value_matmul, plgpu, value_matmul, wgmma
 
 # Hopper: 227 KiB of shared memory per block (232448 bytes).
@@ -44,6 +46,9 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 BLOCK_ROWS = 64  # rows of one warpgroup's WGMMA register tile (m = 64): the logits kernels' row block
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a per-row vector of a WGMMA tile (a row lives in one quad of threads)
+# float32 constants for a select between two constants: ``jnp.where(c, 1.0, 0.0)`` of Python floats is a
+# float64 array under jax_enable_x64 (issue 31: no float64 work on the GPU path)
+ONE, ZERO = np.float32(1.0), np.float32(0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,20 +158,53 @@ class MergedSplits(NamedTuple):
     m_all: jax.Array  # the maximum of ``z2`` over every split (``-inf``: no finite logit)
     m_ref: jax.Array  # ``m_all``, 0 where it is ``-inf`` (the reference the sums are re-based to)
     alpha: jax.Array  # ``[S, R]`` ``exp2(m2 - m_ref)``: each split's rescale factor
-    l_all: jax.Array  # ``sum exp2(z2 - m_ref)`` over every split
-    lse2: jax.Array  # ``m_all + log2(l_all)``: the base-2 log-sum-exp (``-inf`` for an empty row)
+    l_all: jax.Array  # ``sum exp2(z2 - m_ref) - 1`` over every split (one instance of the max excluded)
+    log2_l: jax.Array  # ``log2(1 + l_all)``, from ``log1p`` (``-inf`` for an empty row)
+    lse2: jax.Array  # ``m_all + log2_l``: the base-2 log-sum-exp (``-inf`` for an empty row)
 
 
 def merge_splits(m2, l) -> MergedSplits:
     """Merges per-split online log-sum-exp statistics ``m2`` (running max of ``z2``) and ``l`` (sum of
-    ``exp2(z2 - m2)``), both ``[S, R]`` float32, into the row's base-2 log-sum-exp; a split (or a row) with
-    no finite logit (``m2 = -inf``, ``l = 0``) adds nothing (no NaN from ``-inf - -inf``). Used by both
-    ops' log-sum-exp kernels (``lm_head_merge_splits``, ``logits_merge_splits``)."""
-    m_all = m2.max(axis=0)
+    ``exp2(z2 - m2)`` excluding one instance of the max: ``gmpo_jax._lse``), both ``[S, R]`` float32, into
+    the row's base-2 log-sum-exp; a split (or a row) with no finite logit (``m2 = -inf``, ``l = -1``) adds
+    nothing (no NaN from ``-inf - -inf``). Used by both ops' log-sum-exp kernels (``lm_head_merge_splits``,
+    ``logits_merge_splits``)."""
+    m_all, l_all, alpha = _lse.merge(m2, l, axis=0, exp=jnp.exp2)
     m_ref = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-    alpha = jnp.exp2(m2 - m_ref[None])
-    l_all = (l * alpha).sum(axis=0)
-    return MergedSplits(m_all, m_ref, alpha, l_all, m_all + jnp.log2(l_all))
+    log2_l = jnp.log1p(l_all) * LOG2E
+    return MergedSplits(m_all, m_ref, alpha, l_all, log2_l, m_all + log2_l)
+
+
+def log2_1p(x):
+    """``log2(1 + x)`` for ``x >= -1`` inside a kernel (Mosaic GPU lowers no ``log1p``): for ``|x| < 1/2``
+    ``2 atanh(s) log2(e)``, ``s = x / (2 + x)``, by its odd series to ``s**11`` (``|s| <= 1/3``: truncation
+    below ``3e-7`` of it at ``s = 1/3``, below ``1e-9`` at ``x <= 1/2``, ``s <= 1/5``), else ``log2(1 + x)``
+    (there ``1 + x`` carries ``x``'s digits); ``-inf`` at ``x = -1`` (an empty row)."""
+    s = x / (2.0 + x)
+    s2 = s * s
+    series = s * (2.0 * LOG2E) * (1.0 + s2 * (1.0 / 3 + s2 * (1.0 / 5 + s2 * (1.0 / 7 + s2 * (1.0 / 9 + s2 / 11)))))
+    return jnp.where(jnp.abs(x) < 0.5, series, jnp.log2(1.0 + x))
+
+
+def tile_tail(p, tie, exact_one: bool = True):
+    """``(tail, ties)`` ``[m]`` of a ``[m, n]`` tile's exponentials ``p`` relative to the running maximum and
+    ``tie`` (``[m, n]`` bool) where the logit equals it: the sum of ``p`` off the ties, and their count (an
+    exact integer). ``exact_one``: ``p`` is exactly ``exp2(0) = 1`` at every tie (the exponent was formed
+    as ``z - m``), so the count is ``round(sum p - tail)`` (one select per logit more than ``sum p``; the
+    rounding is exact for ``sum p < 2**21``); otherwise it is counted (a second select)."""
+    tail = jnp.where(tie, 0.0, p).sum(axis=1)
+    if exact_one:
+        return tail, jnp.round(p.sum(axis=1) - tail)
+    return tail, jnp.where(tie, ONE, ZERO).sum(axis=1)
+
+
+def online_merge(m_old, l_old, m_new, rescale, tail, ties):
+    """The running state ``(m, l)`` (``l``: the sum excluding one instance of the maximum, ``gmpo_jax._lse``)
+    after a tile: ``l_new`` for the old state ``(m_old, l_old)`` rescaled to ``m_new`` by ``rescale =
+    exp2(m_old - m_new)`` (0 when ``m_old = -inf``) plus the tile's :func:`tile_tail` ``(tail, ties)``
+    relative to ``m_new``. O(1) per row; the maximum's own ``1`` never enters a sum with the tail."""
+    same = m_old == m_new
+    return jnp.where(same, l_old + (tail + ties), l_old * rescale + (rescale + (tail + (ties - 1.0))))
 
 
 # |d| <= 3 * 2**-23 |lse2| is 3 to 6 float32 ulps of the log-sum-exp: what its roundings can move it

@@ -118,7 +118,7 @@ def lm_head_dlogits_window(
             z2 = z * C.bcast_rows(scale_v, shape) - C.bcast_rows(lse2_v, shape)
             z2 = jnp.where(jnp.abs(z2) <= C.bcast_rows(tol_v, shape), 0.0, z2)  # see C.snap_tolerance
             p = jnp.where(col < vocab_size, jnp.exp2(z2), 0.0)
-            onehot = jnp.where(col == C.bcast_rows(ids_v, shape), 1.0, 0.0)
+            onehot = jnp.where(col == C.bcast_rows(ids_v, shape), C.ONE, C.ZERO)
             dz32 = C.bcast_rows(coef_v, shape) * (onehot - p)
             if with_ent:  # -(gamma / T) p (ln p + H); ln p = z2 ln 2, clamped where p underflows to 0
                 log_p = jnp.maximum(z2, -256.0) * C.LN2

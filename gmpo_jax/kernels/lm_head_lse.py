@@ -77,7 +77,8 @@ def lm_head_lse_partials(
 
     Returns:
       ``(m2, l, t2)`` or, with ``with_entropy``, ``(m2, l, t2, e2)``, each ``[num_splits, Rp]`` f32:
-      per split the running max of ``z2 = z * log2 e``, the sum of ``exp2(z2 - m2)``, the target's
+      per split the running max of ``z2 = z * log2 e``, the sum of ``exp2(z2 - m2)`` less one (one instance
+      of the maximum excluded, ``gmpo_jax._lse``; -1 for a split without a finite logit), the target's
       ``z2`` (0 when the split does not hold the target) and ``sum exp2(z2 - m2) (z2 - m2)``. With
       ``save_tiles``, two more: ``d`` ``[Rp, save_tiles * block_n]`` f16 (``z2 - m``, ``-inf`` past ``V``)
       and ``m`` ``[save_tiles, Rp]`` f32 (the running maximum after each tile, 0 while it is ``-inf``).
@@ -106,7 +107,7 @@ def lm_head_lse_partials(
             ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)
             scale_v = C.row_vector(scale_ref, my_rows, bm, interpret)
             m2 = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
-            l = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+            l = layout_cast(jnp.full((bm,), -1.0, jnp.float32), C.ROW, interpret)  # empty: (-inf, -1)
             t2 = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
             stats = (m2, l, t2) + (
                 (layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret),) if with_entropy else ()
@@ -131,11 +132,13 @@ def lm_head_lse_partials(
             p = jnp.exp2(d)
             rescale = jnp.exp2(m2 - m_ref)
             if with_entropy:
-                # e2 = sum_v p_v (z2_v - m): moves with the maximum like l (the shift is 0 while l is 0, and
-                # max(d, -256) keeps p * d = 0 * -inf away from masked columns)
+                # e2 = sum_v p_v (z2_v - m): moves with the maximum like the whole sum l + 1 (the shift is 0
+                # while the row is empty, and max(d, -256) keeps p * d = 0 * -inf away from masked columns)
                 shift = jnp.where(m2 == -jnp.inf, 0.0, m2 - m_ref)
-                e2 = [rescale * (e2[0] + l * shift) + (p * jnp.maximum(d, -256.0)).sum(axis=1)]
-            l = l * rescale + p.sum(axis=1)
+                e2 = [rescale * (e2[0] + (l + 1.0) * shift) + (p * jnp.maximum(d, -256.0)).sum(axis=1)]
+            # l excludes one instance of the maximum (d == 0 exactly there): the tail is never rounded to
+            # ulps of the maximum's exp2(0) = 1 (issue 31)
+            l = C.online_merge(m2, l, m_new, rescale, *C.tile_tail(p, d == 0.0))
             t2 = t2 + jnp.where(col == C.bcast_rows(ids_v, shape), z2, 0.0).sum(axis=1)
             if save_logits:
                 d_out, m_out = saved
@@ -223,15 +226,18 @@ def lm_head_merge_splits(m2, l, t2, e2=None):
     positive log-prob. ``logp <= 0`` is then exact (as in the XLA paths). The entropy
     ``H = lse - E_p[z] = (log2 l - e2 / l) ln 2`` (relative to the max: no cancellation of large
     logits) is clipped to ``[0, log V]`` like the XLA path's and is 0 for a row with no finite logit.
+    ``l`` is the sum excluding one instance of the maximum (``gmpo_jax._lse``): ``lse2 = m + log2(1 + l)``
+    from ``log1p`` and ``logp = ((t2 - m) - log2(1 + l)) ln 2``, so a tail of tiny terms is not rounded to
+    ulps of the maximum's 1.
     """
-    m_all, m_ref, alpha, l_all, lse2 = C.merge_splits(m2, l)  # a row with no finite logit: lse = -inf
-    logp = jnp.minimum((t2.sum(axis=0) - lse2) * C.LN2, 0.0)
+    m_all, m_ref, alpha, l_all, log2_l, lse2 = C.merge_splits(m2, l)  # a row with no finite logit: lse = -inf
+    # relative to the maximum: exact for the argmax (logp = -log1p(l)); the merged l excludes it
+    logp = jnp.minimum(((t2.sum(axis=0) - m_ref) - log2_l) * C.LN2, 0.0)
     if e2 is None:
         return logp, lse2 * C.LN2
-    # each split's sum re-based to the global max; an empty split (l = 0, m2 = -inf) adds nothing
-    shift = jnp.where(l > 0, m2 - m_ref[None], 0.0)
-    e_all = (alpha * (e2 + l * shift)).sum(axis=0)
+    # each split's sum re-based to the global max; an empty split (l = -1, m2 = -inf) adds nothing
+    shift = jnp.where(m2 == -jnp.inf, 0.0, m2 - m_ref[None])
+    e_all = (alpha * (e2 + (l + 1.0) * shift)).sum(axis=0)
     empty = m_all == -jnp.inf
-    safe_l = jnp.where(empty, 1.0, l_all)
-    ent = jnp.where(empty, 0.0, (jnp.log2(safe_l) - e_all / safe_l) * C.LN2)
+    ent = jnp.where(empty, 0.0, (log2_l - e_all / jnp.where(empty, 1.0, 1.0 + l_all)) * C.LN2)
     return logp, lse2 * C.LN2, ent

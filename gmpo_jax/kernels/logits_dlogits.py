@@ -140,7 +140,7 @@ def logits_dlogits(
 
         def zero_pass():  # no row of the block carries gradient: one tile of zeros, stored to every tile
             col = iota(jnp.int32, shape, 1, plgpu.Layout.WGMMA, interpret)
-            o_smem.at[0][...] = jnp.where(col < 0, 1.0, 0.0).astype(dtype)  # (zeros in the stores' layout)
+            o_smem.at[0][...] = jnp.where(col < 0, C.ONE, C.ZERO).astype(dtype)  # (zeros in the stores' layout)
             plgpu.commit_smem()
 
             @pl.loop(0, n_tiles)

@@ -269,12 +269,12 @@ def _fused_kernel(
     ring.start()
     bs = plan.bs
     neg_inf = layout_cast(jnp.full((bs,), -jnp.inf, jnp.float32), C.ROW, interpret)
-    zero = layout_cast(jnp.full((bs,), 0.0, jnp.float32), C.ROW, interpret)
+    minus_one = layout_cast(jnp.full((bs,), -1.0, jnp.float32), C.ROW, interpret)  # l of an empty slab row
 
     @pl.loop(0, ring.n_rows)
     def _row(i):
         rd, k, live = ring.start_row(i)
-        m, l = _pass_a(ring, i, k, live, (neg_inf, zero), interpret)
+        m, l = _pass_a(ring, i, k, live, (neg_inf, minus_one), interpret)
         live_next = ring.row_live(ring.row_data(i + 1))  # (stale after the last row: no fetch uses it)
         if plan.cfg.cluster > 1:
             m, l = _cluster_merge(xchg, plan.cfg.cluster, i, m, l, k, interpret)
@@ -379,8 +379,8 @@ def _both(live, x):
 
 def _pass_a(ring: _Ring, i, k, live, init, interpret):
     """Pass A: the online log-sum-exp of row ``i``'s tiles, per slab row: ``(m, l)`` ``[bs]`` float32 with
-    ``m`` the running max of the raw logits and ``l = sum exp2((x - m) k)``. A dead row (skipping) reads
-    nothing: ``m = -inf``, ``l = 0``."""
+    ``m`` the running max of the raw logits and ``l = sum exp2((x - m) k) - 1`` (one instance of the maximum
+    excluded, ``gmpo_jax._lse``). A dead row (skipping) reads nothing: ``m = -inf``, ``l = -1``."""
     plan = ring.plan
     stages, f0, shape = plan.cfg.stages, i * ring.steps_per_row, (plan.bs, ring.x_smem.shape[-1])
 
@@ -396,8 +396,10 @@ def _pass_a(ring: _Ring, i, k, live, init, interpret):
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf slab row so far: no NaN
         # (x - m) k, not x k - m k: the compiler contracts the latter into a multiply-add, which leaves the
         # maximum the rounding error of m k (2**+-0.5 when m k ~ 1e7, i.e. tiny temperatures)
-        p = jnp.exp2((xr - C.bcast_rows(m_safe, shape)) * k)
-        l = l * jnp.exp2((m - m_safe) * k) + p.sum(axis=1)
+        d = xr - C.bcast_rows(m_safe, shape)  # exactly 0 at the maximum
+        p = jnp.exp2(d * k)
+        # l excludes one instance of the maximum: the tail is not rounded to ulps of its 1 (issue 31)
+        l = C.online_merge(m, l, m_new, jnp.exp2((m - m_safe) * k), *C.tile_tail(p, d == 0.0))
         if not plan.resident:  # refill the slot (resident: pass B reads it again, and refills it)
             plgpu.commit_smem()  # every thread has read x_smem[slot] before it is refilled
 
@@ -443,14 +445,17 @@ def _cluster_merge(xchg, cluster: int, i, m, l, k, interpret):
     plgpu.barrier_arrive(read)
     m = functools.reduce(jnp.maximum, ms)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    return m, sum(lj * jnp.exp2((mj - m_safe) * k) for mj, lj in zip(ms, ls))
+    # the parts at the maximum keep their l and are counted; the others' whole sums l + 1 are rescaled
+    terms = [jnp.where(mj == m, lj, (lj + 1.0) * jnp.exp2((mj - m_safe) * k)) for mj, lj in zip(ms, ls)]
+    ties = [jnp.where(mj == m, C.ONE, C.ZERO) for mj in ms]
+    return m, sum(terms) + (sum(ties) - 1.0)
 
 
 class _Token(NamedTuple):
     """The token step's per-row scalars (float32)."""
 
     m_all: jax.Array  # the row's maximum raw logit (0 where it is -inf)
-    log2_l: jax.Array  # log2 of the row's sum of exp2((x - m_all) k)
+    log2_l: jax.Array  # log2 of the row's sum of exp2((x - m_all) k) (log2(1 + l_all), C.log2_1p)
     lse: jax.Array  # log-sum-exp of z / T
     logp: jax.Array  # the target's log-prob (0 for a dead row with skipping)
     c: jax.Array  # the gradient scale scale * d ptl / d logp (0 where scale == 0)
@@ -460,11 +465,15 @@ class _Token(NamedTuple):
 def _token_step(rd, k, m, l, token_fn, live) -> _Token:
     """The token step: the row's log-sum-exp from its per-slab-row ``(m, l)``, the target's log-prob and
     the objective's per-token loss and derivative (``token_fn``) from the row data ``rd``."""
-    # the slab rows merged: lse = (m_all k + log2 l_all) ln 2
-    m_all = m.max()
-    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-    l_all = (l * jnp.exp2((m - m_all) * k)).sum()
-    log2_l = jnp.log2(l_all)
+    # the slab rows merged (``_lse.merge``; l excludes one instance of the maximum): lse = (m_all k +
+    # log2(1 + l_all)) ln 2
+    m_max = m.max()
+    m_all = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    same = m == m_max
+    l_all = jnp.where(same, l, (l + 1.0) * jnp.exp2((m - m_all) * k)).sum() + (
+        jnp.where(same, C.ONE, C.ZERO).sum() - 1.0
+    )
+    log2_l = C.log2_1p(l_all)
     lse = (m_all * k + log2_l) * C.LN2
     # the target relative to the row's maximum: exact for the argmax (logp = -ln l) at any temperature
     logp = jnp.minimum(((rd[RowData.TARGET_LOGIT] - m_all) * k - log2_l) * C.LN2, 0.0)

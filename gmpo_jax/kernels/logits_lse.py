@@ -50,7 +50,8 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
 
     Returns:
       ``(m2, l, t2)``, each ``[num_splits, R]`` float32: running max of ``z2 = x * k``, sum of
-      ``exp2(z2 - m2)`` and the target's ``z2`` (0 where the split does not hold it; 0 everywhere without
+      ``exp2(z2 - m2)`` less one (one instance of the maximum excluded, ``gmpo_jax._lse``; -1 for a split
+      without a finite logit) and the target's ``z2`` (0 where the split does not hold it; 0 everywhere without
       ``cfg.pick_target``).
     """
     R, V = x.shape
@@ -76,6 +77,7 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
         ids_v, k_v, *_ = C.load_row_vectors(pairs, row0, vec_barrier, interpret)
         neg_inf = layout_cast(jnp.full((bm,), -jnp.inf, jnp.float32), C.ROW, interpret)
         zero = layout_cast(jnp.full((bm,), 0.0, jnp.float32), C.ROW, interpret)
+        minus_one = layout_cast(jnp.full((bm,), -1.0, jnp.float32), C.ROW, interpret)  # l of an empty row
 
         def body(idx, x_smem, carry):
             m2, l, t2 = carry
@@ -88,8 +90,10 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
             # online log-sum-exp: the new running max, the sum rescaled to it
             m_new = jnp.maximum(m2, z2.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all -inf row so far: no NaN
-            p = jnp.exp2(z2 - C.bcast_rows(m_safe, shape))
-            l = l * jnp.exp2(m2 - m_safe) + p.sum(axis=1)
+            d = z2 - C.bcast_rows(m_safe, shape)  # exactly 0 at the maximum
+            p = jnp.exp2(d)
+            # l excludes one instance of the maximum: the tail is not rounded to ulps of its 1 (issue 31)
+            l = C.online_merge(m2, l, m_new, jnp.exp2(m2 - m_safe), *C.tile_tail(p, d == 0.0))
             # the target's column within the tile; one below `nominal` was picked by an earlier tile
             want = jnp.where(ids_v >= nominal, ids_v - start, -1)
             t2 = t2 + jnp.where(col == C.bcast_rows(want, shape), z2, 0.0).sum(axis=1)
@@ -104,7 +108,9 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
             m_new = jnp.maximum(m, xr.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp2(xr * C.bcast_rows(k_v, shape) - C.bcast_rows(m_safe * k_v, shape))
-            l = l * jnp.exp2((m - m_safe) * k_v) + p.sum(axis=1)
+            # the maximum's p is a fused multiply-add's residual away from 1: its instances are counted
+            tail = C.tile_tail(p, xr == C.bcast_rows(m_safe, shape), exact_one=False)
+            l = C.online_merge(m, l, m_new, jnp.exp2((m - m_safe) * k_v), *tail)
             return m_new, l, t2
 
         def index_map(t):
@@ -126,7 +132,7 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
                         )
                     ],
                     max_concurrent_steps=stages,
-                    init_carry=(neg_inf, zero, zero),
+                    init_carry=(neg_inf, minus_one, zero),
                 )(x_ref)
             if not cfg.pick_target:
                 m2 = m2 * k_v  # to the base-2 units of z2 (-inf stays -inf: k > 0)

@@ -809,13 +809,13 @@ class _GradPass:
 
 def _window_mass(m2, l, t2, lse, ids, window: int):
     """Each row's softmax mass off its target per vocabulary window, ``[R, n_windows]`` float32, from the log-prob
-    kernel's per-split statistics (one split per window, ``[n_windows, R]``): ``l 2^(m2 - lse2)`` less the
+    kernel's per-split statistics (one split per window, ``[n_windows, R]``): ``(l + 1) 2^(m2 - lse2)`` less the
     target's ``2^(t2 - lse2)`` in its own window (float32 rounding: about ``1e-7`` of the row's largest
     probability)."""
     from gmpo_jax.kernels import _common as C
 
     lse2 = (lse * C.LOG2E)[None]
-    total = jnp.where(l > 0, l * jnp.exp2(m2 - lse2), 0.0)
+    total = jnp.where(l >= 0, (l + 1.0) * jnp.exp2(m2 - lse2), 0.0)  # l: one instance of the max excluded
     own = jnp.arange(m2.shape[0], dtype=jnp.int32)[:, None] == (ids.astype(jnp.int32) // window)[None]
     target = jnp.where(own, jnp.exp2(t2 - lse2), 0.0)
     return jnp.maximum(total - target, 0.0).T

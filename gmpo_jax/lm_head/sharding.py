@@ -56,10 +56,12 @@ Design decisions (and why):
 * **Vocabulary parallelism is a backend wrapper.** ``VocabParallelBackend`` wraps any backend of the
   seam (``gmpo_jax/lm_head/backend.py``): the inner backend sees its local ``[H, V/n]`` shard and ids shifted by
   the shard's offset and returns its local ``(logp, lse)``; the wrapper combines the shards' log-sum-
-  exps with ``pmax`` / ``psum`` (``lse = M + log sum_k exp(lse_k - M)``) and takes the target logit from
-  the one shard that owns it (``psum`` of ``logp_k + lse_k`` where owned, 0 elsewhere). The gradient
+  exps with ``pmax`` / ``psum`` (``lse = M + log1p(l)``, ``l = sum_k exp(lse_k - M) - 1`` with the shards at
+  ``M`` counted as exact ones apart from the others' mass: ``gmpo_jax._lse``) and takes the target's
+  log-prob from the one shard that owns it (``psum`` of ``logp_k + lse_k - M`` where owned, less
+  ``log1p(l)``). The gradient
   uses the global ``lse``, so each shard's ``dW`` / ``db`` block is local and final; the hidden
-  gradient partials are ``psum``-ed over the vocabulary axis (in float32). Per chunk that is three
+  gradient partials are ``psum``-ed over the vocabulary axis (in float32). Per chunk that is four
   ``[R]`` all-reduces forward and one ``[R, H]`` all-reduce backward; the weight never moves. Any
   backend joins unchanged, provided it treats the id -1 as "no target here" (NaN log-prob, zero
   one-hot; the ids another shard owns are passed as -1): the Pallas backend can run inside the same
@@ -300,18 +302,26 @@ class VocabParallelBackend:
         )
         logp_k, lse_k = out[:2]
         with jax.named_scope("gmpo_jax/vocab_parallel/combine"):
+            # the shards' log-sum-exps merged as states (lse_k, 0) (gmpo_jax._lse): the sum excludes one
+            # instance of the largest, so the others' mass is not rounded to ulps of its exp(0) = 1
             m = lax.pmax(lse_k, self.axis)
-            m = jnp.where(jnp.isneginf(m), 0.0, m)  # every column masked: keep lse = -inf, not NaN
-            lse = m + jnp.log(lax.psum(jnp.exp(lse_k - m), self.axis))
-            tgt = lax.psum(jnp.where(owned, logp_k + lse_k, 0.0), self.axis)
+            empty = jnp.isneginf(m)  # every column masked: keep lse = -inf, not NaN
+            a = lse_k - jnp.where(empty, 0.0, m)  # <= 0, exactly 0 on the shards at the maximum
+            top = a == 0.0
+            tail, n_top = lax.psum((jnp.where(top, 0.0, jnp.exp(a)), jnp.where(top, 1.0, 0.0)), self.axis)
+            l = tail + (n_top - 1.0)  # the top shards' exp(0) = 1 counted exactly, apart from the tail
+            l1 = jnp.log1p(l)
+            lse = m + l1
+            # the owner's logp_k re-based: logp = logp_k + lse_k - lse = logp_k + a_k - log1p(l)
+            tgt = lax.psum(jnp.where(owned, logp_k + a, 0.0), self.axis)
             n_shards = lax.psum(1, self.axis)
             valid = (ids >= 0) & (ids < self.shard_size * n_shards)
-            logp = jnp.where(valid, tgt - lse, jnp.nan)
+            logp = jnp.where(valid, jnp.minimum(tgt - l1, 0.0), jnp.nan)
             if not with_entropy:
                 return logp, lse
-            # H = lse - E[z] = sum_k w_k (H_k + lse - lse_k), w_k = exp(lse_k - lse) the shard's mass
-            w = jnp.exp(lse_k - lse)
-            ent = lax.psum(jnp.where(w > 0, w * (out[2] + lse - lse_k), 0.0), self.axis)
+            # H = lse - E[z] = sum_k w_k (H_k + lse - lse_k), w_k = exp(lse_k - lse) = exp(a_k - log1p(l))
+            w = jnp.exp(a - l1)
+            ent = lax.psum(jnp.where(w > 0, w * (out[2] + l1 - a), 0.0), self.axis)
         return logp, lse, ent
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc, entropy=None):

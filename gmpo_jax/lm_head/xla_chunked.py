@@ -6,10 +6,12 @@ multiple of the block is handled without padding or copying the weight: the last
 end at ``V`` (``lax.dynamic_slice`` semantics) and its columns already seen by the previous block are
 masked to ``-inf`` (so they add nothing to the sum-exp and receive exactly zero gradient).
 
-Forward: per block and row its maximum ``m_j`` and sum-exp ``s_j = sum exp(z - m_j)`` (scan outputs,
-``[n, R]``), the target logit picked from the block that holds it; after the scan the partials are
-merged at once, ``m = max_j m_j``, ``s = sum_j s_j exp(m_j - m)`` (one tree reduction, not a running
-rescale: order-independent to float32 rounding, issue 16); ``lse = m + log s``. Gradients: per block, ``p = exp(z - lse)`` (no second max pass),
+Forward: per block and row its maximum ``m_j`` and sum-exp ``s_j = sum exp(z - m_j) - 1`` (excluding one
+instance of the maximum, summed in windows: ``gmpo_jax._lse``, issue 31; scan outputs, ``[n, R]``), the
+target logit picked from the block that holds it; after the scan the partials are merged at once
+(``_lse.merge``: ``m = max_j m_j``, ``s = sum_j (s_j + 1) exp(m_j - m) - 1`` with the blocks at the maximum
+counted exactly; one tree reduction, not a running rescale: order-independent to float32 rounding, issue
+16); ``lse = m + log1p s``, ``logp = (z_id - m) - log1p s``. Gradients: per block, ``p = exp(z - lse)`` (no second max pass),
 ``dz = dlogp (onehot - p) / T``, ``dh += dz W_b^T`` and ``dW[:, block] += h^T dz`` in float32 (updated in
 place in the carry). Matmuls take the inputs' dtype with float32 accumulation; float32 inputs use
 ``Precision.HIGHEST`` so GPUs do not silently drop to TF32. ``logits_precision`` (``"float32"`` or
@@ -25,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gmpo_jax import tuning
+from gmpo_jax import _lse, tuning
 from gmpo_jax._dispatch import UnsupportedConfigError
+from gmpo_jax._lse import shifted  # re-exported: the logits path's name for it
 from gmpo_jax.lm_head.backend import cancel_rounding, logits_precision_of, stored_rowsum
 
 __all__ = ["XlaChunkedBackend", "shifted"]
@@ -53,15 +56,6 @@ def _block_logits(hidden, w_blk, b_blk, temperature, layout, precision, softcap=
     t = jnp.tanh(z / softcap)
     z = jnp.where(z == -jnp.inf, -jnp.inf, softcap * t)  # a masked column (-inf bias) stays masked
     return z / temperature, 1.0 - t * t
-
-
-def shifted(z, ref):
-    """``z - ref`` (float32, broadcast shapes) for ``ref >= max(z)`` along the vocabulary (a row maximum
-    or log-sum-exp): exactly ``<= 0``, and exactly 0 where ``z == ref``; ``-inf`` logits stay ``-inf``.
-    Shared with the logits path (``gmpo_jax/logits/xla.py``). XLA may contract ``(x / T) - ref`` into a fused multiply-add whose unrounded
-    product differs from the rounded ``z`` that gave ``ref`` by up to half an ulp of ``z`` (~1e3 at
-    ``|z| ~ 1e10``, a tiny temperature): the maximum would get ``exp(+-1e3)`` instead of ``exp(0)``."""
-    return jnp.where(z == ref, 0.0, jnp.minimum(z - ref, 0.0))
 
 
 def _blocks(V, vocab_block):
@@ -134,12 +128,11 @@ class XlaChunkedBackend:
                 j, hidden, weight, bias, temperature, size=size, V=V, layout=weight_layout, precision=prec,
                 softcap=self.softcap,
             )  # fmt: skip
-            # this block's partials, relative to its OWN maximum (merged after the scan, see below)
+            # this block's partials, relative to its OWN maximum (merged after the scan, see below); s_j
+            # excludes one instance of the maximum (gmpo_jax._lse: the tail is not rounded to ulps of 1)
             m_j = jnp.max(z, axis=1)
-            d = shifted(z, jnp.where(jnp.isneginf(m_j), 0.0, m_j)[:, None])
-            q = jnp.exp(d)
-            s_j = jnp.sum(q, axis=1)
-            e_j = jnp.sum(jnp.where(q > 0, q * d, 0.0), axis=1) if with_entropy else None
+            s_j, d, q = _lse.tail(z, m_j[:, None], axis=1)
+            e_j = _lse.window_sum(jnp.where(q > 0, q * d, 0.0), axis=1) if with_entropy else None
             hit = (cols[None, :] == ids[:, None]) & fresh[None, :]
             tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
             return tgt, (m_j, s_j, e_j)
@@ -150,22 +143,21 @@ class XlaChunkedBackend:
             # every new maximum and adds block sums one after another, an error growing with the number
             # of blocks and depending on the vocabulary's order; here each partial is rescaled once to
             # the global maximum and the n terms are summed by one reduction (a tree).
-            m = jnp.max(m_b, axis=0)
+            m, s, w = _lse.merge(m_b, s_b, axis=0)
             m_ref = jnp.where(jnp.isneginf(m), 0.0, m)
-            shift = jnp.where(jnp.isneginf(m_b), 0.0, m_b - m_ref)  # 0 where the block is all -inf (s_j = 0)
-            w = jnp.exp(m_b - m_ref)
-            s = jnp.sum(w * s_b, axis=0)
-            if with_entropy:  # e = sum_v q_v (z_v - m): each block's e_j moved from its maximum to m
-                e = jnp.sum(w * (e_b + s_b * shift), axis=0)
             empty = jnp.isneginf(m)
-            s = jnp.where(empty, s, jnp.maximum(s, 1.0))
-            lse = m + jnp.log(s)
+            l1 = jnp.log1p(jnp.where(empty, s, jnp.maximum(s, 0.0)))  # exactly >= 0 with a finite logit
+            lse = m + l1
             valid = (ids >= 0) & (ids < V)
-            logp = jnp.where(valid, jnp.minimum(tgt - lse, 0.0), jnp.nan)
+            # relative to the maximum: exact for the argmax (logp = -log1p(s)); exactly <= 0
+            logp = jnp.where(valid, jnp.minimum((tgt - m_ref) - l1, 0.0), jnp.nan)
             if not with_entropy:
                 return logp, lse
-            # H = lse - E[z] = log s - e / s, in [0, log V]
-            ent = jnp.where(empty, 0.0, jnp.clip(jnp.log(s) - e / jnp.where(empty, 1.0, s), 0.0, np.float32(np.log(V))))
+            # e = sum_v q_v (z_v - m): each block's e_j moved from its maximum to m (0 where the block is
+            # all -inf, s_j = -1); H = lse - E[z] = log1p(s) - e / (1 + s), in [0, log V]
+            shift = jnp.where(jnp.isneginf(m_b), 0.0, m_b - m_ref)
+            e = jnp.sum(w * (e_b + (s_b + 1.0) * shift), axis=0)
+            ent = jnp.where(empty, 0.0, jnp.clip(l1 - e / jnp.where(empty, 1.0, 1.0 + s), 0.0, np.float32(np.log(V))))
         return logp, lse, ent
 
     def grads(self, hidden, weight, bias, ids, dlogp, lse, temperature, *, weight_layout, dw_acc, db_acc, entropy=None):
