@@ -78,8 +78,8 @@ def measure(h, w, ids, c, *, window: int, tail: int, taus=TAUS, chunk: int = 128
         dw_ref += hc.T @ dz
         dzb = _bf16(dz)
         w_id = w[:, ic].T  # [R, H]
-        off = np.zeros((R, n_w))
-        np.add.at(off.T, col_w, (p * (1 - onehot)).T)
+        exact = dzb @ w.T - dzb.sum(1)[:, None] * w_id, hc.T @ dzb
+        off = np.add.reduceat(p * (1 - onehot), np.array([a for a, _ in wins]), axis=1)
         own = np.arange(n_w)[None] == (ic // window)[:, None]
         for tau in taus:
             live = (off > tau) | own
@@ -93,7 +93,7 @@ def measure(h, w, ids, c, *, window: int, tail: int, taus=TAUS, chunk: int = 128
             corr = -cc[:, None] * (D @ means)
             corr_w = (hc.T @ (-cc[:, None] * D / widths[None]))[:, col_w]
             for v, (a, b) in {
-                "exact": (dzb @ w.T - dzb.sum(1)[:, None] * w_id, hc.T @ dzb),
+                "exact": exact,
                 "filter": (base, base_w),
                 "+mean": (base + corr, base_w),
                 "+mean+dW": (base + corr, base_w + corr_w),

@@ -79,11 +79,11 @@ MEMBERS: dict[str, tuple[str, dict[str, Any]]] = {
     "peaked": ("the first generator: tempered Zipf tail, no shared direction; entropy 2 nats", {}),
     "heavy": (
         "harmonic tail with 12 % of each row's mass over the whole vocabulary; entropy 2.3-2.4 nats",
-        dict(tail="harmonic", tail_mass=0.12, entropy=2.3),
+        dict(tail="harmonic", tail_mass=0.12, entropy=2.4),
     ),
     "heavy-shared": (
         "heavy plus a weight direction of size log V shared by every column (the 2026-12-03 batch)",
-        dict(tail="harmonic", tail_mass=0.12, entropy=2.3, shared=1.0),
+        dict(tail="harmonic", tail_mass=0.12, entropy=2.4, shared=1.0),
     ),
     "unsure": (
         "mostly unsure rows, 20 % harmonic tail, shared direction log V; entropy 3 nats, half the sequences at "
@@ -375,8 +375,8 @@ def _sample_rows(N: int, V: int) -> int:
     return min(N, max(64, min(256, 2**23 // max(V, 1))))
 
 
-@functools.partial(jax.jit, static_argnames=("head_s", "entropy", "tail_mass", "iters"))
-def _bisect_harmonic(A, *, head_s: float, entropy: float, tail_mass: float, iters: int = 20):
+@functools.partial(jax.jit, static_argnames=("head_s", "iters"))
+def _bisect_harmonic(A, entropy, tail_mass, *, head_s: float, iters: int = 20):
     """``(tau, log_rho)``: logits ``tau A + prior(rho)`` (``_harmonic_prior``) of the sample ``A [S, V]`` with mean
     entropy ``entropy`` and mean harmonic-tail mass ``tail_mass``: bisection on ``log rho`` (the tail mass grows
     with it), each step with a bisection on ``log tau`` for the entropy (which falls with ``tau``)."""
@@ -481,7 +481,7 @@ def make_lm_head_batch(
         t_scaled, t_prior = tau, tau
     else:  # the prior direction (1) is not: its head's exponent and its harmonic tail stay as built
         A = (h_unit[:sample] @ q[:, 1:]) @ E  # the sample's tempered logits before the temperature (float32)
-        tau, log_rho = _bisect_harmonic(A, head_s=wl.head_s, entropy=wl.entropy, tail_mass=wl.tail_mass)
+        tau, log_rho = _bisect_harmonic(A, jnp.float32(wl.entropy), jnp.float32(wl.tail_mass), head_s=wl.head_s)
         del A
         prior, share = _harmonic_prior(V, wl.head_s, log_rho)
         weight = _family_weight(q, E, prior, u, seed=wl.seed, shared_s=wl.shared * math.log(V))
