@@ -1,4 +1,5 @@
-"""Seeded benchmark batches: ``peaked`` (trained-LM-like), ``peaked-live`` and ``flat``.
+"""Seeded benchmark batches: a workload family (``MEMBERS``: ``light``, ``peaked``, ``heavy``, ``heavy-shared``,
+``unsure``, ``flat``; ``NAME-live`` all live), its knobs in `Workload`.
 
     from benchmarks.workloads import make_lm_head_batch, batch_stats
     batch = make_lm_head_batch(B=8, T=2048, H=896, V=151936, data="peaked", seed=0)
@@ -43,6 +44,13 @@ Pure JAX (+ NumPy for the statistics), so tests, the JAX worker and the PyTorch 
       with the token's uncertainty, ``ratio_noise * (1 - p) * N(0, 1)`` (confident tokens barely move,
       as between two nearby policy versions), so a few tokens clip at GMPO's eps 0.4 and more at
       GRPO's 0.2 (``batch_stats`` reports both).
+
+The family (issue 32) varies what the first generator held fixed: the tail (``tail="harmonic"``: a share
+``tail_mass`` of each row's mass spread as ``1 / rank`` over the whole vocabulary, through a prior logit
+``log((1 + v)^-head_s + rho (1 + v)^-1)`` that the temperature does not scale, ``rho`` and the temperature set
+together by a nested bisection), a weight direction shared by every column (``shared``, units of ``log V``), the
+mix of confident and unsure rows (``confidence``), the entropy, ragged lengths and zero-advantage sequences.
+``heavy-shared`` is the 2026-12-03 trained-LM-like batch on which the gradient filter failed (issue 32).
 
 ``peaked-live``: the same batch with every token live (full mask) and no all-equal group: the pair
 (peaked, peaked-live) shows what masked tokens and zero-advantage sequences save.
