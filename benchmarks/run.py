@@ -82,7 +82,11 @@ CHOICES = {
     "mask": ("full", "ragged"),
     "weight_layout": ("hv", "vh"),
     "objective": ("gmpo", "grpo"),
-    "data": ("peaked", "flat", "peaked-live"),
+    # benchmarks.workloads.DATA (this driver does not import JAX; tests/test_grad_filter_family.py keeps them equal)
+    "data": tuple(
+        ["light", "peaked", "heavy", "heavy-shared", "unsure", "flat"]
+        + [f"{m}-live" for m in ("light", "peaked", "heavy", "heavy-shared", "unsure")]
+    ),
     "input_dtype": ("bfloat16", "float32"),
     "logits_precision": ("none", "float32", "bf16x3"),
     "oracle": ("float32", "float64"),
@@ -105,6 +109,8 @@ FILTER_ROW = "0.001"  # the main table's grad_filter column: tuning.GRAD_FILTER_
 # masked tokens and zero-advantage sequences against the same batch fully live; B = 20 in groups of 2
 # gives 30 % zero-advantage sequences, lengths uniform over 20-100 % of T about 40 % masked tokens
 SPARSITY_CONFIGS = [(Q, 20, 768), (G, 20, 768)]  # 20 x 768: one chunk (16384 // 768 = 21 >= 20)
+FAMILY_DATA = ["light", "peaked", "heavy", "heavy-shared", "unsure", "heavy-shared-live"]
+FAMILY_CONFIGS = [(Q, 8, 2048), (L, 4, 2048)]
 GPU_LM_CONFIGS = [(Q, 8, 2048), (Q, 16, 4096), (L, 4, 2048), (Q, 2, 32768), (Q, 1, 512)]
 GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
 SUITE_GROUPS = {
@@ -112,6 +118,8 @@ SUITE_GROUPS = {
     "gradient accuracy; then masked / zero-advantage vs fully live (LM head and logits paths)",
     "filter": "the README main table's grad_filter column: mosaic_gpu with grad_filter=FILTER_ROW on its shapes, "
     "peaked then flat, gradient accuracy",
+    "family": "the workload family (FAMILY_DATA): mosaic_gpu exact and grad_filter=FILTER_ROW, gradient accuracy, "
+    "Qwen 8 x 2048 and Llama-3 4 x 2048, GRPO-like (ragged, zero-advantage) and heavy-shared fully live",
     "kernels": "mosaic_gpu on the LM-head shapes (flat data)",
     "core": "xla_chunked and dense_jax on the LM-head shapes (flat data)",
     "peers": "cce_gmpo and liger_grpo on the LM-head shapes (flat data; PyTorch, skipped when not importable)",
@@ -218,6 +226,13 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
         filtered = dict(grad_filter=FILTER_ROW)
         for shape, B, T in REALISTIC_CONFIGS:
             job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 150.0, **both, **filtered)
+            jobs.append(dict(job, variant=labelled(filtered)))
+    if suite == "gpu" and "family" in only:  # exact then filtered per shape, every member in one process
+        for shape, B, T in FAMILY_CONFIGS:
+            fam = dict(datas=FAMILY_DATA, grad_acc=True)
+            jobs.append(_job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 240.0, **fam))
+            filtered = dict(grad_filter=FILTER_ROW)
+            job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 240.0, **fam, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "realistic" in only:
         for shape, B, T in SPARSITY_CONFIGS:
@@ -535,8 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
         elif k in CHOICES:
             helps = {
                 "objective": "logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)",
-                "data": "workload (benchmarks/workloads.py): peaked = trained-LM-like, ragged masks, "
-                "zero-advantage groups; flat = N(0,1) data, full mask; peaked-live = peaked, all live",
+                "data": "workload family member (benchmarks/workloads.py MEMBERS): light, peaked (trained-LM-like, "
+                "ragged masks, zero-advantage groups), heavy (harmonic tail), heavy-shared (+ shared weight "
+                "direction), unsure; flat = N(0,1) data, full mask; NAME-live = NAME, all live",
                 "mask": "flat data only: legacy ragged mask (lengths in [3T/4, T])",
                 "input_dtype": "LM head: dtype of hidden and weight (float32: the bf16 batch with the mantissa "
                 "bits below bf16 filled, so that it rounds back to the bf16 batch)",

@@ -252,11 +252,16 @@ def fused_linear_policy_loss(
         vocabulary window of ``tuning.GRAD_FILTER_WINDOW`` columns whose softmax mass off the row's target is
         ``<= tau`` (measured by the forward pass, so skipped windows are never recomputed; the target's own
         window is always kept; the windows from column ``tuning.GRAD_FILTER_TAIL`` on are kept or skipped
-        together: all of them where any one is kept). Error bound: a row ``r`` with cotangent ``c_r = d loss / d logp_r`` loses
-        ``dz`` entries of total absolute value ``<= |c_r| D_r / temperature``, ``D_r <= (n_windows - 1) tau`` its
-        dropped mass, so its hidden-state gradient moves by at most ``|c_r| D_r max_v |W_v| /
-        temperature`` and each weight column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature``
-        over the rows that dropped it. What is kept is computed as in the exact path. Rows with an
+        together: all of them where any one is kept). What is dropped is accounted for: a row ``r`` with
+        cotangent ``c_r = d loss / d logp_r`` and dropped mass ``D_rk`` in window ``k`` gets
+        ``-c_r sum_k D_rk mean_k(W) / temperature`` added to its hidden-state gradient (``mean_k(W)``: the
+        window's mean weight column, over the columns a ``-inf`` bias does not remove), exact for what the
+        window's columns share (a direction shared by every column, as trained heads have). Error bound: the
+        row's hidden-state gradient moves by at most ``|c_r| sum_k D_rk max_(v in k) |W_v - mean_k(W)| /
+        temperature`` (``sum_k D_rk <= (n_windows - 1) tau``) and each weight column ``v`` by at most
+        ``sum_r |c_r| p_(r,v) |h_r| / temperature`` over the rows that dropped it (tests/test_grad_filter_family.py checks this bound, and both
+        gradients' errors within 1.5x of the exact path's, on heavy-tailed rows with a shared direction). What is kept is computed as in the exact path. With a ``softcap`` the filter is
+        off (the exact gradient: the correction has no ``1 - tanh^2`` factor). Rows with an
         ``entropy_coef`` term keep every window (that term's gradient stays exact), so with ``entropy_coef``
         nothing is skipped. Only the ``mosaic_gpu``
         backend skips work; the others (and vocabulary-parallel calls) return the exact gradient, which

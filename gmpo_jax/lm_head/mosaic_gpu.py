@@ -124,7 +124,8 @@ class MosaicGpuBackend:
     operands and a float32 ``dz`` (module docstring); then the inputs may be bf16, f16 or f32, each its own.
     grad_filter: None (exact), ``"auto"`` or a threshold in ``[0, 1)``: the gradient filter (module docstring;
     ``fused_linear_policy_loss(grad_filter=...)`` replaces it when given there), validated here
-    (``ValueError`` / ``TypeError`` naming it); filter_window: its vocabulary windows, a multiple of the
+    (``ValueError`` / ``TypeError`` naming it), and None (the exact gradient) with a ``softcap`` (the dropped
+    windows' correction, ``_window_means``, does not carry the cap's ``1 - tanh^2`` factor); filter_window: its vocabulary windows, a multiple of the
     gradient kernel's tile width (else ``UnsupportedConfigError`` when the filter runs); filter_tail: the column
     from which its windows (and always the last, partial one) form one tail, kept or dropped together per row and run
     on the union of their rows in one step (a positive int: else ``TypeError`` / ``ValueError`` here; a multiple of
@@ -148,6 +149,8 @@ class MosaicGpuBackend:
         from gmpo_jax._validation import grad_filter_threshold
 
         object.__setattr__(self, "grad_filter", grad_filter_threshold(self.grad_filter))
+        if self.softcap is not None:  # the dropped windows' correction has no (1 - tanh^2) factor: exact gradient
+            object.__setattr__(self, "grad_filter", None)
         for name in ("filter_window", "filter_tail"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -489,9 +492,11 @@ class MosaicGpuBackend:
                 n_head = self._filter_head(bn, V)
                 live = _filter_live(mass, gp, self.grad_filter, self.filter_window, n_head)
                 carry = gp.filtered_windows(carry, live, self._filter_tiles(bn), n_head, save_tiles)
-                if self.softcap is None:  # (with a cap the kernel's row sums are already the rounding only)
-                    dh, dw_acc, db_acc, rowsum = carry
-                    carry = dh, dw_acc, db_acc, rowsum - gp.coef * _dropped_mass(mass, live)
+                dh, dw_acc, db_acc, rowsum = carry
+                dropped = _dropped_mass(mass, live)  # [Rp, n_windows]
+                means = _window_means(weight, bias, weight_layout, self.filter_window)
+                dh = dh - gp.coef[:, None] * jnp.dot(dropped, means, precision=lax.Precision.HIGHEST)
+                carry = dh, dw_acc, db_acc, rowsum - gp.coef * jnp.sum(dropped, axis=1)
             if window_mass is None and save_tiles:
                 carry = gp.windows(
                     carry, 0, save_tiles, self._window_tiles(Rp, H, save_tiles, bn, *item, kept=True), True
@@ -837,12 +842,38 @@ def _filter_live(mass, gp: _GradPass, tau: float, window: int, n_head: int):
 
 
 def _dropped_mass(mass, live):
-    """``[Rp]``: each row's softmax mass in the windows the filter drops (``mass`` ``[Rp, n_windows]``, ``live``
-    ``[n_windows, Rp]``). The kept ``dz`` of a row then sums to ``coef * dropped`` instead of 0 (its target
-    is kept), so the rounding that ``cancel_rounding`` removes is the stored row sum less that: cancelling
-    the stored sum alone would also move ``dh`` by ``coef * dropped * W[:, id]``, which on a trained head
-    (large target columns) is many times the dropped entries' own ``sum_v dz_v W_v``."""
-    return jnp.sum(jnp.where(live.T, 0.0, mass), axis=1)
+    """``[Rp, n_windows]``: each row's softmax mass in the windows the filter drops (``mass`` ``[Rp, n_windows]``,
+    ``live`` ``[n_windows, Rp]``), 0 in the kept ones. The dropped entries of row ``r`` would have added
+    ``-c_r sum_(v dropped) p_v W_v`` to its ``dh`` (``c_r``: its cotangent over the temperature); ``grads`` adds
+    ``-c_r sum_k D_rk mean_k(W)`` instead (``_window_means``), exact for what every column of a window shares (a
+    direction shared by all columns, as trained heads have, adds up coherently over thousands of dropped columns:
+    left out, it dominated the error on heavy-tailed rows, docs/performance.md). And the kept ``dz`` of a row then
+    sums to ``c_r sum_k D_rk`` instead of 0 (its target is kept), so the rounding that ``cancel_rounding`` removes is
+    the stored row sum less that: cancelling the stored sum alone would also move ``dh`` by ``c_r D_r W[:, id]``,
+    which on a trained head (large target columns) is many times the dropped entries' own ``sum_v dz_v W_v``."""
+    return jnp.where(live.T, 0.0, mass)
+
+
+def _window_means(weight, bias, weight_layout: str, window: int):
+    """The mean weight column of each vocabulary window, ``[n_windows, H]`` float32, over the columns that can
+    hold softmax mass (a bias of ``-inf``, as ``vocab_size`` padding sets, leaves a column out; a window with none
+    gets 0). One read of the weight, float32 sums."""
+    V = _vocab(weight, weight_layout)
+    w = weight if weight_layout == "vh" else weight.T  # [V, H] (a transposed read inside the reduction)
+    valid = None if bias is None else jnp.isfinite(bias.astype(jnp.float32))
+    n_full, rest = divmod(V, window)
+
+    def sums(lo: int, hi: int, n: int):  # [n, H] column sums and [n] counts of the windows in [lo, hi)
+        blk = lax.slice_in_dim(w, lo, hi, axis=0).astype(jnp.float32).reshape(n, (hi - lo) // n, -1)
+        if valid is None:
+            return jnp.sum(blk, axis=1), jnp.full((n,), (hi - lo) // n, jnp.float32)
+        ok = valid[lo:hi].reshape(n, -1)
+        return jnp.sum(jnp.where(ok[:, :, None], blk, 0.0), axis=1), jnp.sum(ok, axis=1).astype(jnp.float32)
+
+    parts = ([sums(0, n_full * window, n_full)] if n_full else []) + ([sums(n_full * window, V, 1)] if rest else [])
+    total = jnp.concatenate([p[0] for p in parts], axis=0)
+    count = jnp.concatenate([p[1] for p in parts], axis=0)
+    return total / jnp.maximum(count, 1.0)[:, None]
 
 
 def _filter_sizes(Rp: int) -> tuple[int, ...]:
