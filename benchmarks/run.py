@@ -227,11 +227,14 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
         for shape, B, T in REALISTIC_CONFIGS:
             job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 150.0, **both, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
-    if suite == "gpu" and "family" in only:  # exact then filtered per shape, every member in one process
+    if suite == "gpu" and "family" in only:  # every member in one process: exact and CCE per shape, then filtered
+        fam = dict(datas=FAMILY_DATA, grad_acc=True)
         for shape, B, T in FAMILY_CONFIGS:
-            fam = dict(datas=FAMILY_DATA, grad_acc=True)
-            jobs.append(_job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 240.0, **fam))
-            filtered = dict(grad_filter=FILTER_ROW)
+            cfg = select(shape, B=B, T=T)
+            jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 240.0, save_batch=True, **fam))
+            jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 240.0, **fam))
+        filtered = dict(grad_filter=FILTER_ROW)
+        for shape, B, T in FAMILY_CONFIGS:
             job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 240.0, **fam, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "realistic" in only:
