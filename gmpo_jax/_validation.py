@@ -429,12 +429,18 @@ def check_policy_inputs(
             )
     has_ref = ref_logps is not None or ref_hidden is not None
     if objective.requires_reference and not has_ref:
-        raise ValueError(
-            f"objective.beta={objective.beta!r} (non-zero or traced) needs a reference: pass ref_logps, or "
-            "ref_hidden and ref_weight (or beta=0.0 as a Python number for no KL term)"
-        )
+        raise ValueError(reference_error(objective, "ref_logps, or ref_hidden and ref_weight"))
     check_chunk_size(chunk_size)
     return B, T, H, V
+
+
+def reference_error(objective, what: str) -> str:
+    """The message for an objective with a KL term (:attr:`Objective.has_kl`) called without a reference."""
+    return (
+        f"objective.beta={objective.beta!r} gives the loss a KL term (objective.has_kl: beta was non-zero, or "
+        f"traced, when the objective was built), which needs a reference: pass {what} (or build the objective "
+        "with beta=0.0 as a number for no KL term)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------

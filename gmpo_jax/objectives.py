@@ -3,7 +3,9 @@
 Each objective is a frozen dataclass registered as a JAX pytree: its numeric hyper-parameters
 (epsilons, beta, delta, SAPO temperatures) are pytree *leaves*, so they may be Python floats or traced
 JAX scalars (a schedule does not recompile); its variant choices (``loss_type``,
-``importance_sampling_level``, ``use_bias_correction_kl``, ``max_completion_length``) are static.
+``importance_sampling_level``, ``use_bias_correction_kl``, ``max_completion_length``) are static, and so
+is whether it has a KL term (:attr:`Objective.has_kl`, fixed at construction from a concrete ``beta``):
+an objective passed through ``jax.jit`` as an argument keeps it while its ``beta`` is a tracer.
 
 An objective knows nothing of the LM head. Given the per-token log-probs of a *chunk of whole
 sequences* it returns the chunk's loss numerator and metric sums; the normaliser (the denominator) is a
@@ -411,42 +413,89 @@ class Objective:
         seqs = Sequences.of(mask, segment_ids)
         return m / seqs.tokens(jnp.maximum(seqs.lengths(mask), 1.0), mask.shape)
 
+    def __post_init__(self):
+        self._check()
+        # Static (pytree aux data): fixed here from the beta given at construction, restored as it is when
+        # JAX rebuilds the objective from its leaves (:func:`_register`), never re-derived from a tracer.
+        object.__setattr__(self, "_has_kl", _concrete_value(self.beta) != 0)
+
+    def _check(self) -> None:
+        """The hyper-parameter checks (concrete values only); rerun whenever JAX rebuilds the objective."""
+
+    @property
+    def has_kl(self) -> bool:
+        """Whether the loss has a KL term (static). Fixed when the objective is constructed: False iff
+        ``beta`` was then a concrete 0 (a Python / NumPy number or an untraced JAX scalar); True for a
+        non-zero ``beta`` and for one that was traced at construction (e.g. ``GMPO(beta=schedule(step))``
+        inside ``jit``). It is pytree aux data: an objective passed through ``jax.jit`` / ``vmap`` /
+        ``shard_map`` as an argument keeps its flag while its ``beta`` becomes a tracer, so the value of a
+        traced ``beta`` stays in the math (a schedule does not recompile: ``GMPO(beta=0.01)`` and
+        ``GMPO(beta=0.02)`` have the same tree structure) and never decides whether a reference is needed.
+        ``GMPO(beta=0.0)`` and ``GMPO(beta=0.1)`` differ in structure (one program each)."""
+        return self._has_kl
+
     @property
     def requires_reference(self) -> bool:
-        """True unless ``beta`` is a concrete 0: a non-zero or a traced ``beta`` needs a reference at call time.
+        """:attr:`has_kl`: True iff the loss has a KL term, which needs a reference at call time.
 
-        Whether the KL term exists is decided by whether a reference is given, never by a traced value; a
-        traced ``beta`` without a reference would silently train without the KL term (a schedule with a
-        forgotten reference), so it is an error: pass ``beta=0.0`` as a number to train without KL.
+        A ``beta`` traced at construction counts as a KL term (its value may be non-zero): without a
+        reference it would silently train without the KL term (a schedule with a forgotten reference), so
+        it is an error; build the objective with ``beta=0.0`` as a number to train without KL.
         """
-        v = _concrete_value(getattr(self, "beta", 0.0))
-        return v is None or v != 0
+        return self.has_kl
 
     def _kl_term(self, logp, data: PolicyInputs, log_weight) -> jax.Array | None:
         """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``.
 
-        None without a reference or with a Python-number ``beta == 0`` (SPEC: the KL term exists only if
-        beta != 0). A traced beta that is 0 selects the KL away before it is formed, so an overflowing
-        ``exp(ref - logp)`` cannot turn into ``0 * inf``.
+        None without a reference or without a KL term (:attr:`has_kl` False; SPEC: the KL term exists
+        only if beta != 0). A traced beta that is 0 selects the KL away before it is formed, so an
+        overflowing ``exp(ref - logp)`` cannot turn into ``0 * inf``.
         """
         return self._kl_values(logp, data.ref_logps, data.mask, log_weight)
 
     def _kl_values(self, logp, ref, mask, log_weight) -> jax.Array | None:
         """:meth:`_kl_term` on plain arrays (``mask`` may be the scalar True)."""
-        beta = getattr(self, "beta", 0.0)
-        v = _concrete_value(beta)
-        if ref is None or v == 0:
+        if ref is None or not self.has_kl:
             return None
-        live = mask if v is not None else mask & (jnp.asarray(beta) != 0)
+        beta = self.beta
+        live = mask if _concrete_value(beta) is not None else mask & (jnp.asarray(beta) != 0)
         kl = _k3_kl(logp, ref, live)
-        if getattr(self, "use_bias_correction_kl", False):
+        if self.use_bias_correction_kl:
             kl = kl * jnp.exp(jnp.where(live, log_weight, 0.0))
         return kl
 
 
-def _register(cls, data_fields, meta_fields):
+_DERIVED = ("_has_kl",)  # an objective's static attributes set by Objective.__post_init__
+
+
+def _register(cls, data_fields, meta_fields, derived=()):
+    """``cls`` as a frozen dataclass registered as a pytree: ``data_fields`` are leaves, ``meta_fields`` and
+    the ``derived`` attributes (set by ``__post_init__``, e.g. ``_has_kl``) static aux data.
+
+    Unlike ``jax.tree_util.register_dataclass`` (whose unflatten calls ``cls(**fields)``, i.e. reruns
+    ``__post_init__`` on whatever the leaves are: tracers under ``jit``), unflattening restores the derived
+    attributes from the aux data and reruns only the checks (``_check``), so a static decision made from
+    concrete values at construction survives ``jit`` / ``vmap`` / ``shard_map`` / ``jax.tree.map``."""
     cls = dataclasses.dataclass(frozen=True)(cls)
-    jax.tree_util.register_dataclass(cls, data_fields=data_fields, meta_fields=meta_fields)
+    data_fields, static = tuple(data_fields), tuple(meta_fields) + tuple(derived)
+    init_fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    assert init_fields == set(data_fields) | set(meta_fields), (cls, init_fields)
+
+    def flatten(x):
+        return tuple(getattr(x, n) for n in data_fields), tuple(getattr(x, n) for n in static)
+
+    def flatten_with_keys(x):
+        leaves, aux = flatten(x)
+        return tuple(zip((jax.tree_util.GetAttrKey(n) for n in data_fields), leaves)), aux
+
+    def unflatten(aux, leaves):
+        x = object.__new__(cls)
+        for name, value in (*zip(static, aux), *zip(data_fields, leaves)):
+            object.__setattr__(x, name, value)
+        x._check()
+        return x
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
     return cls
 
 
@@ -485,6 +534,9 @@ class RolloutCorrection:
     cap: Scalar = 2.0
 
     def __post_init__(self):
+        self._check()
+
+    def _check(self) -> None:
         if self.mode not in ROLLOUT_IS_MODES:
             raise ValueError(f"rollout_is_mode must be one of {ROLLOUT_IS_MODES}, got rollout_is_mode={self.mode!r}")
         _check_pos("rollout_is_cap", self.cap)
@@ -516,7 +568,8 @@ class GMPO(Objective):
     Args:
       epsilon_low: lower clip range in log space, ``>= 0`` (paper: 0.4, i.e. ratio >= e^-0.4).
       epsilon_high: upper clip range in log space, ``>= 0`` (paper: 0.4).
-      beta: KL coefficient, ``>= 0``; a non-zero Python float needs a reference (``ref_logps`` or
+      beta: KL coefficient, ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+        (:attr:`Objective.has_kl`, static), which needs a reference (``ref_logps`` or
         ``ref_hidden``/``ref_weight``) at call time.
       use_bias_correction_kl: multiply the per-token KL by the unclipped ratio ``exp(r)`` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
@@ -536,7 +589,7 @@ class GMPO(Objective):
     use_bias_correction_kl: bool = False
     importance_sampling_level: str = "token"
 
-    def __post_init__(self):
+    def _check(self) -> None:
         _check_token_level("GMPO", self.importance_sampling_level)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_nonneg("epsilon_low", self.epsilon_low)
@@ -617,7 +670,9 @@ def _gmpo_rollout(logp, data: PolicyInputs, seqs: Sequences):
     return keep, u if log_w is None else u * jnp.exp(log_w)
 
 
-GMPO = _register(GMPO, ["epsilon_low", "epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
+GMPO = _register(
+    GMPO, ["epsilon_low", "epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"], _DERIVED
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -711,7 +766,8 @@ class GRPO(Objective):
       loss_type: one of ``"dapo"`` (default, as TRL), ``"grpo"``, ``"bnpo"``, ``"dr_grpo"`` (static).
       epsilon_low: ``>= 0``; lower clip ``1 - epsilon_low`` of the ratio. Default 0.2.
       epsilon_high: ``>= 0``; upper clip ``1 + epsilon_high``. Default 0.2 (DAPO's clip-higher: 0.28).
-      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+        (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO) (static).
       delta: optional upper bound ``> 0`` on the unclipped ratio (two-sided clipping, TRL ``delta``).
       use_bias_correction_kl: multiply the KL by the unclipped ratio :math:`e^{w}` (static).
@@ -737,7 +793,7 @@ class GRPO(Objective):
     use_bias_correction_kl: bool = False
     max_completion_length: int | None = None
 
-    def __post_init__(self):
+    def _check(self) -> None:
         if self.loss_type not in _GRPO_LOSS_TYPES:
             raise ValueError(
                 f"loss_type must be one of {_GRPO_LOSS_TYPES} for GRPO (use GMPO / CISPO / SAPO for those),"
@@ -829,6 +885,7 @@ GRPO = _register(
     GRPO,
     ["epsilon_low", "epsilon_high", "beta", "delta"],
     ["loss_type", "importance_sampling_level", "use_bias_correction_kl", "max_completion_length"],
+    _DERIVED,
 )
 
 
@@ -850,7 +907,8 @@ class CISPO(Objective):
         1 it caps even on-policy weights (``e^r = 1``): every token's gradient is scaled by
         ``epsilon_high``, i.e. the 0.2 default trains at a fifth of the learning rate (measured in the
         demo task: reward 0.13 -> 0.29 in 60 steps at 0.2; the ``gmpo-jax train`` CLI uses 5.0).
-      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+        (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
         compatibility; ``"sequence"`` raises).
@@ -867,7 +925,7 @@ class CISPO(Objective):
     use_bias_correction_kl: bool = False
     importance_sampling_level: str = "token"
 
-    def __post_init__(self):
+    def _check(self) -> None:
         _check_token_level("CISPO", self.importance_sampling_level)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_nonneg("epsilon_high", self.epsilon_high)
@@ -905,7 +963,7 @@ class CISPO(Objective):
         return _finish(self, ptl, logp, r, r, data, jnp.zeros_like(high), high & (a > 0))
 
 
-CISPO = _register(CISPO, ["epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
+CISPO = _register(CISPO, ["epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"], _DERIVED)
 
 
 class SAPO(Objective):
@@ -922,7 +980,8 @@ class SAPO(Objective):
       temperature_pos: ``> 0`` gate temperature for positive advantages (Liger/TRL
         ``sapo_temperature_pos``). Default 1.0.
       temperature_neg: ``> 0`` gate temperature for non-positive advantages. Default 1.05.
-      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+        (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
         compatibility; ``"sequence"`` raises).
@@ -941,7 +1000,7 @@ class SAPO(Objective):
     use_bias_correction_kl: bool = False
     importance_sampling_level: str = "token"
 
-    def __post_init__(self):
+    def _check(self) -> None:
         _check_token_level("SAPO", self.importance_sampling_level)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_pos("temperature_pos", self.temperature_pos)
@@ -983,7 +1042,10 @@ class SAPO(Objective):
 
 
 SAPO = _register(
-    SAPO, ["temperature_pos", "temperature_neg", "beta"], ["use_bias_correction_kl", "importance_sampling_level"]
+    SAPO,
+    ["temperature_pos", "temperature_neg", "beta"],
+    ["use_bias_correction_kl", "importance_sampling_level"],
+    _DERIVED,
 )
 
 

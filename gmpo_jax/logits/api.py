@@ -50,10 +50,7 @@ def _check_inputs(logits, token_args: dict) -> tuple[int, int, int, int]:
         **token_args,
     )
     if objective.requires_reference and token_args["ref_logps"] is None:
-        raise ValueError(
-            f"objective.beta={objective.beta!r} (non-zero or traced) needs a reference: pass ref_logps "
-            "(or beta=0.0 as a Python number for no KL term)"
-        )
+        raise ValueError(V_.reference_error(objective, "ref_logps"))
     return B, T, Tl, V
 
 
@@ -145,7 +142,7 @@ def policy_loss_from_logits(
       TypeError: non-floating logits / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
         not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
-        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        outside ``[0, V)``, an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was built) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /
