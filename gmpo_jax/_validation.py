@@ -4,6 +4,7 @@ arguments normalised into the one pytree the custom VJPs take (:func:`policy_inp
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -338,11 +339,39 @@ def check_token_inputs(
             isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
         ):
             raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
-        value = _concrete(num_items_in_batch)
-        if value is not None and not float(value) >= 0:  # NaN fails too
-            raise ValueError(f"num_items_in_batch must be >= 0, got num_items_in_batch={float(value)!r}")
+        check_num_items(num_items_in_batch, objective)
     check_temperature(temperature)
     check_ids_in_range(completion_ids, completion_mask, V)
+
+
+NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo")  # the loss types whose normaliser num_items_in_batch overrides
+_warned_ignored_num_items: set[str] = set()  # loss types already warned about (once per process each)
+
+
+def check_num_items(num_items_in_batch, objective) -> None:
+    """A concrete ``num_items_in_batch`` must be ``>= 1`` (NaN fails too): it counts the unmasked tokens of an
+    accumulation window that holds this call's, so 0 (or 0.5) would silently become the normaliser 1. Any
+    real ``>= 1`` is accepted (TRL passes an int count; a per-process share ``count / processes`` is not
+    integral). Traced it cannot be checked: the normaliser is ``max(n, 1)``. Given to a loss type that
+    ignores it (gmpo, grpo, bnpo, dr_grpo, sapo) it warns once per loss type and process: generic
+    trainers pass it for every loss type (the Hugging Face ``Trainer`` hands ``num_items_in_batch`` to
+    every ``compute_loss``; TRL's GRPO trainer then uses it for dapo only), and it changes nothing there."""
+    value = _concrete(num_items_in_batch)
+    if value is not None and not float(value) >= 1:
+        raise ValueError(
+            "num_items_in_batch must be >= 1 (the number of unmasked completion tokens in the optimizer step's "
+            "accumulation window; None: this call's own count), got "
+            f"num_items_in_batch={float(value)!r}"
+        )
+    loss_type = objective.loss_type
+    if loss_type not in NUM_ITEMS_LOSS_TYPES and loss_type not in _warned_ignored_num_items:
+        _warned_ignored_num_items.add(loss_type)
+        warnings.warn(
+            f"num_items_in_batch is ignored by loss_type={loss_type!r}: only {NUM_ITEMS_LOSS_TYPES} normalise by "
+            f"it ({loss_type!r} has its own normaliser, see LossAux.loss_denominator); warned once per loss type",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def check_segment_ids(segment_ids, B: int, T: int) -> None:

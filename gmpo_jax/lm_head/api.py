@@ -210,7 +210,10 @@ def fused_linear_policy_loss(
         when it spans more micro-steps than one optimizer step accumulates: that scales each update
         by ``gas / steps_per_generation`` (TRL #5619). With ``optax.MultiSteps`` (which averages the
         accumulated gradients) multiply each micro-step's loss by the number of accumulation steps.
-        Ignored by the other loss types. README: "`num_items_in_batch` under gradient accumulation".
+        A concrete value must be ``>= 1`` (ValueError; any real: a per-process share ``count / processes``
+        need not be integral); a traced one cannot be checked and the normaliser is ``max(n, 1)``. The
+        other loss types ignore it and warn once per loss type (trainers pass it for every loss type, as
+        the Hugging Face ``Trainer`` does; ``_validation.check_num_items``). README: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       segment_ids: ``[B, T]`` integer or None: a packed batch, several sequences per row (the layout
         of Tunix and MaxText). Each maximal run of equal positive ids within a row is one sequence; id 0
