@@ -216,6 +216,24 @@ def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids") -> None:
         )
 
 
+def check_not_nan_unmasked(name: str, x, mask) -> None:
+    """``x`` (``[B, T]``, or ``[B, T, ...]`` such as hidden states) holds no NaN at a token the mask counts,
+    when both are concrete; the error names the first such position ``(b, t)``. Masked positions may hold
+    NaN (nothing reads them). Traced, it cannot be checked: a NaN there makes the loss NaN."""
+    xv, mv = _concrete(x), _concrete(mask)
+    if xv is None or mv is None:
+        return
+    nan = np.isnan(xv.astype(np.float32))
+    nan = nan.reshape(nan.shape[:2] + (-1,)).any(axis=-1) & (mv != 0)
+    if nan.any():
+        b, t = (int(i) for i in np.argwhere(nan)[0])
+        where = f"{name}[{b}, {t}]" if xv.ndim == 2 else f"{name}[{b}, {t}, :]"
+        raise ValueError(
+            f"{name} must not be NaN at an unmasked token (completion_mask 1), got NaN in {where} "
+            f"({int(nan.sum())} such token(s))"
+        )
+
+
 def check_mask(mask, B: int, T: int) -> None:
     require_shape("completion_mask", mask, (B, T), "[B, T]")
     dt = _dtype(mask, "completion_mask")
@@ -305,6 +323,7 @@ def check_token_inputs(
         if x is not None:
             require_shape(name, x, (B, T), "[B, T]")
             require_float(name, x)
+            check_not_nan_unmasked(name, x, completion_mask)
     if rollout_is_ratio is not None:
         if _shape(rollout_is_ratio) not in ((B, T), (B, 1), (B,)):
             raise ValueError(
@@ -328,10 +347,7 @@ def check_token_inputs(
     else:
         require_shape("rollout_logps", rollout_logps, (B, T), "[B, T]")
         require_float("rollout_logps", rollout_logps)
-        roll, m = _concrete(rollout_logps), _concrete(completion_mask)
-        if roll is not None and m is not None and np.any(np.isnan(roll.astype(np.float64)) & (m != 0)):
-            bad = tuple(int(i) for i in np.argwhere(np.isnan(roll.astype(np.float64)) & (m != 0))[0])
-            raise ValueError(f"rollout_logps must not be NaN at an unmasked token, got rollout_logps{list(bad)} = nan")
+        check_not_nan_unmasked("rollout_logps", rollout_logps, completion_mask)
         rollout_correction(rollout_is_mode, rollout_is_cap)  # checks the mode and the cap
     check_entropy_coef(entropy_coef)
     if num_items_in_batch is not None:
@@ -456,6 +472,7 @@ def check_policy_inputs(
             raise ValueError(
                 f"ref_weight must have the policy's vocabulary size V={V}, got ref_weight.shape={_shape(ref_weight)}"
             )
+        check_not_nan_unmasked("ref_hidden", ref_hidden, completion_mask)
     has_ref = ref_logps is not None or ref_hidden is not None
     if objective.requires_reference and not has_ref:
         raise ValueError(reference_error(objective, "ref_logps, or ref_hidden and ref_weight"))
