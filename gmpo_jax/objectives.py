@@ -52,6 +52,7 @@ __all__ = [
     "evaluate",
     "high_entropy_tokens",
     "loss_and_aux",
+    "token_mean",
 ]
 
 # Above this log-ratio exp() is ~5.5e34: every sigmoid(tau * (e^w - 1)) with tau >= 1e-33 is exactly 1
@@ -212,26 +213,38 @@ class Sequences(NamedTuple):
 
 
 class MetricSums(NamedTuple):
-    """Additive (min/max for the log-ratio range) metric accumulators over a chunk; float32 scalars."""
+    """Metric accumulators over a chunk; float32 scalars. The first :attr:`ADDITIVE` are sums (added over
+    chunks, ``psum`` over devices), the log-ratio range a min / max.
+
+    Attributes:
+      kl: ``sum m kl`` (the per-token KL, bias-corrected where the loss is).
+      kl_term: the numerator of the loss's KL part without ``beta``: the per-token KL aggregated as the loss
+        aggregates it (per-sequence means summed for gmpo / grpo / sapo, the token sum otherwise).
+      entropy: ``sum m H`` where the loss computes the entropies (``entropy_coef``), else 0.
+    """
 
     kl: jax.Array
+    kl_term: jax.Array
+    entropy: jax.Array
     clipped: jax.Array
     clipped_low: jax.Array
     clipped_high: jax.Array
     log_ratio_min: jax.Array
     log_ratio_max: jax.Array
 
+    ADDITIVE = 6  # the leading fields that are sums
+
     @staticmethod
     def zeros() -> MetricSums:
         z = jnp.zeros((), jnp.float32)
-        return MetricSums(z, z, z, z, jnp.array(jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32))
+        return MetricSums(
+            *(z,) * MetricSums.ADDITIVE, jnp.array(jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32)
+        )
 
     def combine(self, other: MetricSums) -> MetricSums:
+        n = MetricSums.ADDITIVE
         return MetricSums(
-            self.kl + other.kl,
-            self.clipped + other.clipped,
-            self.clipped_low + other.clipped_low,
-            self.clipped_high + other.clipped_high,
+            *(a + b for a, b in zip(self[:n], other[:n])),
             jnp.minimum(self.log_ratio_min, other.log_ratio_min),
             jnp.maximum(self.log_ratio_max, other.log_ratio_max),
         )
@@ -240,10 +253,15 @@ class MetricSums(NamedTuple):
         """The sums over the devices of the mesh axis ``axis`` (inside ``jax.shard_map``)."""
         lax = jax.lax
         return MetricSums(
-            *(lax.psum(x, axis) for x in self[:4]),
+            *(lax.psum(x, axis) for x in self[: MetricSums.ADDITIVE]),
             lax.pmin(self.log_ratio_min, axis),
             lax.pmax(self.log_ratio_max, axis),
         )
+
+    def with_entropy(self, entropy: jax.Array, mask: jax.Array) -> MetricSums:
+        """These sums with ``entropy`` set to ``sum mask * entropy`` (no gradient; any shapes that match)."""
+        e = jax.lax.stop_gradient(entropy).astype(jnp.float32).reshape(mask.shape)
+        return self._replace(entropy=_masked_sum(e, mask))
 
 
 def _concrete_value(x: Any) -> float | None:
@@ -627,15 +645,18 @@ class GMPO(Objective):
             seq_term = seq_term * weight
         numerator = jnp.sum(seq_term)
         kl = self._kl_term(logp, data, r)
-        kl_sum = jnp.zeros((), jnp.float32)
+        kl_sum = kl_term = jnp.zeros((), jnp.float32)
         if kl is not None:
             kl_seq = seqs.sum(kl, m) / jnp.maximum(seqs.lengths(m), 1.0)
             numerator = numerator + jnp.asarray(self.beta, jnp.float32) * jnp.sum(kl_seq)
             kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
+            kl_term = jax.lax.stop_gradient(jnp.sum(kl_seq))
         cl = m & low & (a < 0)
         ch = m & high & (a > 0)
         sums = MetricSums(
             kl=kl_sum,
+            kl_term=kl_term,
+            entropy=jnp.zeros((), jnp.float32),
             clipped=jnp.sum(cl | ch, dtype=jnp.int32).astype(jnp.float32),
             clipped_low=jnp.sum(cl, dtype=jnp.int32).astype(jnp.float32),
             clipped_high=jnp.sum(ch, dtype=jnp.int32).astype(jnp.float32),
@@ -729,15 +750,19 @@ def _finish(self_, ptl, logp, r, log_weight, data, clipped_low, clipped_high):
     """Shared tail: rollout IS correction, KL, reduction, metrics."""
     m = data.mask
     ptl, kl = _token_tail(self_, ptl, logp, data.ref_logps, _rollout_token_weights(logp, data), log_weight, m)
-    kl_sum = jnp.zeros((), jnp.float32)
+    seqs = data.sequences()
+    kl_sum = kl_term = jnp.zeros((), jnp.float32)
     if kl is not None:
         kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
-    numerator = _reduce(self_.loss_type, ptl, m, data.sequences())
+        kl_term = jax.lax.stop_gradient(_reduce(self_.loss_type, kl, m, seqs))
+    numerator = _reduce(self_.loss_type, ptl, m, seqs)
     cl = m & clipped_low
     ch = m & clipped_high
     lo, hi = _log_ratio_range(r, m)
     sums = MetricSums(
         kl=kl_sum,
+        kl_term=kl_term,
+        entropy=jnp.zeros((), jnp.float32),
         clipped=jnp.sum(cl | ch, dtype=jnp.int32).astype(jnp.float32),
         clipped_low=jnp.sum(cl, dtype=jnp.int32).astype(jnp.float32),
         clipped_high=jnp.sum(ch, dtype=jnp.int32).astype(jnp.float32),
@@ -1069,6 +1094,16 @@ class LossAux(NamedTuple):
       log_ratio_max: largest unmasked token log importance ratio (0 if all masked).
       entropy_threshold: with ``top_entropy_quantile < 1``, the entropy at or above which a token received
         policy gradient (:func:`high_entropy_tokens`); else 0.
+      kl_term: the KL term exactly as the loss aggregates it, without ``beta``: the numerator of the loss's
+        KL part over ``loss_denominator``, so that ``loss = policy part + beta * kl_term`` (+ the entropy
+        term), i.e. ``loss(beta) - loss(0) == beta * kl_term``. gmpo / grpo / sapo: the mean over
+        sequences of each sequence's token-mean KL; bnpo / dapo / cispo: ``sum m kl`` over the normaliser
+        (with ``num_items_in_batch``: over it); dr_grpo: over ``B * max_completion_length``. ``kl`` is
+        TRL's token mean (the metric to compare with TRL); the two agree for bnpo and dapo / cispo
+        without ``num_items_in_batch``. 0 without a KL term.
+      entropy: ``sum m H / max(sum m, 1)``, the mean per-token entropy of ``softmax(z / temperature)`` over
+        the unmasked tokens (TRL's ``entropy`` metric), where the loss computes the entropies anyway
+        (``entropy_coef`` given, or ``top_entropy_quantile < 1``); else 0.
     """
 
     kl: jax.Array
@@ -1080,6 +1115,14 @@ class LossAux(NamedTuple):
     log_ratio_min: jax.Array
     log_ratio_max: jax.Array
     entropy_threshold: jax.Array
+    kl_term: jax.Array
+    entropy: jax.Array
+
+
+def token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """``sum mask * x / max(sum mask, 1)`` in float32, no gradient (e.g. :attr:`LossAux.entropy`)."""
+    n = jnp.maximum(jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32), 1.0)
+    return _masked_sum(jax.lax.stop_gradient(x).astype(jnp.float32), mask) / n
 
 
 def high_entropy_tokens(
@@ -1140,5 +1183,7 @@ def loss_and_aux(
         log_ratio_min=jnp.where(any_tok, sums.log_ratio_min, 0.0),
         log_ratio_max=jnp.where(any_tok, sums.log_ratio_max, 0.0),
         entropy_threshold=jnp.zeros((), jnp.float32),
+        kl_term=sums.kl_term / denominator,
+        entropy=sums.entropy / n,
     )
     return numerator / denominator, aux

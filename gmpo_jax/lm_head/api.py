@@ -23,7 +23,7 @@ from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding
 from gmpo_jax.lm_head.vjp import Head, LMHeadConfig, fused_logprobs, fused_policy_loss
-from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, high_entropy_tokens
+from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, high_entropy_tokens, token_mean
 
 __all__ = ["fused_linear_policy_loss", "fused_linear_logprobs"]
 
@@ -373,7 +373,9 @@ def fused_linear_policy_loss(
     cfg = _config(hidden, weight, bias, T, V, plan, **head_args, grad_filter=tau)
     head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
     loss, aux = fused_policy_loss(cfg, objective, head, inputs)
-    return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
+    if threshold is None:
+        return loss, aux
+    return loss, aux._replace(entropy_threshold=threshold, entropy=token_mean(lax.stop_gradient(entropy), inputs.mask))
 
 
 def fused_linear_logprobs(

@@ -17,7 +17,7 @@ from gmpo_jax import _validation as V_
 from gmpo_jax.logits import backend as backend_lib
 from gmpo_jax.logits.vjp import LogitsConfig, logits_policy_loss
 from gmpo_jax.logits.xla import entropy_and_lse
-from gmpo_jax.objectives import LossAux, Objective, high_entropy_tokens
+from gmpo_jax.objectives import LossAux, Objective, high_entropy_tokens, token_mean
 
 __all__ = ["policy_loss_from_logits"]
 
@@ -177,4 +177,6 @@ def policy_loss_from_logits(
     backend = backend_lib.resolve(implementation, dtype=logits.dtype, B=B, T=T, Tl=Tl, V=V)
     with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss_from_logits"):
         loss, aux = logits_policy_loss(LogitsConfig(backend=backend, T=T), objective, logits, inputs)
-    return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
+    if threshold is None:
+        return loss, aux
+    return loss, aux._replace(entropy_threshold=threshold, entropy=token_mean(entropy, inputs.mask))
