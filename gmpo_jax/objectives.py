@@ -435,7 +435,7 @@ class Objective:
         self._check()
         # Static (pytree aux data): fixed here from the beta given at construction, restored as it is when
         # JAX rebuilds the objective from its leaves (:func:`_register`), never re-derived from a tracer.
-        object.__setattr__(self, "_has_kl", _concrete_value(self.beta) != 0)
+        object.__setattr__(self, "_has_kl", _concrete_value(getattr(self, "beta", 0.0)) != 0)
 
     def _check(self) -> None:
         """The hyper-parameter checks (concrete values only); rerun whenever JAX rebuilds the objective."""
@@ -449,8 +449,10 @@ class Objective:
         ``shard_map`` as an argument keeps its flag while its ``beta`` becomes a tracer, so the value of a
         traced ``beta`` stays in the math (a schedule does not recompile: ``GMPO(beta=0.01)`` and
         ``GMPO(beta=0.02)`` have the same tree structure) and never decides whether a reference is needed.
-        ``GMPO(beta=0.0)`` and ``GMPO(beta=0.1)`` differ in structure (one program each)."""
-        return self._has_kl
+        ``GMPO(beta=0.0)`` and ``GMPO(beta=0.1)`` differ in structure (one program each). An objective
+        defined elsewhere without ``Objective.__post_init__`` gets it from its ``beta`` here."""
+        flag = getattr(self, "_has_kl", None)
+        return _concrete_value(getattr(self, "beta", 0.0)) != 0 if flag is None else flag
 
     @property
     def requires_reference(self) -> bool:
@@ -475,10 +477,10 @@ class Objective:
         """:meth:`_kl_term` on plain arrays (``mask`` may be the scalar True)."""
         if ref is None or not self.has_kl:
             return None
-        beta = self.beta
+        beta = getattr(self, "beta", 0.0)
         live = mask if _concrete_value(beta) is not None else mask & (jnp.asarray(beta) != 0)
         kl = _k3_kl(logp, ref, live)
-        if self.use_bias_correction_kl:
+        if getattr(self, "use_bias_correction_kl", False):
             kl = kl * jnp.exp(jnp.where(live, log_weight, 0.0))
         return kl
 
