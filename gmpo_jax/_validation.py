@@ -4,6 +4,7 @@ arguments normalised into the one pytree the custom VJPs take (:func:`policy_inp
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,24 @@ def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids") -> None:
         )
 
 
+def check_not_nan_unmasked(name: str, x, mask) -> None:
+    """``x`` (``[B, T]``, or ``[B, T, ...]`` such as hidden states) holds no NaN at a token the mask counts,
+    when both are concrete; the error names the first such position ``(b, t)``. Masked positions may hold
+    NaN (nothing reads them). Traced, it cannot be checked: a NaN there makes the loss NaN."""
+    xv, mv = _concrete(x), _concrete(mask)
+    if xv is None or mv is None:
+        return
+    nan = np.isnan(xv.astype(np.float32))
+    nan = nan.reshape(nan.shape[:2] + (-1,)).any(axis=-1) & (mv != 0)
+    if nan.any():
+        b, t = (int(i) for i in np.argwhere(nan)[0])
+        where = f"{name}[{b}, {t}]" if xv.ndim == 2 else f"{name}[{b}, {t}, :]"
+        raise ValueError(
+            f"{name} must not be NaN at an unmasked token (completion_mask 1), got NaN in {where} "
+            f"({int(nan.sum())} such token(s))"
+        )
+
+
 def check_mask(mask, B: int, T: int) -> None:
     require_shape("completion_mask", mask, (B, T), "[B, T]")
     dt = _dtype(mask, "completion_mask")
@@ -304,6 +323,7 @@ def check_token_inputs(
         if x is not None:
             require_shape(name, x, (B, T), "[B, T]")
             require_float(name, x)
+            check_not_nan_unmasked(name, x, completion_mask)
     if rollout_is_ratio is not None:
         if _shape(rollout_is_ratio) not in ((B, T), (B, 1), (B,)):
             raise ValueError(
@@ -327,10 +347,7 @@ def check_token_inputs(
     else:
         require_shape("rollout_logps", rollout_logps, (B, T), "[B, T]")
         require_float("rollout_logps", rollout_logps)
-        roll, m = _concrete(rollout_logps), _concrete(completion_mask)
-        if roll is not None and m is not None and np.any(np.isnan(roll.astype(np.float64)) & (m != 0)):
-            bad = tuple(int(i) for i in np.argwhere(np.isnan(roll.astype(np.float64)) & (m != 0))[0])
-            raise ValueError(f"rollout_logps must not be NaN at an unmasked token, got rollout_logps{list(bad)} = nan")
+        check_not_nan_unmasked("rollout_logps", rollout_logps, completion_mask)
         rollout_correction(rollout_is_mode, rollout_is_cap)  # checks the mode and the cap
     check_entropy_coef(entropy_coef)
     if num_items_in_batch is not None:
@@ -338,11 +355,39 @@ def check_token_inputs(
             isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
         ):
             raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
-        value = _concrete(num_items_in_batch)
-        if value is not None and not float(value) >= 0:  # NaN fails too
-            raise ValueError(f"num_items_in_batch must be >= 0, got num_items_in_batch={float(value)!r}")
+        check_num_items(num_items_in_batch, objective)
     check_temperature(temperature)
     check_ids_in_range(completion_ids, completion_mask, V)
+
+
+NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo")  # the loss types whose normaliser num_items_in_batch overrides
+_warned_ignored_num_items: set[str] = set()  # loss types already warned about (once per process each)
+
+
+def check_num_items(num_items_in_batch, objective) -> None:
+    """A concrete ``num_items_in_batch`` must be ``>= 1`` (NaN fails too): it counts the unmasked tokens of an
+    accumulation window that holds this call's, so 0 (or 0.5) would silently become the normaliser 1. Any
+    real ``>= 1`` is accepted (TRL passes an int count; a per-process share ``count / processes`` is not
+    integral). Traced it cannot be checked: the normaliser is ``max(n, 1)``. Given to a loss type that
+    ignores it (gmpo, grpo, bnpo, dr_grpo, sapo) it warns once per loss type and process: generic
+    trainers pass it for every loss type (the Hugging Face ``Trainer`` hands ``num_items_in_batch`` to
+    every ``compute_loss``; TRL's GRPO trainer then uses it for dapo only), and it changes nothing there."""
+    value = _concrete(num_items_in_batch)
+    if value is not None and not float(value) >= 1:
+        raise ValueError(
+            "num_items_in_batch must be >= 1 (the number of unmasked completion tokens in the optimizer step's "
+            "accumulation window; None: this call's own count), got "
+            f"num_items_in_batch={float(value)!r}"
+        )
+    loss_type = objective.loss_type
+    if loss_type not in NUM_ITEMS_LOSS_TYPES and loss_type not in _warned_ignored_num_items:
+        _warned_ignored_num_items.add(loss_type)
+        warnings.warn(
+            f"num_items_in_batch is ignored by loss_type={loss_type!r}: only {NUM_ITEMS_LOSS_TYPES} normalise by "
+            f"it ({loss_type!r} has its own normaliser, see LossAux.loss_denominator); warned once per loss type",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def check_segment_ids(segment_ids, B: int, T: int) -> None:
@@ -427,14 +472,21 @@ def check_policy_inputs(
             raise ValueError(
                 f"ref_weight must have the policy's vocabulary size V={V}, got ref_weight.shape={_shape(ref_weight)}"
             )
+        check_not_nan_unmasked("ref_hidden", ref_hidden, completion_mask)
     has_ref = ref_logps is not None or ref_hidden is not None
     if objective.requires_reference and not has_ref:
-        raise ValueError(
-            f"objective.beta={objective.beta!r} (non-zero or traced) needs a reference: pass ref_logps, or "
-            "ref_hidden and ref_weight (or beta=0.0 as a Python number for no KL term)"
-        )
+        raise ValueError(reference_error(objective, "ref_logps, or ref_hidden and ref_weight"))
     check_chunk_size(chunk_size)
     return B, T, H, V
+
+
+def reference_error(objective, what: str) -> str:
+    """The message for an objective with a KL term (:attr:`Objective.has_kl`) called without a reference."""
+    return (
+        f"objective.beta={objective.beta!r} gives the loss a KL term (objective.has_kl: beta was non-zero, or "
+        f"traced, when the objective was built), which needs a reference: pass {what} (or build the objective "
+        "with beta=0.0 as a number for no KL term)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------

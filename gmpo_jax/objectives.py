@@ -3,7 +3,9 @@
 Each objective is a frozen dataclass registered as a JAX pytree: its numeric hyper-parameters
 (epsilons, beta, delta, SAPO temperatures) are pytree *leaves*, so they may be Python floats or traced
 JAX scalars (a schedule does not recompile); its variant choices (``loss_type``,
-``importance_sampling_level``, ``use_bias_correction_kl``, ``max_completion_length``) are static.
+``importance_sampling_level``, ``use_bias_correction_kl``, ``max_completion_length``) are static, and so
+is whether it has a KL term (:attr:`Objective.has_kl`, fixed at construction from a concrete ``beta``):
+an objective passed through ``jax.jit`` as an argument keeps it while its ``beta`` is a tracer.
 
 An objective knows nothing of the LM head. Given the per-token log-probs of a *chunk of whole
 sequences* it returns the chunk's loss numerator and metric sums; the normaliser (the denominator) is a
@@ -50,6 +52,7 @@ __all__ = [
     "evaluate",
     "high_entropy_tokens",
     "loss_and_aux",
+    "token_mean",
 ]
 
 # Above this log-ratio exp() is ~5.5e34: every sigmoid(tau * (e^w - 1)) with tau >= 1e-33 is exactly 1
@@ -210,26 +213,38 @@ class Sequences(NamedTuple):
 
 
 class MetricSums(NamedTuple):
-    """Additive (min/max for the log-ratio range) metric accumulators over a chunk; float32 scalars."""
+    """Metric accumulators over a chunk; float32 scalars. The first :attr:`ADDITIVE` are sums (added over
+    chunks, ``psum`` over devices), the log-ratio range a min / max.
+
+    Attributes:
+      kl: ``sum m kl`` (the per-token KL, bias-corrected where the loss is).
+      kl_term: the numerator of the loss's KL part without ``beta``: the per-token KL aggregated as the loss
+        aggregates it (per-sequence means summed for gmpo / grpo / sapo, the token sum otherwise).
+      entropy: ``sum m H`` where the loss computes the entropies (``entropy_coef``), else 0.
+    """
 
     kl: jax.Array
+    kl_term: jax.Array
+    entropy: jax.Array
     clipped: jax.Array
     clipped_low: jax.Array
     clipped_high: jax.Array
     log_ratio_min: jax.Array
     log_ratio_max: jax.Array
 
+    ADDITIVE = 6  # the leading fields that are sums
+
     @staticmethod
     def zeros() -> MetricSums:
         z = jnp.zeros((), jnp.float32)
-        return MetricSums(z, z, z, z, jnp.array(jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32))
+        return MetricSums(
+            *(z,) * MetricSums.ADDITIVE, jnp.array(jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32)
+        )
 
     def combine(self, other: MetricSums) -> MetricSums:
+        n = MetricSums.ADDITIVE
         return MetricSums(
-            self.kl + other.kl,
-            self.clipped + other.clipped,
-            self.clipped_low + other.clipped_low,
-            self.clipped_high + other.clipped_high,
+            *(a + b for a, b in zip(self[:n], other[:n])),
             jnp.minimum(self.log_ratio_min, other.log_ratio_min),
             jnp.maximum(self.log_ratio_max, other.log_ratio_max),
         )
@@ -238,10 +253,15 @@ class MetricSums(NamedTuple):
         """The sums over the devices of the mesh axis ``axis`` (inside ``jax.shard_map``)."""
         lax = jax.lax
         return MetricSums(
-            *(lax.psum(x, axis) for x in self[:4]),
+            *(lax.psum(x, axis) for x in self[: MetricSums.ADDITIVE]),
             lax.pmin(self.log_ratio_min, axis),
             lax.pmax(self.log_ratio_max, axis),
         )
+
+    def with_entropy(self, entropy: jax.Array, mask: jax.Array) -> MetricSums:
+        """These sums with ``entropy`` set to ``sum mask * entropy`` (no gradient; any shapes that match)."""
+        e = jax.lax.stop_gradient(entropy).astype(jnp.float32).reshape(mask.shape)
+        return self._replace(entropy=_masked_sum(e, mask))
 
 
 def _concrete_value(x: Any) -> float | None:
@@ -411,42 +431,91 @@ class Objective:
         seqs = Sequences.of(mask, segment_ids)
         return m / seqs.tokens(jnp.maximum(seqs.lengths(mask), 1.0), mask.shape)
 
+    def __post_init__(self):
+        self._check()
+        # Static (pytree aux data): fixed here from the beta given at construction, restored as it is when
+        # JAX rebuilds the objective from its leaves (:func:`_register`), never re-derived from a tracer.
+        object.__setattr__(self, "_has_kl", _concrete_value(getattr(self, "beta", 0.0)) != 0)
+
+    def _check(self) -> None:
+        """The hyper-parameter checks (concrete values only); rerun whenever JAX rebuilds the objective."""
+
+    @property
+    def has_kl(self) -> bool:
+        """Whether the loss has a KL term (static). Fixed when the objective is constructed: False iff
+        ``beta`` was then a concrete 0 (a Python / NumPy number or an untraced JAX scalar); True for a
+        non-zero ``beta`` and for one that was traced at construction (e.g. ``GMPO(beta=schedule(step))``
+        inside ``jit``). It is pytree aux data: an objective passed through ``jax.jit`` / ``vmap`` /
+        ``shard_map`` as an argument keeps its flag while its ``beta`` becomes a tracer, so the value of a
+        traced ``beta`` stays in the math (a schedule does not recompile: ``GMPO(beta=0.01)`` and
+        ``GMPO(beta=0.02)`` have the same tree structure) and never decides whether a reference is needed.
+        ``GMPO(beta=0.0)`` and ``GMPO(beta=0.1)`` differ in structure (one program each). An objective
+        defined elsewhere without ``Objective.__post_init__`` gets it from its ``beta`` here."""
+        flag = getattr(self, "_has_kl", None)
+        return _concrete_value(getattr(self, "beta", 0.0)) != 0 if flag is None else flag
+
     @property
     def requires_reference(self) -> bool:
-        """True unless ``beta`` is a concrete 0: a non-zero or a traced ``beta`` needs a reference at call time.
+        """:attr:`has_kl`: True iff the loss has a KL term, which needs a reference at call time.
 
-        Whether the KL term exists is decided by whether a reference is given, never by a traced value; a
-        traced ``beta`` without a reference would silently train without the KL term (a schedule with a
-        forgotten reference), so it is an error: pass ``beta=0.0`` as a number to train without KL.
+        A ``beta`` traced at construction counts as a KL term (its value may be non-zero): without a
+        reference it would silently train without the KL term (a schedule with a forgotten reference), so
+        it is an error; build the objective with ``beta=0.0`` as a number to train without KL.
         """
-        v = _concrete_value(getattr(self, "beta", 0.0))
-        return v is None or v != 0
+        return self.has_kl
 
     def _kl_term(self, logp, data: PolicyInputs, log_weight) -> jax.Array | None:
         """Per-token KL (k3), optionally bias-corrected by ``exp(log_weight)``.
 
-        None without a reference or with a Python-number ``beta == 0`` (SPEC: the KL term exists only if
-        beta != 0). A traced beta that is 0 selects the KL away before it is formed, so an overflowing
-        ``exp(ref - logp)`` cannot turn into ``0 * inf``.
+        None without a reference or without a KL term (:attr:`has_kl` False; SPEC: the KL term exists
+        only if beta != 0). A traced beta that is 0 selects the KL away before it is formed, so an
+        overflowing ``exp(ref - logp)`` cannot turn into ``0 * inf``.
         """
         return self._kl_values(logp, data.ref_logps, data.mask, log_weight)
 
     def _kl_values(self, logp, ref, mask, log_weight) -> jax.Array | None:
         """:meth:`_kl_term` on plain arrays (``mask`` may be the scalar True)."""
-        beta = getattr(self, "beta", 0.0)
-        v = _concrete_value(beta)
-        if ref is None or v == 0:
+        if ref is None or not self.has_kl:
             return None
-        live = mask if v is not None else mask & (jnp.asarray(beta) != 0)
+        beta = getattr(self, "beta", 0.0)
+        live = mask if _concrete_value(beta) is not None else mask & (jnp.asarray(beta) != 0)
         kl = _k3_kl(logp, ref, live)
         if getattr(self, "use_bias_correction_kl", False):
             kl = kl * jnp.exp(jnp.where(live, log_weight, 0.0))
         return kl
 
 
-def _register(cls, data_fields, meta_fields):
+_DERIVED = ("_has_kl",)  # an objective's static attributes set by Objective.__post_init__
+
+
+def _register(cls, data_fields, meta_fields, derived=()):
+    """``cls`` as a frozen dataclass registered as a pytree: ``data_fields`` are leaves, ``meta_fields`` and
+    the ``derived`` attributes (set by ``__post_init__``, e.g. ``_has_kl``) static aux data.
+
+    Unlike ``jax.tree_util.register_dataclass`` (whose unflatten calls ``cls(**fields)``, i.e. reruns
+    ``__post_init__`` on whatever the leaves are: tracers under ``jit``), unflattening restores the derived
+    attributes from the aux data and reruns only the checks (``_check``), so a static decision made from
+    concrete values at construction survives ``jit`` / ``vmap`` / ``shard_map`` / ``jax.tree.map``."""
     cls = dataclasses.dataclass(frozen=True)(cls)
-    jax.tree_util.register_dataclass(cls, data_fields=data_fields, meta_fields=meta_fields)
+    data_fields, static = tuple(data_fields), tuple(meta_fields) + tuple(derived)
+    init_fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    assert init_fields == set(data_fields) | set(meta_fields), (cls, init_fields)
+
+    def flatten(x):
+        return tuple(getattr(x, n) for n in data_fields), tuple(getattr(x, n) for n in static)
+
+    def flatten_with_keys(x):
+        leaves, aux = flatten(x)
+        return tuple(zip((jax.tree_util.GetAttrKey(n) for n in data_fields), leaves)), aux
+
+    def unflatten(aux, leaves):
+        x = object.__new__(cls)
+        for name, value in (*zip(static, aux), *zip(data_fields, leaves)):
+            object.__setattr__(x, name, value)
+        x._check()
+        return x
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
     return cls
 
 
@@ -485,6 +554,9 @@ class RolloutCorrection:
     cap: Scalar = 2.0
 
     def __post_init__(self):
+        self._check()
+
+    def _check(self) -> None:
         if self.mode not in ROLLOUT_IS_MODES:
             raise ValueError(f"rollout_is_mode must be one of {ROLLOUT_IS_MODES}, got rollout_is_mode={self.mode!r}")
         _check_pos("rollout_is_cap", self.cap)
@@ -516,7 +588,8 @@ class GMPO(Objective):
     Args:
       epsilon_low: lower clip range in log space, ``>= 0`` (paper: 0.4, i.e. ratio >= e^-0.4).
       epsilon_high: upper clip range in log space, ``>= 0`` (paper: 0.4).
-      beta: KL coefficient, ``>= 0``; a non-zero Python float needs a reference (``ref_logps`` or
+      beta: KL coefficient, ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+        (:attr:`Objective.has_kl`, static), which needs a reference (``ref_logps`` or
         ``ref_hidden``/``ref_weight``) at call time.
       use_bias_correction_kl: multiply the per-token KL by the unclipped ratio ``exp(r)`` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
@@ -536,7 +609,7 @@ class GMPO(Objective):
     use_bias_correction_kl: bool = False
     importance_sampling_level: str = "token"
 
-    def __post_init__(self):
+    def _check(self) -> None:
         _check_token_level("GMPO", self.importance_sampling_level)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_nonneg("epsilon_low", self.epsilon_low)
@@ -574,15 +647,18 @@ class GMPO(Objective):
             seq_term = seq_term * weight
         numerator = jnp.sum(seq_term)
         kl = self._kl_term(logp, data, r)
-        kl_sum = jnp.zeros((), jnp.float32)
+        kl_sum = kl_term = jnp.zeros((), jnp.float32)
         if kl is not None:
             kl_seq = seqs.sum(kl, m) / jnp.maximum(seqs.lengths(m), 1.0)
             numerator = numerator + jnp.asarray(self.beta, jnp.float32) * jnp.sum(kl_seq)
             kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
+            kl_term = jax.lax.stop_gradient(jnp.sum(kl_seq))
         cl = m & low & (a < 0)
         ch = m & high & (a > 0)
         sums = MetricSums(
             kl=kl_sum,
+            kl_term=kl_term,
+            entropy=jnp.zeros((), jnp.float32),
             clipped=jnp.sum(cl | ch, dtype=jnp.int32).astype(jnp.float32),
             clipped_low=jnp.sum(cl, dtype=jnp.int32).astype(jnp.float32),
             clipped_high=jnp.sum(ch, dtype=jnp.int32).astype(jnp.float32),
@@ -617,7 +693,9 @@ def _gmpo_rollout(logp, data: PolicyInputs, seqs: Sequences):
     return keep, u if log_w is None else u * jnp.exp(log_w)
 
 
-GMPO = _register(GMPO, ["epsilon_low", "epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
+GMPO = _register(
+    GMPO, ["epsilon_low", "epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"], _DERIVED
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -674,15 +752,19 @@ def _finish(self_, ptl, logp, r, log_weight, data, clipped_low, clipped_high):
     """Shared tail: rollout IS correction, KL, reduction, metrics."""
     m = data.mask
     ptl, kl = _token_tail(self_, ptl, logp, data.ref_logps, _rollout_token_weights(logp, data), log_weight, m)
-    kl_sum = jnp.zeros((), jnp.float32)
+    seqs = data.sequences()
+    kl_sum = kl_term = jnp.zeros((), jnp.float32)
     if kl is not None:
         kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
-    numerator = _reduce(self_.loss_type, ptl, m, data.sequences())
+        kl_term = jax.lax.stop_gradient(_reduce(self_.loss_type, kl, m, seqs))
+    numerator = _reduce(self_.loss_type, ptl, m, seqs)
     cl = m & clipped_low
     ch = m & clipped_high
     lo, hi = _log_ratio_range(r, m)
     sums = MetricSums(
         kl=kl_sum,
+        kl_term=kl_term,
+        entropy=jnp.zeros((), jnp.float32),
         clipped=jnp.sum(cl | ch, dtype=jnp.int32).astype(jnp.float32),
         clipped_low=jnp.sum(cl, dtype=jnp.int32).astype(jnp.float32),
         clipped_high=jnp.sum(ch, dtype=jnp.int32).astype(jnp.float32),
@@ -711,7 +793,8 @@ class GRPO(Objective):
       loss_type: one of ``"dapo"`` (default, as TRL), ``"grpo"``, ``"bnpo"``, ``"dr_grpo"`` (static).
       epsilon_low: ``>= 0``; lower clip ``1 - epsilon_low`` of the ratio. Default 0.2.
       epsilon_high: ``>= 0``; upper clip ``1 + epsilon_high``. Default 0.2 (DAPO's clip-higher: 0.28).
-      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+        (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO) (static).
       delta: optional upper bound ``> 0`` on the unclipped ratio (two-sided clipping, TRL ``delta``).
       use_bias_correction_kl: multiply the KL by the unclipped ratio :math:`e^{w}` (static).
@@ -737,7 +820,7 @@ class GRPO(Objective):
     use_bias_correction_kl: bool = False
     max_completion_length: int | None = None
 
-    def __post_init__(self):
+    def _check(self) -> None:
         if self.loss_type not in _GRPO_LOSS_TYPES:
             raise ValueError(
                 f"loss_type must be one of {_GRPO_LOSS_TYPES} for GRPO (use GMPO / CISPO / SAPO for those),"
@@ -829,6 +912,7 @@ GRPO = _register(
     GRPO,
     ["epsilon_low", "epsilon_high", "beta", "delta"],
     ["loss_type", "importance_sampling_level", "use_bias_correction_kl", "max_completion_length"],
+    _DERIVED,
 )
 
 
@@ -850,7 +934,8 @@ class CISPO(Objective):
         1 it caps even on-policy weights (``e^r = 1``): every token's gradient is scaled by
         ``epsilon_high``, i.e. the 0.2 default trains at a fifth of the learning rate (measured in the
         demo task: reward 0.13 -> 0.29 in 60 steps at 0.2; the ``gmpo-jax train`` CLI uses 5.0).
-      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+        (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
         compatibility; ``"sequence"`` raises).
@@ -867,7 +952,7 @@ class CISPO(Objective):
     use_bias_correction_kl: bool = False
     importance_sampling_level: str = "token"
 
-    def __post_init__(self):
+    def _check(self) -> None:
         _check_token_level("CISPO", self.importance_sampling_level)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_nonneg("epsilon_high", self.epsilon_high)
@@ -905,7 +990,7 @@ class CISPO(Objective):
         return _finish(self, ptl, logp, r, r, data, jnp.zeros_like(high), high & (a > 0))
 
 
-CISPO = _register(CISPO, ["epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"])
+CISPO = _register(CISPO, ["epsilon_high", "beta"], ["use_bias_correction_kl", "importance_sampling_level"], _DERIVED)
 
 
 class SAPO(Objective):
@@ -922,7 +1007,8 @@ class SAPO(Objective):
       temperature_pos: ``> 0`` gate temperature for positive advantages (Liger/TRL
         ``sapo_temperature_pos``). Default 1.0.
       temperature_neg: ``> 0`` gate temperature for non-positive advantages. Default 1.05.
-      beta: KL coefficient ``>= 0``; non-zero needs a reference at call time.
+      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+        (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
         compatibility; ``"sequence"`` raises).
@@ -941,7 +1027,7 @@ class SAPO(Objective):
     use_bias_correction_kl: bool = False
     importance_sampling_level: str = "token"
 
-    def __post_init__(self):
+    def _check(self) -> None:
         _check_token_level("SAPO", self.importance_sampling_level)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_pos("temperature_pos", self.temperature_pos)
@@ -983,7 +1069,10 @@ class SAPO(Objective):
 
 
 SAPO = _register(
-    SAPO, ["temperature_pos", "temperature_neg", "beta"], ["use_bias_correction_kl", "importance_sampling_level"]
+    SAPO,
+    ["temperature_pos", "temperature_neg", "beta"],
+    ["use_bias_correction_kl", "importance_sampling_level"],
+    _DERIVED,
 )
 
 
@@ -1007,6 +1096,16 @@ class LossAux(NamedTuple):
       log_ratio_max: largest unmasked token log importance ratio (0 if all masked).
       entropy_threshold: with ``top_entropy_quantile < 1``, the entropy at or above which a token received
         policy gradient (:func:`high_entropy_tokens`); else 0.
+      kl_term: the KL term exactly as the loss aggregates it, without ``beta``: the numerator of the loss's
+        KL part over ``loss_denominator``, so that ``loss = policy part + beta * kl_term`` (+ the entropy
+        term), i.e. ``loss(beta) - loss(0) == beta * kl_term``. gmpo / grpo / sapo: the mean over
+        sequences of each sequence's token-mean KL; bnpo / dapo / cispo: ``sum m kl`` over the normaliser
+        (with ``num_items_in_batch``: over it); dr_grpo: over ``B * max_completion_length``. ``kl`` is
+        TRL's token mean (the metric to compare with TRL); the two agree for bnpo and dapo / cispo
+        without ``num_items_in_batch``. 0 without a KL term.
+      entropy: ``sum m H / max(sum m, 1)``, the mean per-token entropy of ``softmax(z / temperature)`` over
+        the unmasked tokens (TRL's ``entropy`` metric), where the loss computes the entropies anyway
+        (``entropy_coef`` given, or ``top_entropy_quantile < 1``); else 0.
     """
 
     kl: jax.Array
@@ -1018,6 +1117,14 @@ class LossAux(NamedTuple):
     log_ratio_min: jax.Array
     log_ratio_max: jax.Array
     entropy_threshold: jax.Array
+    kl_term: jax.Array
+    entropy: jax.Array
+
+
+def token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """``sum mask * x / max(sum mask, 1)`` in float32, no gradient (e.g. :attr:`LossAux.entropy`)."""
+    n = jnp.maximum(jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32), 1.0)
+    return _masked_sum(jax.lax.stop_gradient(x).astype(jnp.float32), mask) / n
 
 
 def high_entropy_tokens(
@@ -1078,5 +1185,7 @@ def loss_and_aux(
         log_ratio_min=jnp.where(any_tok, sums.log_ratio_min, 0.0),
         log_ratio_max=jnp.where(any_tok, sums.log_ratio_max, 0.0),
         entropy_threshold=jnp.zeros((), jnp.float32),
+        kl_term=sums.kl_term / denominator,
+        entropy=sums.entropy / n,
     )
     return numerator / denominator, aux

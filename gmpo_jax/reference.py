@@ -15,7 +15,15 @@ from jax import lax
 
 from gmpo_jax import _lse
 from gmpo_jax import _validation as V_
-from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, evaluate, high_entropy_tokens, loss_and_aux
+from gmpo_jax.objectives import (
+    LossAux,
+    Objective,
+    PolicyInputs,
+    evaluate,
+    high_entropy_tokens,
+    loss_and_aux,
+    token_mean,
+)
 
 __all__ = ["logits", "logprobs", "policy_loss", "policy_loss_from_logits"]
 
@@ -46,7 +54,7 @@ def _target_logprobs(z, ids):
 def _loss(objective: Objective, z, inputs: PolicyInputs, top_entropy_quantile) -> tuple[jax.Array, LossAux]:
     """The loss from float32 ``[B, T, V]`` logits ``z`` (temperature applied)."""
     V_.check_top_entropy_quantile(top_entropy_quantile)
-    threshold = None
+    threshold = entropy = None
     if top_entropy_quantile != 1.0:
         ls = _lse.log_softmax(lax.stop_gradient(z), axis=-1)
         entropy = -jnp.sum(jnp.where(jnp.isfinite(ls), jnp.exp(ls) * ls, 0.0), axis=-1)
@@ -60,7 +68,10 @@ def _loss(objective: Objective, z, inputs: PolicyInputs, top_entropy_quantile) -
         ent = -jnp.sum(jnp.where(jnp.isfinite(ls), jnp.exp(ls) * ls, 0.0), axis=-1)
         w = objective.entropy_weights(inputs.mask, inputs.segment_ids)
         num = num - inputs.entropy_coef * jnp.sum(w * ent)
+        entropy = ent if entropy is None else entropy
     loss, aux = loss_and_aux(num, denom, sums, inputs.mask)
+    if entropy is not None:
+        aux = aux._replace(entropy=token_mean(entropy, inputs.mask))
     return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
 
 

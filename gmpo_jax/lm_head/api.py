@@ -23,7 +23,7 @@ from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding
 from gmpo_jax.lm_head.vjp import Head, LMHeadConfig, fused_logprobs, fused_policy_loss
-from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, high_entropy_tokens
+from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, high_entropy_tokens, token_mean
 
 __all__ = ["fused_linear_policy_loss", "fused_linear_logprobs"]
 
@@ -210,7 +210,10 @@ def fused_linear_policy_loss(
         when it spans more micro-steps than one optimizer step accumulates: that scales each update
         by ``gas / steps_per_generation`` (TRL #5619). With ``optax.MultiSteps`` (which averages the
         accumulated gradients) multiply each micro-step's loss by the number of accumulation steps.
-        Ignored by the other loss types. README: "`num_items_in_batch` under gradient accumulation".
+        A concrete value must be ``>= 1`` (ValueError; any real: a per-process share ``count / processes``
+        need not be integral); a traced one cannot be checked and the normaliser is ``max(n, 1)``. The
+        other loss types ignore it and warn once per loss type (trainers pass it for every loss type, as
+        the Hugging Face ``Trainer`` does; ``_validation.check_num_items``). README: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       segment_ids: ``[B, T]`` integer or None: a packed batch, several sequences per row (the layout
         of Tunix and MaxText). Each maximal run of equal positive ids within a row is one sequence; id 0
@@ -304,7 +307,7 @@ def fused_linear_policy_loss(
     Raises:
       TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, a ``beta`` that is not a concrete 0 (non-zero or traced) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``logits_precision``, a ``grad_filter`` other than None, ``"auto"`` or a float in ``[0, 1)`` (TypeError for a non-number), a concrete
+        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was built) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``old_logps`` / ``ref_logps`` / ``rollout_logps`` / ``ref_hidden`` NaN at an unmasked token (concrete; the error names the first ``(b, t)``), an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``logits_precision``, a ``grad_filter`` other than None, ``"auto"`` or a float in ``[0, 1)`` (TypeError for a non-number), a concrete
         mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
         ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
         outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
@@ -375,7 +378,9 @@ def fused_linear_policy_loss(
     cfg = _config(hidden, weight, bias, T, V, plan, **head_args, grad_filter=tau)
     head, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
     loss, aux = fused_policy_loss(cfg, objective, head, inputs)
-    return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
+    if threshold is None:
+        return loss, aux
+    return loss, aux._replace(entropy_threshold=threshold, entropy=token_mean(lax.stop_gradient(entropy), inputs.mask))
 
 
 def fused_linear_logprobs(

@@ -219,7 +219,7 @@ def _chunk_step(
     num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
     ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
     if with_ent:
-        num = num + ent_num
+        num, sums = num + ent_num, sums.with_entropy(ent, chunk.mask)
     if not with_grads:
         return num, sums, None, dw, db
     entropy = (gamma, ent) if with_ent else None
@@ -255,8 +255,10 @@ def _chunk_step_skipping(
             num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
             entropy = None
             if with_ent:  # the entropy's cotangent is 0 off the prefix (masked rows): same rows
-                ent_num, gamma = _entropy_term(objective, chunk, rows.scatter_back(ent_s, order), denominator)
+                ent = rows.scatter_back(ent_s, order)
+                ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
                 num, entropy = num + ent_num, (rows.take(gamma, order, S), ent_s)
+                sums = sums.with_entropy(ent, chunk.mask)
             dlogp_s = rows.take(dlogp.reshape(-1), order, S)
             dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, None, db, saved, entropy)
             return num, sums, rows.scatter_back(dh_s, order), dw_, db_
@@ -279,7 +281,7 @@ def _chunk_step_skipping(
     extra = ()
     if with_ent:
         ent_num, gamma = _entropy_term(objective, chunk, ent[0], denominator)
-        num = num + ent_num
+        num, sums = num + ent_num, sums.with_entropy(ent[0], chunk.mask)
         extra = (gamma, ent[0])
     if not with_grads:
         return num, sums, None, dw, db

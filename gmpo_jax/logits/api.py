@@ -17,7 +17,7 @@ from gmpo_jax import _validation as V_
 from gmpo_jax.logits import backend as backend_lib
 from gmpo_jax.logits.vjp import LogitsConfig, logits_policy_loss
 from gmpo_jax.logits.xla import entropy_and_lse
-from gmpo_jax.objectives import LossAux, Objective, high_entropy_tokens
+from gmpo_jax.objectives import LossAux, Objective, high_entropy_tokens, token_mean
 
 __all__ = ["policy_loss_from_logits"]
 
@@ -50,10 +50,7 @@ def _check_inputs(logits, token_args: dict) -> tuple[int, int, int, int]:
         **token_args,
     )
     if objective.requires_reference and token_args["ref_logps"] is None:
-        raise ValueError(
-            f"objective.beta={objective.beta!r} (non-zero or traced) needs a reference: pass ref_logps "
-            "(or beta=0.0 as a Python number for no KL term)"
-        )
+        raise ValueError(V_.reference_error(objective, "ref_logps"))
     return B, T, Tl, V
 
 
@@ -115,8 +112,9 @@ def policy_loss_from_logits(
         objectives run the three-pass path, not the fused kernel).
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
         completion tokens in ONE optimizer step's accumulation window (global over devices), exactly as
-        for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details). Ignored by the
-        other loss types. README: "`num_items_in_batch` under gradient accumulation".
+        for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details): a concrete value
+        must be ``>= 1``, a traced one is used as ``max(n, 1)``; the other loss types ignore it and warn
+        once per loss type. README: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       segment_ids, top_entropy_quantile: as in :func:`gmpo_jax.fused_linear_policy_loss` (packed rows;
         policy gradient only for the highest-entropy tokens, whose entropies come from one more fused XLA
@@ -145,7 +143,7 @@ def policy_loss_from_logits(
       TypeError: non-floating logits / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
       ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
         not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
-        outside ``[0, V)``, a ``beta`` that is not a concrete 0 (non-zero or traced) without ``ref_logps``, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``rollout_logps`` NaN at an unmasked token, an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``implementation`` (this path's are ``"xla"`` and
+        outside ``[0, V)``, an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was built) without ``ref_logps``, a concrete ``num_items_in_batch < 1``, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``old_logps`` / ``ref_logps`` / ``rollout_logps`` NaN at an unmasked token (concrete; the error names the first ``(b, t)``), an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``implementation`` (this path's are ``"xla"`` and
         ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /
@@ -179,4 +177,6 @@ def policy_loss_from_logits(
     backend = backend_lib.resolve(implementation, dtype=logits.dtype, B=B, T=T, Tl=Tl, V=V)
     with jax.named_scope(f"gmpo_jax/{backend.name}/policy_loss_from_logits"):
         loss, aux = logits_policy_loss(LogitsConfig(backend=backend, T=T), objective, logits, inputs)
-    return loss, aux if threshold is None else aux._replace(entropy_threshold=threshold)
+    if threshold is None:
+        return loss, aux
+    return loss, aux._replace(entropy_threshold=threshold, entropy=token_mean(entropy, inputs.mask))

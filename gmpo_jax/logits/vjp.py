@@ -47,7 +47,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax.logits.xla import entropy_and_lse, entropy_dlogits
-from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, _concrete_value, evaluate, loss_and_aux
+from gmpo_jax.objectives import (
+    LossAux,
+    Objective,
+    PolicyInputs,
+    _concrete_value,
+    evaluate,
+    loss_and_aux,
+    token_mean,
+)
 
 __all__ = ["LogitsConfig", "logits_policy_loss"]
 
@@ -116,7 +124,10 @@ def _add_entropy_term(objective: Objective, logits, inputs: PolicyInputs, T: int
     ent_loss, ent = _entropy_term(objective, logits, inputs, T)
     if ent_loss is None:
         return loss, aux, None
-    aux = aux._replace(loss_numerator=aux.loss_numerator + lax.stop_gradient(ent_loss) * aux.loss_denominator)
+    aux = aux._replace(
+        loss_numerator=aux.loss_numerator + lax.stop_gradient(ent_loss) * aux.loss_denominator,
+        entropy=token_mean(ent[1], inputs.mask),
+    )
     return loss + ent_loss, aux, ent
 
 

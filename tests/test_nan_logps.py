@@ -1,0 +1,79 @@
+"""Concrete NaN in ``old_logps`` / ``ref_logps`` (both ops) or ``ref_hidden`` (LM head) at an unmasked token
+raises ValueError naming the argument and the first position ``(b, t)``, like NaN advantages and
+``rollout_logps``; NaN under the mask is allowed and changes nothing (the loss equals the float64 oracle's
+on the clean inputs, ``conftest.TOLERANCES``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import Obj, assert_loss_close, make_case, spec_for
+
+import gmpo_jax
+
+B, T, H, V = 3, 5, 16, 29
+CASE = make_case(4, B=B, T=T, H=H, V=V)  # row 0 full, the others ragged
+LOGITS = np.concatenate([CASE.hidden @ CASE.weight, CASE.hidden[:, :1] @ CASE.weight], axis=1).astype(np.float32)
+OBJ = Obj("gmpo", beta=0.05)
+FIRST = (1, 0)  # the first NaN position (row-major) of every case below
+MASKED = tuple(int(i) for i in np.argwhere(~CASE.mask)[0])
+
+
+def _loss(op, *, old=CASE.old, ref=CASE.ref, ref_hidden=None):
+    args = (CASE.ids, CASE.mask, CASE.adv)
+    kw = dict(objective=OBJ.lib(), old_logps=old, ref_logps=ref)
+    if op == "logits":
+        return gmpo_jax.policy_loss_from_logits(LOGITS, *args, implementation="xla", **kw)
+    if ref_hidden is not None:
+        kw.update(ref_logps=None, ref_hidden=ref_hidden, ref_weight=CASE.weight)
+    return gmpo_jax.fused_linear_policy_loss(CASE.hidden, CASE.weight, *args, implementation="xla_chunked", **kw)
+
+
+def _with_nan(x, *positions):
+    x = np.array(x, np.float32)
+    for p in positions:
+        x[p] = np.nan
+    return x
+
+
+CASES = [
+    ("lm_head", "old_logps"),
+    ("lm_head", "ref_logps"),
+    ("lm_head", "ref_hidden"),
+    ("logits", "old_logps"),
+    ("logits", "ref_logps"),
+]
+
+
+def _kwargs(name, *positions):
+    if name == "ref_hidden":
+        return dict(ref_hidden=_with_nan(CASE.hidden, *positions))
+    return {name[:3]: _with_nan(getattr(CASE, name[:3]), *positions)}
+
+
+@pytest.mark.parametrize("op,name", CASES)
+def test_unmasked_nan_raises(op, name):
+    later = (2, 0)
+    assert CASE.mask[FIRST] and CASE.mask[later]
+    pos = FIRST + ((1,) if name == "ref_hidden" else ())  # one hidden unit of the token
+    with pytest.raises(ValueError, match=rf"{name} must not be NaN at an unmasked token.*{name}\[1, 0"):
+        _loss(op, **_kwargs(name, later, pos))
+    with pytest.raises(ValueError, match=name):  # a jax array too
+        kw = {k: jnp.asarray(v) for k, v in _kwargs(name, pos).items()}
+        _loss(op, **kw)
+
+
+@pytest.mark.parametrize("op,name", CASES)
+def test_masked_nan_is_allowed(op, name):
+    pos = MASKED + ((slice(None),) if name == "ref_hidden" else ())
+    loss, aux = _loss(op, **_kwargs(name, pos))
+    case = CASE
+    if name == "ref_hidden":  # the reference is the policy's own head (its float64 log-probs)
+        case = dataclasses.replace(CASE, ref=np.where(CASE.mask, CASE.logp64, 0.0))
+    want = spec_for(case, OBJ, ris=False)
+    assert_loss_close(loss, want.loss, want.scale, np.float32)
+    kl = want.metrics["kl"]
+    assert abs(float(aux.kl) - kl) <= 1e-5 * max(abs(kl), 1e-2), (float(aux.kl), kl)
