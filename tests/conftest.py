@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -29,6 +30,13 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--x64", default=False):
         jax.config.update("jax_enable_x64", True)
+    # One compiled program serves every test (and every pytest-xdist worker) that builds the same one: JAX's
+    # persistent cache, keyed by the program and the JAX version, in a folder of this machine (off: GMPO_TEST_CACHE="").
+    cache = os.environ.get("GMPO_TEST_CACHE", os.path.join(tempfile.gettempdir(), "gmpo_jax_test_cache"))
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 # --------------------------------------------------------------------------------------------------
