@@ -8,6 +8,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# pytest-xdist processes: one per core; TEST_WORKERS=0 runs the tests in one process
+TEST_WORKERS ?= auto
 
 .PHONY: train test venv bench clean
 
@@ -25,7 +27,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench:
 ifneq ($(strip $(ARGS)),)

@@ -172,7 +172,7 @@ def _grads(batch, impl, grad_filter):
     return loss, aux, g
 
 
-@pytest.mark.parametrize("row_buckets, keep", [(1, False), (4, False), (1, True), (4, True)])
+@pytest.mark.parametrize("row_buckets, keep", [(1, False), (4, True)])  # each value of both once
 def test_policy_loss_with_filter(batch, row_buckets, keep):
     """Through the fused loss (both chunk paths, with and without kept logits): the loss and metrics are the exact
     path's; at ``tau = 0`` the gradients are; at ``tau = 0.02`` they differ but stay within the documented bound;
