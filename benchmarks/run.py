@@ -213,8 +213,9 @@ def _gpu_timeout(cfg: Config, impl: str) -> float:
     return 120.0 if big else 75.0
 
 
-def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
-    """Jobs in priority order (the most informative first: a budget cut drops the tail)."""
+def suite_jobs(suite: str, only: list[str], family_configs=None) -> list[dict[str, Any]]:
+    """Jobs in priority order (the most informative first: a budget cut drops the tail).
+    ``family_configs``: the family group's ``(shape, B, T)`` list (default ``FAMILY_CONFIGS``)."""
     jobs: list[dict[str, Any]] = []
     both = dict(datas=["peaked", "flat"], grad_acc=True)
     if suite == "gpu" and "realistic" in only:
@@ -229,12 +230,13 @@ def suite_jobs(suite: str, only: list[str]) -> list[dict[str, Any]]:
             jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "family" in only:  # every member in one process: exact and CCE per shape, then filtered
         fam = dict(datas=FAMILY_DATA, grad_acc=True)
-        for shape, B, T in FAMILY_CONFIGS:
+        family_configs = family_configs or FAMILY_CONFIGS
+        for shape, B, T in family_configs:
             cfg = select(shape, B=B, T=T)
             jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 240.0, save_batch=True, **fam))
             jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 240.0, **fam))
         filtered = dict(grad_filter=FILTER_ROW)
-        for shape, B, T in FAMILY_CONFIGS:
+        for shape, B, T in family_configs:
             job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 240.0, **fam, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "realistic" in only:
@@ -532,6 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"suite groups: {', '.join(SUITE_GROUPS)}, or all (default: realistic on the GPU, all but "
         "features on the CPU)",
     )
+    p.add_argument(
+        "--family-configs",
+        help="the family group's shapes, e.g. llama3-8b:4x2048,qwen2.5-0.5b:2x32768 (default: FAMILY_CONFIGS)",
+    )
     p.add_argument("--results", help="JSONL to append to (default benchmarks/results/<device>.jsonl)")
     p.add_argument("--log", help="append every job's stderr here")
     p.add_argument("--table", help="also write the final table to this file")
@@ -607,7 +613,16 @@ def main(argv: list[str] | None = None) -> int:
         features = [k for k in LM_HEAD_FEATURES if opts[k] != DEFAULT_OPTS[k]]
         if features:  # the suites' jobs set them (the features group); a global value would mislabel peers
             raise SystemExit(f"{features}: give them with --shape / --impl, not with --suite")
-        jobs = suite_jobs(args.suite, only)
+        family = None
+        if args.family_configs:
+            family = []
+            for item in _split([args.family_configs]):
+                shape, _, bt = item.partition(":")
+                B, _, T = bt.partition("x")
+                if shape not in SHAPES or not (B.isdigit() and T.isdigit()):
+                    raise SystemExit(f"--family-configs: expected SHAPE:BxT, got {item!r}")
+                family.append((shape, int(B), int(T)))
+        jobs = suite_jobs(args.suite, only, family)
         jobs = [j for j in jobs if j["kind"] != "torch" or _torch_peers_importable(j["impl"])] + [
             dict(j, skip=True) for j in jobs if j["kind"] == "torch" and not _torch_peers_importable(j["impl"])
         ]
