@@ -111,6 +111,11 @@ FILTER_ROW = "0.001"  # the main table's grad_filter column: tuning.GRAD_FILTER_
 SPARSITY_CONFIGS = [(Q, 20, 768), (G, 20, 768)]  # 20 x 768: one chunk (16384 // 768 = 21 >= 20)
 FAMILY_DATA = ["light", "peaked", "heavy", "heavy-shared", "unsure", "heavy-shared-live"]
 FAMILY_CONFIGS = [(Q, 8, 2048), (L, 4, 2048)]
+# the family group: shapes, members, implementations (exact = mosaic_gpu, cce = cce_gmpo, filter = mosaic_gpu with
+# grad_filter=FILTER_ROW), gradient accuracy against the dense float32 oracle; --family-* override them
+FAMILY_DEFAULTS: dict[str, Any] = dict(
+    configs=FAMILY_CONFIGS, datas=FAMILY_DATA, impls=("exact", "cce", "filter"), grad_acc=True
+)
 GPU_LM_CONFIGS = [(Q, 8, 2048), (Q, 16, 4096), (L, 4, 2048), (Q, 2, 32768), (Q, 1, 512)]
 GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
 SUITE_GROUPS = {
@@ -213,9 +218,10 @@ def _gpu_timeout(cfg: Config, impl: str) -> float:
     return 120.0 if big else 75.0
 
 
-def suite_jobs(suite: str, only: list[str], family_configs=None) -> list[dict[str, Any]]:
+def suite_jobs(suite: str, only: list[str], family: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Jobs in priority order (the most informative first: a budget cut drops the tail).
-    ``family_configs``: the family group's ``(shape, B, T)`` list (default ``FAMILY_CONFIGS``)."""
+    ``family``: overrides of the family group's ``FAMILY_DEFAULTS`` (``configs``, ``datas``, ``impls``,
+    ``grad_acc``)."""
     jobs: list[dict[str, Any]] = []
     both = dict(datas=["peaked", "flat"], grad_acc=True)
     if suite == "gpu" and "realistic" in only:
@@ -229,14 +235,16 @@ def suite_jobs(suite: str, only: list[str], family_configs=None) -> list[dict[st
             job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 150.0, **both, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "family" in only:  # every member in one process: exact and CCE per shape, then filtered
-        fam = dict(datas=FAMILY_DATA, grad_acc=True)
-        family_configs = family_configs or FAMILY_CONFIGS
-        for shape, B, T in family_configs:
+        family = dict(FAMILY_DEFAULTS, **{k: v for k, v in (family or {}).items() if v})
+        fam = dict(datas=list(family["datas"]), grad_acc=family["grad_acc"])
+        for shape, B, T in family["configs"]:
             cfg = select(shape, B=B, T=T)
-            jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 240.0, save_batch=True, **fam))
-            jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 240.0, **fam))
+            if "exact" in family["impls"]:
+                jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 240.0, save_batch=True, **fam))
+            if "cce" in family["impls"]:
+                jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 240.0, **fam))
         filtered = dict(grad_filter=FILTER_ROW)
-        for shape, B, T in family_configs:
+        for shape, B, T in family["configs"] if "filter" in family["impls"] else ():
             job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 240.0, **fam, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "realistic" in only:
@@ -538,6 +546,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--family-configs",
         help="the family group's shapes, e.g. llama3-8b:4x2048,qwen2.5-0.5b:2x32768 (default: FAMILY_CONFIGS)",
     )
+    p.add_argument("--family-data", help="the family group's members, comma-separated (default: FAMILY_DATA)")
+    p.add_argument("--family-impls", help="the family group's implementations: exact,cce,filter (default: all)")
+    p.add_argument(
+        "--family-no-grad-acc", action="store_true", help="the family group without the gradient-accuracy oracle"
+    )
     p.add_argument("--results", help="JSONL to append to (default benchmarks/results/<device>.jsonl)")
     p.add_argument("--log", help="append every job's stderr here")
     p.add_argument("--table", help="also write the final table to this file")
@@ -613,15 +626,21 @@ def main(argv: list[str] | None = None) -> int:
         features = [k for k in LM_HEAD_FEATURES if opts[k] != DEFAULT_OPTS[k]]
         if features:  # the suites' jobs set them (the features group); a global value would mislabel peers
             raise SystemExit(f"{features}: give them with --shape / --impl, not with --suite")
-        family = None
+        family: dict[str, Any] = {}
         if args.family_configs:
-            family = []
+            family["configs"] = []
             for item in _split([args.family_configs]):
                 shape, _, bt = item.partition(":")
                 B, _, T = bt.partition("x")
                 if shape not in SHAPES or not (B.isdigit() and T.isdigit()):
                     raise SystemExit(f"--family-configs: expected SHAPE:BxT, got {item!r}")
-                family.append((shape, int(B), int(T)))
+                family["configs"].append((shape, int(B), int(T)))
+        family["datas"] = _split([args.family_data] if args.family_data else None)
+        family["impls"] = _split([args.family_impls] if args.family_impls else None)
+        if set(family["impls"]) - {"exact", "cce", "filter"}:
+            raise SystemExit(f"--family-impls: exact, cce, filter; got {args.family_impls!r}")
+        if args.family_no_grad_acc:
+            family["grad_acc"] = False
         jobs = suite_jobs(args.suite, only, family)
         jobs = [j for j in jobs if j["kind"] != "torch" or _torch_peers_importable(j["impl"])] + [
             dict(j, skip=True) for j in jobs if j["kind"] == "torch" and not _torch_peers_importable(j["impl"])
