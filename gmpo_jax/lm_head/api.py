@@ -68,17 +68,17 @@ def _config(
         **({"with_entropy": True} if with_entropy else {}),
         **({"logits_precision": logits_precision} if logits_precision is not None else {}),
     )
-    for field, value, what in (
-        ("softcap", None if softcap is None else float(softcap), "softcap (Gemma's logit cap)"),
-        ("logits_precision", logits_precision, "logits_precision"),
+    caps = backend_lib.capabilities(backend)
+    for field, value, what, declared in (
+        ("softcap", None if softcap is None else float(softcap), "softcap (Gemma's logit cap)", caps.softcap),
+        ("logits_precision", logits_precision, "logits_precision", caps.logits_precision),
     ):
         if value is None:
             continue
-        if not (dataclasses.is_dataclass(backend) and field in {f.name for f in dataclasses.fields(backend)}):
+        if not declared:
             raise UnsupportedConfigError(f"the LM-head backend {backend.name!r} has no {what}")
         backend = dataclasses.replace(backend, **{field: value})
-    fields = {f.name for f in dataclasses.fields(backend)} if dataclasses.is_dataclass(backend) else set()
-    if grad_filter is not None and "grad_filter" in fields and (plan is None or plan.vocab_axis is None):
+    if grad_filter is not None and caps.grad_filter and (plan is None or plan.vocab_axis is None):
         backend = dataclasses.replace(backend, grad_filter=grad_filter)
     return LMHeadConfig(
         backend=sharding.local_backend(backend, plan, V),

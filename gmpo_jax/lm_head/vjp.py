@@ -49,8 +49,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import rows
-from gmpo_jax.lm_head.backend import LMHeadBackend
+from gmpo_jax.lm_head.backend import Forward, LMHeadBackend
 from gmpo_jax.lm_head.sharding import ShardingPlan
 from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, evaluate, loss_and_aux
 
@@ -134,44 +135,22 @@ def _saved_budget(weight) -> int:
     return 4 * weight.size + SAVED_LOGITS_SLACK
 
 
-class _Filtered(NamedTuple):
-    """What the gradient filter's forward hands its backward: the kept logits (None: recomputed) and the rows'
-    ``[R, n_windows]`` window mass."""
-
-    kept: Any
-    mass: jax.Array
-
-
-def _filters(cfg: LMHeadConfig) -> bool:
-    """Whether the backend runs the gradient filter (its ``grad_filter`` is set): its ``logprobs`` then also
-    returns each row's mass per vocabulary window, which its ``grads`` takes as ``window_mass``."""
-    return getattr(cfg.backend, "grad_filter", None) is not None
-
-
-def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False):
-    """``(logp [R], lse [R], entropy [R] or None, saved or None)`` of rows ``h [R, H]``; ``keep``: the backend
-    may keep what its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy
-    as budget). With the gradient filter (:func:`_filters`) ``saved`` is a :class:`_Filtered`."""
-    weight, lay = head.weight, cfg.weight_layout
-    kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
-    if _filters(cfg):
-        kw["with_window_mass"] = True
-    if keep:
-        *stats, saved = cfg.backend.logprobs_for_grads(
-            h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight), **kw
-        )
-        if _filters(cfg):  # (..., kept, mass): the window mass comes last
-            mass, kept = saved, stats.pop()
-            saved = _Filtered(kept=kept, mass=mass)
-        if not with_entropy:
-            stats.append(None)  # (logp, lse) -> (logp, lse, None)
-        return (*stats, saved)
-    if _filters(cfg):
-        *stats, mass = cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, **kw)
-        return (*stats, *([] if with_entropy else [None]), _Filtered(kept=None, mass=mass))
-    if with_entropy:
-        return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, with_entropy=True), None)
-    return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None, None)
+def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False) -> Forward:
+    """The :class:`~gmpo_jax.lm_head.backend.Forward` of rows ``h [R, H]``; ``keep``: the backend may keep what
+    its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy as budget); with
+    the gradient filter (``backend.filters``) it carries each row's window mass."""
+    return backend_lib.forward(
+        cfg.backend,
+        h,
+        head.weight,
+        head.bias,
+        ids,
+        t,
+        weight_layout=cfg.weight_layout,
+        with_entropy=with_entropy,
+        with_window_mass=backend_lib.filters(cfg.backend),
+        budget_bytes=_saved_budget(head.weight) if keep else None,
+    )
 
 
 def _entropy_term(objective, chunk: PolicyInputs, ent, denominator):
@@ -184,18 +163,13 @@ def _entropy_term(objective, chunk: PolicyInputs, ent, denominator):
     return -c * jnp.sum(w * ent), -c * w / denominator
 
 
-def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, saved, entropy=None):
+def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, fwd: Forward | None, entropy=None):
     """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``
-    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``saved`` as :func:`_forward` returns it)."""
-    if isinstance(saved, _Filtered):
-        kw = {"window_mass": saved.mass, **({} if saved.kept is None else {"saved": saved.kept})}
-    else:
-        kw = {} if saved is None else {"saved": saved}
-    if entropy is not None:
-        kw["entropy"] = entropy
-    return cfg.backend.grads(
-        h, head.weight, head.bias, ids, dlogp, lse, t, weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, **kw
-    )
+    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``fwd``: what :func:`_forward` kept)."""
+    return backend_lib.backward(
+        cfg.backend, h, head.weight, head.bias, ids, dlogp, lse, t,
+        weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, fwd=fwd, entropy=entropy,
+    )  # fmt: skip
 
 
 def _chunk_step(
@@ -215,15 +189,18 @@ def _chunk_step(
     """One chunk on all its rows: ``(numerator, sums, dh [R, H] or None, dw, db)``."""
     t = chunk.temperature
     with_ent = chunk.entropy_coef is not None
-    logp, lse, ent, saved = _forward(cfg, head, h, ids, t, keep=keep, with_entropy=with_ent)
-    num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
+    fwd = _forward(cfg, head, h, ids, t, keep=keep, with_entropy=with_ent)
+    ent = fwd.entropy
+    num, sums, dlogp = evaluate(
+        objective, fwd.logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads
+    )
     ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
     if with_ent:
         num, sums = num + ent_num, sums.with_entropy(ent, chunk.mask)
     if not with_grads:
         return num, sums, None, dw, db
     entropy = (gamma, ent) if with_ent else None
-    return (num, sums, *_backward(cfg, head, h, ids, dlogp.reshape(-1), lse, t, dw, db, saved, entropy))
+    return (num, sums, *_backward(cfg, head, h, ids, dlogp.reshape(-1), fwd.lse, t, dw, db, fwd, entropy))
 
 
 def _chunk_step_skipping(
@@ -250,17 +227,17 @@ def _chunk_step_skipping(
 
         def run(S):
             hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
-            logp_s, lse_s, ent_s, saved = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent)
-            logp = rows.scatter_back(logp_s, order).reshape(chunk.mask.shape)
+            fwd = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent)
+            logp = rows.scatter_back(fwd.logp, order).reshape(chunk.mask.shape)
             num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
             entropy = None
             if with_ent:  # the entropy's cotangent is 0 off the prefix (masked rows): same rows
-                ent = rows.scatter_back(ent_s, order)
+                ent = rows.scatter_back(fwd.entropy, order)
                 ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
-                num, entropy = num + ent_num, (rows.take(gamma, order, S), ent_s)
+                num, entropy = num + ent_num, (rows.take(gamma, order, S), fwd.entropy)
                 sums = sums.with_entropy(ent, chunk.mask)
             dlogp_s = rows.take(dlogp.reshape(-1), order, S)
-            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, None, db, saved, entropy)
+            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, fwd.lse, t, None, db, fwd, entropy)
             return num, sums, rows.scatter_back(dh_s, order), dw_, db_
 
         def empty():
@@ -268,15 +245,10 @@ def _chunk_step_skipping(
             return num, sums, jnp.zeros_like(h), jnp.zeros_like(head.weight), db
 
         return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
-    filters = _filters(cfg)
-    n_out = 3 if with_ent else 2  # logp, lse[, entropy]
-
-    def forward(hs, ids_s):
-        out = _forward(cfg, head, hs, ids_s, t, keep=False, with_entropy=with_ent)
-        return out[:n_out] + (out[3].mass,) if filters else out[:n_out]  # the filter's window mass per row
-
-    logp, lse, *ent = rows.on_live_rows(buckets, chunk.mask, forward, (h, ids))
-    mass = ent.pop() if filters else None
+    filters = backend_lib.filters(cfg.backend)
+    fwd = rows.on_live_rows(buckets, chunk.mask, lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False,
+                            with_entropy=with_ent), (h, ids))  # fmt: skip
+    logp, lse, ent, mass = fwd.logp, fwd.lse, [fwd.entropy] if with_ent else [], fwd.window_mass
     num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
     extra = ()
     if with_ent:
@@ -292,8 +264,8 @@ def _chunk_step_skipping(
 
     def backward(hs, ids_s, dlogp_s, lse_s, *rest):
         mass_s, e_s = (rest[-1], rest[:-1]) if filters else (None, rest)
-        saved = None if mass_s is None else _Filtered(kept=None, mass=mass_s)
-        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, saved, tuple(e_s) or None)
+        fwd_s = None if mass_s is None else Forward(None, None, window_mass=mass_s)
+        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, fwd_s, tuple(e_s) or None)
 
     grads = rows.on_live_rows(
         1 if filters else buckets,  # the filter picks each vocabulary window's rows itself
@@ -306,13 +278,12 @@ def _chunk_step_skipping(
 
 
 def _keeps_logits(backend, rows: int, H: int, weight) -> bool:
-    """Whether the backend keeps logits for a single chunk's gradient pass (the seam's optional
-    ``logprobs_for_grads``, and its ``keeps_logits`` hint when it has one)."""
-    if not callable(getattr(backend, "logprobs_for_grads", None)):
+    """Whether the backend keeps logits for a single chunk's gradient pass (its declared ``keeps_logits``
+    capability, and its ``keeps_logits`` hint for these rows)."""
+    if not backend_lib.capabilities(backend).keeps_logits:
         return False
-    hint = getattr(backend, "keeps_logits", None)
     V = weight.size // H
-    return hint is None or hint(rows=rows, H=H, V=V, weight_dtype=weight.dtype, budget_bytes=_saved_budget(weight))
+    return backend.keeps_logits(rows=rows, H=H, V=V, weight_dtype=weight.dtype, budget_bytes=_saved_budget(weight))
 
 
 def _scan_policy(
@@ -432,18 +403,17 @@ def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
     B, T = hidden.shape[:2]
     backend: LMHeadBackend = cfg.backend
     n, locate = _chunk_plan(B, cfg.chunk_size)
-    kw = {"with_entropy": True} if cfg.with_entropy else {}
+
+    def logprobs(hs, ids_s):  # (logp, lse[, entropy])
+        fwd = backend_lib.forward(
+            backend, hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout,
+            with_entropy=cfg.with_entropy, with_window_mass=False, budget_bytes=None,
+        )  # fmt: skip
+        return (fwd.logp, fwd.lse, fwd.entropy) if cfg.with_entropy else (fwd.logp, fwd.lse)
 
     def body(carry, i):
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        out = rows.on_live_rows(
-            cfg.row_buckets,
-            chunk.mask,
-            lambda hs, ids_s: backend.logprobs(
-                hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout, **kw
-            ),
-            (h, ids),
-        )
+        out = rows.on_live_rows(cfg.row_buckets, chunk.mask, logprobs, (h, ids))
         m = chunk.mask
         new = [jnp.where(m, x.reshape(m.shape), 0.0) if k != 1 else x.reshape(m.shape) for k, x in enumerate(out)]
         return tuple(_merge_rows(a, start, fresh, x) for a, x in zip(carry, new)), None

@@ -10,6 +10,7 @@ blocks at sequence ends; their statistics are dropped. The backward kernel write
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from gmpo_jax import kernels as K
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax.logits.backend import Capabilities
 
 __all__ = ["MosaicGpuLogitsBackend"]
 
@@ -75,6 +77,7 @@ class MosaicGpuLogitsBackend:
     resident_rows: bool = True
     interpret: bool = False
     name: str = "mosaic_gpu"
+    capabilities: ClassVar[Capabilities] = Capabilities(fused_dlogits=True)
 
     def _interpret_params(self):
         if not self.interpret:

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmpo_jax.logits.backend import capabilities
 from gmpo_jax.logits.xla import entropy_and_lse, entropy_dlogits
 from gmpo_jax.objectives import (
     LossAux,
@@ -156,13 +157,12 @@ def _run(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs, 
 def _fused(cfg: LogitsConfig, objective: Objective, logits) -> bool:
     """Whether the forward of the VJP writes ``dlogits`` itself (token-local objective, concrete
     hyper-parameters, a backend with ``logprobs_and_dlogits`` whose ``fused_plan`` accepts the shape)."""
-    plan = getattr(cfg.backend, "fused_plan", None)
-    if plan is None or not objective.token_local:
+    if not capabilities(cfg.backend).fused_dlogits or not objective.token_local:
         return False
     if any(_concrete_value(leaf) is None for leaf in jax.tree.leaves(objective)):
         return False
     B, Tl, V = logits.shape
-    return plan(dtype=logits.dtype, R=B * Tl, V=V) is not None
+    return cfg.backend.fused_plan(dtype=logits.dtype, R=B * Tl, V=V) is not None
 
 
 def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs):

@@ -12,6 +12,7 @@ log-sum-exp per row; the per-split statistics are merged in XLA. ``grads``: the 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.lm_head.backend import cancel_rounding, logits_precision_of
+from gmpo_jax.lm_head.backend import Capabilities, cancel_rounding, logits_precision_of
 from gmpo_jax.lm_head.mosaic_gpu import grad_filter as filter_lib
 from gmpo_jax.lm_head.mosaic_gpu import kept_logits
 from gmpo_jax.lm_head.mosaic_gpu.grad_pass import _GradPass
@@ -76,6 +77,9 @@ class MosaicGpuBackend:
     filter_window: int = tuning.GRAD_FILTER_WINDOW  # its vocabulary windows, columns (a multiple of 256)
     filter_tail: int = tuning.GRAD_FILTER_TAIL  # its windows from this column on are kept together
     name: str = "mosaic_gpu"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        keeps_logits=True, grad_filter=True, cancel_rounding=True, softcap=True, logits_precision=True
+    )
 
     def __post_init__(self):
         from gmpo_jax._validation import grad_filter_threshold
