@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax._dispatch import dispatch
+from gmpo_jax._validation import LOGITS_PRECISIONS  # logits_precision -> split order (a leaf's constant)
 
 __all__ = [
     "LMHeadBackend",
@@ -31,10 +32,6 @@ __all__ = [
     "bf16_parts",
     "split_dot",
 ]
-
-# logits_precision -> the order of the split-bfloat16 products kept (gmpo_jax.kernels._common.split_terms):
-# "float32": three parts, i + j <= 2 (six products, float32-accurate); "bf16x3": two parts, i + j <= 1.
-LOGITS_PRECISIONS = {"float32": 2, "bf16x3": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +236,7 @@ def cancel_rounding(dh, rowsum, weight, ids, weight_layout: str):
     The exact ``dz`` row sums to 0 (``sum_v softmax = 1``), so ``dh = dz W^T = sum_v dz_v (W_v - W_id)``.
     Backends round ``dz`` to 16 bits before the ``dz W^T`` GEMM, and every rounding error then multiplies a
     whole column ``W_v``: on a trained LM head, whose columns share a large direction, ``W_v - W_id`` is
-    far smaller than ``W_v`` and the error is amplified (2.9x measured on the realistic workload). With
+    far smaller than ``W_v`` and the error is amplified (docs/performance.md). With
     ``rowsum = sum_v stored dz_v`` (the sum of the rounding errors), ``dh - rowsum W_id`` is the GEMM on
     ``W_v - W_id``: the shared direction cancels. One gather of ``W[:, id]`` per row (``4 R H`` flops).
     Needs the whole vocabulary's row sum: not applied per vocabulary shard.

@@ -1,48 +1,17 @@
-"""The LM-head op's custom VJPs: the fused policy loss and the fused log-probs, one each.
+"""The custom VJP of :func:`gmpo_jax.fused_linear_policy_loss`: the fused policy loss over chunks of whole
+sequences, its gradients computed in the forward and scaled by the cotangent in the backward.
 
-Design decisions (and why):
-
-* **Chunks of whole sequences.** ``lax.scan`` walks the batch ``chunk_size`` sequences at a time. A
-  chunk never splits a sequence, so sequence-level quantities (GMPO's geometric mean, GSPO's sequence
-  ratio, per-sequence normalisers) are exact inside the chunk, and the loss is a sum of chunk numerators
-  over a *global* denominator computed once from the whole mask (SPEC.md: B, T and token counts are
-  those of the whole call, never of a chunk).
-* **No padding copies.** When ``chunk_size`` does not divide ``B`` the last chunk slides back to end at
-  ``B`` (overlapping the previous one); the overlapped sequences are masked out of that chunk and their
-  hidden-state gradient is kept from the chunk that owned them.
-* **Gradients in the forward of the VJP.** The backward of a scalar loss is a scaling: the forward of
-  the VJP computes the loss, ``d loss / d logp`` (``jax.grad`` of the objective's chunk numerator, whose
-  selects implement SPEC.md's strict boundary rule), and then the LM-head gradients through the
-  backend: the hidden-state gradient per chunk (in the hidden dtype, written into a ``[B, T, H]`` carry)
-  and the weight / bias gradient accumulated in a float32 carry (never stacked per chunk). The backward
-  multiplies these residuals by the cotangent. A call that is one chunk needs no accumulator: the
-  backend returns that chunk's weight gradient. Plain evaluation (no differentiation) runs the primal,
-  which computes only log-probs and the loss: no gradient work at all.
-* **Memory.** Live at once: the inputs, one float32 copy of the weight (the ``dW`` accumulator; a single
-  chunk on ``mosaic_gpu`` writes its weight gradient in the weight's dtype instead), the
-  ``[B, T, H]`` hidden gradient and one chunk's workspace (the backend's vocabulary block). Never a
-  ``[chunk, T, V]`` or ``[B, T, V]`` array in float32. One exception, inside the same bound: a single
-  chunk whose backend can keep its logits for the gradient pass (``logprobs_for_grads``: the Mosaic GPU
-  kernels, in float16) may use the float32 weight copy it does not need plus ``SAVED_LOGITS_SLACK``
-  for them, and then skips the second logits computation (``8 N H V`` -> ``6 N H V`` flops).
-* **Masked tokens.** Their ids are replaced by 0 before the LM head (any id, e.g. -100 or >= V, is
-  allowed under the mask) and every objective selects them out, so they influence nothing. An
-  *unmasked* id outside ``[0, V)`` yields a NaN log-prob and therefore a NaN loss (loud by design).
-* **Cotangents.** Only the :class:`Head` (``hidden``, ``weight``, ``bias``) gets gradients (in its own
-  dtypes); the :class:`~gmpo_jax.objectives.PolicyInputs` (advantages, old / reference log-probs, the IS
-  ratio, temperature) and the objective's hyper-parameters are data and get zero cotangents. The metrics
-  carry no gradient.
-* **Devices.** A :class:`~gmpo_jax.lm_head.sharding.ShardingPlan` in the configuration runs the same
-  scan per device inside ``jax.shard_map`` (data and / or vocabulary parallel); the normaliser comes from
-  the global mask, so every device's per-token gradients are final, and the loss numerator, metric sums
-  and weight gradients are summed over the data axis once. Without a plan nothing changes.
+``fused_policy_loss(cfg, objective, head, inputs) -> (loss, aux)``: ``loss`` a float32 scalar, ``aux`` a
+:class:`~gmpo_jax.objectives.LossAux`; gradients w.r.t. ``head`` (:class:`Head`: ``hidden``, ``weight``,
+``bias``) in those arrays' dtypes, zero for ``inputs`` and ``objective``. Arguments checked and normalised by
+``gmpo_jax.lm_head.api``. The log-probs' own VJP is in ``logprobs_vjp.py``, the parts both share in
+``chunks.py``; the design decisions (chunks of whole sequences, gradients in the forward, memory, kept logits,
+devices) are in docs/DESIGN.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import rows
-from gmpo_jax.lm_head.backend import Forward, LMHeadBackend
-from gmpo_jax.lm_head.sharding import ShardingPlan
+from gmpo_jax.lm_head.backend import Forward
+from gmpo_jax.lm_head.chunks import Head, LMHeadConfig, _backward, _chunk_plan, _chunk_rows, _merge_rows, _scaled
+from gmpo_jax.lm_head.logprobs_vjp import fused_logprobs
 from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, evaluate, loss_and_aux
 
 # What a single chunk may keep for its gradient pass beyond the float32 weight copy it does not make:
@@ -60,70 +30,6 @@ from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, ev
 SAVED_LOGITS_SLACK = 384 * 2**20
 
 __all__ = ["LMHeadConfig", "Head", "fused_policy_loss", "fused_logprobs"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LMHeadConfig:
-    """Static configuration of one fused LM-head call (hashable: the custom VJPs' ``nondiff_argnums``).
-
-    Attributes:
-      backend: the :class:`~gmpo_jax.lm_head.backend.LMHeadBackend` each device runs.
-      chunk_size: sequences per chunk of the scan (``>= 1``; the local batch's with a plan).
-      weight_layout: ``"hv"`` or ``"vh"``.
-      weight_dtype, bias_dtype: the dtypes the gradients are returned in.
-      with_entropy: :func:`logprobs` also returns the per-token entropy (a metric).
-      plan: the mesh layout (data / vocabulary parallel), or None on one device.
-      row_buckets: > 1: exact work skipping with this many static row prefixes (``gmpo_jax.lm_head.rows``);
-        1: every row of a chunk goes through the backend.
-    """
-
-    backend: Any
-    chunk_size: int
-    weight_layout: str
-    weight_dtype: Any
-    bias_dtype: Any = None
-    with_entropy: bool = False
-    plan: ShardingPlan | None = None
-    row_buckets: int = 1
-
-
-class Head(NamedTuple):
-    """The differentiable inputs: ``hidden [B, T, H]``, ``weight`` (``[H, V]`` / ``[V, H]``), ``bias [V]`` or
-    None. Its gradients come back as a ``Head`` too."""
-
-    hidden: jax.Array
-    weight: jax.Array
-    bias: jax.Array | None = None
-
-
-def _chunk_plan(B: int, c: int):
-    """``(number of chunks, locate)``; ``locate(i) -> (start, fresh)``: the last chunk slides back to end at
-    ``B``, and ``fresh`` marks the sequences it owns (not already done by the previous chunk)."""
-    n = -(-B // c)
-
-    def locate(i):
-        start = jnp.minimum(i * c, B - c)
-        fresh = (start + jnp.arange(c, dtype=jnp.int32)) >= i * c
-        return start, fresh
-
-    return n, locate
-
-
-def _merge_rows(full, start, fresh, new):
-    """Write ``new`` ([c, ...]) into ``full`` at ``start`` for the fresh sequences only."""
-    c = new.shape[0]
-    old = lax.dynamic_slice_in_dim(full, start, c, axis=0)
-    sel = fresh.reshape((c,) + (1,) * (new.ndim - 1))
-    return lax.dynamic_update_slice_in_dim(full, jnp.where(sel, new, old), start, axis=0)
-
-
-def _chunk_rows(cfg: LMHeadConfig, hidden, inputs: PolicyInputs, locate, i):
-    """Chunk ``i``: ``(start, fresh, h [c T, H], ids [c T], the chunk's inputs)``."""
-    c = cfg.chunk_size
-    start, fresh = locate(i)
-    chunk = inputs.rows(start, c, fresh)
-    h = lax.dynamic_slice_in_dim(hidden, start, c, axis=0).reshape(-1, hidden.shape[-1])
-    return start, fresh, h, jnp.where(chunk.mask, chunk.ids, 0).reshape(-1), chunk
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,15 +67,6 @@ def _entropy_term(objective, chunk: PolicyInputs, ent, denominator):
     w = objective.entropy_weights(chunk.mask, chunk.segment_ids).reshape(-1)
     c = chunk.entropy_coef.astype(jnp.float32)
     return -c * jnp.sum(w * ent), -c * w / denominator
-
-
-def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, fwd: Forward | None, entropy=None):
-    """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``
-    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``fwd``: what :func:`_forward` kept)."""
-    return backend_lib.backward(
-        cfg.backend, h, head.weight, head.bias, ids, dlogp, lse, t,
-        weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, fwd=fwd, entropy=entropy,
-    )  # fmt: skip
 
 
 def _chunk_step(
@@ -376,141 +273,9 @@ def _fused_policy_loss_fwd(cfg, objective, head, inputs):
     return (loss, aux), grads
 
 
-def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:
-    """The stored gradients times the cotangent ``g``, in the primal dtypes."""
-    g = g.astype(jnp.float32)
-    return Head(
-        (grads.hidden.astype(jnp.float32) * g).astype(grads.hidden.dtype),
-        (grads.weight * g).astype(cfg.weight_dtype),
-        None if grads.bias is None else (grads.bias * g).astype(cfg.bias_dtype),
-    )
-
-
 def _fused_policy_loss_bwd(cfg, grads, cotangents):
     g, _ = cotangents  # the metrics carry no gradient
     return None, _scaled(cfg, grads, g), None
 
 
 fused_policy_loss.defvjp(_fused_policy_loss_fwd, _fused_policy_loss_bwd)
-
-
-# ------------------------------------------------------------------------------------------------
-# Log-probs alone (rollout-time old / reference log-probs; composable into any user loss)
-# ------------------------------------------------------------------------------------------------
-def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
-    """``(logp, lse[, entropy])``, each ``[B, T]`` float32 (0 at masked tokens but ``lse``)."""
-    hidden, weight, bias = head
-    B, T = hidden.shape[:2]
-    backend: LMHeadBackend = cfg.backend
-    n, locate = _chunk_plan(B, cfg.chunk_size)
-
-    def logprobs(hs, ids_s):  # (logp, lse[, entropy])
-        fwd = backend_lib.forward(
-            backend, hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout,
-            with_entropy=cfg.with_entropy, with_window_mass=False, budget_bytes=None,
-        )  # fmt: skip
-        return (fwd.logp, fwd.lse, fwd.entropy) if cfg.with_entropy else (fwd.logp, fwd.lse)
-
-    def body(carry, i):
-        start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        out = rows.on_live_rows(cfg.row_buckets, chunk.mask, logprobs, (h, ids))
-        m = chunk.mask
-        new = [jnp.where(m, x.reshape(m.shape), 0.0) if k != 1 else x.reshape(m.shape) for k, x in enumerate(out)]
-        return tuple(_merge_rows(a, start, fresh, x) for a, x in zip(carry, new)), None
-
-    init = tuple(jnp.zeros((B, T), jnp.float32) for _ in range(3 if cfg.with_entropy else 2))
-    with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs"):
-        out, _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-    return out
-
-
-def _scan_logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse, g) -> Head:
-    """The float32 gradients (``hidden`` in its dtype) of ``sum(g * logp)``."""
-    hidden, weight, bias = head
-    backend: LMHeadBackend = cfg.backend
-    n, locate = _chunk_plan(hidden.shape[0], cfg.chunk_size)
-    c = cfg.chunk_size
-
-    def body(carry, i):
-        dh, dw, db = carry
-        start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=c, axis=0)
-        dlogp = jnp.where(chunk.mask, cut(g).astype(jnp.float32), 0.0).reshape(-1)
-        dh_c, dw, db = rows.on_live_rows(
-            cfg.row_buckets,
-            dlogp != 0,
-            lambda hs, ids_s, dlogp_s, lse_s: _backward(
-                cfg, head, hs, ids_s, dlogp_s, lse_s, inputs.temperature, dw, db, None
-            ),
-            (h, ids, dlogp, cut(lse).reshape(-1)),
-            accumulators=(dw, db),
-        )
-        return (_merge_rows(dh, start, fresh, dh_c.reshape(c, *hidden.shape[1:])), dw, db), None
-
-    init = (
-        jnp.zeros_like(hidden),
-        jnp.zeros(weight.shape, jnp.float32),
-        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
-    )
-    with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs_grad"):
-        grads, _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-    return Head(*grads)
-
-
-def _run_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
-    plan = cfg.plan
-    if plan is None:
-        return _scan_logprobs(cfg, head, inputs)
-    out_specs = (plan.batch,) * (3 if cfg.with_entropy else 2)
-    return plan.run(
-        functools.partial(_scan_logprobs, cfg),
-        (head, inputs),
-        in_specs=(Head(*plan.head), inputs.specs(plan.batch, P())),
-        out_specs=out_specs,
-    )
-
-
-def _logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse, g) -> Head:
-    plan = cfg.plan
-    if plan is None:
-        return _scan_logprob_grads(cfg, head, inputs, lse, g)
-
-    def local(head, inputs, lse, g):
-        grads = _scan_logprob_grads(cfg, head, inputs, lse, g)
-        return grads._replace(weight=plan.sum_data(grads.weight), bias=plan.sum_data(grads.bias))
-
-    specs = Head(*plan.head)
-    return plan.run(
-        local,
-        (head, inputs, lse, g),
-        in_specs=(specs, inputs.specs(plan.batch, P()), plan.batch, plan.batch),
-        out_specs=specs,
-    )
-
-
-def _primal(cfg: LMHeadConfig, out):
-    """The custom VJP's output from ``(logp, lse[, entropy])``."""
-    return (out[0], out[2]) if cfg.with_entropy else out[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
-    """Fused per-token log-probs ``[B, T]`` float32 (0 where ``inputs.mask`` is False); with
-    ``cfg.with_entropy`` the pair ``(logp, entropy)`` (the entropy gets no gradient). ``inputs`` needs
-    ``mask``, ``ids`` and ``temperature`` only."""
-    return _primal(cfg, _run_logprobs(cfg, head, inputs))
-
-
-def _fused_logprobs_fwd(cfg, head, inputs):
-    out = _run_logprobs(cfg, head, inputs)
-    return _primal(cfg, out), (head, inputs, out[1])
-
-
-def _fused_logprobs_bwd(cfg, res, g):
-    head, inputs, lse = res
-    g = g[0] if cfg.with_entropy else g  # the entropy is a metric: no gradient
-    grads = _logprob_grads(cfg, head, inputs, lse, g)
-    return _scaled(cfg, grads, jnp.ones((), jnp.float32)), None
-
-
-fused_logprobs.defvjp(_fused_logprobs_fwd, _fused_logprobs_bwd)
