@@ -5,8 +5,8 @@ count), the two memory-bound passes of the loss; the objective math lives in ``g
 
     logprobs(logits, ids, *, T, temperature, mask) -> (logp [B, T] f32, residual)
         # logp = z[id] - logsumexp(z), z = logits[:, :T] / temperature in f32 (one read of the logits);
-        # mask [B, T] bool: a backend may skip masked rows (their logp is then 0: the objective ignores it);
-        # optional: a backend whose logprobs has no mask keyword is called without it
+        # mask [B, T] bool (always passed): a backend may skip masked rows (their logp is then 0: the
+        # objective ignores it)
     dlogits(logits, ids, residual, dlogp [B, T] f32, *, T, temperature) -> [B, Tl, V] logits.dtype
         # dlogp / temperature * (onehot(id) - softmax(z)); rows t >= T and rows with dlogp == 0 are 0
     check_supported(*, dtype, B, T, Tl, V)   # raises UnsupportedConfigError / BackendUnavailableError

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Any
 
 import jax
@@ -110,17 +109,8 @@ def _id_ok(inputs: PolicyInputs, V: int):
     return (inputs.ids >= 0) & (inputs.ids < V)
 
 
-def _backend_logprobs(backend, logits, inputs: PolicyInputs, T: int):
-    """``backend.logprobs``, given the completion mask where its signature takes ``mask`` (the seam's
-    keyword since skipping; a backend written without it keeps working and reads every row)."""
-    params = inspect.signature(backend.logprobs).parameters.values()
-    takes_mask = any(p.name == "mask" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    mask = {"mask": inputs.mask} if takes_mask else {}
-    return backend.logprobs(logits, inputs.ids, T=T, temperature=inputs.temperature, **mask)
-
-
 def _run(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs, *, with_grads: bool):
-    logp, residual = _backend_logprobs(cfg.backend, logits, inputs, cfg.T)
+    logp, residual = cfg.backend.logprobs(logits, inputs.ids, T=cfg.T, temperature=inputs.temperature, mask=inputs.mask)
     logp = jnp.where(_id_ok(inputs, logits.shape[-1]), logp, jnp.nan)
     loss, aux, dlogp = _objective(objective, logp, inputs, with_grads=with_grads)
     loss, aux, ent = _add_entropy_term(objective, logits, inputs, cfg.T, loss, aux)
