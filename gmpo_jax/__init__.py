@@ -8,7 +8,7 @@ Layout: ``objectives.py`` (the losses on per-token log-probs), ``lm_head/`` and 
 built alike), ``kernels/`` (their Pallas kernels), ``reference.py`` (dense oracles), ``train/`` (the demo).
 """
 
-from gmpo_jax import _moved, reference
+from gmpo_jax import reference
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.flax_utils import lm_head_weight
 from gmpo_jax.lm_head import fused_linear_logprobs, fused_linear_policy_loss
@@ -31,5 +31,3 @@ __all__ = [
     "UnsupportedConfigError",
     "BackendUnavailableError",
 ]
-
-_moved.install()

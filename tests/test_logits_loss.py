@@ -422,22 +422,6 @@ def test_mosaic_gpu_interpret(dtype, B, T, V, extra, obj, temperature, backend):
     assert float(aux.clip_fraction) == float(a_x.clip_fraction)
 
 
-def test_backend_without_mask_keyword():
-    """A backend written to the seam before ``logprobs(..., mask=)`` existed still works (called without it)."""
-    from gmpo_jax.logits.xla import XlaLogitsBackend
-
-    @dataclasses.dataclass(frozen=True)
-    class Old(XlaLogitsBackend):
-        def logprobs(self, logits, ids, *, T, temperature):
-            return super().logprobs(logits, ids, T=T, temperature=temperature)
-
-    case = make_inputs(5, B=3, T=9, V=37)
-    (loss, _), g = value_and_grad(case, Obj("gmpo"), Old())
-    (l_x, _), g_x = value_and_grad(case, Obj("gmpo"), "xla")
-    assert float(loss) == float(l_x)
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(g_x))
-
-
 def test_row_block_flags():
     """One flag per CTA row block at its first row (the last block slid back to end at R), 0 elsewhere."""
     live = np.zeros(200, bool)

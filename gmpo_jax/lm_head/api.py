@@ -7,110 +7,27 @@ No math lives here: the objectives are in ``gmpo_jax.objectives``, the chunk sca
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
-from gmpo_jax import tuning
-from gmpo_jax._dispatch import UnsupportedConfigError
-from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding
-from gmpo_jax.lm_head.vjp import Head, LMHeadConfig, fused_logprobs, fused_policy_loss
+from gmpo_jax.lm_head.config import make_plan as _plan
+from gmpo_jax.lm_head.config import placed as _placed
+from gmpo_jax.lm_head.config import plan_kwargs as _plan_kwargs
+from gmpo_jax.lm_head.config import resolve_config as _config
+from gmpo_jax.lm_head.vjp import Head, fused_logprobs, fused_policy_loss
 from gmpo_jax.objectives import LossAux, Objective, PolicyInputs, high_entropy_tokens, token_mean
 
 __all__ = ["fused_linear_policy_loss", "fused_linear_logprobs"]
 
 ScalarLike = Union[float, Float[Array, ""]]
 AxisName = Union[str, tuple[str, ...]]
-
-
-def _config(
-    hidden,
-    weight,
-    bias,
-    T: int,
-    V: int,
-    plan,
-    *,
-    chunk_size,
-    weight_layout: str,
-    implementation,
-    with_entropy: bool = False,
-    softcap: float | None = None,
-    logits_precision: str | None = None,
-    grad_filter: float | None = None,
-) -> LMHeadConfig:
-    """The static configuration: the backend resolved for one device's rows and vocabulary shard (with the
-    soft cap and the logits precision set on it, and the gradient filter's threshold where the backend has
-    one: a backend without it, and a vocabulary-parallel plan, compute the exact gradient)."""
-    B, H = hidden.shape[0], hidden.shape[2]
-    if plan is not None:
-        B, V_local = B // plan.data_shards, V // plan.vocab_shards
-    else:
-        V_local = V
-    chunk = min(chunk_size or tuning.default_chunk_size(B, T), B)
-    backend = backend_lib.resolve(
-        implementation,
-        hidden_dtype=hidden.dtype,
-        weight_dtype=weight.dtype,
-        H=H,
-        V=V_local,
-        rows=chunk * T,
-        weight_layout=weight_layout,
-        has_bias=bias is not None,
-        **({"with_entropy": True} if with_entropy else {}),
-        **({"logits_precision": logits_precision} if logits_precision is not None else {}),
-    )
-    for field, value, what in (
-        ("softcap", None if softcap is None else float(softcap), "softcap (Gemma's logit cap)"),
-        ("logits_precision", logits_precision, "logits_precision"),
-    ):
-        if value is None:
-            continue
-        if not (dataclasses.is_dataclass(backend) and field in {f.name for f in dataclasses.fields(backend)}):
-            raise UnsupportedConfigError(f"the LM-head backend {backend.name!r} has no {what}")
-        backend = dataclasses.replace(backend, **{field: value})
-    fields = {f.name for f in dataclasses.fields(backend)} if dataclasses.is_dataclass(backend) else set()
-    if grad_filter is not None and "grad_filter" in fields and (plan is None or plan.vocab_axis is None):
-        backend = dataclasses.replace(backend, grad_filter=grad_filter)
-    return LMHeadConfig(
-        backend=sharding.local_backend(backend, plan, V),
-        chunk_size=chunk,
-        weight_layout=weight_layout,
-        weight_dtype=weight.dtype,
-        bias_dtype=None if bias is None else bias.dtype,
-        with_entropy=with_entropy,
-        plan=plan,
-        row_buckets=tuning.row_buckets(backend),
-    )
-
-
-def _plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout):
-    if mesh is None and data_axis is None and vocab_axis is None:
-        inferred = sharding.infer_axes(hidden, weight, weight_layout)  # Explicit mesh axes only
-        if inferred is not None:
-            mesh, data_axis, vocab_axis = inferred
-    return sharding.make_plan(mesh, data_axis, vocab_axis, B=B, V=V, weight_layout=weight_layout)
-
-
-def _placed(plan, head: Head, inputs: PolicyInputs) -> tuple[Head, PolicyInputs]:
-    """The custom VJP's primals on the plan's layout, so that their gradients come back laid out alike."""
-    if plan is None:
-        return head, inputs
-    return plan.place_all((head, inputs), (Head(*plan.head), inputs.specs(plan.batch, P())))
-
-
-def _plan_kwargs(plan) -> dict:
-    if plan is None:
-        return {}
-    return dict(mesh=plan.mesh, data_axis=plan.data_axis, vocab_axis=plan.vocab_axis)
 
 
 def fused_linear_policy_loss(
@@ -156,18 +73,14 @@ def fused_linear_policy_loss(
     ``SPEC.md`` (e.g. GMPO: :math:`\frac1B\sum_b -A_b \exp(\mathrm{mean}_t\,\mathrm{clip}(\log\pi -
     \log\pi_{old}))`). The ``[B, T, V]`` logits are never materialised in float32: memory beyond the
     inputs is one float32 copy of the weight (gradient accumulator), the ``[B, T, H]`` hidden gradient
-    and one chunk's vocabulary block. A call of one chunk needs no accumulation across chunks; there the
-    Mosaic GPU kernels write the weight gradient in the weight's dtype (bfloat16; float16 weights and
-    data-parallel calls keep float32), and (``H >= 3584``) keep, in the memory that saves plus 384 MiB,
-    as much of the chunk's logits in float16 as fits with the gradient pass's own temporaries; that pass
-    reads them instead of computing them again (Llama-3-8B's head: 1.3x faster at 8192 tokens, all kept;
-    1.1x at 16384, half kept). The weight gradient is then rounded to bfloat16 before the cotangent
-    scales it: a double rounding when the loss is scaled by a constant that is not a power of two
-    (``jax.grad(lambda w: loss(w) / 3)``: about 1.2x the weight-gradient error of a float32 accumulator;
-    pass ``advantages / 3`` instead (the same gradient without ``beta`` or ``entropy_coef``), or use two
-    chunks). Differentiable in ``hidden``, ``weight`` and ``bias`` (custom VJP: the gradients are
-    computed in the forward pass and scaled by the cotangent); evaluation without differentiation does
-    no gradient work.
+    and one chunk's vocabulary block. A call of one chunk needs no accumulator: there the Mosaic GPU
+    kernels return the weight gradient in the weight's dtype (bfloat16; float16 weights and data-parallel
+    calls keep float32) and may keep the chunk's logits for the gradient pass (docs/DESIGN.md). That
+    bfloat16 weight gradient is rounded before the cotangent scales it: a loss scaled by a constant that is
+    not a power of two is rounded twice (scale ``advantages`` instead, which gives the same gradient without
+    ``beta`` or ``entropy_coef``, or use two chunks). Differentiable in ``hidden``, ``weight`` and ``bias``
+    (custom VJP: the gradients are computed in the forward pass and scaled by the cotangent); evaluation
+    without differentiation does no gradient work.
 
     Args:
       hidden: ``[B, T, H]`` bf16 / f16 / f32 final hidden states of the completion positions, already
@@ -251,25 +164,19 @@ def fused_linear_policy_loss(
         both like ``"float32"``. Costs: docs/performance.md "Float32 LM head".
       grad_filter: None (default: the exact gradient, unless an ``implementation=MosaicGpuBackend(grad_filter=...)``
         instance sets its own), ``"auto"`` (the threshold ``tuning.GRAD_FILTER_AUTO``) or a real number ``tau``
-        in ``[0, 1)`` (static; given here it replaces the backend's): the LM head's gradient may skip, per token row, each
-        vocabulary window of ``tuning.GRAD_FILTER_WINDOW`` columns whose softmax mass off the row's target is
-        ``<= tau`` (measured by the forward pass, so skipped windows are never recomputed; the target's own
-        window is always kept; the windows from column ``tuning.GRAD_FILTER_TAIL`` on are kept or skipped
-        together: all of them where any one is kept). What is dropped is accounted for: a row ``r`` with
-        cotangent ``c_r = d loss / d logp_r`` and dropped mass ``D_rk`` in window ``k`` gets
-        ``-c_r sum_k D_rk mean_k(W) / temperature`` added to its hidden-state gradient (``mean_k(W)``: the
-        window's mean weight column, over the columns a ``-inf`` bias does not remove), exact for what the
-        window's columns share (a direction shared by every column, as trained heads have). Error bound: the
-        row's hidden-state gradient moves by at most ``|c_r| sum_k D_rk max_(v in k) |W_v - mean_k(W)| /
-        temperature`` (``sum_k D_rk <= (n_windows - 1) tau``) and each weight column ``v`` by at most
-        ``sum_r |c_r| p_(r,v) |h_r| / temperature`` over the rows that dropped it (tests/test_grad_filter_family.py checks this bound, and both
-        gradients' errors within 1.5x of the exact path's, on heavy-tailed rows with a shared direction). What is kept is computed as in the exact path. With a ``softcap`` the filter is
-        off (the exact gradient: the correction has no ``1 - tanh^2`` factor). Rows with an
-        ``entropy_coef`` term keep every window (that term's gradient stays exact), so with ``entropy_coef``
-        nothing is skipped. Only the ``mosaic_gpu``
-        backend skips work; the others (and vocabulary-parallel calls) return the exact gradient, which
-        meets the bound. No effect on the loss, the metrics or evaluation without gradients. Accuracy and
-        speed as measured: docs/performance.md "Gradient filter".
+        in ``[0, 1)`` (static; given here it replaces the backend's): the LM head's gradient may skip, per token
+        row, each vocabulary window of ``tuning.GRAD_FILTER_WINDOW`` columns whose softmax mass off the row's
+        target is ``<= tau`` (the target's own window is always kept; the windows from column
+        ``tuning.GRAD_FILTER_TAIL`` on are kept or skipped together). A row ``r`` with cotangent ``c_r = d loss /
+        d logp_r`` and dropped mass ``D_rk`` in window ``k`` gets ``-c_r sum_k D_rk mean_k(W) / temperature``
+        added to its hidden-state gradient (``mean_k(W)``: the window's mean weight column over the columns a
+        ``-inf`` bias does not remove). Error bound: the row's hidden-state gradient moves by at most ``|c_r|
+        sum_k D_rk max_(v in k) |W_v - mean_k(W)| / temperature`` (``sum_k D_rk <= (n_windows - 1) tau``) and
+        each weight column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature`` over the rows that
+        dropped it. Off (the exact gradient) with a ``softcap``; rows with an ``entropy_coef`` term keep every
+        window. Only the ``mosaic_gpu`` backend skips work; the others (and vocabulary-parallel calls) return the
+        exact gradient. No effect on the loss, the metrics or evaluation without gradients. How it works:
+        docs/DESIGN.md "The gradient filter"; accuracy and speed: docs/performance.md "Gradient filter".
       weight_layout: ``"hv"`` or ``"vh"`` (see ``weight``).
       chunk_size: sequences per chunk (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
@@ -305,12 +212,29 @@ def fused_linear_policy_loss(
     cotangent of a mesh-sharded scalar).
 
     Raises:
-      TypeError: non-floating hidden / weight / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
-      ValueError: inconsistent shapes (named), an empty ``B``, ``T``, ``H`` or ``V``, ``weight`` not
-        ``[H, V]`` / ``[V, H]`` as declared, a concrete ``temperature`` not finite and ``> 0``, ``chunk_size < 1``, an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was built) without a reference, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``old_logps`` / ``ref_logps`` / ``rollout_logps`` / ``ref_hidden`` NaN at an unmasked token (concrete; the error names the first ``(b, t)``), an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``logits_precision``, a ``grad_filter`` other than None, ``"auto"`` or a float in ``[0, 1)`` (TypeError for a non-number), a concrete
-        mask with values other than 0 / 1, a concrete unmasked id outside ``[0, V)``, both
-        ``ref_logps`` and ``ref_hidden``, unknown ``weight_layout`` or ``implementation``, ``vocab_size``
-        outside ``[1, V]``, mesh axes not in the mesh or not dividing ``B`` / ``V``.
+      TypeError:
+        - non-floating ``hidden`` / ``weight`` / ``advantages`` / log-probs;
+        - non-integer ``completion_ids`` or ``segment_ids``;
+        - an ``objective`` that is not an objective;
+        - a ``grad_filter`` that is neither None, ``"auto"`` nor a number.
+      ValueError:
+        - inconsistent shapes (the argument named); an empty ``B``, ``T``, ``H`` or ``V``;
+        - ``weight`` not ``[H, V]`` / ``[V, H]`` as ``weight_layout`` declares; an unknown ``weight_layout``;
+        - a concrete ``temperature`` not finite and ``> 0``; ``chunk_size < 1``;
+        - an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was
+          built) without a reference; both ``ref_logps`` and ``ref_hidden``;
+        - concrete non-finite ``advantages``; concrete negative ``segment_ids``;
+        - a concrete ``rollout_is_ratio`` not finite and ``>= 0``;
+        - ``old_logps`` / ``ref_logps`` / ``rollout_logps`` / ``ref_hidden`` NaN at an unmasked token (concrete;
+          the error names the first ``(b, t)``);
+        - an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, or either without
+          ``rollout_logps``;
+        - ``top_entropy_quantile`` outside ``(0, 1]``; a concrete non-finite ``entropy_coef``;
+        - an unknown ``logits_precision``; a ``grad_filter`` string other than ``"auto"`` or a number outside
+          ``[0, 1)``;
+        - a concrete mask with values other than 0 / 1; a concrete unmasked id outside ``[0, V)``;
+        - an unknown ``implementation`` name; ``vocab_size`` outside ``[1, V]``;
+        - mesh axes not in the mesh or not dividing ``B`` / ``V``.
       UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
 
     References: GMPO, arXiv 2507.20673; Liger-Kernel ``LigerFusedLinearGRPOLoss``; TRL ``GRPOTrainer``.

@@ -8,15 +8,22 @@ objective math lives in ``gmpo_jax.objectives``, so a backend never sees a loss.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import dataclasses
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from jax import lax
 
 from gmpo_jax._dispatch import dispatch
+from gmpo_jax._validation import LOGITS_PRECISIONS  # logits_precision -> split order (a leaf's constant)
 
 __all__ = [
     "LMHeadBackend",
+    "Capabilities",
+    "capabilities",
+    "Forward",
+    "forward",
+    "backward",
     "IMPLEMENTATIONS",
     "LOGITS_PRECISIONS",
     "resolve",
@@ -26,9 +33,35 @@ __all__ = [
     "split_dot",
 ]
 
-# logits_precision -> the order of the split-bfloat16 products kept (gmpo_jax.kernels._common.split_terms):
-# "float32": three parts, i + j <= 2 (six products, float32-accurate); "bf16x3": two parts, i + j <= 1.
-LOGITS_PRECISIONS = {"float32": 2, "bf16x3": 1}
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend offers beyond the required seam, declared as its class attribute ``capabilities``
+    (a backend that declares none has none).
+
+    Attributes:
+      keeps_logits: it has ``logprobs_for_grads`` (and its ``keeps_logits`` hint), and its ``grads`` takes
+        ``saved=``: a single chunk may keep what the gradient pass reuses.
+      grad_filter: it has a ``grad_filter`` field; when that is set, its ``logprobs`` / ``logprobs_for_grads``
+        take ``with_window_mass=True`` and its ``grads`` takes ``window_mass=``.
+      cancel_rounding: it has a ``cancel_rounding`` field (switched off per vocabulary shard).
+      softcap: it has a ``softcap`` field, which a call's ``softcap`` sets.
+      logits_precision: it has a ``logits_precision`` field, which a call's ``logits_precision`` sets.
+    """
+
+    keeps_logits: bool = False
+    grad_filter: bool = False
+    cancel_rounding: bool = False
+    softcap: bool = False
+    logits_precision: bool = False
+
+
+def capabilities(backend) -> Capabilities:
+    """The backend's declared :class:`Capabilities` (none when it declares none)."""
+    return getattr(type(backend), "capabilities", _NONE)
+
+
+_NONE = Capabilities()
 
 
 def logits_precision_of(backend, requested=None):
@@ -36,7 +69,7 @@ def logits_precision_of(backend, requested=None):
     ``logits_precision`` field; raises ``UnsupportedConfigError`` for a value not in ``LOGITS_PRECISIONS``."""
     from gmpo_jax._dispatch import UnsupportedConfigError
 
-    precision = requested or getattr(backend, "logits_precision", None)
+    precision = requested or (backend.logits_precision if capabilities(backend).logits_precision else None)
     if precision is not None and precision not in LOGITS_PRECISIONS:
         raise UnsupportedConfigError(f"logits_precision={precision!r} is not one of {tuple(LOGITS_PRECISIONS)}")
     return precision
@@ -93,15 +126,96 @@ class LMHeadBackend(Protocol):
         ``dw_acc=None`` (a call of one chunk): return ``hidden^T dz`` itself, float32 or rounded once to the
         weight's dtype (``gmpo_jax.lm_head.mosaic_gpu``).
 
-        Optional extension: a backend may also define ``logprobs_for_grads(hidden, weight, bias, ids,
-        temperature, *, weight_layout, budget_bytes) -> (logp, lse, saved)``, keeping what its gradient
-        pass can reuse within ``budget_bytes`` of device memory (``saved`` None when it keeps nothing;
-        with an entropy term it is also given ``with_entropy=True`` and returns ``(logp, lse, entropy,
-        saved)``); ``grads`` then gets ``saved=`` (only when it is not None, with ``entropy=`` too), and
-        ``keeps_logits(*, rows, H, V, weight_dtype, budget_bytes) -> bool`` saying whether it would keep
-        anything. ``gmpo_jax.lm_head.mosaic_gpu`` keeps the logits; with its gradient filter it is also given
-        ``with_window_mass=True``, appends the window mass after ``saved`` and its ``grads`` gets both.
+        Optional, per the backend's :class:`Capabilities`: ``keeps_logits``: ``logprobs_for_grads(hidden, weight,
+        bias, ids, temperature, *, weight_layout, budget_bytes[, with_entropy]) -> (logp, lse[, entropy], saved)``
+        keeping what its gradient pass can reuse within ``budget_bytes`` of device memory (``saved`` None when it
+        keeps nothing; ``grads`` then gets ``saved=``), and ``keeps_logits(*, rows, H, V, weight_dtype,
+        budget_bytes) -> bool``; ``grad_filter``: with its ``grad_filter`` set, ``with_window_mass=True`` appends
+        the window mass to the log-prob outputs and ``grads`` gets ``window_mass=``. Callers use
+        :func:`forward` and :func:`backward`, which hide the optional outputs behind :class:`Forward`.
         """
+
+
+class Forward(NamedTuple):
+    """What the forward of one chunk's rows hands its backward (:func:`forward`): ``logp`` and ``lse`` ``[R]``
+    float32, the softmax ``entropy`` ``[R]`` float32 (None without an entropy term), what the backend kept for
+    its gradient pass (``saved``; None: recomputed) and the gradient filter's ``window_mass`` ``[R, n_windows]``
+    (None without the filter)."""
+
+    logp: Any
+    lse: Any
+    entropy: Any = None
+    saved: Any = None
+    window_mass: Any = None
+
+
+def forward(
+    backend, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, with_window_mass, budget_bytes
+) -> Forward:
+    """The seam's log-probs of rows ``hidden`` as a :class:`Forward`: ``backend.logprobs``, or, with
+    ``budget_bytes`` (a backend that ``keeps_logits``), ``backend.logprobs_for_grads`` keeping what its
+    gradient pass may reuse; ``with_window_mass``: the gradient filter's masses (a backend whose ``grad_filter``
+    is set)."""
+    kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
+    if with_window_mass:
+        kw["with_window_mass"] = True
+    keep = budget_bytes is not None
+    if keep:
+        out = backend.logprobs_for_grads(
+            hidden, weight, bias, ids, temperature, weight_layout=weight_layout, budget_bytes=budget_bytes, **kw
+        )
+    else:
+        out = backend.logprobs(hidden, weight, bias, ids, temperature, weight_layout=weight_layout, **kw)
+    out = list(out)
+    mass = out.pop() if with_window_mass else None  # the window mass comes last, after what is kept
+    saved = out.pop() if keep else None
+    return Forward(out[0], out[1], out[2] if with_entropy else None, saved, mass)
+
+
+def backward(
+    backend,
+    hidden,
+    weight,
+    bias,
+    ids,
+    dlogp,
+    lse,
+    temperature,
+    *,
+    weight_layout,
+    dw_acc,
+    db_acc,
+    fwd=None,
+    entropy=None,
+):
+    """The seam's ``grads`` given what the forward kept (``fwd``, a :class:`Forward` or None): ``(dhidden, dw_acc,
+    db_acc)``; ``entropy``: ``(gamma, H)`` of an entropy term."""
+    kw = {}
+    if fwd is not None and fwd.window_mass is not None:
+        kw["window_mass"] = fwd.window_mass
+    if fwd is not None and fwd.saved is not None:
+        kw["saved"] = fwd.saved
+    if entropy is not None:
+        kw["entropy"] = entropy
+    return backend.grads(
+        hidden,
+        weight,
+        bias,
+        ids,
+        dlogp,
+        lse,
+        temperature,
+        weight_layout=weight_layout,
+        dw_acc=dw_acc,
+        db_acc=db_acc,
+        **kw,
+    )
+
+
+def filters(backend) -> bool:
+    """Whether ``backend`` runs the gradient filter: it declares one (:class:`Capabilities`) and its
+    ``grad_filter`` is set."""
+    return capabilities(backend).grad_filter and backend.grad_filter is not None
 
 
 # Ordered: the default dispatch tries them in this order; "module.path:ClassName", built with its defaults.
@@ -122,7 +236,7 @@ def cancel_rounding(dh, rowsum, weight, ids, weight_layout: str):
     The exact ``dz`` row sums to 0 (``sum_v softmax = 1``), so ``dh = dz W^T = sum_v dz_v (W_v - W_id)``.
     Backends round ``dz`` to 16 bits before the ``dz W^T`` GEMM, and every rounding error then multiplies a
     whole column ``W_v``: on a trained LM head, whose columns share a large direction, ``W_v - W_id`` is
-    far smaller than ``W_v`` and the error is amplified (2.9x measured on the realistic workload). With
+    far smaller than ``W_v`` and the error is amplified (docs/performance.md). With
     ``rowsum = sum_v stored dz_v`` (the sum of the rounding errors), ``dh - rowsum W_id`` is the GEMM on
     ``W_v - W_id``: the shared direction cancels. One gather of ``W[:, id]`` per row (``4 R H`` flops).
     Needs the whole vocabulary's row sum: not applied per vocabulary shard.

@@ -110,7 +110,7 @@ def on_live_rows(buckets: int, live: jax.Array, fn: Callable, arrays: tuple, acc
         out = fn(*(take(x, order_, S) for x in arrays))
         if accumulators is not None:
             return scatter_back(out[0], order_), *out[1:]
-        return tuple(scatter_back(x, order_) for x in out)
+        return jax.tree.map(lambda x: scatter_back(x, order_), out)  # a tuple or a Forward (None fields kept)
 
     empty = (
         None

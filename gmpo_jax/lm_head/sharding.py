@@ -87,6 +87,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gmpo_jax.lm_head.backend import capabilities
+
 __all__ = ["ShardingPlan", "VocabParallelBackend", "make_plan", "infer_axes", "mask_padded_vocab"]
 
 AxisName = Union[str, tuple[str, ...]]
@@ -349,6 +351,6 @@ def local_backend(backend, plan: ShardingPlan | None, V: int):
     ``V``-column vocabulary (``V`` the global size)."""
     if plan is None or plan.vocab_axis is None:
         return backend
-    if getattr(backend, "cancel_rounding", False):  # it needs the whole vocabulary's row sums
+    if capabilities(backend).cancel_rounding and backend.cancel_rounding:  # needs the whole vocabulary's row sums
         backend = dataclasses.replace(backend, cancel_rounding=False)
     return VocabParallelBackend(backend, plan.vocab_axis, V // plan.vocab_shards)

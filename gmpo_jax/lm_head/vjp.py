@@ -1,57 +1,28 @@
-"""The LM-head op's custom VJPs: the fused policy loss and the fused log-probs, one each.
+"""The custom VJP of :func:`gmpo_jax.fused_linear_policy_loss`: the fused policy loss over chunks of whole
+sequences, its gradients computed in the forward and scaled by the cotangent in the backward.
 
-Design decisions (and why):
-
-* **Chunks of whole sequences.** ``lax.scan`` walks the batch ``chunk_size`` sequences at a time. A
-  chunk never splits a sequence, so sequence-level quantities (GMPO's geometric mean, GSPO's sequence
-  ratio, per-sequence normalisers) are exact inside the chunk, and the loss is a sum of chunk numerators
-  over a *global* denominator computed once from the whole mask (SPEC.md: B, T and token counts are
-  those of the whole call, never of a chunk).
-* **No padding copies.** When ``chunk_size`` does not divide ``B`` the last chunk slides back to end at
-  ``B`` (overlapping the previous one); the overlapped sequences are masked out of that chunk and their
-  hidden-state gradient is kept from the chunk that owned them.
-* **Gradients in the forward of the VJP.** The backward of a scalar loss is a scaling: the forward of
-  the VJP computes the loss, ``d loss / d logp`` (``jax.grad`` of the objective's chunk numerator, whose
-  selects implement SPEC.md's strict boundary rule), and then the LM-head gradients through the
-  backend: the hidden-state gradient per chunk (in the hidden dtype, written into a ``[B, T, H]`` carry)
-  and the weight / bias gradient accumulated in a float32 carry (never stacked per chunk). The backward
-  multiplies these residuals by the cotangent. A call that is one chunk needs no accumulator: the
-  backend returns that chunk's weight gradient. Plain evaluation (no differentiation) runs the primal,
-  which computes only log-probs and the loss: no gradient work at all.
-* **Memory.** Live at once: the inputs, one float32 copy of the weight (the ``dW`` accumulator; a single
-  chunk on ``mosaic_gpu`` writes its weight gradient in the weight's dtype instead), the
-  ``[B, T, H]`` hidden gradient and one chunk's workspace (the backend's vocabulary block). Never a
-  ``[chunk, T, V]`` or ``[B, T, V]`` array in float32. One exception, inside the same bound: a single
-  chunk whose backend can keep its logits for the gradient pass (``logprobs_for_grads``: the Mosaic GPU
-  kernels, in float16) may use the float32 weight copy it does not need plus ``SAVED_LOGITS_SLACK``
-  for them, and then skips the second logits computation (``8 N H V`` -> ``6 N H V`` flops).
-* **Masked tokens.** Their ids are replaced by 0 before the LM head (any id, e.g. -100 or >= V, is
-  allowed under the mask) and every objective selects them out, so they influence nothing. An
-  *unmasked* id outside ``[0, V)`` yields a NaN log-prob and therefore a NaN loss (loud by design).
-* **Cotangents.** Only the :class:`Head` (``hidden``, ``weight``, ``bias``) gets gradients (in its own
-  dtypes); the :class:`~gmpo_jax.objectives.PolicyInputs` (advantages, old / reference log-probs, the IS
-  ratio, temperature) and the objective's hyper-parameters are data and get zero cotangents. The metrics
-  carry no gradient.
-* **Devices.** A :class:`~gmpo_jax.lm_head.sharding.ShardingPlan` in the configuration runs the same
-  scan per device inside ``jax.shard_map`` (data and / or vocabulary parallel); the normaliser comes from
-  the global mask, so every device's per-token gradients are final, and the loss numerator, metric sums
-  and weight gradients are summed over the data axis once. Without a plan nothing changes.
+``fused_policy_loss(cfg, objective, head, inputs) -> (loss, aux)``: ``loss`` a float32 scalar, ``aux`` a
+:class:`~gmpo_jax.objectives.LossAux`; gradients w.r.t. ``head`` (:class:`Head`: ``hidden``, ``weight``,
+``bias``) in those arrays' dtypes, zero for ``inputs`` and ``objective``. Arguments checked and normalised by
+``gmpo_jax.lm_head.api``. The log-probs' own VJP is in ``logprobs_vjp.py``, the parts both share in
+``chunks.py``; the design decisions (chunks of whole sequences, gradients in the forward, memory, kept logits,
+devices) are in docs/DESIGN.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import rows
-from gmpo_jax.lm_head.backend import LMHeadBackend
-from gmpo_jax.lm_head.sharding import ShardingPlan
+from gmpo_jax.lm_head.backend import Forward
+from gmpo_jax.lm_head.chunks import Head, LMHeadConfig, _backward, _chunk_plan, _chunk_rows, _merge_rows, _scaled
+from gmpo_jax.lm_head.logprobs_vjp import fused_logprobs
 from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, evaluate, loss_and_aux
 
 # What a single chunk may keep for its gradient pass beyond the float32 weight copy it does not make:
@@ -59,70 +30,6 @@ from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, ev
 SAVED_LOGITS_SLACK = 384 * 2**20
 
 __all__ = ["LMHeadConfig", "Head", "fused_policy_loss", "fused_logprobs"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LMHeadConfig:
-    """Static configuration of one fused LM-head call (hashable: the custom VJPs' ``nondiff_argnums``).
-
-    Attributes:
-      backend: the :class:`~gmpo_jax.lm_head.backend.LMHeadBackend` each device runs.
-      chunk_size: sequences per chunk of the scan (``>= 1``; the local batch's with a plan).
-      weight_layout: ``"hv"`` or ``"vh"``.
-      weight_dtype, bias_dtype: the dtypes the gradients are returned in.
-      with_entropy: :func:`logprobs` also returns the per-token entropy (a metric).
-      plan: the mesh layout (data / vocabulary parallel), or None on one device.
-      row_buckets: > 1: exact work skipping with this many static row prefixes (``gmpo_jax.lm_head.rows``);
-        1: every row of a chunk goes through the backend.
-    """
-
-    backend: Any
-    chunk_size: int
-    weight_layout: str
-    weight_dtype: Any
-    bias_dtype: Any = None
-    with_entropy: bool = False
-    plan: ShardingPlan | None = None
-    row_buckets: int = 1
-
-
-class Head(NamedTuple):
-    """The differentiable inputs: ``hidden [B, T, H]``, ``weight`` (``[H, V]`` / ``[V, H]``), ``bias [V]`` or
-    None. Its gradients come back as a ``Head`` too."""
-
-    hidden: jax.Array
-    weight: jax.Array
-    bias: jax.Array | None = None
-
-
-def _chunk_plan(B: int, c: int):
-    """``(number of chunks, locate)``; ``locate(i) -> (start, fresh)``: the last chunk slides back to end at
-    ``B``, and ``fresh`` marks the sequences it owns (not already done by the previous chunk)."""
-    n = -(-B // c)
-
-    def locate(i):
-        start = jnp.minimum(i * c, B - c)
-        fresh = (start + jnp.arange(c, dtype=jnp.int32)) >= i * c
-        return start, fresh
-
-    return n, locate
-
-
-def _merge_rows(full, start, fresh, new):
-    """Write ``new`` ([c, ...]) into ``full`` at ``start`` for the fresh sequences only."""
-    c = new.shape[0]
-    old = lax.dynamic_slice_in_dim(full, start, c, axis=0)
-    sel = fresh.reshape((c,) + (1,) * (new.ndim - 1))
-    return lax.dynamic_update_slice_in_dim(full, jnp.where(sel, new, old), start, axis=0)
-
-
-def _chunk_rows(cfg: LMHeadConfig, hidden, inputs: PolicyInputs, locate, i):
-    """Chunk ``i``: ``(start, fresh, h [c T, H], ids [c T], the chunk's inputs)``."""
-    c = cfg.chunk_size
-    start, fresh = locate(i)
-    chunk = inputs.rows(start, c, fresh)
-    h = lax.dynamic_slice_in_dim(hidden, start, c, axis=0).reshape(-1, hidden.shape[-1])
-    return start, fresh, h, jnp.where(chunk.mask, chunk.ids, 0).reshape(-1), chunk
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,44 +41,22 @@ def _saved_budget(weight) -> int:
     return 4 * weight.size + SAVED_LOGITS_SLACK
 
 
-class _Filtered(NamedTuple):
-    """What the gradient filter's forward hands its backward: the kept logits (None: recomputed) and the rows'
-    ``[R, n_windows]`` window mass."""
-
-    kept: Any
-    mass: jax.Array
-
-
-def _filters(cfg: LMHeadConfig) -> bool:
-    """Whether the backend runs the gradient filter (its ``grad_filter`` is set): its ``logprobs`` then also
-    returns each row's mass per vocabulary window, which its ``grads`` takes as ``window_mass``."""
-    return getattr(cfg.backend, "grad_filter", None) is not None
-
-
-def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False):
-    """``(logp [R], lse [R], entropy [R] or None, saved or None)`` of rows ``h [R, H]``; ``keep``: the backend
-    may keep what its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy
-    as budget). With the gradient filter (:func:`_filters`) ``saved`` is a :class:`_Filtered`."""
-    weight, lay = head.weight, cfg.weight_layout
-    kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
-    if _filters(cfg):
-        kw["with_window_mass"] = True
-    if keep:
-        *stats, saved = cfg.backend.logprobs_for_grads(
-            h, weight, head.bias, ids, t, weight_layout=lay, budget_bytes=_saved_budget(weight), **kw
-        )
-        if _filters(cfg):  # (..., kept, mass): the window mass comes last
-            mass, kept = saved, stats.pop()
-            saved = _Filtered(kept=kept, mass=mass)
-        if not with_entropy:
-            stats.append(None)  # (logp, lse) -> (logp, lse, None)
-        return (*stats, saved)
-    if _filters(cfg):
-        *stats, mass = cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, **kw)
-        return (*stats, *([] if with_entropy else [None]), _Filtered(kept=None, mass=mass))
-    if with_entropy:
-        return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay, with_entropy=True), None)
-    return (*cfg.backend.logprobs(h, weight, head.bias, ids, t, weight_layout=lay), None, None)
+def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False) -> Forward:
+    """The :class:`~gmpo_jax.lm_head.backend.Forward` of rows ``h [R, H]``; ``keep``: the backend may keep what
+    its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy as budget); with
+    the gradient filter (``backend.filters``) it carries each row's window mass."""
+    return backend_lib.forward(
+        cfg.backend,
+        h,
+        head.weight,
+        head.bias,
+        ids,
+        t,
+        weight_layout=cfg.weight_layout,
+        with_entropy=with_entropy,
+        with_window_mass=backend_lib.filters(cfg.backend),
+        budget_bytes=_saved_budget(head.weight) if keep else None,
+    )
 
 
 def _entropy_term(objective, chunk: PolicyInputs, ent, denominator):
@@ -182,20 +67,6 @@ def _entropy_term(objective, chunk: PolicyInputs, ent, denominator):
     w = objective.entropy_weights(chunk.mask, chunk.segment_ids).reshape(-1)
     c = chunk.entropy_coef.astype(jnp.float32)
     return -c * jnp.sum(w * ent), -c * w / denominator
-
-
-def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, saved, entropy=None):
-    """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``
-    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``saved`` as :func:`_forward` returns it)."""
-    if isinstance(saved, _Filtered):
-        kw = {"window_mass": saved.mass, **({} if saved.kept is None else {"saved": saved.kept})}
-    else:
-        kw = {} if saved is None else {"saved": saved}
-    if entropy is not None:
-        kw["entropy"] = entropy
-    return cfg.backend.grads(
-        h, head.weight, head.bias, ids, dlogp, lse, t, weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, **kw
-    )
 
 
 def _chunk_step(
@@ -215,15 +86,18 @@ def _chunk_step(
     """One chunk on all its rows: ``(numerator, sums, dh [R, H] or None, dw, db)``."""
     t = chunk.temperature
     with_ent = chunk.entropy_coef is not None
-    logp, lse, ent, saved = _forward(cfg, head, h, ids, t, keep=keep, with_entropy=with_ent)
-    num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
+    fwd = _forward(cfg, head, h, ids, t, keep=keep, with_entropy=with_ent)
+    ent = fwd.entropy
+    num, sums, dlogp = evaluate(
+        objective, fwd.logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads
+    )
     ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
     if with_ent:
         num, sums = num + ent_num, sums.with_entropy(ent, chunk.mask)
     if not with_grads:
         return num, sums, None, dw, db
     entropy = (gamma, ent) if with_ent else None
-    return (num, sums, *_backward(cfg, head, h, ids, dlogp.reshape(-1), lse, t, dw, db, saved, entropy))
+    return (num, sums, *_backward(cfg, head, h, ids, dlogp.reshape(-1), fwd.lse, t, dw, db, fwd, entropy))
 
 
 def _chunk_step_skipping(
@@ -250,17 +124,17 @@ def _chunk_step_skipping(
 
         def run(S):
             hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
-            logp_s, lse_s, ent_s, saved = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent)
-            logp = rows.scatter_back(logp_s, order).reshape(chunk.mask.shape)
+            fwd = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent)
+            logp = rows.scatter_back(fwd.logp, order).reshape(chunk.mask.shape)
             num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
             entropy = None
             if with_ent:  # the entropy's cotangent is 0 off the prefix (masked rows): same rows
-                ent = rows.scatter_back(ent_s, order)
+                ent = rows.scatter_back(fwd.entropy, order)
                 ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
-                num, entropy = num + ent_num, (rows.take(gamma, order, S), ent_s)
+                num, entropy = num + ent_num, (rows.take(gamma, order, S), fwd.entropy)
                 sums = sums.with_entropy(ent, chunk.mask)
             dlogp_s = rows.take(dlogp.reshape(-1), order, S)
-            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, None, db, saved, entropy)
+            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, fwd.lse, t, None, db, fwd, entropy)
             return num, sums, rows.scatter_back(dh_s, order), dw_, db_
 
         def empty():
@@ -268,15 +142,10 @@ def _chunk_step_skipping(
             return num, sums, jnp.zeros_like(h), jnp.zeros_like(head.weight), db
 
         return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
-    filters = _filters(cfg)
-    n_out = 3 if with_ent else 2  # logp, lse[, entropy]
-
-    def forward(hs, ids_s):
-        out = _forward(cfg, head, hs, ids_s, t, keep=False, with_entropy=with_ent)
-        return out[:n_out] + (out[3].mass,) if filters else out[:n_out]  # the filter's window mass per row
-
-    logp, lse, *ent = rows.on_live_rows(buckets, chunk.mask, forward, (h, ids))
-    mass = ent.pop() if filters else None
+    filters = backend_lib.filters(cfg.backend)
+    fwd = rows.on_live_rows(buckets, chunk.mask, lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False,
+                            with_entropy=with_ent), (h, ids))  # fmt: skip
+    logp, lse, ent, mass = fwd.logp, fwd.lse, [fwd.entropy] if with_ent else [], fwd.window_mass
     num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
     extra = ()
     if with_ent:
@@ -292,8 +161,8 @@ def _chunk_step_skipping(
 
     def backward(hs, ids_s, dlogp_s, lse_s, *rest):
         mass_s, e_s = (rest[-1], rest[:-1]) if filters else (None, rest)
-        saved = None if mass_s is None else _Filtered(kept=None, mass=mass_s)
-        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, saved, tuple(e_s) or None)
+        fwd_s = None if mass_s is None else Forward(None, None, window_mass=mass_s)
+        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, fwd_s, tuple(e_s) or None)
 
     grads = rows.on_live_rows(
         1 if filters else buckets,  # the filter picks each vocabulary window's rows itself
@@ -306,13 +175,12 @@ def _chunk_step_skipping(
 
 
 def _keeps_logits(backend, rows: int, H: int, weight) -> bool:
-    """Whether the backend keeps logits for a single chunk's gradient pass (the seam's optional
-    ``logprobs_for_grads``, and its ``keeps_logits`` hint when it has one)."""
-    if not callable(getattr(backend, "logprobs_for_grads", None)):
+    """Whether the backend keeps logits for a single chunk's gradient pass (its declared ``keeps_logits``
+    capability, and its ``keeps_logits`` hint for these rows)."""
+    if not backend_lib.capabilities(backend).keeps_logits:
         return False
-    hint = getattr(backend, "keeps_logits", None)
     V = weight.size // H
-    return hint is None or hint(rows=rows, H=H, V=V, weight_dtype=weight.dtype, budget_bytes=_saved_budget(weight))
+    return backend.keeps_logits(rows=rows, H=H, V=V, weight_dtype=weight.dtype, budget_bytes=_saved_budget(weight))
 
 
 def _scan_policy(
@@ -405,142 +273,9 @@ def _fused_policy_loss_fwd(cfg, objective, head, inputs):
     return (loss, aux), grads
 
 
-def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:
-    """The stored gradients times the cotangent ``g``, in the primal dtypes."""
-    g = g.astype(jnp.float32)
-    return Head(
-        (grads.hidden.astype(jnp.float32) * g).astype(grads.hidden.dtype),
-        (grads.weight * g).astype(cfg.weight_dtype),
-        None if grads.bias is None else (grads.bias * g).astype(cfg.bias_dtype),
-    )
-
-
 def _fused_policy_loss_bwd(cfg, grads, cotangents):
     g, _ = cotangents  # the metrics carry no gradient
     return None, _scaled(cfg, grads, g), None
 
 
 fused_policy_loss.defvjp(_fused_policy_loss_fwd, _fused_policy_loss_bwd)
-
-
-# ------------------------------------------------------------------------------------------------
-# Log-probs alone (rollout-time old / reference log-probs; composable into any user loss)
-# ------------------------------------------------------------------------------------------------
-def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
-    """``(logp, lse[, entropy])``, each ``[B, T]`` float32 (0 at masked tokens but ``lse``)."""
-    hidden, weight, bias = head
-    B, T = hidden.shape[:2]
-    backend: LMHeadBackend = cfg.backend
-    n, locate = _chunk_plan(B, cfg.chunk_size)
-    kw = {"with_entropy": True} if cfg.with_entropy else {}
-
-    def body(carry, i):
-        start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        out = rows.on_live_rows(
-            cfg.row_buckets,
-            chunk.mask,
-            lambda hs, ids_s: backend.logprobs(
-                hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout, **kw
-            ),
-            (h, ids),
-        )
-        m = chunk.mask
-        new = [jnp.where(m, x.reshape(m.shape), 0.0) if k != 1 else x.reshape(m.shape) for k, x in enumerate(out)]
-        return tuple(_merge_rows(a, start, fresh, x) for a, x in zip(carry, new)), None
-
-    init = tuple(jnp.zeros((B, T), jnp.float32) for _ in range(3 if cfg.with_entropy else 2))
-    with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs"):
-        out, _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-    return out
-
-
-def _scan_logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse, g) -> Head:
-    """The float32 gradients (``hidden`` in its dtype) of ``sum(g * logp)``."""
-    hidden, weight, bias = head
-    backend: LMHeadBackend = cfg.backend
-    n, locate = _chunk_plan(hidden.shape[0], cfg.chunk_size)
-    c = cfg.chunk_size
-
-    def body(carry, i):
-        dh, dw, db = carry
-        start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=c, axis=0)
-        dlogp = jnp.where(chunk.mask, cut(g).astype(jnp.float32), 0.0).reshape(-1)
-        dh_c, dw, db = rows.on_live_rows(
-            cfg.row_buckets,
-            dlogp != 0,
-            lambda hs, ids_s, dlogp_s, lse_s: _backward(
-                cfg, head, hs, ids_s, dlogp_s, lse_s, inputs.temperature, dw, db, None
-            ),
-            (h, ids, dlogp, cut(lse).reshape(-1)),
-            accumulators=(dw, db),
-        )
-        return (_merge_rows(dh, start, fresh, dh_c.reshape(c, *hidden.shape[1:])), dw, db), None
-
-    init = (
-        jnp.zeros_like(hidden),
-        jnp.zeros(weight.shape, jnp.float32),
-        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
-    )
-    with jax.named_scope(f"gmpo_jax/{backend.name}/logprobs_grad"):
-        grads, _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-    return Head(*grads)
-
-
-def _run_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
-    plan = cfg.plan
-    if plan is None:
-        return _scan_logprobs(cfg, head, inputs)
-    out_specs = (plan.batch,) * (3 if cfg.with_entropy else 2)
-    return plan.run(
-        functools.partial(_scan_logprobs, cfg),
-        (head, inputs),
-        in_specs=(Head(*plan.head), inputs.specs(plan.batch, P())),
-        out_specs=out_specs,
-    )
-
-
-def _logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse, g) -> Head:
-    plan = cfg.plan
-    if plan is None:
-        return _scan_logprob_grads(cfg, head, inputs, lse, g)
-
-    def local(head, inputs, lse, g):
-        grads = _scan_logprob_grads(cfg, head, inputs, lse, g)
-        return grads._replace(weight=plan.sum_data(grads.weight), bias=plan.sum_data(grads.bias))
-
-    specs = Head(*plan.head)
-    return plan.run(
-        local,
-        (head, inputs, lse, g),
-        in_specs=(specs, inputs.specs(plan.batch, P()), plan.batch, plan.batch),
-        out_specs=specs,
-    )
-
-
-def _primal(cfg: LMHeadConfig, out):
-    """The custom VJP's output from ``(logp, lse[, entropy])``."""
-    return (out[0], out[2]) if cfg.with_entropy else out[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
-    """Fused per-token log-probs ``[B, T]`` float32 (0 where ``inputs.mask`` is False); with
-    ``cfg.with_entropy`` the pair ``(logp, entropy)`` (the entropy gets no gradient). ``inputs`` needs
-    ``mask``, ``ids`` and ``temperature`` only."""
-    return _primal(cfg, _run_logprobs(cfg, head, inputs))
-
-
-def _fused_logprobs_fwd(cfg, head, inputs):
-    out = _run_logprobs(cfg, head, inputs)
-    return _primal(cfg, out), (head, inputs, out[1])
-
-
-def _fused_logprobs_bwd(cfg, res, g):
-    head, inputs, lse = res
-    g = g[0] if cfg.with_entropy else g  # the entropy is a metric: no gradient
-    grads = _logprob_grads(cfg, head, inputs, lse, g)
-    return _scaled(cfg, grads, jnp.ones((), jnp.float32)), None
-
-
-fused_logprobs.defvjp(_fused_logprobs_fwd, _fused_logprobs_bwd)

@@ -21,6 +21,7 @@ place in the carry). Matmuls take the inputs' dtype with float32 accumulation; f
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from jax import lax
 from gmpo_jax import _lse, tuning
 from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax._lse import shifted  # re-exported: the logits path's name for it
-from gmpo_jax.lm_head.backend import cancel_rounding, logits_precision_of, stored_rowsum
+from gmpo_jax.lm_head.backend import Capabilities, cancel_rounding, logits_precision_of, stored_rowsum
 
 __all__ = ["XlaChunkedBackend", "shifted"]
 
@@ -96,6 +97,7 @@ class XlaChunkedBackend:
     softcap: float | None = None  # Gemma's final-logit cap: z = cap tanh((h W + b) / cap) / T (static)
     logits_precision: str | None = None  # "float32" / "bf16x3": float32 dz and Precision.HIGHEST GEMMs
     name: str = "xla_chunked"
+    capabilities: ClassVar[Capabilities] = Capabilities(cancel_rounding=True, softcap=True, logits_precision=True)
 
     def check_supported(
         self,

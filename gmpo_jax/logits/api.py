@@ -140,11 +140,21 @@ def policy_loss_from_logits(
       dropped last position). Reverse mode only (a ``jax.custom_vjp``: no ``jax.jvp`` / ``jacfwd``).
 
     Raises:
-      TypeError: non-floating logits / advantages / log-probs, non-integer ids or segment_ids, a non-objective.
-      ValueError: inconsistent shapes (named), an empty ``B``, ``T`` or ``V``, a concrete ``temperature``
-        not finite and ``> 0``, a concrete mask with values other than 0 / 1, a concrete unmasked id
-        outside ``[0, V)``, an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was built) without ``ref_logps``, a concrete ``num_items_in_batch < 1``, concrete non-finite ``advantages``, concrete negative ``segment_ids``, a concrete ``rollout_is_ratio`` not finite and ``>= 0`` or ``old_logps`` / ``ref_logps`` / ``rollout_logps`` NaN at an unmasked token (concrete; the error names the first ``(b, t)``), an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, either of those two without ``rollout_logps``, ``top_entropy_quantile`` outside ``(0, 1]``, a concrete non-finite ``entropy_coef``, an unknown ``implementation`` (this path's are ``"xla"`` and
-        ``"mosaic_gpu"``).
+      TypeError: non-floating logits / advantages / log-probs; non-integer ids or segment_ids; a non-objective.
+      ValueError:
+        - inconsistent shapes (the argument named); an empty ``B``, ``T`` or ``V``;
+        - a concrete ``temperature`` not finite and ``> 0``; a concrete mask with values other than 0 / 1;
+        - a concrete unmasked id outside ``[0, V)``;
+        - an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was
+          built) without ``ref_logps``;
+        - a concrete ``num_items_in_batch < 1``; concrete non-finite ``advantages``; concrete negative
+          ``segment_ids``; a concrete ``rollout_is_ratio`` not finite and ``>= 0``;
+        - ``old_logps`` / ``ref_logps`` / ``rollout_logps`` NaN at an unmasked token (concrete; the error names
+          the first ``(b, t)``);
+        - an unknown ``rollout_is_mode`` or a concrete ``rollout_is_cap <= 0``, or either without
+          ``rollout_logps``;
+        - ``top_entropy_quantile`` outside ``(0, 1]``; a concrete non-finite ``entropy_coef``;
+        - an unknown ``implementation`` (this path's are ``"xla"`` and ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot
         serve this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 /
         f32, or rows of logits that the kernels' 128-byte tiles cannot cover, see

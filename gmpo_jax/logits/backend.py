@@ -5,13 +5,14 @@ count), the two memory-bound passes of the loss; the objective math lives in ``g
 
     logprobs(logits, ids, *, T, temperature, mask) -> (logp [B, T] f32, residual)
         # logp = z[id] - logsumexp(z), z = logits[:, :T] / temperature in f32 (one read of the logits);
-        # mask [B, T] bool: a backend may skip masked rows (their logp is then 0: the objective ignores it);
-        # optional: a backend whose logprobs has no mask keyword is called without it
+        # mask [B, T] bool (always passed): a backend may skip masked rows (their logp is then 0: the
+        # objective ignores it)
     dlogits(logits, ids, residual, dlogp [B, T] f32, *, T, temperature) -> [B, Tl, V] logits.dtype
         # dlogp / temperature * (onehot(id) - softmax(z)); rows t >= T and rows with dlogp == 0 are 0
     check_supported(*, dtype, B, T, Tl, V)   # raises UnsupportedConfigError / BackendUnavailableError
 
-Optional (``mosaic_gpu``), for token-local objectives under differentiation::
+Optional (``mosaic_gpu``; declared as ``Capabilities(fused_dlogits=True)``), for token-local objectives under
+differentiation::
 
     fused_plan(*, dtype, R, V) -> plan or None       # None: use the two methods above
     logprobs_and_dlogits(logits, ids, *, T, temperature, objective, old_logps, ref_logps, advantages,
@@ -25,9 +26,32 @@ then ``"xla"``; an explicit name never falls back. A backend *instance* may be p
 
 from __future__ import annotations
 
+import dataclasses
+
 from gmpo_jax._dispatch import dispatch
 
-__all__ = ["IMPLEMENTATIONS", "resolve"]
+__all__ = ["IMPLEMENTATIONS", "Capabilities", "capabilities", "resolve"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a logits backend offers beyond the required seam, declared as its class attribute ``capabilities``
+    (a backend that declares none has none).
+
+    Attributes:
+      fused_dlogits: it has ``fused_plan`` and ``logprobs_and_dlogits`` (token-local objectives' ``dlogits``
+        written in the forward).
+    """
+
+    fused_dlogits: bool = False
+
+
+def capabilities(backend) -> Capabilities:
+    """The backend's declared :class:`Capabilities` (none when it declares none)."""
+    return getattr(type(backend), "capabilities", _NONE)
+
+
+_NONE = Capabilities()
 
 # Ordered: the default dispatch tries them in this order; "module.path:ClassName", built with its defaults.
 IMPLEMENTATIONS: dict[str, str] = {

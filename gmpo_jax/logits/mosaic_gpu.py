@@ -10,6 +10,7 @@ blocks at sequence ends; their statistics are dropped. The backward kernel write
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from gmpo_jax import kernels as K
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms, supported_on
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax.logits.backend import Capabilities
 
 __all__ = ["MosaicGpuLogitsBackend"]
 
@@ -51,7 +53,7 @@ class MosaicGpuLogitsBackend:
     path"). False reads every row.
     ``resident_rows`` (fused path only): when a CTA's share of a row fits in its shared-memory ring (the
     device plan: a quarter of a Llama-3 or Qwen row per CTA of a cluster), the kernel's second pass reads
-    the row from shared memory instead of fetching it again (measured faster on an H200); False re-reads
+    the row from shared memory instead of fetching it again (docs/performance.md); False re-reads
     it (mostly from L2), the earlier kernel (kept for A / B runs and the tests).
     ``inplace``: the backward writes ``dlogits`` into the logits' buffer (Liger's ``inplace``): one
     ``[B, T(+1), V]`` buffer instead of two when the logits are dead after the loss (donated to the jit,
@@ -60,8 +62,8 @@ class MosaicGpuLogitsBackend:
     it can observe (JAX values are immutable). Where the kernels' view of a row is not a multiple of
     ``bwd.block_v``, the backward runs with 128-byte tiles (64 bf16 columns). The in-place kernel takes
     a ``jax.Ref``, which ``jax.vmap`` cannot batch (use the default, which batches).
-    ``fwd`` / ``bwd`` default to ``tuning.LOGITS_FWD`` / ``tuning.LOGITS_BWD`` (an H200 sweep; the forward
-    leaves the target pick to a gather outside the kernel, which measured faster). float32 logits run the
+    ``fwd`` / ``bwd`` default to ``tuning.LOGITS_FWD`` / ``tuning.LOGITS_BWD`` (a reviewed sweep; the
+    forward leaves the target pick to a gather outside the kernel: docs/performance.md). float32 logits run the
     same blocks (128 KB of shared-memory ring in the forward, 192 KB in the backward); their speed has not
     been swept.
     """
@@ -75,6 +77,7 @@ class MosaicGpuLogitsBackend:
     resident_rows: bool = True
     interpret: bool = False
     name: str = "mosaic_gpu"
+    capabilities: ClassVar[Capabilities] = Capabilities(fused_dlogits=True)
 
     def _interpret_params(self):
         if not self.interpret:
@@ -212,7 +215,7 @@ class MosaicGpuLogitsBackend:
         the kernel stores ``dlogits`` of a unit cotangent, which the backward then scales, and float16
         would round its small entries to subnormals or zero before a loss scale could lift them.
 
-        Blocks (``tuning.LOGITS_FUSED``, an H200 sweep): 16 KB tiles, 4 input and 2 output stages (96 KB of
+        Blocks (``tuning.LOGITS_FUSED``, a reviewed sweep): 16 KB tiles, 4 input and 2 output stages (96 KB of
         shared memory: two CTAs per SM), clusters of 4 CTAs per row, 62 clusters on 132 SMs (64 do not all
         fit at once and the last ones would run in a second wave). A CTA's share of a row is 4 tiles, so
         the row stays in its 4-slot ring between the two passes (``resident``). The interpreter has no

@@ -1,51 +1,25 @@
-"""The logits op's custom VJP: the policy loss from logits that already exist.
+"""The custom VJP of :func:`gmpo_jax.policy_loss_from_logits`: the policy loss from logits that already exist.
 
-Design decisions of the custom VJP (and why):
-
-* **One memory-bound pass forward, one backward.** The forward reads the
-  logits once (online log-sum-exp and the target logit per row, in float32), then runs the objective on
-  the ``[B, T]`` log-probs. The backward reads them once more and writes ``dlogits`` once. For GMPO and
-  GSPO the gradient cannot be written during the first read: a token's ``d loss / d logp`` depends on
-  reductions over its whole sequence (the geometric mean, the sequence ratio), and one row of Llama-3
-  logits (250 KB) does not stay on chip until they are known.
-* **Token-local objectives fuse.** For the GRPO family at token level, CISPO and SAPO, a token's
-  ``d loss / d logp`` is a function of its own log-prob and of data known beforehand
-  (``objective.token_local``; its ``token_loss`` and ``token_weights``). A backend with
-  ``logprobs_and_dlogits`` (``mosaic_gpu``) then writes ``dlogits`` for a unit cotangent in the forward of
-  the VJP, in the same kernel that computes each row's log-sum-exp and each token's weighted loss (each
-  row read from device memory once, kept on chip for the second pass, and written once); the residual
-  is that array and the backward multiplies it by the cotangent (with ``jax.grad``'s constant 1 XLA
-  drops the multiply; another cotangent, e.g. a scaled loss, rounds the bf16 gradient twice: about one
-  ulp instead of half an ulp). The hyper-parameters must be concrete (they are compiled into the
-  kernel); traced ones take the general path. Float16 logits keep the general path: their stored
-  unit-cotangent gradient would lose small entries to subnormals before a loss scale could lift them.
-* **Gradient scale in the forward, logits pass in the backward** (the general path). The forward of the
-  VJP computes the loss and ``d loss / d logp`` (``jax.grad`` of the objective's numerator over the whole
-  batch, whose selects implement SPEC.md's strict boundary rule) and keeps as residuals only
-  ``[B, T]``-sized arrays plus a reference to the logits (no copy). The backward multiplies
-  ``d loss / d logp`` by the cotangent and writes ``dlogits = dlogp * (onehot - softmax(z / tau)) / tau``
-  in the logits' dtype in one pass; for ``[B, T + 1, V]`` logits the last position's gradient is written
-  as zeros by the same pass (no padding or concatenation of a ``[B, T, V]`` array). Plain evaluation
-  (no gradient) runs only the forward read and the objective, on every path.
-* **Masked tokens.** Their ids are replaced by 0 before the logits pass (any id, e.g. -100 or >= V, is
-  allowed under the mask); the objective selects them out and their ``dlogits`` rows are selected to
-  exactly zero, whatever the logits hold there. An *unmasked* id outside ``[0, V)`` raises when the
-  ids and mask are concrete, and gives NaN under jit.
-* **Cotangents.** Only ``logits`` gets a gradient; advantages, old / reference log-probs, the IS ratio,
-  the temperature and the objective's hyper-parameters are data (zero cotangents), as in TRL / Liger.
+``logits_policy_loss(cfg, objective, logits, inputs) -> (loss, aux)``: ``loss`` a float32 scalar, ``aux`` a
+:class:`~gmpo_jax.objectives.LossAux`; the gradient w.r.t. ``logits`` ``[B, T(+1), V]`` in their dtype,
+``dlogp / temperature * (onehot(id) - softmax(z))`` per counted token and 0 elsewhere (masked tokens, the
+dropped last position); zero for ``inputs`` and ``objective``. Arguments checked and normalised by
+``gmpo_jax.logits.api``. One memory-bound pass forward and one backward, or, for a token-local objective on a
+backend that declares ``fused_dlogits``, ``dlogits`` written in the forward (docs/DESIGN.md "The logits op's
+custom VJP").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmpo_jax.logits.backend import capabilities
 from gmpo_jax.logits.xla import entropy_and_lse, entropy_dlogits
 from gmpo_jax.objectives import (
     LossAux,
@@ -73,8 +47,7 @@ def _token_local_loss(objective: Objective, logp, inputs: PolicyInputs, *, with_
     """``(loss, dlogp or None)`` of a token-local objective as one weighted sum,
     ``sum_{b,t} token_weights * token_loss``: the function whose gradient the fused kernel writes, and a
     single reduction after the logits pass instead of the per-sequence and batch reductions of
-    ``chunk_numerator / denominator`` (measured on the H200: four small kernels after the fused one
-    become two)."""
+    ``chunk_numerator / denominator`` (fewer small kernels after the fused one)."""
     mask = inputs.mask
     weights = objective.token_weights(mask, inputs.num_items, inputs.segment_ids)
     adv = inputs.token_advantages()
@@ -136,17 +109,8 @@ def _id_ok(inputs: PolicyInputs, V: int):
     return (inputs.ids >= 0) & (inputs.ids < V)
 
 
-def _backend_logprobs(backend, logits, inputs: PolicyInputs, T: int):
-    """``backend.logprobs``, given the completion mask where its signature takes ``mask`` (the seam's
-    keyword since skipping; a backend written without it keeps working and reads every row)."""
-    params = inspect.signature(backend.logprobs).parameters.values()
-    takes_mask = any(p.name == "mask" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    mask = {"mask": inputs.mask} if takes_mask else {}
-    return backend.logprobs(logits, inputs.ids, T=T, temperature=inputs.temperature, **mask)
-
-
 def _run(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs, *, with_grads: bool):
-    logp, residual = _backend_logprobs(cfg.backend, logits, inputs, cfg.T)
+    logp, residual = cfg.backend.logprobs(logits, inputs.ids, T=cfg.T, temperature=inputs.temperature, mask=inputs.mask)
     logp = jnp.where(_id_ok(inputs, logits.shape[-1]), logp, jnp.nan)
     loss, aux, dlogp = _objective(objective, logp, inputs, with_grads=with_grads)
     loss, aux, ent = _add_entropy_term(objective, logits, inputs, cfg.T, loss, aux)
@@ -156,13 +120,12 @@ def _run(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs, 
 def _fused(cfg: LogitsConfig, objective: Objective, logits) -> bool:
     """Whether the forward of the VJP writes ``dlogits`` itself (token-local objective, concrete
     hyper-parameters, a backend with ``logprobs_and_dlogits`` whose ``fused_plan`` accepts the shape)."""
-    plan = getattr(cfg.backend, "fused_plan", None)
-    if plan is None or not objective.token_local:
+    if not capabilities(cfg.backend).fused_dlogits or not objective.token_local:
         return False
     if any(_concrete_value(leaf) is None for leaf in jax.tree.leaves(objective)):
         return False
     B, Tl, V = logits.shape
-    return plan(dtype=logits.dtype, R=B * Tl, V=V) is not None
+    return cfg.backend.fused_plan(dtype=logits.dtype, R=B * Tl, V=V) is not None
 
 
 def _run_fused(cfg: LogitsConfig, objective: Objective, logits, inputs: PolicyInputs):

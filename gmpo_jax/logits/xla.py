@@ -18,8 +18,7 @@ sequential part has at most 127 additions: the error is ``<= 127 * 2^-24`` of th
 and the order. That was not enough while the sum held the maximum's ``exp(0) = 1``: a tail of mass
 ``1e-3`` rounded to ulps of 1 is hundreds of ulps of the log-sum-exp (issue 31); kept apart from it, the
 tail is accurate relative to itself (tests/test_tiny_tail_lse.py). ``lse="two_pass"`` (max, then sum of exp: two reads) is
-kept for comparison: on an H200 XLA runs the pair combiner slowly and two plain reductions measured
-faster (docs/performance.md, "Loss from logits"), but on the
+kept for comparison (GPU timings: docs/performance.md, "Loss from logits"), but on the
 CPU they materialise a float32 copy of the logits (XLA:CPU does not fuse the upcast into both
 reductions), which the one-read default never does.
 

@@ -1,0 +1,85 @@
+"""Value checks of concrete data at trace time (ids in range, no NaN at a counted token, a {0, 1} mask,
+non-negative segment ids): each runs when the values are known (not traced) and names the first bad position;
+traced values cannot be checked (the public docstrings say what happens then)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from gmpo_jax._validation.arguments import _concrete, _dtype, require_shape
+
+__all__ = ["check_ids_in_range", "check_not_nan_unmasked", "check_mask", "check_segment_ids"]
+
+
+def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids") -> None:
+    """Every id the mask counts (all of them without a mask) lies in ``[0, V)``, when the ids and the mask
+    are concrete. Traced (under jit) they cannot be checked: such an id gives a NaN log-prob (documented)."""
+    ids_v = _concrete(ids)
+    if ids_v is None:
+        return
+    if mask is None:
+        active = np.ones(ids_v.shape, bool)
+    else:
+        mask_v = _concrete(mask)
+        if mask_v is None:
+            return
+        active = mask_v != 0
+    bad = active & ((ids_v < 0) | (ids_v >= V))
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} must lie in [0, {V}) wherever completion_mask is 1 (masked positions may hold any "
+            f"id, e.g. -100), got {name}[{', '.join(map(str, pos))}] = {int(ids_v[pos])} "
+            f"({int(bad.sum())} such position(s))"
+        )
+
+
+def check_not_nan_unmasked(name: str, x, mask) -> None:
+    """``x`` (``[B, T]``, or ``[B, T, ...]`` such as hidden states) holds no NaN at a token the mask counts,
+    when both are concrete; the error names the first such position ``(b, t)``. Masked positions may hold
+    NaN (nothing reads them). Traced, it cannot be checked: a NaN there makes the loss NaN."""
+    xv, mv = _concrete(x), _concrete(mask)
+    if xv is None or mv is None:
+        return
+    nan = np.isnan(xv.astype(np.float32))
+    nan = nan.reshape(nan.shape[:2] + (-1,)).any(axis=-1) & (mv != 0)
+    if nan.any():
+        b, t = (int(i) for i in np.argwhere(nan)[0])
+        where = f"{name}[{b}, {t}]" if xv.ndim == 2 else f"{name}[{b}, {t}, :]"
+        raise ValueError(
+            f"{name} must not be NaN at an unmasked token (completion_mask 1), got NaN in {where} "
+            f"({int(nan.sum())} such token(s))"
+        )
+
+
+def check_mask(mask, B: int, T: int) -> None:
+    require_shape("completion_mask", mask, (B, T), "[B, T]")
+    dt = _dtype(mask, "completion_mask")
+    if not (dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)):
+        raise TypeError(f"completion_mask must be bool or {{0, 1}} numbers, got completion_mask.dtype={dt}")
+    if dt != jnp.bool_:
+        # a weighted mask (e.g. 0.5) would silently count as 1; a traced mask cannot be checked (documented)
+        value = _concrete(mask)
+        if value is not None and not np.all((value == 0) | (value == 1)):
+            bad = value[(value != 0) & (value != 1)].ravel()[:3].tolist()
+            raise ValueError(
+                f"completion_mask must hold only 0 and 1 (it selects tokens, it does not weight "
+                f"them), got values such as {bad}"
+            )
+
+
+def check_segment_ids(segment_ids, B: int, T: int) -> None:
+    """``segment_ids``: None, or a ``[B, T]`` integer array of non-negative ids (checked when concrete)."""
+    if segment_ids is None:
+        return
+    require_shape("segment_ids", segment_ids, (B, T), "[B, T]")
+    dt = _dtype(segment_ids, "segment_ids")
+    if not (jnp.issubdtype(dt, jnp.integer) and not jnp.issubdtype(dt, jnp.bool_)):
+        raise TypeError(f"segment_ids must be an integer array, got dtype {dt}")
+    seg = _concrete(segment_ids)
+    if seg is not None and seg.size and seg.min() < 0:
+        bad = tuple(int(i) for i in np.argwhere(seg < 0)[0])
+        raise ValueError(
+            f"segment_ids must be >= 0 (0 marks padding), got segment_ids[{bad[0]}, {bad[1]}] = {int(seg[bad])}"
+        )

@@ -1,0 +1,157 @@
+"""The gradient filter (``grad_filter``; docs/DESIGN.md, docs/SPEC.md) as a plan that the gradient pass executes.
+
+Forward: the log-prob kernel runs one vocabulary split per ``filter_window``, so that its statistics give each
+row's softmax mass off its target per window (:func:`_window_mass`). Backward: :func:`plan` decides which
+(row, window) blocks are kept (:class:`FilterPlan`); ``_GradPass.filtered_windows`` runs each window of the head
+(the columns before ``filter_tail``) on the static prefix of its rows reordered live first, and the tail (the
+rest, its windows kept together) in one step on the prefix of the union of its rows; :func:`correct` then adds
+the dropped windows' correction to ``dh`` and to the row sums that the rounding cancellation subtracts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gmpo_jax import tuning
+from gmpo_jax._dispatch import UnsupportedConfigError
+from gmpo_jax.lm_head.mosaic_gpu.layout import _vocab
+
+__all__ = ["FilterPlan", "plan", "correct", "filter_tiles", "filter_head"]
+
+
+class FilterPlan(NamedTuple):
+    """What the gradient pass runs with the filter: ``live`` ``[n_windows, Rp]`` bool (the kept (row, window)
+    blocks), ``mass`` ``[Rp, n_windows]`` (each row's mass off its target per window, padding rows 0), ``tiles``
+    (vocabulary tiles per window) and ``n_head`` (the full windows before the tail)."""
+
+    live: jax.Array
+    mass: jax.Array
+    tiles: int
+    n_head: int
+
+
+def filter_tiles(backend, block_n: int) -> int:
+    """Vocabulary tiles of ``block_n`` columns per gradient-filter window of ``backend``.
+
+    Raises:
+      UnsupportedConfigError: ``filter_window`` not a multiple of ``block_n``.
+    """
+    if backend.filter_window % block_n:  # (positive: checked when constructed)
+        raise UnsupportedConfigError(
+            f"filter_window={backend.filter_window} must be a multiple of the kernels' {block_n}-column tiles"
+        )
+    return backend.filter_window // block_n
+
+
+def filter_head(backend, block_n: int, V: int) -> int:
+    """The gradient filter's head: its full windows before ``filter_tail`` (each run on its own rows); the
+    columns after them are the tail (``_GradPass.filtered_windows``).
+
+    Raises:
+      UnsupportedConfigError: ``filter_window`` not a multiple of ``block_n``, or ``filter_tail`` not a multiple of
+        ``filter_window``.
+    """
+    tiles = filter_tiles(backend, block_n)
+    if backend.filter_tail % backend.filter_window:  # (positive: checked when constructed)
+        raise UnsupportedConfigError(
+            f"filter_tail={backend.filter_tail} must be a multiple of filter_window={backend.filter_window}"
+        )
+    return min(backend.filter_tail // backend.filter_window, V // (tiles * block_n))
+
+
+def plan(backend, window_mass, gp, block_n: int, V: int) -> FilterPlan:
+    """The filter's plan for the gradient pass ``gp`` (row-padded to ``Rp``) from ``window_mass`` ``[R, n_windows]``
+    (``logprobs(with_window_mass=True)`` of the same rows) at ``backend.grad_filter``."""
+    Rp = gp.hp.shape[0]
+    mass = jnp.pad(window_mass, ((0, Rp - window_mass.shape[0]), (0, 0)))  # padding rows: no mass, no cotangent
+    n_head = filter_head(backend, block_n, V)
+    live = _filter_live(mass, gp, backend.grad_filter, backend.filter_window, n_head)
+    return FilterPlan(live=live, mass=mass, tiles=filter_tiles(backend, block_n), n_head=n_head)
+
+
+def correct(carry, fplan: FilterPlan, coef, weight, bias, weight_layout: str, window: int):
+    """The pass's ``(dh, dw_acc, db_acc, rowsum)`` with the dropped windows' correction (:func:`_dropped_mass`):
+    ``dh -= coef D mean(W)`` and the row sums less ``coef sum_k D_k`` (``coef`` ``[Rp]``: the cotangent over the
+    temperature)."""
+    dh, dw_acc, db_acc, rowsum = carry
+    dropped = _dropped_mass(fplan.mass, fplan.live)  # [Rp, n_windows]
+    means = _window_means(weight, bias, weight_layout, window)
+    dh = dh - coef[:, None] * jnp.dot(dropped, means, precision=lax.Precision.HIGHEST)
+    return dh, dw_acc, db_acc, rowsum - coef * jnp.sum(dropped, axis=1)
+
+
+def _window_mass(m2, l, t2, lse, ids, window: int):
+    """Each row's softmax mass off its target per vocabulary window, ``[R, n_windows]`` float32, from the log-prob
+    kernel's per-split statistics (one split per window, ``[n_windows, R]``): ``(l + 1) 2^(m2 - lse2)`` less the
+    target's ``2^(t2 - lse2)`` in its own window (float32 rounding: about ``1e-7`` of the row's largest
+    probability)."""
+    from gmpo_jax.kernels import _common as C
+
+    lse2 = (lse * C.LOG2E)[None]
+    total = jnp.where(l >= 0, (l + 1.0) * jnp.exp2(m2 - lse2), 0.0)  # l: one instance of the max excluded
+    own = jnp.arange(m2.shape[0], dtype=jnp.int32)[:, None] == (ids.astype(jnp.int32) // window)[None]
+    target = jnp.where(own, jnp.exp2(t2 - lse2), 0.0)
+    return jnp.maximum(total - target, 0.0).T
+
+
+def _filter_live(mass, gp, tau: float, window: int, n_head: int):
+    """``[n_windows, Rp]`` bool from ``mass`` ``[Rp, n_windows]``: the (row, window) blocks the filter keeps:
+    rows with a cotangent, in their target's window, in every window whose mass off the target exceeds
+    ``tau``, and in every window when the row has an entropy term's cotangent (kept exact); the windows from
+    ``n_head`` on (the tail) are kept together: all of them where any one is."""
+    Rp, n_w = mass.shape
+    has_coef = gp.coef != 0
+    ent = jnp.zeros((Rp,), bool) if gp.entropy is None else gp.entropy[0] != 0
+    own = jnp.arange(n_w, dtype=jnp.int32)[:, None] == (gp.ids_p // window)[None]
+    live = (has_coef | ent)[None] & ((mass.T > tau) | own | ent[None])
+    if n_head < n_w:
+        live = live.at[n_head:].set(jnp.any(live[n_head:], axis=0))
+    return live
+
+
+def _dropped_mass(mass, live):
+    """``[Rp, n_windows]``: each row's softmax mass in the windows the filter drops (``mass`` ``[Rp, n_windows]``,
+    ``live`` ``[n_windows, Rp]``), 0 in the kept ones. The dropped entries of row ``r`` would have added
+    ``-c_r sum_(v dropped) p_v W_v`` to its ``dh`` (``c_r``: its cotangent over the temperature); ``grads`` adds
+    ``-c_r sum_k D_rk mean_k(W)`` instead (``_window_means``), exact for what every column of a window shares (a
+    direction shared by all columns, as trained heads have, adds up coherently over thousands of dropped columns:
+    left out, it dominated the error on heavy-tailed rows, docs/performance.md). And the kept ``dz`` of a row then
+    sums to ``c_r sum_k D_rk`` instead of 0 (its target is kept), so the rounding that ``cancel_rounding`` removes is
+    the stored row sum less that: cancelling the stored sum alone would also move ``dh`` by ``c_r D_r W[:, id]``,
+    which on a trained head (large target columns) is many times the dropped entries' own ``sum_v dz_v W_v``."""
+    return jnp.where(live.T, 0.0, mass)
+
+
+def _window_means(weight, bias, weight_layout: str, window: int):
+    """The mean weight column of each vocabulary window, ``[n_windows, H]`` float32, over the columns that can
+    hold softmax mass (a bias of ``-inf``, as ``vocab_size`` padding sets, leaves a column out; a window with none
+    gets 0). One read of the weight, float32 sums."""
+    V = _vocab(weight, weight_layout)
+    w = weight if weight_layout == "vh" else weight.T  # [V, H] (a transposed read inside the reduction)
+    valid = None if bias is None else jnp.isfinite(bias.astype(jnp.float32))
+    n_full, rest = divmod(V, window)
+
+    def sums(lo: int, hi: int, n: int):  # [n, H] column sums and [n] counts of the windows in [lo, hi)
+        blk = lax.slice_in_dim(w, lo, hi, axis=0).astype(jnp.float32).reshape(n, (hi - lo) // n, -1)
+        if valid is None:
+            return jnp.sum(blk, axis=1), jnp.full((n,), (hi - lo) // n, jnp.float32)
+        ok = valid[lo:hi].reshape(n, -1)
+        return jnp.sum(jnp.where(ok[:, :, None], blk, 0.0), axis=1), jnp.sum(ok, axis=1).astype(jnp.float32)
+
+    parts = ([sums(0, n_full * window, n_full)] if n_full else []) + ([sums(n_full * window, V, 1)] if rest else [])
+    total = jnp.concatenate([p[0] for p in parts], axis=0)
+    count = jnp.concatenate([p[1] for p in parts], axis=0)
+    return total / jnp.maximum(count, 1.0)[:, None]
+
+
+def _filter_sizes(Rp: int) -> tuple[int, ...]:
+    """The gradient filter's static row prefixes of a window: ``Rp / 2**k`` for ``k < tuning.GRAD_FILTER_LEVELS``,
+    rounded up to ``tuning.ROW_ALIGN`` rows, ``Rp`` included."""
+    from gmpo_jax.kernels._common import cdiv
+
+    align = tuning.ROW_ALIGN
+    return tuple(sorted({min(Rp, cdiv(cdiv(Rp, 2**k), align) * align) for k in range(tuning.GRAD_FILTER_LEVELS)}))
