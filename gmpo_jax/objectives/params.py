@@ -1,0 +1,97 @@
+"""Hyper-parameters of the objectives: concrete values, the construction checks, the pytree registration.
+
+A numeric hyper-parameter (epsilon, beta, delta, a temperature, a cap) is a pytree leaf: a Python / NumPy
+number or a JAX scalar, possibly traced. Its checks run on concrete values only (a tracer is never
+inspected); the variant choices are static aux data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Union
+
+import jax
+import numpy as np
+
+Scalar = Union[float, jax.Array]
+
+_DERIVED = ("_has_kl",)  # an objective's static attributes set by Objective.__post_init__
+
+
+def _concrete_value(x: Any) -> float | None:
+    """The value of a concrete scalar hyper-parameter (Python / NumPy number, or a JAX scalar that is not
+    being traced); None for tracers and anything else (e.g. the None leaves of a ``jax.tree.map``)."""
+    if isinstance(x, bool) or isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, numbers.Real):
+        return float(x)
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)) and np.shape(x) == ():
+        try:
+            return float(x)
+        except (TypeError, jax.errors.ConcretizationTypeError):
+            return None
+    return None
+
+
+def _check_type(name: str, value: Any) -> None:
+    if isinstance(value, (str, bool)) or (hasattr(value, "shape") and np.shape(value) != ()):
+        raise TypeError(f"{name} must be a real scalar (Python float or a JAX / NumPy scalar), got {name}={value!r}")
+
+
+def _check_nonneg(name: str, value: Any) -> None:
+    _check_type(name, value)
+    v = _concrete_value(value)
+    if v is not None and not v >= 0:
+        raise ValueError(f"{name} must be >= 0, got {name}={value!r}")
+
+
+def _check_pos(name: str, value: Any) -> None:
+    _check_type(name, value)
+    v = _concrete_value(value)
+    if v is not None and not v > 0:
+        raise ValueError(f"{name} must be > 0, got {name}={value!r}")
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+
+
+def _check_token_level(cls_name: str, level: Any) -> None:
+    if level != "token":
+        raise ValueError(
+            f"{cls_name} is defined at token level only (sequence-level importance sampling with "
+            f"{cls_name} is a configuration error), got importance_sampling_level={level!r}"
+        )
+
+
+def _register(cls, data_fields, meta_fields, derived=()):
+    """``cls`` as a frozen dataclass registered as a pytree: ``data_fields`` are leaves, ``meta_fields`` and
+    the ``derived`` attributes (set by ``__post_init__``, e.g. ``_has_kl``) static aux data.
+
+    Unlike ``jax.tree_util.register_dataclass`` (whose unflatten calls ``cls(**fields)``, i.e. reruns
+    ``__post_init__`` on whatever the leaves are: tracers under ``jit``), unflattening restores the derived
+    attributes from the aux data and reruns only the checks (``_check``), so a static decision made from
+    concrete values at construction survives ``jit`` / ``vmap`` / ``shard_map`` / ``jax.tree.map``."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    data_fields, static = tuple(data_fields), tuple(meta_fields) + tuple(derived)
+    init_fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    assert init_fields == set(data_fields) | set(meta_fields), (cls, init_fields)
+
+    def flatten(x):
+        return tuple(getattr(x, n) for n in data_fields), tuple(getattr(x, n) for n in static)
+
+    def flatten_with_keys(x):
+        leaves, aux = flatten(x)
+        return tuple(zip((jax.tree_util.GetAttrKey(n) for n in data_fields), leaves)), aux
+
+    def unflatten(aux, leaves):
+        x = object.__new__(cls)
+        for name, value in (*zip(static, aux), *zip(data_fields, leaves)):
+            object.__setattr__(x, name, value)
+        x._check()
+        return x
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
