@@ -938,7 +938,9 @@ def block_headline(recs: list[dict[str, Any]]) -> str:
     def row(label, shape, B, T, data, ratio_note="", liger=None):
         ours, cce = _get(recs, "mosaic_gpu", shape, B, T, data), _get(recs, "cce_gmpo", shape, B, T, data)
         cells = [_ms_err(ours), _ms_err(_get(recs, "mosaic_gpu", shape, B, T, data, filt)), _ms_err(cce)]
-        rows.append(f"| {label} | " + " | ".join(cells) + f" | {_x(_ratio(ours, cce))}{ratio_note} | {_ms_err(liger)} |")
+        rows.append(
+            f"| {label} | " + " | ".join(cells) + f" | {_x(_ratio(ours, cce))}{ratio_note} | {_ms_err(liger)} |"
+        )
 
     for shape, B, T in FAMILY_CONFIGS:
         ratios = {
