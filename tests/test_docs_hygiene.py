@@ -148,3 +148,13 @@ def test_nnx_example_runs_and_learns():
     new = np.asarray(ns["logprobs"](ns["model"], ns["inputs"], ns["completion_ids"], ns["completion_mask"]))
     shift = ((new - np.asarray(ns["old_logps"])) * mask).sum(1) / mask.sum(1)
     assert np.all(np.sign(shift) == np.sign(adv)), (shift, adv)
+
+
+def test_readme_headline_is_generated_from_the_records():
+    """The README's performance table is what ``python -m benchmarks.report`` makes of the H200 records now."""
+    from benchmarks import report
+
+    recs = report.load(sorted(str(p) for p in (ROOT / "benchmarks" / "results").glob("*.jsonl")))["nvidia-h200"]
+    text = README.read_text(encoding="utf-8")
+    block = text.split("<!-- bench:headline:start -->\n", 1)[1].split("\n<!-- bench:headline:end -->", 1)[0]
+    assert block == report.block_headline(recs)
