@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark in one device call (< 9 minutes):
 #
-#   bash benchmarks/gpu_suite.sh                      # the README's main table (--only realistic)
+#   bash benchmarks/gpu_suite.sh                      # the main table of docs/performance.md (--only realistic)
 #   bash benchmarks/gpu_suite.sh --only kernels,core,peers,logits   # the older full suite (flat data)
 #   bash benchmarks/gpu_suite.sh --only features      # loss features vs the plain path (RESULTS.md)
 #
@@ -10,7 +10,7 @@
 # with its timeout, stops starting jobs after --budget-s (default 480 s), and leaves in $OUT (default
 # /tmp/gmpo_bench):
 #   run.jsonl    this run's records: append them to benchmarks/results/<device>.jsonl, then run
-#                `python -m benchmarks.report` (README + RESULTS.md tables)
+#                `python -m benchmarks.report` (README, docs/performance.md and RESULTS.md tables)
 #   table.txt    the compact table (also printed last)
 #   suite.log    every job's stderr/stdout, for failures
 #   versions.txt nvidia-smi and package versions

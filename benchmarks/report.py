@@ -1,11 +1,13 @@
-"""Turns benchmarks/results/*.jsonl into the README's performance tables, benchmarks/RESULTS.md and plots.
+"""Turns benchmarks/results/*.jsonl into the performance tables of the docs, benchmarks/RESULTS.md and plots.
 
     python -m benchmarks.report                      # all devices found in benchmarks/results/
-    python -m benchmarks.report --results a.jsonl --out /tmp/R.md --plot-dir /tmp --readme /tmp/README.md
+    python -m benchmarks.report --results a.jsonl --out /tmp/R.md --plot-dir /tmp --doc /tmp/performance.md
 
-README.md: every ``<!-- bench:NAME:start -->`` ... ``<!-- bench:NAME:end -->`` block (NAME in ``BLOCKS``:
-lm_head, sparsity, lm_head_flat, logits) is regenerated from the H200 records, with date, device,
-versions, commits and the command that reproduces it.
+Every ``<!-- bench:NAME:start -->`` ... ``<!-- bench:NAME:end -->`` block (NAME in ``BLOCKS``) of the files
+given by ``--doc`` (default: ``DOCS``, README.md and docs/performance.md) is regenerated from the H200 records:
+README.md holds ``headline`` (the workload family's worst member beside the peers, no dates or commits: the
+README has none), docs/performance.md the others (lm_head, sparsity, lm_head_flat, logits), each with date,
+device, versions, commits and the command that reproduces it.
 
 For every (implementation, variant, shape, B, T, mode) the latest record wins. RESULTS.md keeps whatever is
 written outside the ``<!-- BEGIN GENERATED -->`` / ``<!-- END GENERATED -->`` markers (notes, test runs),
@@ -705,9 +707,10 @@ def render(by_dev: dict[str, list[dict[str, Any]]], plot_dir: str, md_dir: str) 
 
 
 # ----------------------------------------------------------------------------------------------------
-# The README's performance tables, between <!-- bench:NAME:start --> / <!-- bench:NAME:end --> markers
+# The docs' performance tables, between <!-- bench:NAME:start --> / <!-- bench:NAME:end --> markers
 
-README = os.path.join(os.path.dirname(HERE), "README.md")
+ROOT = os.path.dirname(HERE)
+DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "performance.md")]
 Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
 HEADS = {Q: "Qwen2.5-0.5B head (896, 151936)", L: "Llama-3-8B head (4096, 128256)", G: "logits [B, T+1, 128256]"}
 COMMANDS = {
@@ -909,7 +912,72 @@ def block_logits(recs: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _ms_err(r: dict[str, Any] | None) -> str:
+    """``ms (hidden / weight gradient error)`` of one record, ``-`` when missing."""
+    if not r:
+        return "-"
+    if device_ms(r) is None:
+        return _cell(r)
+    err = _pct_pair(r)
+    return f"{_ms(device_ms(r))} ms" + (f" ({err})" if err != "-" else "")
+
+
+def block_headline(recs: list[dict[str, Any]]) -> str:
+    """The README's one table: per family shape the member where the exact path is slowest against CCE's
+    default (with the family's range of that ratio), the realistic long-sequence shape, and flat data with
+    every peer. No dates or commits (docs/performance.md has them)."""
+    from benchmarks.run import FAMILY_CONFIGS, FAMILY_DATA, FILTER_ROW, REALISTIC_CONFIGS
+
+    filt = f"grad_filter={FILTER_ROW}"
+    rows = [
+        f"| workload: GMPO loss + hidden and weight gradients, bf16 | gmpo_jax exact (default) "
+        f"| gmpo_jax `grad_filter={FILTER_ROW}` | Cut Cross-Entropy (default) | exact / CCE | Liger fused GRPO |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def row(label, shape, B, T, data, ratio_note="", liger=None):
+        ours, cce = _get(recs, "mosaic_gpu", shape, B, T, data), _get(recs, "cce_gmpo", shape, B, T, data)
+        cells = [_ms_err(ours), _ms_err(_get(recs, "mosaic_gpu", shape, B, T, data, filt)), _ms_err(cce)]
+        rows.append(
+            f"| {label} | " + " | ".join(cells) + f" | {_x(_ratio(ours, cce))}{ratio_note} | {_ms_err(liger)} |"
+        )
+
+    for shape, B, T in FAMILY_CONFIGS:
+        ratios = {
+            d: x
+            for d in FAMILY_DATA
+            if (x := _ratio(_get(recs, "mosaic_gpu", shape, B, T, d), _get(recs, "cce_gmpo", shape, B, T, d)))
+        }
+        if not ratios:
+            rows.append(f"| {HEADS[shape]}, {B} x {T}, workload family | not measured | | | | |")
+            continue
+        worst = max(ratios, key=ratios.__getitem__)
+        errs = [
+            r["grad_rel_err_hidden"]
+            for d in ratios
+            if (r := _get(recs, "cce_gmpo", shape, B, T, d)) and r.get("grad_rel_err_hidden") is not None
+        ]
+        note = f" (family: {min(ratios.values()):.2f}-{max(ratios.values()):.2f}x"
+        note += f"; CCE's hidden gradient up to {100 * max(errs):.2g} % off)" if errs else ")"
+        label = f"{HEADS[shape]}, {B} x {T}: `{worst}`, the worst of {len(ratios)} family members"
+        row(label, shape, B, T, worst, note)
+    for shape, B, T in REALISTIC_CONFIGS:
+        if (shape, B, T) not in FAMILY_CONFIGS:
+            row(f"{HEADS[shape]}, {B} x {T}: `peaked` (GRPO-like)", shape, B, T, "peaked")
+    shape, B, T = REALISTIC_CONFIGS[0]
+    liger = _get(recs, "liger_grpo", shape, B, T, "flat")
+    row(f"{HEADS[shape]}, {B} x {T}: `flat` N(0, 1) data, the only one Liger ran", shape, B, T, "flat", liger=liger)
+    rows += [
+        "",
+        "Median ms on one H200 (in brackets the hidden / weight-gradient relative L2 error against a float32 "
+        "dense oracle on the same inputs). Members: `benchmarks/workloads.py`; every other table, the dates, "
+        "commits and commands: [docs/performance.md](docs/performance.md).",
+    ]
+    return "\n".join(rows)
+
+
 BLOCKS = {
+    "headline": block_headline,
     "lm_head": block_lm_head,
     "sparsity": block_sparsity,
     "lm_head_flat": block_lm_head_flat,
@@ -930,7 +998,8 @@ def update_markers(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
     return text, found
 
 
-def update_readme(path: str, by_dev: dict[str, list[dict[str, Any]]], device: str = "nvidia-h200") -> list[str]:
+def update_doc(path: str, by_dev: dict[str, list[dict[str, Any]]], device: str = "nvidia-h200") -> list[str]:
+    """Regenerates the bench blocks found in the file ``path`` from ``device``'s records; returns their names."""
     recs = by_dev.get(device, [])
     blocks = {name: fn(recs) for name, fn in BLOCKS.items()}
     with open(path, encoding="utf-8") as f:
@@ -939,6 +1008,9 @@ def update_readme(path: str, by_dev: dict[str, list[dict[str, Any]]], device: st
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return found
+
+
+update_readme = update_doc  # the name before the tables moved to docs/performance.md (tests/test_benchmarks.py)
 
 
 TEMPLATE_HEAD = """# Benchmarks
@@ -973,24 +1045,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--plot-dir", default=os.path.join(HERE, "results"))
     p.add_argument(
+        "--doc",
         "--readme",
+        dest="docs",
+        action="append",
         default=None,
-        help="file whose <!-- bench:NAME:start/end --> blocks are "
-        "regenerated (default: the repository's README.md, unless --results is given; '' skips)",
+        help="file whose <!-- bench:NAME:start/end --> blocks are regenerated, repeatable (default: README.md "
+        "and docs/performance.md, unless --results is given; '' skips)",
     )
-    p.add_argument("--device", default="nvidia-h200", help="device slug of the README tables")
+    p.add_argument("--device", default="nvidia-h200", help="device slug of the docs' tables")
     args = p.parse_args(argv)
-    if args.readme is None:  # tables from other records never overwrite the README by accident
-        args.readme = "" if args.results else README
+    if args.docs is None:  # tables from other records never overwrite the docs by accident
+        args.docs = [] if args.results else DOCS
     paths = args.results or sorted(glob.glob(os.path.join(HERE, "results", "*.jsonl")))
     by_dev = load(paths)
     os.makedirs(args.plot_dir, exist_ok=True)
     generated = render(by_dev, args.plot_dir, os.path.dirname(os.path.abspath(args.out)))
     write_markdown(args.out, generated)
     print(f"wrote {args.out} ({len(by_dev)} device(s): {', '.join(by_dev) or 'none'})")
-    if args.readme:
-        found = update_readme(args.readme, by_dev, args.device)
-        print(f"updated {args.readme}: {', '.join(found) or 'no bench markers found'}")
+    for doc in filter(None, args.docs):
+        found = update_doc(doc, by_dev, args.device)
+        print(f"updated {doc}: {', '.join(found) or 'no bench markers found'}")
     return 0
 
 

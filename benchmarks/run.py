@@ -103,7 +103,7 @@ def labelled(opts: dict[str, Any]) -> str:
 # Suites
 
 Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
-# the README's main table: peaked then flat, ours against CCE (default and exact), with gradient accuracy
+# the main table (docs/performance.md): peaked then flat, ours against CCE (default and exact), with gradient accuracy
 REALISTIC_CONFIGS = [(Q, 8, 2048), (L, 4, 2048), (Q, 2, 32768)]
 FILTER_ROW = "0.001"  # the main table's grad_filter column: tuning.GRAD_FILTER_AUTO (a test keeps them equal)
 # masked tokens and zero-advantage sequences against the same batch fully live; B = 20 in groups of 2
@@ -119,9 +119,9 @@ FAMILY_DEFAULTS: dict[str, Any] = dict(
 GPU_LM_CONFIGS = [(Q, 8, 2048), (Q, 16, 4096), (L, 4, 2048), (Q, 2, 32768), (Q, 1, 512)]
 GPU_LOGITS_CONFIGS = [(G, 2, 1024), (G, 16, 1024)]
 SUITE_GROUPS = {
-    "realistic": "README main table: mosaic_gpu and CCE (default, filter_eps=None) on peaked then flat data, "
+    "realistic": "the main table (docs/performance.md): mosaic_gpu and CCE (default, filter_eps=None) on peaked then flat data, "
     "gradient accuracy; then masked / zero-advantage vs fully live (LM head and logits paths)",
-    "filter": "the README main table's grad_filter column: mosaic_gpu with grad_filter=FILTER_ROW on its shapes, "
+    "filter": "the main table's grad_filter column: mosaic_gpu with grad_filter=FILTER_ROW on its shapes, "
     "peaked then flat, gradient accuracy",
     "family": "the workload family (FAMILY_DATA): mosaic_gpu exact and grad_filter=FILTER_ROW, gradient accuracy, "
     "Qwen 8 x 2048 and Llama-3 4 x 2048, GRPO-like (ragged, zero-advantage) and heavy-shared fully live",
@@ -148,7 +148,7 @@ FEATURE_ROWS: list[tuple[str, dict[str, Any]]] = [
 FEATURE_CONFIGS = [(Q, 8, 2048), (L, 4, 2048)]
 # One row bucket (no exact work skipping) on every feature row, the plain one included: eight row buckets
 # compile in 30-40 s per Mosaic job (records of 79fc5bb), which 14 jobs cannot afford in one 9-minute call;
-# one bucket compiles in ~6 s (f4d6cda). The plain path with skipping is the README's main table.
+# one bucket compiles in ~6 s (f4d6cda). The plain path with skipping is the main table's.
 FEATURE_TUNING: dict[str, Any] = {"ROW_BUCKETS": 1}
 # Seconds per job: measured on the H200 on 2026-12-01 (24a9a31, suite.log of two calls) at 41-52 s for the bf16
 # rows (the float32 dense oracle's compile; 30 s timed every one of them out), 20-26 s with the float64 oracle,

@@ -8,7 +8,7 @@
 Pure JAX (+ NumPy for the statistics), so tests, the JAX worker and the PyTorch worker (through
 ``python -m benchmarks.workloads --save``) all see the same arrays.
 
-``flat`` (what every table measured until 2026-12-01)
+``flat`` (what every table measured before the family)
     hidden ~ N(0, 1), weight ~ N(0, 1 / H), uniform ids, full mask, advantages ~ N(0, 1) and
     ``old_logps = logp + 0.2 N(0, 1)``. Its softmax rows are nearly uniform (entropy ~ log V, 11.4 nats
     at V = 151936): no trained model looks like this, and a kernel that skips negligible probability

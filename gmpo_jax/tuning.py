@@ -2,8 +2,8 @@
 
 Each tuned value has one provenance line in the comment above it: device, date, jax version, what was
 compared, where the record is. The measured numbers are in ``docs/performance.md`` (raw records in
-``benchmarks/results/*.jsonl``); the session notes those lines name are in git history (``git show
-97a282a:benchmarks/KERNELS_NOTES.md``, ``git show 97a282a:benchmarks/LOGITS_NOTES.md``). To measure a
+``benchmarks/results/*.jsonl``); the session notes those lines name are in git history (``docs/performance.md``'s introduction says
+where). To measure a
 variant: ``python -m benchmarks.run ... --tuning "NAME=..."`` (``benchmarks/README.md``), one per run.
 
 * XLA LM-head path (``xla_chunked``): chunks are groups of whole sequences; ``rows = chunk_size * T``

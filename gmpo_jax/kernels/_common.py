@@ -242,7 +242,7 @@ def snap_tolerance(lse2):
     that skips the rounding of ``z * scale``): up to about 2.5 ulps of ``lse2``. At ordinary temperatures
     that is a relative error of ~1e-7 in one probability; at tiny temperatures (``|z| / T ~ 1e7``) an
     ulp of ``lse2`` is ~1, so the argmax of a one-hot softmax got ``p = 2**(+-0.5)`` and a gradient of
-    ``~0.4 / T`` instead of 0 (measured on an H200 at ``T = 1e-6``, 2026-11-30). Snapping
+    ``~0.4 / T`` instead of 0 (seen on an H200 at ``T = 1e-6``). Snapping
     ``|z2 - lse2| <= SNAP_RELATIVE |lse2| = 3 * 2**-23 |lse2|`` to 0 restores ``p = 1`` there; the XLA paths get the same by
     setting ``z - ref`` to exactly 0 where ``z == ref`` (``gmpo_jax.lm_head.xla_chunked.shifted``).
 

@@ -61,8 +61,8 @@ class ConfigError(ValueError):
 class TrainConfig:
     """Everything `gmpo-jax train` needs; the field ``foo_bar`` is the option ``--foo-bar``.
 
-    Defaults are the CPU preset, tuned so that ``gmpo-jax train`` with no arguments finishes in about
-    a minute on a 2-core CPU (README, "Quick start") with a clearly rising reward. ``preset_config("gpu")`` is the H200 preset.
+    Defaults are the CPU preset, tuned so that ``gmpo-jax train`` with no arguments finishes in
+    about a minute on a 2-core CPU with a clearly rising reward (docs/performance.md, "The training demo"). ``preset_config("gpu")`` is the H200 preset.
 
     Attributes (grouped):
       Run: ``name`` (``None`` -> ``"<loss_type>-<task><digits>-s<seed>"``), ``output_dir`` (``None`` ->
