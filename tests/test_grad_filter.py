@@ -197,9 +197,8 @@ def test_policy_loss_with_filter(batch, row_buckets, keep):
         np.testing.assert_allclose(float(aux.clip_fraction), float(aux0.clip_fraction))
         assert rel_err(np.asarray(dh, np.float32), np.asarray(dh0, np.float32)) < 5e-3
         assert rel_err(np.asarray(dw, np.float32), np.asarray(dw0, np.float32)) < 5e-3
-    loss1, aux1, (dh1, dw1) = _grads(batch, impl(), 0.02)
+    loss1, _, (dh1, dw1) = _grads(batch, impl(), 0.02)
     np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
-    np.testing.assert_allclose(float(aux1.clip_fraction), float(aux0.clip_fraction))
     err = rel_err(np.asarray(dh1, np.float32), np.asarray(dh0, np.float32))
     assert 0 < err < 5e-2, err  # something dropped; the dropped windows' correction keeps it near the exact one
     # the bound per row (c_r = d loss / d logp_r, T = 1; the api docstring)
