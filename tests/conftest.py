@@ -11,7 +11,9 @@ import tempfile
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # `import spec_numpy` from any test file
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# `import spec_numpy` / `from test_logits_loss import ...` from any test file, whichever layer is collected
+sys.path[:0] = [_HERE] + [os.path.join(_HERE, d) for d in ("unit", "contract", "kernels", "integration")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

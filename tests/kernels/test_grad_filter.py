@@ -304,7 +304,7 @@ def test_gpu_filter_on_the_realistic_workload(H, V, B, T):
     import os
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if root not in sys.path:  # benchmarks/ is not an installed package: import it from the checkout
         sys.path.insert(0, root)
     from benchmarks import workloads
