@@ -17,13 +17,13 @@ run() {  # run NAME PYTEST_ARGS...
   echo "$?" > "$OUT/$name.rc"
 }
 for f in contract kernels logits_loss; do
-  run "$f" "tests/test_$f.py" &
-  run "${f}_x64" --x64 "tests/test_$f.py" &
+  run "$f" tests/*/"test_$f.py" &
+  run "${f}_x64" --x64 tests/*/"test_$f.py" &
 done
 # the loss features' GPU tests (soft cap, entropy term, float32 head, gradient filter), plainly
 FEATURES="softcap entropy_term logits_precision grad_filter"
 for f in $FEATURES; do
-  run "$f" "tests/test_$f.py" &
+  run "$f" tests/*/"test_$f.py" &
 done
 # the float32 head's gradient error, split GEMMs vs one HIGHEST GEMM (a diagnostic, not a test: JSON lines)
 timeout "$LIMIT" python3 -m benchmarks.precision_probe > "$OUT/precision_probe.log" 2>&1 &

@@ -11,7 +11,9 @@ import tempfile
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # `import spec_numpy` from any test file
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# `import spec_numpy` / `from test_logits_loss import ...` from any test file, whichever layer is collected
+sys.path[:0] = [_HERE] + [os.path.join(_HERE, d) for d in ("unit", "contract", "kernels", "integration")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -608,3 +610,27 @@ def compile_counter():
     jax.monitoring.register_event_duration_secs_listener(listener)
     yield events
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def jaxpr_ops(closed, keep):
+    """``(primitive, aval, source)`` of every equation of a closed jaxpr, its sub-jaxprs (scans, conds, pjit,
+    custom-vjp bodies, Pallas kernel bodies) included, with an output ``keep(eqn, aval)`` accepts."""
+    from jax._src import source_info_util
+    from jax.extend import core as jcore
+
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            for v in e.outvars:
+                if keep(e, v.aval):
+                    found.append((e.primitive.name, str(v.aval), source_info_util.summarize(e.source_info)))
+            for p in e.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(sub, jcore.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jcore.Jaxpr):
+                        walk(sub)
+
+    walk(closed.jaxpr)
+    return found

@@ -29,7 +29,7 @@ from conftest import rel_err
 
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/ from the checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # benchmarks/
 from benchmarks import workloads  # noqa: E402
 
 B, T, H, V, WINDOW = 1, 64, 64, 1024, 128  # 64 rows (one row block), 8 one-tile windows

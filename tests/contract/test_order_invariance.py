@@ -44,6 +44,7 @@ from conftest import (
     assert_grad_close,
     assert_loss_close,
     check_against_spec,
+    jaxpr_ops,
     lib_value_and_grad,
     make_case,
     spec_for,
@@ -464,25 +465,7 @@ _WIDE = {np.dtype(t) for t in ("float64", "int64", "uint64", "complex128")}
 
 def _wide_ops(closed):
     """(primitive, aval, source) of every equation of the jaxpr (and sub-jaxprs) with a 64-bit output."""
-    from jax._src import source_info_util
-    from jax.extend import core as jcore
-
-    found = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            for v in e.outvars:
-                if getattr(v.aval, "dtype", None) in _WIDE:
-                    found.append((e.primitive.name, str(v.aval), source_info_util.summarize(e.source_info)))
-            for p in e.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    if isinstance(sub, jcore.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jcore.Jaxpr):
-                        walk(sub)
-
-    walk(closed.jaxpr)
-    return found
+    return jaxpr_ops(closed, lambda e, aval: getattr(aval, "dtype", None) in _WIDE)
 
 
 X64_OBJECTIVES = [

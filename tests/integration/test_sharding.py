@@ -20,7 +20,7 @@ import pytest
 
 import gmpo_jax
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parent.parent
 
 
 def test_sharded_cases_on_8_cpu_devices():

@@ -175,8 +175,9 @@ def _grads(batch, impl, grad_filter):
 @pytest.mark.parametrize("row_buckets, keep", [(1, False), (4, True)])  # each value of both once
 def test_policy_loss_with_filter(batch, row_buckets, keep):
     """Through the fused loss (both chunk paths, with and without kept logits): the loss and metrics are the exact
-    path's; at ``tau = 0`` the gradients are; at ``tau = 0.02`` they differ but stay within the documented bound;
-    reruns are bitwise equal."""
+    path's; at ``tau = 0`` (the kept-logits case; the seam's ``tau = 0`` case covers the other) the gradients are;
+    at ``tau = 0.02`` they differ but stay within the documented bound. (Bitwise reruns: the GPU test below; the
+    interpreter runs one sequential program.)"""
     impl = lambda: MosaicGpuBackend(  # noqa: E731  (4 buckets: windows 1-3 are the tail)
         interpret=True,
         filter_window=WINDOW,
@@ -190,16 +191,14 @@ def test_policy_loss_with_filter(batch, row_buckets, keep):
         impl().keeps_logits(rows=h.shape[0] * h.shape[1], H=H, V=V, weight_dtype=w.dtype, budget_bytes=budget) == keep
     )
     loss0, aux0, (dh0, dw0) = _grads(batch, impl(), None)
-    loss, aux, (dh, dw) = _grads(batch, impl(), 0.0)
-    np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
-    np.testing.assert_allclose(float(aux.clip_fraction), float(aux0.clip_fraction))
-    assert rel_err(np.asarray(dh, np.float32), np.asarray(dh0, np.float32)) < 5e-3
-    assert rel_err(np.asarray(dw, np.float32), np.asarray(dw0, np.float32)) < 5e-3
+    if keep:
+        loss, aux, (dh, dw) = _grads(batch, impl(), 0.0)
+        np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
+        np.testing.assert_allclose(float(aux.clip_fraction), float(aux0.clip_fraction))
+        assert rel_err(np.asarray(dh, np.float32), np.asarray(dh0, np.float32)) < 5e-3
+        assert rel_err(np.asarray(dw, np.float32), np.asarray(dw0, np.float32)) < 5e-3
     loss1, _, (dh1, dw1) = _grads(batch, impl(), 0.02)
-    _, _, (dh2, dw2) = _grads(batch, impl(), 0.02)
     np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(dh1), np.asarray(dh2))  # deterministic
-    np.testing.assert_array_equal(np.asarray(dw1), np.asarray(dw2))
     err = rel_err(np.asarray(dh1, np.float32), np.asarray(dh0, np.float32))
     assert 0 < err < 5e-2, err  # something dropped; the dropped windows' correction keeps it near the exact one
     # the bound per row (c_r = d loss / d logp_r, T = 1; the api docstring)
@@ -305,7 +304,7 @@ def test_gpu_filter_on_the_realistic_workload(H, V, B, T):
     import os
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if root not in sys.path:  # benchmarks/ is not an installed package: import it from the checkout
         sys.path.insert(0, root)
     from benchmarks import workloads

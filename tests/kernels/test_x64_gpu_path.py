@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import source_info_util
-from jax.extend import core as jcore
+from conftest import jaxpr_ops
 
 import gmpo_jax
 from gmpo_jax import kernels as K
@@ -47,26 +46,12 @@ def x64():
 def _float64_ops(closed):
     """``(primitive, aval, source)`` of every equation (sub-jaxprs and kernel bodies included) with a float64
     result, other than a rank-0 conversion."""
-    found = []
 
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            for v in e.outvars:
-                aval = v.aval
-                if getattr(aval, "dtype", None) != F64:
-                    continue
-                if e.primitive.name == "convert_element_type" and aval.ndim == 0:
-                    continue
-                found.append((e.primitive.name, str(aval), source_info_util.summarize(e.source_info)))
-            for p in e.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    if isinstance(sub, jcore.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jcore.Jaxpr):
-                        walk(sub)
+    def keep(e, aval):
+        dtype = getattr(aval, "dtype", None)
+        return dtype == F64 and not (e.primitive.name == "convert_element_type" and aval.ndim == 0)
 
-    walk(closed.jaxpr)
-    return found
+    return jaxpr_ops(closed, keep)
 
 
 def _assert_no_float64(fn, *args, what):

@@ -13,7 +13,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 jupytext = pytest.importorskip("jupytext")
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent.parent / "notebooks"
 IPYNB = NOTEBOOKS / "gmpo_vs_grpo.ipynb"
 TWIN = NOTEBOOKS / "gmpo_vs_grpo.py"
 

@@ -30,7 +30,7 @@ import pytest
 
 from gmpo_jax.train import ConfigError, TrainConfig, cli, loop, parallel
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parent.parent
 sys.path.insert(0, str(HERE))
 import train_mesh_cases  # noqa: E402  (TINY only: importing it runs nothing)
 
