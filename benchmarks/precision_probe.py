@@ -12,7 +12,7 @@ one float32 GEMM at ``Precision.HIGHEST`` of the recombined operands. If the err
     python -m benchmarks.precision_probe --cpu     # a small shape in the Pallas interpreter (a smoke run)
 
 Prints one JSON line per variant: log-prob max error, hidden- and weight-gradient relative L2 error against a
-float64 NumPy oracle (``d(sum logp)``, as ``tests/test_logits_precision.py``'s GPU test).
+float64 NumPy oracle (``d(sum logp)``, as ``tests/kernels/test_logits_precision.py``'s GPU test).
 """
 
 from __future__ import annotations

@@ -1010,7 +1010,9 @@ def update_doc(path: str, by_dev: dict[str, list[dict[str, Any]]], device: str =
     return found
 
 
-update_readme = update_doc  # the name before the tables moved to docs/performance.md (tests/test_benchmarks.py)
+update_readme = (
+    update_doc  # the name before the tables moved to docs/performance.md (tests/integration/test_benchmarks.py)
+)
 
 
 TEMPLATE_HEAD = """# Benchmarks

@@ -82,7 +82,7 @@ CHOICES = {
     "mask": ("full", "ragged"),
     "weight_layout": ("hv", "vh"),
     "objective": ("gmpo", "grpo"),
-    # benchmarks.workloads.DATA (this driver does not import JAX; tests/test_grad_filter_family.py keeps them equal)
+    # benchmarks.workloads.DATA (this driver does not import JAX; tests/kernels/test_grad_filter_family.py keeps them equal)
     "data": tuple(
         ["light", "peaked", "heavy", "heavy-shared", "unsure", "flat"]
         + [f"{m}-live" for m in ("light", "peaked", "heavy", "heavy-shared", "unsure")]

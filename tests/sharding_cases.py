@@ -1,6 +1,6 @@
 """Sharded fused losses on 8 simulated CPU devices: each mesh equals the single-device call.
 
-Run by ``tests/test_sharding.py`` in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+Run by ``tests/integration/test_sharding.py`` in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
 (the flag must be set before jax initialises its CPU backend, and the main test process already has).
 Directly: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests/sharding_cases.py``.
 
@@ -27,7 +27,8 @@ import gmpo_jax
 
 if jax.device_count() < 8:  # collected without the flag: nothing to run here
     pytest.skip(
-        "needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (see tests/test_sharding.py)", allow_module_level=True
+        "needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (see tests/integration/test_sharding.py)",
+        allow_module_level=True,
     )
 
 B, T, H, V_REAL, V = 8, 6, 16, 35, 40

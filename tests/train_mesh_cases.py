@@ -1,6 +1,6 @@
-"""``gmpo-jax train --mesh`` on 8 simulated CPU devices: prints one JSON object for tests/test_train_mesh.py.
+"""``gmpo-jax train --mesh`` on 8 simulated CPU devices: prints one JSON object for tests/integration/test_train_mesh.py.
 
-Run by ``tests/test_train_mesh.py`` in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+Run by ``tests/integration/test_train_mesh.py`` in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
 (the flag must be set before JAX initialises its CPU backend; the pytest process already has one device).
 Directly: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/train_mesh_cases.py OUT_DIR``.
 
@@ -23,7 +23,7 @@ from flax import nnx
 
 from gmpo_jax.train import TrainConfig, loop, parallel
 
-# the tiny configuration of tests/test_train.py (beta > 0 and num_iterations > 1: the sharded fused log-probs,
+# the tiny configuration of tests/integration/test_train.py (beta > 0 and num_iterations > 1: the sharded fused log-probs,
 # old and reference, and the sharded fused loss all run) with a tied head of V = 16 = 8 x M: on model=2 the
 # embedding table and its AdamW moments are stored split along V (the padded V = 15 case is `pad_case`)
 TINY = dict(

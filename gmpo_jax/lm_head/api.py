@@ -126,7 +126,7 @@ def fused_linear_policy_loss(
         A concrete value must be ``>= 1`` (ValueError; any real: a per-process share ``count / processes``
         need not be integral); a traced one cannot be checked and the normaliser is ``max(n, 1)``. The
         other loss types ignore it and warn once per loss type (trainers pass it for every loss type, as
-        the Hugging Face ``Trainer`` does; ``_validation.check_num_items``). README: "`num_items_in_batch` under gradient accumulation".
+        the Hugging Face ``Trainer`` does; ``_validation.check_num_items``). docs/guide.md: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       segment_ids: ``[B, T]`` integer or None: a packed batch, several sequences per row (the layout
         of Tunix and MaxText). Each maximal run of equal positive ids within a row is one sequence; id 0

@@ -114,7 +114,7 @@ def policy_loss_from_logits(
         completion tokens in ONE optimizer step's accumulation window (global over devices), exactly as
         for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details): a concrete value
         must be ``>= 1``, a traced one is used as ``max(n, 1)``; the other loss types ignore it and warn
-        once per loss type. README: "`num_items_in_batch` under gradient accumulation".
+        once per loss type. docs/guide.md: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       segment_ids, top_entropy_quantile: as in :func:`gmpo_jax.fused_linear_policy_loss` (packed rows;
         policy gradient only for the highest-entropy tokens, whose entropies come from one more fused XLA

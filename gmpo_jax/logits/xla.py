@@ -17,7 +17,7 @@ with the target 17 above the rest, placed first; correct when placed last). With
 sequential part has at most 127 additions: the error is ``<= 127 * 2^-24`` of the sum whatever ``V``
 and the order. That was not enough while the sum held the maximum's ``exp(0) = 1``: a tail of mass
 ``1e-3`` rounded to ulps of 1 is hundreds of ulps of the log-sum-exp (issue 31); kept apart from it, the
-tail is accurate relative to itself (tests/test_tiny_tail_lse.py). ``lse="two_pass"`` (max, then sum of exp: two reads) is
+tail is accurate relative to itself (tests/kernels/test_tiny_tail_lse.py). ``lse="two_pass"`` (max, then sum of exp: two reads) is
 kept for comparison (GPU timings: docs/performance.md, "Loss from logits"), but on the
 CPU they materialise a float32 copy of the logits (XLA:CPU does not fuse the upcast into both
 reductions), which the one-read default never does.

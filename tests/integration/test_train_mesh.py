@@ -2,7 +2,7 @@
 
 The mesh runs need ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before JAX initialises its
 CPU backend, which this process has already done with one device, so ``tests/train_mesh_cases.py`` runs
-them in a subprocess (as ``tests/test_sharding.py`` does) and prints JSON; meanwhile this process trains
+them in a subprocess (as ``tests/integration/test_sharding.py`` does) and prints JSON; meanwhile this process trains
 the same configuration on one device, and the test compares the two.
 
 Tolerance. Sharded and single-device runs use the same seed, prompts and sampling keys; JAX's random

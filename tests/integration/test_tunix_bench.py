@@ -2,7 +2,7 @@
 losses, compiled memory), the report, and that the GPU-size configurations trace (no run, no allocation).
 
 Skipped without Tunix (``pip install -e '.[tunix]'``). Tolerance (float32, HIGHEST precision): gradients
-1e-4 relative (global and of each leaf's largest entry), as in ``tests/test_tunix.py``; the loss 1e-6
+1e-4 relative (global and of each leaf's largest entry), as in ``tests/integration/test_tunix.py``; the loss 1e-6
 absolute, because a GRPO loss with group-normalised advantages is a near-cancelling sum of O(1) terms (about
 -6e-3 here), so its relative error is no measure. Tunix's dense log-sum-exp against the chunked online one
 moves results by a few float32 ulps (measured: gradients ~3e-7, loss ~6e-8 absolute).

@@ -21,7 +21,7 @@ import runpy
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 README_MAX_BYTES = 12_800  # 12.5 KB
 

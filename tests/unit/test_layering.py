@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(os.environ.get("GMPO_LAYERING_ROOT", pathlib.Path(__file__).resolve().parents[1])) / "gmpo_jax"
+ROOT = pathlib.Path(os.environ.get("GMPO_LAYERING_ROOT", pathlib.Path(__file__).resolve().parents[2])) / "gmpo_jax"
 LEAVES = ("objectives", "_validation", "_lse", "tuning", "_dispatch", "_device")
 # group -> the groups it must not import
 FORBIDDEN = {
