@@ -64,20 +64,6 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be finite and > 0, got temperature={float(value)!r}")
 
 
-def check_entropy_coef(entropy_coef) -> None:
-    """``entropy_coef``: None, or a real scalar (Python or a scalar array, traced allowed; finite when
-    concrete; either sign: positive rewards entropy)."""
-    if entropy_coef is None:
-        return
-    if isinstance(entropy_coef, (bool, np.bool_, str, bytes)) or not (
-        isinstance(entropy_coef, numbers.Real) or (hasattr(entropy_coef, "dtype") and _shape(entropy_coef) == ())
-    ):
-        raise TypeError(f"entropy_coef must be None or a real scalar, got entropy_coef={entropy_coef!r}")
-    value = _concrete(entropy_coef)
-    if value is not None and not np.isfinite(float(value)):
-        raise ValueError(f"entropy_coef must be finite, got entropy_coef={float(value)!r}")
-
-
 def check_softcap(softcap) -> None:
     """``softcap``: None or a finite Python real ``> 0`` (static: it is compiled into the kernels)."""
     if softcap is None:
@@ -121,14 +107,6 @@ def check_logits_precision(logits_precision) -> None:
         raise ValueError(
             f"logits_precision must be None or one of {tuple(LOGITS_PRECISIONS)}, got logits_precision={logits_precision!r}"
         )
-
-
-def check_top_entropy_quantile(q) -> None:
-    """``top_entropy_quantile``: a Python real in ``(0, 1]`` (static: 1 skips the entropy pass)."""
-    if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):
-        raise TypeError(f"top_entropy_quantile must be a Python float in (0, 1], got top_entropy_quantile={q!r}")
-    if not 0.0 < float(q) <= 1.0:
-        raise ValueError(f"top_entropy_quantile must lie in (0, 1], got top_entropy_quantile={q!r}")
 
 
 def check_chunk_size(chunk_size) -> None:

@@ -1,5 +1,5 @@
-"""The checks of each op's per-token arguments as a whole (:func:`check_token_inputs`,
-:func:`check_policy_inputs`), and the checked arguments normalised into the one
+"""The checks of each op's arguments as a whole (:func:`check_batch` for the :class:`~gmpo_jax.PolicyBatch` both
+take, :func:`check_policy_inputs`, :func:`check_logits_inputs`), and the checked batch normalised into the one
 :class:`~gmpo_jax.objectives.PolicyInputs` pytree the custom VJPs take (:func:`policy_inputs`)."""
 
 from __future__ import annotations
@@ -14,202 +14,145 @@ from gmpo_jax._validation.arguments import (
     _concrete,
     _dtype,
     _shape,
-    check_chunk_size,
-    check_entropy_coef,
     check_ids,
     check_lm_head,
     check_temperature,
     check_vocab_size,
     require_float,
+    require_rank,
     require_shape,
 )
 from gmpo_jax._validation.values import check_ids_in_range, check_mask, check_not_nan_unmasked, check_segment_ids
-from gmpo_jax.objectives import Objective, PolicyInputs, RolloutCorrection
+from gmpo_jax.batch import PolicyBatch, ReferenceHead
+from gmpo_jax.objectives import Objective, PolicyInputs
 
-TOKEN_ARGS = (
-    "completion_ids",
-    "completion_mask",
-    "advantages",
-    "objective",
-    "old_logps",
-    "ref_logps",
-    "rollout_is_ratio",
-    "num_items_in_batch",
-    "temperature",
-    "segment_ids",
-    "rollout_logps",
-    "rollout_is_mode",
-    "rollout_is_cap",
-    "entropy_coef",
-)
-
-
-def token_args(arguments: dict) -> dict:
-    """The per-token arguments both ops share (``TOKEN_ARGS``), picked from a public function's arguments
-    (its ``locals()``): what :func:`check_token_inputs` and
-    :func:`policy_inputs` take."""
-    return {name: arguments[name] for name in TOKEN_ARGS}
-
-
-def rollout_correction(mode, cap) -> RolloutCorrection:
-    """The :class:`~gmpo_jax.objectives.RolloutCorrection` of ``rollout_is_mode`` / ``rollout_is_cap`` (None:
-    ``"token_truncate"`` / 2.0); raises for an unknown mode or a concrete cap ``<= 0``."""
-    return RolloutCorrection("token_truncate" if mode is None else mode, 2.0 if cap is None else cap)
-
-
-def check_token_inputs(
-    *,
-    B: int,
-    T: int,
-    V: int,
-    completion_ids,
-    completion_mask,
-    advantages,
-    objective,
-    old_logps,
-    ref_logps,
-    rollout_is_ratio,
-    num_items_in_batch,
-    temperature,
-    segment_ids=None,
-    rollout_logps=None,
-    rollout_is_mode=None,
-    rollout_is_cap=None,
-    entropy_coef=None,
-) -> None:
-    """The checks both ops share: the objective, the ``[B, T]`` / ``[B]`` per-token inputs, the scalars, and
-    (when concrete) that every unmasked id lies in ``[0, V)``."""
+def check_objective(objective) -> None:
     if not isinstance(objective, Objective):
         raise TypeError(f"objective must be a GMPO, GRPO, CISPO or SAPO instance, got objective={objective!r}")
-    check_ids(completion_ids, B, T)
-    check_mask(completion_mask, B, T)
-    _dtype(advantages, "advantages")
-    if _shape(advantages) not in ((B,), (B, T)):
-        raise ValueError(
-            f"advantages must have shape [B] = {(B,)} or [B, T] = {(B, T)}, got advantages.shape={_shape(advantages)}"
+
+
+def require_batch(batch) -> None:
+    if not isinstance(batch, PolicyBatch):
+        raise TypeError(
+            "batch must be a gmpo_jax.PolicyBatch(completion_ids, completion_mask, advantages, ...), "
+            f"got {type(batch).__name__}: {batch!r:.80}"
         )
-    require_float("advantages", advantages)
-    adv = _concrete(advantages)
-    if adv is not None and not np.all(np.isfinite(adv.astype(np.float64))):
-        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(adv.astype(np.float64)))[0])
+
+
+def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
+    """The checks of a :class:`~gmpo_jax.PolicyBatch` both ops share, every error naming the field
+    (``batch.old_logps``): ``[B, T]`` / ``[B]`` shapes and dtypes, concrete values (finite advantages, a {0, 1}
+    mask, no NaN log-prob at a counted token, ids in ``[0, V)`` where counted), the normaliser override."""
+    require_batch(batch)
+    ids, mask, adv = batch.completion_ids, batch.completion_mask, batch.advantages
+    check_ids(ids, B, T, "batch.completion_ids")
+    check_mask(mask, B, T, "batch.completion_mask")
+    name = "batch.advantages"
+    _dtype(adv, name)
+    if _shape(adv) not in ((B,), (B, T)):
+        raise ValueError(f"{name} must have shape [B] = {(B,)} or [B, T] = {(B, T)}, got {name}.shape={_shape(adv)}")
+    require_float(name, adv)
+    value = _concrete(adv)
+    if value is not None and not np.all(np.isfinite(value.astype(np.float64))):
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(value.astype(np.float64)))[0])
         where = bad[0] if len(bad) == 1 else bad
-        raise ValueError(f"advantages must be finite, got advantages[{where}] = {float(adv[bad])!r}")
-    check_segment_ids(segment_ids, B, T)
-    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        raise ValueError(f"{name} must be finite, got {name}[{where}] = {float(value[bad])!r}")
+    check_segment_ids(batch.segment_ids, B, T, "batch.segment_ids")
+    for field in ("old_logps", "ref_logps", "rollout_logps"):
+        x = getattr(batch, field)
         if x is not None:
-            require_shape(name, x, (B, T), "[B, T]")
-            require_float(name, x)
-            check_not_nan_unmasked(name, x, completion_mask)
-    if rollout_is_ratio is not None:
-        if _shape(rollout_is_ratio) not in ((B, T), (B, 1), (B,)):
+            require_shape(f"batch.{field}", x, (B, T), "[B, T]")
+            require_float(f"batch.{field}", x)
+            check_not_nan_unmasked(f"batch.{field}", x, mask)
+    ris, name = batch.rollout_is_ratio, "batch.rollout_is_ratio"
+    if ris is not None:
+        if _shape(ris) not in ((B, T), (B, 1), (B,)):
             raise ValueError(
-                f"rollout_is_ratio must have shape [B, T], [B, 1] or [B] = {(B, T)}, {(B, 1)} or {(B,)}, "
-                f"got rollout_is_ratio.shape={_shape(rollout_is_ratio)}"
+                f"{name} must have shape [B, T], [B, 1] or [B] = {(B, T)}, {(B, 1)} or {(B,)}, "
+                f"got {name}.shape={_shape(ris)}"
             )
-        require_float("rollout_is_ratio", rollout_is_ratio)
-        ris = _concrete(rollout_is_ratio)
-        if ris is not None and not np.all(np.isfinite(ris.astype(np.float64)) & (ris.astype(np.float64) >= 0)):
-            bad = tuple(int(i) for i in np.argwhere(~(np.isfinite(ris.astype(np.float64)) & (ris >= 0)))[0])
-            raise ValueError(
-                f"rollout_is_ratio must be finite and >= 0 (a weight), got rollout_is_ratio{list(bad)} = "
-                f"{float(ris[bad])!r}"
-            )
-    if rollout_logps is None:
-        if rollout_is_mode is not None or rollout_is_cap is not None:
-            raise ValueError(
-                "rollout_is_mode / rollout_is_cap configure the correction computed from the sampler's log-probs: "
-                "pass rollout_logps too (precomputed weights go in rollout_is_ratio)"
-            )
-    else:
-        require_shape("rollout_logps", rollout_logps, (B, T), "[B, T]")
-        require_float("rollout_logps", rollout_logps)
-        check_not_nan_unmasked("rollout_logps", rollout_logps, completion_mask)
-        rollout_correction(rollout_is_mode, rollout_is_cap)  # checks the mode and the cap
-    check_entropy_coef(entropy_coef)
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, bool) or not (
-            isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
-        ):
-            raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
+        require_float(name, ris)
+        value = _concrete(ris)
+        if value is not None and not np.all(np.isfinite(value.astype(np.float64)) & (value.astype(np.float64) >= 0)):
+            bad = tuple(int(i) for i in np.argwhere(~(np.isfinite(value.astype(np.float64)) & (value >= 0)))[0])
+            raise ValueError(f"{name} must be finite and >= 0 (a weight), got {name}{list(bad)} = {float(value[bad])!r}")
+    n, name = batch.num_items_in_batch, "batch.num_items_in_batch"
+    if n is not None:
+        if isinstance(n, (bool, np.bool_)) or not (isinstance(n, numbers.Real) or _shape(n) == ()):
+            raise ValueError(f"{name} must be a scalar, got {name}={n!r}")
         from gmpo_jax import _validation  # its warn-once state lives on the package
 
-        _validation.check_num_items(num_items_in_batch, objective)
-    check_temperature(temperature)
-    check_ids_in_range(completion_ids, completion_mask, V)
+        _validation.check_num_items(n, objective)
+    check_ids_in_range(ids, mask, V, "batch.completion_ids", "batch.completion_mask")
+
+
+def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str) -> None:
+    """A :class:`~gmpo_jax.ReferenceHead`: its LM head as the policy's (``[B, T, H_ref]`` hidden states, the same
+    ``V`` and layout), no NaN hidden state at a counted token, and not together with ``batch.ref_logps``."""
+    if not isinstance(reference, ReferenceHead):
+        raise TypeError(
+            f"reference must be None or a gmpo_jax.ReferenceHead(hidden, weight, bias=None), got {reference!r:.80}"
+        )
+    if batch.ref_logps is not None:
+        raise ValueError(
+            "give either batch.ref_logps or reference= (a ReferenceHead, from which they are computed), not both"
+        )
+    rB, rT, _, rV = check_lm_head(reference.hidden, reference.weight, reference.bias, weight_layout, prefix="reference.")
+    if (rB, rT) != (B, T):
+        raise ValueError(
+            f"reference.hidden must be [B, T, H_ref] with B, T = {(B, T)}, got reference.hidden.shape="
+            f"{_shape(reference.hidden)}"
+        )
+    if rV != V:
+        raise ValueError(
+            f"reference.weight must have the policy's vocabulary size V={V}, got reference.weight.shape="
+            f"{_shape(reference.weight)}"
+        )
+    check_not_nan_unmasked("reference.hidden", reference.hidden, batch.completion_mask)
 
 
 def check_policy_inputs(
-    *,
-    hidden,
-    weight,
-    completion_ids,
-    completion_mask,
-    advantages,
-    objective,
-    old_logps,
-    ref_logps,
-    ref_hidden,
-    ref_weight,
-    bias,
-    ref_bias,
-    rollout_is_ratio,
-    num_items_in_batch,
-    temperature,
-    weight_layout,
-    chunk_size,
-    vocab_size=None,
-    segment_ids=None,
-    rollout_logps=None,
-    rollout_is_mode=None,
-    rollout_is_cap=None,
-    entropy_coef=None,
+    *, hidden, weight, batch, objective, bias, temperature, reference, weight_layout: str, vocab_size=None
 ) -> tuple[int, int, int, int]:
-    """All checks of ``fused_linear_policy_loss``; returns (B, T, H, V)."""
-    if not isinstance(objective, Objective):
-        raise TypeError(f"objective must be a GMPO, GRPO, CISPO or SAPO instance, got objective={objective!r}")
+    """All argument checks of ``fused_linear_policy_loss`` (and its dense oracle); returns (B, T, H, V)."""
+    check_objective(objective)
     B, T, H, V = check_lm_head(hidden, weight, bias, weight_layout)
     check_vocab_size(vocab_size, V)
-    check_token_inputs(
-        B=B,
-        T=T,
-        V=vocab_size or V,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        advantages=advantages,
-        objective=objective,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        rollout_is_ratio=rollout_is_ratio,
-        num_items_in_batch=num_items_in_batch,
-        temperature=temperature,
-        segment_ids=segment_ids,
-        rollout_logps=rollout_logps,
-        rollout_is_mode=rollout_is_mode,
-        rollout_is_cap=rollout_is_cap,
-        entropy_coef=entropy_coef,
-    )
-    if ref_logps is not None and ref_hidden is not None:
-        raise ValueError("give either ref_logps or ref_hidden (+ ref_weight), not both")
-    if ref_hidden is None and (ref_weight is not None or ref_bias is not None):
-        raise ValueError("ref_weight / ref_bias need ref_hidden (the reference model's hidden states)")
-    if ref_hidden is not None:
-        if ref_weight is None:
-            raise ValueError("ref_hidden needs ref_weight, the reference model's LM head")
-        rB, rT, _, rV = check_lm_head(ref_hidden, ref_weight, ref_bias, weight_layout, prefix="ref_")
-        if (rB, rT) != (B, T):
-            raise ValueError(
-                f"ref_hidden must be [B, T, H_ref] with B, T = {(B, T)}, got ref_hidden.shape={_shape(ref_hidden)}"
-            )
-        if rV != V:
-            raise ValueError(
-                f"ref_weight must have the policy's vocabulary size V={V}, got ref_weight.shape={_shape(ref_weight)}"
-            )
-        check_not_nan_unmasked("ref_hidden", ref_hidden, completion_mask)
-    has_ref = ref_logps is not None or ref_hidden is not None
-    if objective.requires_reference and not has_ref:
-        raise ValueError(reference_error(objective, "ref_logps, or ref_hidden and ref_weight"))
-    check_chunk_size(chunk_size)
+    check_batch(batch, B=B, T=T, V=vocab_size or V, objective=objective)
+    check_temperature(temperature)
+    if reference is not None:
+        check_reference(reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout)
+    if objective.requires_reference and reference is None and batch.ref_logps is None:
+        raise ValueError(reference_error(objective, "batch.ref_logps, or reference=ReferenceHead(hidden, weight)"))
     return B, T, H, V
+
+
+def check_logits_inputs(logits, batch, objective, temperature) -> tuple[int, int, int, int]:
+    """All argument checks of ``policy_loss_from_logits`` (and its dense oracle); returns (B, T, Tl, V) with
+    ``Tl`` = T or T + 1."""
+    check_objective(objective)
+    require_rank("logits", logits, 3, "[B, T + 1, V] or [B, T, V]")
+    require_float("logits", logits)
+    require_batch(batch)
+    ids = batch.completion_ids
+    require_rank("batch.completion_ids", ids, 2, "[B, T]")
+    B, T = _shape(ids)
+    _, Tl, V = _shape(logits)
+    if B < 1 or T < 1 or V < 1:
+        raise ValueError(
+            f"batch.completion_ids [B, T] and logits [B, T(+1), V] must be non-empty, got "
+            f"batch.completion_ids.shape={_shape(ids)}, logits.shape={_shape(logits)}"
+        )
+    if _shape(logits)[0] != B or Tl not in (T, T + 1):
+        raise ValueError(
+            f"logits must have shape [B, T + 1, V] or [B, T, V] with B, T = {(B, T)} (from "
+            f"batch.completion_ids), got logits.shape={_shape(logits)}"
+        )
+    check_batch(batch, B=B, T=T, V=V, objective=objective)
+    check_temperature(temperature)
+    if objective.requires_reference and batch.ref_logps is None:
+        raise ValueError(reference_error(objective, "batch.ref_logps"))
+    return B, T, Tl, V
 
 
 def reference_error(objective, what: str) -> str:
@@ -257,46 +200,32 @@ def _f32(x):
     return None if x is None else jnp.asarray(x).astype(jnp.float32)
 
 
-def policy_inputs(
-    objective,
-    completion_ids,
-    completion_mask,
-    advantages,
-    *,
-    old_logps=None,
-    ref_logps=None,
-    rollout_is_ratio=None,
-    num_items_in_batch=None,
-    temperature=1.0,
-    segment_ids=None,
-    rollout_logps=None,
-    rollout_is_mode=None,
-    rollout_is_cap=None,
-    entropy_coef=None,
-):
-    """The checked per-token arguments as one :class:`~gmpo_jax.objectives.PolicyInputs`: bool mask, int32
-    ids (0 under the mask), float32 advantages / log-probs / ratio / scalars. ``rollout_is_ratio`` ``[B]``
-    becomes ``[B, 1]``. ``segment_ids`` become int32, and their padding (id 0) is masked. With
-    ``rollout_logps``, ``rollout_is_mode`` / ``rollout_is_cap`` become a ``RolloutCorrection``."""
-    mask = as_mask(completion_mask)
+def policy_inputs(batch, objective, temperature) -> PolicyInputs:
+    """The checked :class:`~gmpo_jax.PolicyBatch` as the one :class:`~gmpo_jax.objectives.PolicyInputs` the custom
+    VJPs take (built here only): bool mask, int32 ids (0 under the mask), float32 advantages / log-probs / ratio /
+    scalars. ``rollout_is_ratio`` ``[B]`` becomes ``[B, 1]``. ``segment_ids`` become int32 run labels, and their
+    padding (id 0) is masked. The objective's ``entropy_coef`` joins the data, and, with ``rollout_logps``, its
+    :meth:`~gmpo_jax.objectives.Objective.rollout_correction`."""
+    mask = as_mask(batch.completion_mask)
+    segment_ids = batch.segment_ids
     if segment_ids is not None:
         segment_ids = as_segments(segment_ids)
         mask = mask & (segment_ids > 0)
     ris = None
-    if rollout_is_ratio is not None:
-        ris = _f32(rollout_is_ratio)
+    if batch.rollout_is_ratio is not None:
+        ris = _f32(batch.rollout_is_ratio)
         ris = ris[:, None] if ris.ndim == 1 else ris
     return PolicyInputs(
         mask=mask,
-        advantages=_f32(advantages),
-        old_logps=_f32(old_logps),
-        ref_logps=_f32(ref_logps),
+        advantages=_f32(batch.advantages),
+        old_logps=_f32(batch.old_logps),
+        ref_logps=_f32(batch.ref_logps),
         rollout_is_ratio=ris,
-        ids=jnp.where(mask, as_ids(completion_ids), 0),
-        num_items=_f32(num_items_in_batch),
+        ids=jnp.where(mask, as_ids(batch.completion_ids), 0),
+        num_items=_f32(batch.num_items_in_batch),
         temperature=jnp.asarray(temperature, jnp.float32),
         segment_ids=segment_ids,
-        rollout_logps=_f32(rollout_logps),
-        rollout_correction=None if rollout_logps is None else rollout_correction(rollout_is_mode, rollout_is_cap),
-        entropy_coef=_f32(entropy_coef),
+        rollout_logps=_f32(batch.rollout_logps),
+        rollout_correction=None if batch.rollout_logps is None else objective.rollout_correction(),
+        entropy_coef=_f32(objective.entropy_coef),
     )

@@ -12,7 +12,9 @@ from gmpo_jax._validation.arguments import _concrete, _dtype, require_shape
 __all__ = ["check_ids_in_range", "check_not_nan_unmasked", "check_mask", "check_segment_ids"]
 
 
-def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids") -> None:
+def check_ids_in_range(
+    ids, mask, V: int, name: str = "completion_ids", mask_name: str = "completion_mask"
+) -> None:
     """Every id the mask counts (all of them without a mask) lies in ``[0, V)``, when the ids and the mask
     are concrete. Traced (under jit) they cannot be checked: such an id gives a NaN log-prob (documented)."""
     ids_v = _concrete(ids)
@@ -29,13 +31,13 @@ def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids") -> None:
     if bad.any():
         pos = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(
-            f"{name} must lie in [0, {V}) wherever completion_mask is 1 (masked positions may hold any "
+            f"{name} must lie in [0, {V}) wherever {mask_name} is 1 (masked positions may hold any "
             f"id, e.g. -100), got {name}[{', '.join(map(str, pos))}] = {int(ids_v[pos])} "
             f"({int(bad.sum())} such position(s))"
         )
 
 
-def check_not_nan_unmasked(name: str, x, mask) -> None:
+def check_not_nan_unmasked(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:
     """``x`` (``[B, T]``, or ``[B, T, ...]`` such as hidden states) holds no NaN at a token the mask counts,
     when both are concrete; the error names the first such position ``(b, t)``. Masked positions may hold
     NaN (nothing reads them). Traced, it cannot be checked: a NaN there makes the loss NaN."""
@@ -48,38 +50,38 @@ def check_not_nan_unmasked(name: str, x, mask) -> None:
         b, t = (int(i) for i in np.argwhere(nan)[0])
         where = f"{name}[{b}, {t}]" if xv.ndim == 2 else f"{name}[{b}, {t}, :]"
         raise ValueError(
-            f"{name} must not be NaN at an unmasked token (completion_mask 1), got NaN in {where} "
+            f"{name} must not be NaN at an unmasked token ({mask_name} 1), got NaN in {where} "
             f"({int(nan.sum())} such token(s))"
         )
 
 
-def check_mask(mask, B: int, T: int) -> None:
-    require_shape("completion_mask", mask, (B, T), "[B, T]")
-    dt = _dtype(mask, "completion_mask")
+def check_mask(mask, B: int, T: int, name: str = "completion_mask") -> None:
+    require_shape(name, mask, (B, T), "[B, T]")
+    dt = _dtype(mask, name)
     if not (dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)):
-        raise TypeError(f"completion_mask must be bool or {{0, 1}} numbers, got completion_mask.dtype={dt}")
+        raise TypeError(f"{name} must be bool or {{0, 1}} numbers, got {name}.dtype={dt}")
     if dt != jnp.bool_:
         # a weighted mask (e.g. 0.5) would silently count as 1; a traced mask cannot be checked (documented)
         value = _concrete(mask)
         if value is not None and not np.all((value == 0) | (value == 1)):
             bad = value[(value != 0) & (value != 1)].ravel()[:3].tolist()
             raise ValueError(
-                f"completion_mask must hold only 0 and 1 (it selects tokens, it does not weight "
+                f"{name} must hold only 0 and 1 (it selects tokens, it does not weight "
                 f"them), got values such as {bad}"
             )
 
 
-def check_segment_ids(segment_ids, B: int, T: int) -> None:
+def check_segment_ids(segment_ids, B: int, T: int, name: str = "segment_ids") -> None:
     """``segment_ids``: None, or a ``[B, T]`` integer array of non-negative ids (checked when concrete)."""
     if segment_ids is None:
         return
-    require_shape("segment_ids", segment_ids, (B, T), "[B, T]")
-    dt = _dtype(segment_ids, "segment_ids")
+    require_shape(name, segment_ids, (B, T), "[B, T]")
+    dt = _dtype(segment_ids, name)
     if not (jnp.issubdtype(dt, jnp.integer) and not jnp.issubdtype(dt, jnp.bool_)):
-        raise TypeError(f"segment_ids must be an integer array, got dtype {dt}")
+        raise TypeError(f"{name} must be an integer array, got {name}.dtype={dt}")
     seg = _concrete(segment_ids)
     if seg is not None and seg.size and seg.min() < 0:
         bad = tuple(int(i) for i in np.argwhere(seg < 0)[0])
         raise ValueError(
-            f"segment_ids must be >= 0 (0 marks padding), got segment_ids[{bad[0]}, {bad[1]}] = {int(seg[bad])}"
+            f"{name} must be >= 0 (0 marks padding), got {name}[{bad[0]}, {bad[1]}] = {int(seg[bad])}"
         )

@@ -19,6 +19,8 @@ from gmpo_jax._validation import LOGITS_PRECISIONS  # logits_precision -> split 
 
 __all__ = [
     "LMHeadBackend",
+    "HeadSettings",
+    "WithHeadSettings",
     "Capabilities",
     "capabilities",
     "Forward",
@@ -34,6 +36,43 @@ __all__ = [
 ]
 
 
+class HeadSettings(NamedTuple):
+    """The call's settings a backend computes with, from :class:`~gmpo_jax.HeadOptions` (their one home): set by
+    the op on a copy of the backend (``lm_head.config.resolve_config``), never by the user.
+
+    Attributes:
+      softcap: None or Gemma's final-logit cap ``c > 0``: ``z = c tanh((h W + b) / c) / T`` (static).
+      logits_precision: None, ``"float32"`` or ``"bf16x3"`` (``LOGITS_PRECISIONS``).
+      grad_filter: None (the exact gradient) or the gradient filter's threshold in ``[0, 1)`` (``"auto"``
+        resolved).
+    """
+
+    softcap: float | None = None
+    logits_precision: str | None = None
+    grad_filter: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WithHeadSettings:
+    """Base of the backend dataclasses that take :class:`HeadSettings`: a private, keyword-only field read through
+    the properties ``softcap``, ``logits_precision`` and ``grad_filter`` (what the backend declares in its
+    :class:`Capabilities`)."""
+
+    _settings: HeadSettings = dataclasses.field(default=HeadSettings(), kw_only=True)
+
+    @property
+    def softcap(self) -> float | None:
+        return self._settings.softcap
+
+    @property
+    def logits_precision(self) -> str | None:
+        return self._settings.logits_precision
+
+    @property
+    def grad_filter(self) -> float | None:
+        return self._settings.grad_filter
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a backend offers beyond the required seam, declared as its class attribute ``capabilities``
@@ -42,11 +81,11 @@ class Capabilities:
     Attributes:
       keeps_logits: it has ``logprobs_for_grads`` (and its ``keeps_logits`` hint), and its ``grads`` takes
         ``saved=``: a single chunk may keep what the gradient pass reuses.
-      grad_filter: it has a ``grad_filter`` field; when that is set, its ``logprobs`` / ``logprobs_for_grads``
-        take ``with_window_mass=True`` and its ``grads`` takes ``window_mass=``.
+      grad_filter: it runs the gradient filter (:class:`HeadSettings`); when its ``grad_filter`` is set, its
+        ``logprobs`` / ``logprobs_for_grads`` take ``with_window_mass=True`` and its ``grads`` takes ``window_mass=``.
       cancel_rounding: it has a ``cancel_rounding`` field (switched off per vocabulary shard).
-      softcap: it has a ``softcap`` field, which a call's ``softcap`` sets.
-      logits_precision: it has a ``logits_precision`` field, which a call's ``logits_precision`` sets.
+      softcap: it computes ``HeadSettings.softcap`` (a :class:`WithHeadSettings`).
+      logits_precision: it computes ``HeadSettings.logits_precision`` (a :class:`WithHeadSettings`).
     """
 
     keeps_logits: bool = False
@@ -66,7 +105,7 @@ _NONE = Capabilities()
 
 def logits_precision_of(backend, requested=None):
     """The precision a backend call runs at: ``requested`` (``check_supported``'s keyword) or the backend's own
-    ``logits_precision`` field; raises ``UnsupportedConfigError`` for a value not in ``LOGITS_PRECISIONS``."""
+    ``logits_precision`` setting; raises ``UnsupportedConfigError`` for a value not in ``LOGITS_PRECISIONS``."""
     from gmpo_jax._dispatch import UnsupportedConfigError
 
     precision = requested or (backend.logits_precision if capabilities(backend).logits_precision else None)

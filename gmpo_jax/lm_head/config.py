@@ -1,6 +1,7 @@
-"""The static configuration of one LM-head call: the mesh plan, the backend resolved for one device's rows and
-vocabulary shard with the call's head options set on it (``softcap``, ``logits_precision``, ``grad_filter``, per
-its declared :class:`~gmpo_jax.lm_head.backend.Capabilities`), and the primals placed on the plan's layout."""
+"""The static configuration of one LM-head call: the mesh plan (from :class:`~gmpo_jax.MeshAxes`), the backend
+resolved for one device's rows and vocabulary shard with the :class:`~gmpo_jax.HeadOptions` it computes with set on
+it (``softcap``, ``logits_precision``, ``grad_filter``, per its declared
+:class:`~gmpo_jax.lm_head.backend.Capabilities`), and the primals placed on the plan's layout."""
 
 from __future__ import annotations
 
@@ -10,67 +11,56 @@ from jax.sharding import PartitionSpec as P
 
 from gmpo_jax import tuning
 from gmpo_jax._dispatch import UnsupportedConfigError
+from gmpo_jax._validation import grad_filter_threshold
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding
 from gmpo_jax.lm_head.chunks import Head, LMHeadConfig
 from gmpo_jax.objectives import PolicyInputs
+from gmpo_jax.options import HeadOptions, MeshAxes
 
-__all__ = ["resolve_config", "make_plan", "placed", "plan_kwargs"]
+__all__ = ["resolve_config", "make_plan", "placed"]
 
 
-def resolve_config(
-    hidden,
-    weight,
-    bias,
-    T: int,
-    V: int,
-    plan,
-    *,
-    chunk_size,
-    weight_layout: str,
-    implementation,
-    with_entropy: bool = False,
-    softcap: float | None = None,
-    logits_precision: str | None = None,
-    grad_filter: float | None = None,
-) -> LMHeadConfig:
-    """The static configuration: the backend resolved for one device's rows and vocabulary shard (with the
-    soft cap and the logits precision set on it, and the gradient filter's threshold where the backend has
-    one: a backend without it, and a vocabulary-parallel plan, compute the exact gradient)."""
+def resolve_config(hidden, weight, bias, T: int, V: int, plan, head: HeadOptions, *, with_entropy: bool = False):
+    """The static configuration: the backend resolved for one device's rows and vocabulary shard, with the call's
+    :class:`~gmpo_jax.lm_head.backend.HeadSettings` set on it (a backend that does not declare a setting it is
+    given raises ``UnsupportedConfigError``; the gradient filter is dropped where it would not be exact-safe: a
+    backend without it, a vocabulary-parallel plan, a soft cap)."""
     B, H = hidden.shape[0], hidden.shape[2]
     if plan is not None:
         B, V_local = B // plan.data_shards, V // plan.vocab_shards
     else:
         V_local = V
-    chunk = min(chunk_size or tuning.default_chunk_size(B, T), B)
+    chunk = min(head.chunk_size or tuning.default_chunk_size(B, T), B)
     backend = backend_lib.resolve(
-        implementation,
+        head.implementation,
         hidden_dtype=hidden.dtype,
         weight_dtype=weight.dtype,
         H=H,
         V=V_local,
         rows=chunk * T,
-        weight_layout=weight_layout,
+        weight_layout=head.weight_layout,
         has_bias=bias is not None,
         **({"with_entropy": True} if with_entropy else {}),
-        **({"logits_precision": logits_precision} if logits_precision is not None else {}),
+        **({"logits_precision": head.logits_precision} if head.logits_precision is not None else {}),
     )
     caps = backend_lib.capabilities(backend)
-    for field, value, what, declared in (
-        ("softcap", None if softcap is None else float(softcap), "softcap (Gemma's logit cap)", caps.softcap),
-        ("logits_precision", logits_precision, "logits_precision", caps.logits_precision),
+    for value, what, declared in (
+        (head.softcap, "softcap (Gemma's logit cap)", caps.softcap),
+        (head.logits_precision, "logits_precision", caps.logits_precision),
     ):
-        if value is None:
-            continue
-        if not declared:
+        if value is not None and not declared:
             raise UnsupportedConfigError(f"the LM-head backend {backend.name!r} has no {what}")
-        backend = dataclasses.replace(backend, **{field: value})
-    if grad_filter is not None and caps.grad_filter and (plan is None or plan.vocab_axis is None):
-        backend = dataclasses.replace(backend, grad_filter=grad_filter)
+    tau = grad_filter_threshold(head.grad_filter)
+    if not caps.grad_filter or (plan is not None and plan.vocab_axis is not None) or head.softcap is not None:
+        tau = None  # the exact gradient (the dropped windows' correction has no (1 - tanh^2) factor of a cap)
+    settings = backend_lib.HeadSettings(softcap=head.softcap, logits_precision=head.logits_precision, grad_filter=tau)
+    if settings != backend_lib.HeadSettings():
+        backend = dataclasses.replace(backend, _settings=settings)
     return LMHeadConfig(
         backend=sharding.local_backend(backend, plan, V),
         chunk_size=chunk,
-        weight_layout=weight_layout,
+        weight_layout=head.weight_layout,
         weight_dtype=weight.dtype,
         bias_dtype=None if bias is None else bias.dtype,
         with_entropy=with_entropy,
@@ -79,7 +69,8 @@ def resolve_config(
     )
 
 
-def make_plan(hidden, weight, mesh, data_axis, vocab_axis, B, V, weight_layout):
+def make_plan(hidden, weight, axes: MeshAxes, B: int, V: int, weight_layout: str):
+    mesh, data_axis, vocab_axis = axes.mesh, axes.data_axis, axes.vocab_axis
     if mesh is None and data_axis is None and vocab_axis is None:
         inferred = sharding.infer_axes(hidden, weight, weight_layout)  # Explicit mesh axes only
         if inferred is not None:
@@ -92,9 +83,3 @@ def placed(plan, head: Head, inputs: PolicyInputs) -> tuple[Head, PolicyInputs]:
     if plan is None:
         return head, inputs
     return plan.place_all((head, inputs), (Head(*plan.head), inputs.specs(plan.batch, P())))
-
-
-def plan_kwargs(plan) -> dict:
-    if plan is None:
-        return {}
-    return dict(mesh=plan.mesh, data_axis=plan.data_axis, vocab_axis=plan.vocab_axis)

@@ -31,7 +31,7 @@ from jax import lax
 from gmpo_jax import _lse, tuning
 from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax._lse import shifted  # re-exported: the logits path's name for it
-from gmpo_jax.lm_head.backend import Capabilities, cancel_rounding, logits_precision_of, stored_rowsum
+from gmpo_jax.lm_head.backend import Capabilities, WithHeadSettings, cancel_rounding, logits_precision_of, stored_rowsum
 
 __all__ = ["XlaChunkedBackend", "shifted"]
 
@@ -87,15 +87,15 @@ def _vocab_block(j, hidden, weight, bias, temperature, *, size, V, layout, preci
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaChunkedBackend:
+class XlaChunkedBackend(WithHeadSettings):
     """Portable backend; ``vocab_block=None`` takes the tuning table's value for the call's shape;
-    ``row_buckets`` (None: ``tuning.row_buckets``) sets exact work skipping (``gmpo_jax.lm_head.rows``)."""
+    ``row_buckets`` (None: ``tuning.row_buckets``) sets exact work skipping (``gmpo_jax.lm_head.rows``). The call's
+    ``softcap`` and ``logits_precision`` (``"float32"`` / ``"bf16x3"``: float32 dz and ``Precision.HIGHEST`` GEMMs)
+    come from ``HeadOptions`` (:class:`~gmpo_jax.lm_head.backend.HeadSettings`)."""
 
     vocab_block: int | None = None
     row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
-    softcap: float | None = None  # Gemma's final-logit cap: z = cap tanh((h W + b) / cap) / T (static)
-    logits_precision: str | None = None  # "float32" / "bf16x3": float32 dz and Precision.HIGHEST GEMMs
     name: str = "xla_chunked"
     capabilities: ClassVar[Capabilities] = Capabilities(cancel_rounding=True, softcap=True, logits_precision=True)
 

@@ -1,27 +1,69 @@
-"""The interface every objective shares (:class:`Objective`): numerator, denominator, KL term, entropy weights."""
+"""The interface every objective shares (:class:`Objective`): numerator, denominator, KL term, entropy weights,
+and the loss-shaping fields every objective takes."""
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gmpo_jax.objectives.inputs import PolicyInputs
 from gmpo_jax.objectives.metrics import MetricSums
-from gmpo_jax.objectives.params import _concrete_value
+from gmpo_jax.objectives.params import Scalar, _check_optional_real, _check_pos, _concrete_value, shared_field
 from gmpo_jax.objectives.ratios import _k3_kl
+from gmpo_jax.objectives.rollout import ROLLOUT_IS_MODES, RolloutCorrection
 from gmpo_jax.objectives.sequences import _aggregation_weights, _denominator
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
 class Objective:
-    """Interface shared by every objective (see the package docstring).
+    r"""Interface shared by every objective (see the package docstring), and the loss shaping they all take.
 
     A subclass provides :meth:`chunk_numerator` and ``loss_type`` (the name of its aggregation, SPEC.md
     "Reductions"); the denominator, the entropy weights and the KL term follow from them.
+
+    Every objective (``GMPO``, ``GRPO``, ``CISPO``, ``SAPO``) also takes these keyword-only fields (TRL's
+    ``GRPOConfig`` names), checked at construction:
+
+    Attributes:
+      entropy_coef: None (default: no term), or a real scalar ``c`` (float or traced; a pytree leaf): the loss
+        gains the entropy term ``-c * agg(H)``, ``H`` the per-token entropy of ``softmax(z / temperature)``
+        aggregated as the objective aggregates its KL term (per-sequence mean for gmpo / grpo / sapo, token
+        sum over the loss's normaliser for bnpo / dapo / dr_grpo / cispo; SPEC.md "Entropy term"), with its
+        exact gradient :math:`\partial H / \partial z = -p (\log p + H) / \tau`. ``c > 0`` rewards entropy
+        (verl's ``entropy_coeff``). Whether the term exists is static (None or not).
+      top_entropy_quantile: Python float in ``(0, 1]`` (static; default 1: every token). Below 1 only the tokens
+        whose entropy is at or above the ``1 - top_entropy_quantile`` quantile of the unmasked tokens'
+        entropies (over the global batch) receive policy gradient ("Beyond the 80/20 rule", arXiv
+        2506.01939): the token-level objectives multiply the others' policy term by 0 (their tokens still
+        count in the normalisers, as in TRL), GMPO keeps them in the geometric mean without gradient. The KL
+        term is not selected; ``aux.entropy_threshold`` is the quantile.
+      rollout_is_mode: the trainer-vs-sampler mismatch correction computed from ``batch.rollout_logps``:
+        ``"token_truncate"`` (None: this default), ``"token_mask"``, ``"sequence_truncate"`` or
+        ``"sequence_mask"`` (static; TRL's ``vllm_importance_sampling_mode``; each formula, GMPO's included:
+        :class:`~gmpo_jax.objectives.RolloutCorrection`).
+      rollout_is_cap: ``> 0`` truncation / masking threshold of that weight (float or traced; None: 2.0). A
+        traced cap ``<= 0`` cannot raise: it makes the loss NaN.
+
+    ``rollout_is_mode`` and ``rollout_is_cap`` take effect only in a call whose batch has ``rollout_logps``
+    (an objective configured once serves batches with and without them).
+
+    Raises:
+      TypeError: an ``entropy_coef`` that is not a real scalar; a ``top_entropy_quantile`` that is not a
+        Python real.
+      ValueError: a concrete non-finite ``entropy_coef``; ``top_entropy_quantile`` outside ``(0, 1]``; an
+        unknown ``rollout_is_mode``; a concrete ``rollout_is_cap <= 0``.
     """
 
     name: ClassVar[str]
+    entropy_coef: Scalar | None = shared_field(None, static=False)
+    top_entropy_quantile: float = shared_field(1.0, static=True)
+    rollout_is_mode: str | None = shared_field(None, static=True)
+    rollout_is_cap: Scalar | None = shared_field(None, static=False)
 
     # --- to be provided by subclasses -------------------------------------------------------
     def chunk_numerator(self, logp: jax.Array, data: PolicyInputs) -> tuple[jax.Array, MetricSums]:
@@ -73,7 +115,14 @@ class Objective:
         of whole sequences (the denominator is the global one)."""
         return _aggregation_weights(self.loss_type, mask.astype(jnp.float32), mask, segment_ids)
 
+    def __repr__(self) -> str:
+        """The fields in the constructor's order; the loss-shaping ones only where they are set."""
+        fields = [f for f in dataclasses.fields(self) if f.repr and not f.kw_only]
+        fields += [f for f in dataclasses.fields(self) if f.kw_only and getattr(self, f.name) != f.default]
+        return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
+
     def __post_init__(self):
+        self._check_shaping(strict=True)
         self._check()
         # Static (pytree aux data): fixed here from the beta given at construction, restored as it is when
         # JAX rebuilds the objective from its leaves (params._register), never re-derived from a tracer.
@@ -81,6 +130,33 @@ class Objective:
 
     def _check(self) -> None:
         """The hyper-parameter checks (concrete values only); rerun whenever JAX rebuilds the objective."""
+
+    def _check_shaping(self, *, strict: bool) -> None:
+        """The checks of the loss-shaping fields; ``strict`` at construction (see ``params._check_optional_real``)."""
+        _check_optional_real("entropy_coef", self.entropy_coef, strict=strict)
+        q = self.top_entropy_quantile
+        if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):
+            raise TypeError(f"top_entropy_quantile must be a Python float in (0, 1], got top_entropy_quantile={q!r}")
+        if not 0.0 < float(q) <= 1.0:
+            raise ValueError(f"top_entropy_quantile must lie in (0, 1], got top_entropy_quantile={q!r}")
+        object.__setattr__(self, "top_entropy_quantile", float(q))  # static: a plain, hashable float
+        if self.rollout_is_mode is not None and self.rollout_is_mode not in ROLLOUT_IS_MODES:
+            raise ValueError(
+                f"rollout_is_mode must be None or one of {ROLLOUT_IS_MODES}, got rollout_is_mode={self.rollout_is_mode!r}"
+            )
+        if self.rollout_is_cap is not None:
+            _check_pos("rollout_is_cap", self.rollout_is_cap)
+
+    def _recheck(self) -> None:
+        """The checks rerun when JAX rebuilds the objective from its leaves (``params._register``)."""
+        self._check_shaping(strict=False)
+        self._check()
+
+    def rollout_correction(self) -> RolloutCorrection:
+        """The :class:`~gmpo_jax.objectives.RolloutCorrection` of ``rollout_is_mode`` / ``rollout_is_cap``
+        (None: ``"token_truncate"`` / 2.0), for a batch with ``rollout_logps``."""
+        mode = "token_truncate" if self.rollout_is_mode is None else self.rollout_is_mode
+        return RolloutCorrection(mode, 2.0 if self.rollout_is_cap is None else self.rollout_is_cap)
 
     @property
     def has_kl(self) -> bool:

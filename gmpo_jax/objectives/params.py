@@ -35,7 +35,7 @@ def _concrete_value(x: Any) -> float | None:
 
 
 def _check_type(name: str, value: Any) -> None:
-    if isinstance(value, (str, bool)) or (hasattr(value, "shape") and np.shape(value) != ()):
+    if isinstance(value, (str, bytes, bool, np.bool_)) or (hasattr(value, "shape") and np.shape(value) != ()):
         raise TypeError(f"{name} must be a real scalar (Python float or a JAX / NumPy scalar), got {name}={value!r}")
 
 
@@ -53,6 +53,20 @@ def _check_pos(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be > 0, got {name}={value!r}")
 
 
+def _check_optional_real(name: str, value: Any, *, strict: bool) -> None:
+    """None, or a real scalar (Python / NumPy number or a scalar array, traced allowed), finite when concrete.
+    ``strict`` (at construction) also rejects what is neither a number nor an array; JAX rebuilding the
+    objective may pass placeholders (``object()``) that only the lenient check lets through."""
+    if value is None:
+        return
+    _check_type(name, value)
+    if strict and not (isinstance(value, numbers.Real) or hasattr(value, "dtype")):
+        raise TypeError(f"{name} must be None or a real scalar, got {name}={value!r}")
+    v = _concrete_value(value)
+    if v is not None and not np.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {name}={v!r}")
+
+
 def _check_flag(name: str, value: Any) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {name}={value!r}")
@@ -66,16 +80,27 @@ def _check_token_level(cls_name: str, level: Any) -> None:
         )
 
 
+def shared_field(default: Any, *, static: bool) -> Any:
+    """A keyword-only dataclass field that every subclass of a base declares once (the objectives' loss shaping,
+    ``Objective``): :func:`_register` adds it to the leaves (``static=False``) or to the aux data."""
+    return dataclasses.field(default=default, kw_only=True, metadata={"pytree": "static" if static else "data"})
+
+
 def _register(cls, data_fields, meta_fields, derived=()):
     """``cls`` as a frozen dataclass registered as a pytree: ``data_fields`` are leaves, ``meta_fields`` and
-    the ``derived`` attributes (set by ``__post_init__``, e.g. ``_has_kl``) static aux data.
+    the ``derived`` attributes (set by ``__post_init__``, e.g. ``_has_kl``) static aux data; the fields of a
+    base class declared with :func:`shared_field` join the one or the other.
 
     Unlike ``jax.tree_util.register_dataclass`` (whose unflatten calls ``cls(**fields)``, i.e. reruns
     ``__post_init__`` on whatever the leaves are: tracers under ``jit``), unflattening restores the derived
     attributes from the aux data and reruns only the checks (``_check``), so a static decision made from
     concrete values at construction survives ``jit`` / ``vmap`` / ``shard_map`` / ``jax.tree.map``."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    data_fields, static = tuple(data_fields), tuple(meta_fields) + tuple(derived)
+    own_repr = any("__repr__" in c.__dict__ for c in cls.__mro__[:-1])  # e.g. Objective's
+    cls = dataclasses.dataclass(frozen=True, repr=not own_repr)(cls)
+    shared = {f.name: f.metadata["pytree"] for f in dataclasses.fields(cls) if "pytree" in f.metadata}
+    data_fields = tuple(data_fields) + tuple(n for n, kind in shared.items() if kind == "data")
+    meta_fields = tuple(meta_fields) + tuple(n for n, kind in shared.items() if kind == "static")
+    static = meta_fields + tuple(derived)
     init_fields = {f.name for f in dataclasses.fields(cls) if f.init}
     assert init_fields == set(data_fields) | set(meta_fields), (cls, init_fields)
 
@@ -90,7 +115,7 @@ def _register(cls, data_fields, meta_fields, derived=()):
         x = object.__new__(cls)
         for name, value in (*zip(static, aux), *zip(data_fields, leaves)):
             object.__setattr__(x, name, value)
-        x._check()
+        getattr(x, "_recheck", x._check)()
         return x
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.lm_head.backend import Capabilities, cancel_rounding, logits_precision_of
+from gmpo_jax.lm_head.backend import Capabilities, WithHeadSettings, cancel_rounding, logits_precision_of
 from gmpo_jax.lm_head.mosaic_gpu import grad_filter as filter_lib
 from gmpo_jax.lm_head.mosaic_gpu import kept_logits
 from gmpo_jax.lm_head.mosaic_gpu.grad_pass import _GradPass
@@ -40,7 +40,7 @@ def _supported_on(device) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuBackend:
+class MosaicGpuBackend(WithHeadSettings):
     """Pallas Mosaic GPU kernels; ``interpret=True`` runs them in the interpreter (CPU tests).
 
     workspace_bytes bounds the temporaries of one vocabulary window of the gradient pass: the 16-bit
@@ -50,19 +50,18 @@ class MosaicGpuBackend:
     save_logits: let ``logprobs_for_grads`` keep the logits (all, or the leading vocabulary tiles that fit
     its budget) for the gradient pass (False: always recompute them), for hidden sizes
     ``H >= save_min_hidden`` (``tuning.SAVED_LOGITS_MIN_H``; docs/DESIGN.md).
-    softcap: None, or Gemma's final-logit soft cap ``c > 0``: the kernels compute ``c tanh(x / c)`` of each
-    logit ``x = h W + b`` before the temperature, and the gradient passes take its derivative.
-    logits_precision: None (products of the 16-bit inputs, exact in float32; ``dz`` rounded to their dtype
-    before the gradient GEMMs), or ``"float32"`` / ``"bf16x3"``: split-bfloat16 products for float32 / float16
-    operands and a float32 ``dz`` (module docstring); then the inputs may be bf16, f16 or f32, each its own.
-    grad_filter: None (exact), ``"auto"`` or a threshold in ``[0, 1)``: the gradient filter (module docstring;
-    ``fused_linear_policy_loss(grad_filter=...)`` replaces it when given there), validated here
-    (``ValueError`` / ``TypeError`` naming it), and None (the exact gradient) with a ``softcap`` (the dropped
-    windows' correction, ``_window_means``, does not carry the cap's ``1 - tanh^2`` factor); filter_window: its vocabulary windows, a multiple of the
-    gradient kernel's tile width (else ``UnsupportedConfigError`` when the filter runs); filter_tail: the column
-    from which its windows (and always the last, partial one) form one tail, kept or dropped together per row and run
-    on the union of their rows in one step (a positive int: else ``TypeError`` / ``ValueError`` here; a multiple of
-    ``filter_window``, else ``UnsupportedConfigError`` when the filter runs).
+    filter_window: the gradient filter's vocabulary windows, a multiple of the gradient kernel's tile width
+    (else ``UnsupportedConfigError`` when the filter runs); filter_tail: the column from which its windows (and
+    always the last, partial one) form one tail, kept or dropped together per row and run on the union of their
+    rows in one step (a positive int: else ``TypeError`` / ``ValueError`` here; a multiple of ``filter_window``,
+    else ``UnsupportedConfigError`` when the filter runs).
+
+    The call's settings come from ``HeadOptions`` (:class:`~gmpo_jax.lm_head.backend.HeadSettings`): ``softcap``
+    (the kernels compute ``c tanh(x / c)`` of each logit ``x = h W + b`` before the temperature, and the gradient
+    passes take its derivative), ``logits_precision`` (split-bfloat16 products for float32 / float16 operands and
+    a float32 ``dz``; then the inputs may be bf16, f16 or f32, each its own) and ``grad_filter`` (the threshold of
+    the gradient filter, ``grad_filter.py``; None with a ``softcap``: the dropped windows' correction does not
+    carry the cap's ``1 - tanh^2`` factor).
     """
 
     interpret: bool = False
@@ -71,9 +70,6 @@ class MosaicGpuBackend:
     save_min_hidden: int = tuning.SAVED_LOGITS_MIN_H
     row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
-    softcap: float | None = None  # Gemma's final-logit cap: z = cap tanh((h W + b) / cap) / T (static)
-    logits_precision: str | None = None  # None, "float32" or "bf16x3" (backend.LOGITS_PRECISIONS)
-    grad_filter: float | None = None  # the gradient filter's threshold (module docstring); None: exact
     filter_window: int = tuning.GRAD_FILTER_WINDOW  # its vocabulary windows, columns (a multiple of 256)
     filter_tail: int = tuning.GRAD_FILTER_TAIL  # its windows from this column on are kept together
     name: str = "mosaic_gpu"
@@ -82,11 +78,6 @@ class MosaicGpuBackend:
     )
 
     def __post_init__(self):
-        from gmpo_jax._validation import grad_filter_threshold
-
-        object.__setattr__(self, "grad_filter", grad_filter_threshold(self.grad_filter))
-        if self.softcap is not None:  # the dropped windows' correction has no (1 - tanh^2) factor: exact gradient
-            object.__setattr__(self, "grad_filter", None)
         for name in ("filter_window", "filter_tail"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -316,7 +307,7 @@ class MosaicGpuBackend:
             if saved is not None and precise:
                 raise ValueError("logits_precision needs the recomputed logits (no kept logits: saved=None)")
             if window_mass is not None and self.grad_filter is None:
-                raise ValueError("window_mass needs grad_filter set (MosaicGpuBackend(grad_filter=...))")
+                raise ValueError("window_mass needs grad_filter set (HeadOptions(grad_filter=...))")
             n_windows = C.cdiv(V, self.filter_window)
             if window_mass is not None and tuple(window_mass.shape) != (R, n_windows):
                 raise ValueError(
