@@ -110,7 +110,9 @@ class HeadOptions:
             raise TypeError(f"implementation must be a backend instance, not the class: pass {impl.__name__}()")
         if impl is not None and not isinstance(impl, str):
             if not callable(getattr(impl, "check_supported", None)):
-                raise TypeError(f"implementation must be None, a name or a backend instance, got implementation={impl!r}")
+                raise TypeError(
+                    f"implementation must be None, a name or a backend instance, got implementation={impl!r}"
+                )
             try:
                 hash(impl)
             except TypeError:

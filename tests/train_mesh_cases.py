@@ -68,7 +68,7 @@ def run_training(out_dir: str) -> dict:
 
 def pad_case() -> dict:
     """``V = 15`` on ``M = 2`` (the default tokenizer vocabulary): `parallel.fused_head` pads the head to 16
-    and passes ``vocab_size=15``. Loss, hidden and weight gradients of the fused loss through the pad, on
+    and passes ``HeadOptions(vocab_size=15)``. Loss, hidden and weight gradients of the fused loss through the pad, on
     the ``data=2,model=2`` mesh, against the unpadded single-device call; both weight layouts."""
     import jax.numpy as jnp
 
@@ -87,27 +87,19 @@ def pad_case() -> dict:
         w = jnp.asarray(rng.normal(size=(H, V) if layout == "hv" else (V, H)) / 4, jnp.float32)
 
         def loss(h, w, train_mesh):
-            w2, kw = parallel.fused_head(w, layout, train_mesh)
+            w2, head, axes = parallel.fused_head(w, layout, train_mesh)
+            batch = gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old, ref_logps=old - 0.1)
             return gmpo_jax.fused_linear_policy_loss(
-                h,
-                w2,
-                ids,
-                mask,
-                adv,
-                objective=gmpo_jax.GMPO(beta=0.04),
-                old_logps=old,
-                ref_logps=old - 0.1,
-                weight_layout=layout,
-                **kw,
+                h, w2, batch, objective=gmpo_jax.GMPO(beta=0.04), head=head, sharding=axes
             )[0]
 
         grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
         ref, (ref_dh, ref_dw) = grad(hidden, w, None)
         val, (dh, dw) = grad(tm.put_batch(hidden), w, tm)
-        w2, kw = parallel.fused_head(w, layout, tm)
+        w2, head, _ = parallel.fused_head(w, layout, tm)
         out[layout] = {
             "padded_shape": list(w2.shape),
-            "vocab_size": kw.get("vocab_size"),
+            "vocab_size": head.vocab_size,
             "loss": float(val),
             "ref_loss": float(ref),
             "dh_rel": float(jnp.max(jnp.abs(dh - ref_dh)) / jnp.max(jnp.abs(ref_dh))),

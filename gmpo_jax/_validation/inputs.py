@@ -26,6 +26,7 @@ from gmpo_jax._validation.values import check_ids_in_range, check_mask, check_no
 from gmpo_jax.batch import PolicyBatch, ReferenceHead
 from gmpo_jax.objectives import Objective, PolicyInputs
 
+
 def check_objective(objective) -> None:
     if not isinstance(objective, Objective):
         raise TypeError(f"objective must be a GMPO, GRPO, CISPO or SAPO instance, got objective={objective!r}")
@@ -75,7 +76,9 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
         value = _concrete(ris)
         if value is not None and not np.all(np.isfinite(value.astype(np.float64)) & (value.astype(np.float64) >= 0)):
             bad = tuple(int(i) for i in np.argwhere(~(np.isfinite(value.astype(np.float64)) & (value >= 0)))[0])
-            raise ValueError(f"{name} must be finite and >= 0 (a weight), got {name}{list(bad)} = {float(value[bad])!r}")
+            raise ValueError(
+                f"{name} must be finite and >= 0 (a weight), got {name}{list(bad)} = {float(value[bad])!r}"
+            )
     n, name = batch.num_items_in_batch, "batch.num_items_in_batch"
     if n is not None:
         if isinstance(n, (bool, np.bool_)) or not (isinstance(n, numbers.Real) or _shape(n) == ()):
@@ -97,7 +100,9 @@ def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: 
         raise ValueError(
             "give either batch.ref_logps or reference= (a ReferenceHead, from which they are computed), not both"
         )
-    rB, rT, _, rV = check_lm_head(reference.hidden, reference.weight, reference.bias, weight_layout, prefix="reference.")
+    rB, rT, _, rV = check_lm_head(
+        reference.hidden, reference.weight, reference.bias, weight_layout, prefix="reference."
+    )
     if (rB, rT) != (B, T):
         raise ValueError(
             f"reference.hidden must be [B, T, H_ref] with B, T = {(B, T)}, got reference.hidden.shape="

@@ -12,9 +12,7 @@ from gmpo_jax._validation.arguments import _concrete, _dtype, require_shape
 __all__ = ["check_ids_in_range", "check_not_nan_unmasked", "check_mask", "check_segment_ids"]
 
 
-def check_ids_in_range(
-    ids, mask, V: int, name: str = "completion_ids", mask_name: str = "completion_mask"
-) -> None:
+def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids", mask_name: str = "completion_mask") -> None:
     """Every id the mask counts (all of them without a mask) lies in ``[0, V)``, when the ids and the mask
     are concrete. Traced (under jit) they cannot be checked: such an id gives a NaN log-prob (documented)."""
     ids_v = _concrete(ids)
@@ -66,8 +64,7 @@ def check_mask(mask, B: int, T: int, name: str = "completion_mask") -> None:
         if value is not None and not np.all((value == 0) | (value == 1)):
             bad = value[(value != 0) & (value != 1)].ravel()[:3].tolist()
             raise ValueError(
-                f"{name} must hold only 0 and 1 (it selects tokens, it does not weight "
-                f"them), got values such as {bad}"
+                f"{name} must hold only 0 and 1 (it selects tokens, it does not weight them), got values such as {bad}"
             )
 
 
@@ -82,6 +79,4 @@ def check_segment_ids(segment_ids, B: int, T: int, name: str = "segment_ids") ->
     seg = _concrete(segment_ids)
     if seg is not None and seg.size and seg.min() < 0:
         bad = tuple(int(i) for i in np.argwhere(seg < 0)[0])
-        raise ValueError(
-            f"{name} must be >= 0 (0 marks padding), got {name}[{bad[0]}, {bad[1]}] = {int(seg[bad])}"
-        )
+        raise ValueError(f"{name} must be >= 0 (0 marks padding), got {name}[{bad[0]}, {bad[1]}] = {int(seg[bad])}")

@@ -1,15 +1,15 @@
 """Data- and vocabulary-parallel fused losses on a ``jax.sharding.Mesh``: ``jax.shard_map`` + collectives.
 
-The public functions take the mesh layout as arguments::
+The public functions take the mesh layout as a :class:`~gmpo_jax.MeshAxes`::
 
-    loss, aux = fused_linear_policy_loss(hidden, weight, ids, mask, adv, objective=GMPO(),
-                                         mesh=mesh, data_axis="data", vocab_axis="model")
+    loss, aux = fused_linear_policy_loss(hidden, weight, batch, objective=GMPO(),
+                                         sharding=MeshAxes(mesh, data_axis="data", vocab_axis="model"))
 
 * ``data_axis``: the batch axis ``B`` of ``hidden`` / ids / mask / advantages / log-probs is split over
   these mesh axes (data parallel; the weight is replicated over them).
 * ``vocab_axis``: the vocabulary axis ``V`` of ``weight`` (and ``bias``) is split over these mesh axes
   (Megatron-style vocabulary parallelism; ``V`` must be a multiple of the shard count: pad it and pass
-  ``vocab_size=``).
+  ``HeadOptions(vocab_size=...)``).
 * Both on a 2-D mesh. Mesh axes named in neither are replicated. ``mesh=None`` takes the mesh set with
   ``jax.set_mesh``. An axis may be a name or a tuple of names.
 
@@ -18,12 +18,14 @@ Example (one device here; the same call on a ``(2, 4)`` mesh splits the batch in
   >>> import jax, jax.numpy as jnp, gmpo_jax
   >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
   >>> h, w, ids = jnp.zeros((2, 3, 4)), jnp.ones((4, 8)), jnp.zeros((2, 3), jnp.int32)
+  >>> axes = gmpo_jax.MeshAxes(mesh, data_axis="data", vocab_axis="model")
+  >>> head = gmpo_jax.HeadOptions(vocab_size=6)  # 8 = 6 real + 2 padding
+  >>> batch = gmpo_jax.PolicyBatch(ids, jnp.ones((2, 3)), jnp.array([1.0, -0.5]))
   >>> loss, aux = gmpo_jax.fused_linear_policy_loss(
-  ...     h, w, ids, jnp.ones((2, 3)), jnp.array([1.0, -0.5]), objective=gmpo_jax.GMPO(),
-  ...     mesh=mesh, data_axis="data", vocab_axis="model", vocab_size=6)  # 8 = 6 real + 2 padding
+  ...     h, w, batch, objective=gmpo_jax.GMPO(), head=head, sharding=axes)
   >>> float(loss), float(aux.loss_denominator)  # on-policy: -mean_b A_b
   (-0.25, 2.0)
-  >>> logp = gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6, mesh=mesh, vocab_axis="model")
+  >>> logp = gmpo_jax.fused_linear_logprobs(h, w, ids, head=head, sharding=axes)
   >>> round(float(jnp.exp(logp[0, 0])), 4)  # uniform over the 6 real tokens
   0.1667
 

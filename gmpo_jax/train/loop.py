@@ -18,8 +18,8 @@ layers against Tunix's KV cache, steps 4-5 take its hidden states and LM head fr
 
 With ``--mesh data=D,model=M`` (`gmpo_jax.train.parallel`) the policy and optimizer state are placed on a
 ``(D, M)`` mesh (replicated; the LM head split along its vocabulary when ``V % M == 0``), every rollout
-batch is split over ``data``, and steps 4-5 call the fused functions with ``mesh=``, ``data_axis=``,
-``vocab_axis=`` (and ``vocab_size=`` when the head is padded to a multiple of ``M``).
+batch is split over ``data``, and steps 4-5 call the fused functions with ``sharding=MeshAxes(...)`` (and
+``HeadOptions(vocab_size=...)`` when the head is padded to a multiple of ``M``).
 
 ``metrics.jsonl`` keys, one line per step: ``step``; ``reward_mean`` / ``reward_std`` over the batch;
 ``exact_match`` (fraction of exact answers; NaN for a hook task without answers); ``completion_length``
@@ -185,26 +185,23 @@ def training_loss(
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)``.
       temperature: the sampling temperature (log-probs of the distribution that was sampled).
       train_mesh: None (one device) or the ``--mesh`` `parallel.TrainMesh`: the fused loss runs sharded
-        over its data / vocabulary axes (the head zero-padded to a multiple of ``M``, ``vocab_size=V``).
+        over its data / vocabulary axes (the head zero-padded to a multiple of ``M``, ``HeadOptions(vocab_size=V)``).
 
     Returns:
       ``(loss f32[], aux: gmpo_jax.LossAux)``; differentiable with respect to the policy's parameters.
     """
     hidden = rollout_lib.completion_hidden(model, batch.prompt_ids, batch.completion_ids)
     weight, layout = rollout_lib.head_weight(model, hidden.dtype)
-    weight, mesh_kwargs = parallel.fused_head(weight, layout, train_mesh)
-    return gmpo_jax.fused_linear_policy_loss(
-        hidden,
-        weight,
+    weight, head, axes = parallel.fused_head(weight, layout, train_mesh)
+    policy_batch = gmpo_jax.PolicyBatch(
         batch.completion_ids,
         batch.completion_mask,
         batch.advantages,
-        objective=objective,
         old_logps=batch.old_logps,
         ref_logps=batch.ref_logps,
-        temperature=temperature,
-        weight_layout=layout,
-        **mesh_kwargs,
+    )
+    return gmpo_jax.fused_linear_policy_loss(
+        hidden, weight, policy_batch, objective=objective, temperature=temperature, head=head, sharding=axes
     )
 
 

@@ -10,7 +10,7 @@
 
 Vocabulary padding. ``V`` (the tokenizer's 15, or ``--vocab-size``) need not be a multiple of ``M``: the
 loss pads the head with zero columns (rows, for a tied ``[V, H]`` head) up to the next multiple of ``M``
-and passes ``vocab_size=V``, which masks them out of the softmax, so the result is that of the unpadded
+and passes ``HeadOptions(vocab_size=V)``, which masks them out of the softmax, so the result is that of the unpadded
 head and the padded columns get no gradient. When ``V % M == 0`` nothing is padded and the head
 *parameter* (and its AdamW moments) are stored sharded along ``V`` as well; otherwise they are
 replicated (an array cannot be split unevenly) and each device takes its slice of the padded copy.
@@ -154,25 +154,29 @@ def make_train_mesh(data: int, model: int) -> TrainMesh:
 
 
 def fused_head(weight, weight_layout: str, train_mesh: TrainMesh | None):
-    """``(weight, kwargs)`` for ``gmpo_jax.fused_linear_policy_loss`` / ``fused_linear_logprobs``.
+    """``(weight, head, sharding)`` for ``gmpo_jax.fused_linear_policy_loss`` / ``fused_linear_logprobs``: a
+    ``gmpo_jax.HeadOptions`` and a ``gmpo_jax.MeshAxes`` (or None).
 
-    Without a mesh (or on a 1 x 1 mesh): the weight unchanged and no keyword arguments (the single-device
-    program). Otherwise ``mesh=``, ``data_axis=`` / ``vocab_axis=`` (None for an axis of size 1) and,
-    when ``V`` is not a multiple of ``M``, the weight padded with zeros along ``V`` to the next multiple
-    and ``vocab_size=V`` (the padded columns are masked out of the softmax; differentiable: the pad's
+    Without a mesh (or on a 1 x 1 mesh): the weight unchanged, ``HeadOptions(weight_layout=...)`` and no mesh
+    axes (the single-device program). Otherwise ``MeshAxes(mesh, data_axis, vocab_axis)`` (None for an axis of
+    size 1) and, when ``V`` is not a multiple of ``M``, the weight padded with zeros along ``V`` to the next
+    multiple and ``vocab_size=V`` (the padded columns are masked out of the softmax; differentiable: the pad's
     gradient is the slice of the real columns).
     """
+    import gmpo_jax
+
     if train_mesh is None or (train_mesh.data_axis is None and train_mesh.vocab_axis is None):
-        return weight, {}
+        return weight, gmpo_jax.HeadOptions(weight_layout=weight_layout), None
     import jax.numpy as jnp
 
-    kwargs = dict(mesh=train_mesh.mesh, data_axis=train_mesh.data_axis, vocab_axis=train_mesh.vocab_axis)
+    axes = gmpo_jax.MeshAxes(train_mesh.mesh, data_axis=train_mesh.data_axis, vocab_axis=train_mesh.vocab_axis)
     v_dim = 1 if weight_layout == "hv" else 0
     V = weight.shape[v_dim]
     padded = -(-V // train_mesh.model) * train_mesh.model
+    vocab_size = None
     if padded != V:
         pad = [(0, 0), (0, 0)]
         pad[v_dim] = (0, padded - V)
         weight = jnp.pad(weight, pad)
-        kwargs["vocab_size"] = V
-    return weight, kwargs
+        vocab_size = V
+    return weight, gmpo_jax.HeadOptions(weight_layout=weight_layout, vocab_size=vocab_size), axes

@@ -206,14 +206,8 @@ def policy_logprobs(
 
     h = completion_hidden(model, batch_prompt_ids, completion_ids)
     weight, layout = head_weight(model, h.dtype)
-    weight, mesh_kwargs = fused_head(weight, layout, train_mesh)
+    weight, head, axes = fused_head(weight, layout, train_mesh)
     logps = gmpo_jax.fused_linear_logprobs(
-        h,
-        weight,
-        completion_ids,
-        completion_mask=completion_mask,
-        temperature=temperature,
-        weight_layout=layout,
-        **mesh_kwargs,
+        h, weight, completion_ids, completion_mask=completion_mask, temperature=temperature, head=head, sharding=axes
     )
     return jax.lax.stop_gradient(logps)

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import pytest
 
+import gmpo_jax
 from gmpo_jax.train import ConfigError, TrainConfig, cli, loop, parallel
 
 HERE = pathlib.Path(__file__).parent.parent
@@ -88,7 +89,8 @@ def test_mesh_1x1_calls_the_single_device_program():
     tm = parallel.make_train_mesh(1, 1)
     assert (tm.data_axis, tm.vocab_axis, tuple(tm.mesh.axis_names)) == (None, None, ("data", "model"))
     w = jax.numpy.ones((4, 15))
-    assert parallel.fused_head(w, "hv", tm) == (w, {}) and parallel.fused_head(w, "hv", None) == (w, {})
+    single = (w, gmpo_jax.HeadOptions(weight_layout="hv"), None)
+    assert parallel.fused_head(w, "hv", tm) == single and parallel.fused_head(w, "hv", None) == single
     assert parallel.parse_mesh("data=1,model=1") == (1, 1) and parallel.parse_mesh("model=1") == (1, 1)
 
 

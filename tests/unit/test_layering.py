@@ -1,4 +1,5 @@
-"""The package's import layering: leaves (objectives, _validation, _lse, tuning, _dispatch, _device) <- kernels <-
+"""The package's import layering: leaves (objectives, _validation, _lse, tuning, _dispatch, _device, batch, options)
+<- kernels <-
 each op (lm_head/, logits/), and never one op importing the other. Every ``import`` / ``from ... import`` of
 ``gmpo_jax`` modules is read from the source (lazy imports inside functions included)."""
 
@@ -11,7 +12,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(os.environ.get("GMPO_LAYERING_ROOT", pathlib.Path(__file__).resolve().parents[2])) / "gmpo_jax"
-LEAVES = ("objectives", "_validation", "_lse", "tuning", "_dispatch", "_device")
+LEAVES = ("objectives", "_validation", "_lse", "tuning", "_dispatch", "_device", "batch", "options")
 # group -> the groups it must not import
 FORBIDDEN = {
     **{leaf: ("kernels", "lm_head", "logits") for leaf in LEAVES},
