@@ -8,7 +8,7 @@ divided by the whole window's normaliser instead:
 
 * GMPO (and grpo, sapo, dr_grpo, bnpo): ``loss_i * aux_i.loss_denominator / window_denominator``; for GMPO
   ``aux_i.loss_denominator`` is the micro-batch's sequence count and ``window_denominator`` the window's.
-* dapo / cispo: pass ``num_items_in_batch =`` the window's active-token count (global over data-parallel
+* dapo / cispo: set ``batch.num_items_in_batch`` to the window's active-token count (global over data-parallel
   devices); then the micro-batch losses already add up to the window's loss.
 
 ``optax.MultiSteps`` AVERAGES the k gradients it accumulates, so each micro-batch's loss is also multiplied
@@ -32,24 +32,24 @@ rng = np.random.default_rng(0)
 normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
 params = {"proj": normal(D, D) / 4, "head": normal(D, V) / 4}
 lengths = np.array([5, 1, 4, 2, 5, 3])  # active completion tokens per sequence
-batch = {
-    "x": normal(B, T, D),  # stands in for the model's inputs
-    "ids": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
-    "mask": jnp.asarray(np.arange(T) < lengths[:, None]),
-    "adv": normal(B),
-    "old": normal(B, T) * 0.3 - np.log(V),  # behaviour-policy log-probs (some ratios get clipped)
-    "ref": normal(B, T) * 0.3 - np.log(V),  # reference log-probs (the KL term)
-}
-starts = np.cumsum((0,) + SPLIT)
+inputs = normal(B, T, D)  # stands in for the model's inputs
+data = gmpo_jax.PolicyBatch(
+    completion_ids=jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
+    completion_mask=jnp.asarray(np.arange(T) < lengths[:, None]),
+    advantages=normal(B),
+    old_logps=normal(B, T) * 0.3 - np.log(V),  # behaviour-policy log-probs (some ratios get clipped)
+    ref_logps=normal(B, T) * 0.3 - np.log(V),  # reference log-probs (the KL term)
+)
+batch = (inputs, data)
+starts = np.cumsum((0,) + SPLIT)  # a PolicyBatch is a pytree: jax.tree.map slices every field
 micro_batches = [jax.tree.map(lambda a, s=s, e=e: a[s:e], batch) for s, e in zip(starts[:-1], starts[1:])]
 
 
 def policy_loss(params, mb, objective, num_items_in_batch=None):
-    hidden = jnp.tanh(mb["x"] @ params["proj"])  # a one-layer "model"; gradients reach both parameters
-    return gmpo_jax.fused_linear_policy_loss(
-        hidden, params["head"], mb["ids"], mb["mask"], mb["adv"], objective=objective,
-        old_logps=mb["old"], ref_logps=mb["ref"], num_items_in_batch=num_items_in_batch,
-    )  # fmt: skip
+    inputs, data = mb
+    hidden = jnp.tanh(inputs @ params["proj"])  # a one-layer "model"; gradients reach both parameters
+    data = data._replace(num_items_in_batch=num_items_in_batch)
+    return gmpo_jax.fused_linear_policy_loss(hidden, params["head"], data, objective=objective)
 
 
 def one_update(micro_loss, whole_loss):
@@ -98,7 +98,7 @@ print(
 
 # --- dapo: num_items_in_batch = the window's active-token count -------------------------------------------------
 dapo = gmpo_jax.GRPO(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28, beta=0.04)
-window_tokens = int(batch["mask"].sum())  # global over data-parallel devices; this window's only
+window_tokens = int(data.completion_mask.sum())  # global over data-parallel devices; this window's only
 
 
 def dapo_micro_loss(params, mb):
@@ -112,6 +112,6 @@ full, accumulated, whole, outs = one_update(
 assert max_diff(accumulated, full) < TOL, max_diff(accumulated, full)
 summed = float(sum(loss for loss, _ in outs))
 assert abs(summed - whole) < TOL * abs(whole), (summed, whole)
-own_counts = sum(float(a.loss_numerator / mb["mask"].sum()) for (_, a), mb in zip(outs, micro_batches)) / k
+own_counts = sum(float(a.loss_numerator / mb[1].completion_mask.sum()) for (_, a), mb in zip(outs, micro_batches)) / k
 assert abs(own_counts - whole) > 1e-2 * abs(whole), (own_counts, whole)  # the mistake: no num_items_in_batch
 print(f"dapo: update within {max_diff(accumulated, full):.1e} of the whole batch's; loss {summed:.6f} = {whole:.6f}")

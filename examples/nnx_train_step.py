@@ -18,28 +18,20 @@ class Policy(nnx.Module):  # any model whose call returns final hidden states [B
 
 @nnx.jit
 def logprobs(model, inputs, completion_ids, completion_mask):  # at rollout: the behaviour policy's log-probs
-    weight, layout = gmpo_jax.lm_head_weight(model.lm_head)
-    hidden = model(inputs)
+    weight, layout = gmpo_jax.lm_head_weight(model.lm_head)  # [H, V] kernel, layout "hv": no copy
+    head = gmpo_jax.HeadOptions(weight_layout=layout)
     return gmpo_jax.fused_linear_logprobs(
-        hidden, weight, completion_ids, completion_mask=completion_mask, weight_layout=layout
+        model(inputs), weight, completion_ids, completion_mask=completion_mask, head=head
     )
 
 
 @nnx.jit
-def train_step(model, optimizer, objective, inputs, completion_ids, completion_mask, advantages, old_logps):
+def train_step(model, optimizer, objective, inputs, batch):  # batch: a gmpo_jax.PolicyBatch (a pytree)
     def loss_fn(model):
-        hidden = model(inputs)  # [B, T, H]: position t predicts completion_ids[:, t]
-        weight, layout = gmpo_jax.lm_head_weight(model.lm_head)  # [H, V] kernel, layout "hv": no copy
-        return gmpo_jax.fused_linear_policy_loss(
-            hidden,
-            weight,
-            completion_ids,
-            completion_mask,
-            advantages,
-            objective=objective,
-            old_logps=old_logps,
-            weight_layout=layout,
-        )
+        weight, layout = gmpo_jax.lm_head_weight(model.lm_head)
+        hidden = model(inputs)  # [B, T, H]: position t predicts batch.completion_ids[:, t]
+        head = gmpo_jax.HeadOptions(weight_layout=layout)
+        return gmpo_jax.fused_linear_policy_loss(hidden, weight, batch, objective=objective, head=head)
 
     (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
@@ -57,7 +49,8 @@ completion_ids = jax.random.randint(k_out, (4, 8), 0, 1000)  # the sampled token
 completion_mask = jnp.arange(8) < jnp.array([[8], [5], [8], [3]])  # ragged completion lengths
 advantages = jnp.array([1.2, -0.8, 0.4, -0.4])  # one per completion: its reward, normalised in its group
 old_logps = logprobs(model, inputs, completion_ids, completion_mask)
+batch = gmpo_jax.PolicyBatch(completion_ids, completion_mask, advantages, old_logps=old_logps)
 
 for step in range(3):  # several updates per rollout batch: after the first they are off-policy
-    loss, aux = train_step(model, optimizer, objective, inputs, completion_ids, completion_mask, advantages, old_logps)
+    loss, aux = train_step(model, optimizer, objective, inputs, batch)
     print(f"step {step}: loss {float(loss):+.4f}, clip fraction {float(aux.clip_fraction):.3f}")
