@@ -4,7 +4,7 @@ Implementations
 ---------------
 LM head (issues 2, 3), GMPO objective with its defaults, ``old_logps`` given (off-policy ratios):
 
-* ``xla_chunked``, ``mosaic_gpu``: ``gmpo_jax.fused_linear_policy_loss(..., implementation=name)``.
+* ``xla_chunked``, ``mosaic_gpu``: ``gmpo_jax.fused_linear_policy_loss(..., head=HeadOptions(implementation=name))``.
 * ``dense_jax``: ``gmpo_jax.reference.policy_loss(..., upcast=False)`` under ``jax.jit`` (full ``[N, V]``
   logits, bf16 matmul with f32 accumulation: the naive training step). Records before commit 6bd1818's
   successor used ``upcast=True`` (the f32 HIGHEST oracle); see docs/performance.md.
@@ -164,8 +164,22 @@ def _loss_only(out):
 
 
 def loss_features(opts: dict[str, Any]) -> dict[str, Any]:
-    """``entropy_coef`` / ``softcap`` keywords of the LM-head loss and its oracles (only those that are on)."""
+    """``entropy_coef`` / ``softcap`` of the LM-head loss and its oracles (only those that are on)."""
     return {k: float(opts[k]) for k in ("entropy_coef", "softcap") if opts.get(k)}
+
+
+def feature_objective(features: dict[str, Any]):
+    """``GMPO()`` with the ``entropy_coef`` of ``features`` (its loss shaping)."""
+    import gmpo_jax
+
+    return gmpo_jax.GMPO(entropy_coef=features.get("entropy_coef"))
+
+
+def feature_head(layout: str, features: dict[str, Any], **options):
+    """``HeadOptions`` with the weight layout, the ``softcap`` of ``features`` and ``options``."""
+    import gmpo_jax
+
+    return gmpo_jax.HeadOptions(weight_layout=layout, softcap=features.get("softcap"), **options)
 
 
 def logits_precision(opts: dict[str, Any]) -> str | None:
@@ -176,22 +190,24 @@ def logits_precision(opts: dict[str, Any]) -> str | None:
 def lm_head_loss(impl: str, opts: dict[str, Any]) -> Callable:
     import gmpo_jax
 
-    objective = gmpo_jax.GMPO()
     layout = opts["weight_layout"]
     features = loss_features(opts)
+    objective = feature_objective(features)
     precision = logits_precision(opts)
     if impl in ("xla_chunked", "mosaic_gpu"):
-        kw: dict[str, Any] = dict(objective=objective, implementation=impl, weight_layout=layout, **features)
-        if precision is not None:
-            kw["logits_precision"] = precision
         grad_filter = str(opts.get("grad_filter") or "none")
-        if grad_filter != "none":
-            kw["grad_filter"] = grad_filter if grad_filter == "auto" else float(grad_filter)
-        if opts.get("chunk_size"):
-            kw["chunk_size"] = opts["chunk_size"]
+        head = feature_head(
+            layout,
+            features,
+            implementation=impl,
+            logits_precision=precision,
+            grad_filter=None if grad_filter == "none" else grad_filter if grad_filter == "auto" else float(grad_filter),
+            chunk_size=opts.get("chunk_size") or None,
+        )
 
         def loss(h, w, ids, mask, adv, old):
-            return _loss_only(gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, old_logps=old, **kw))
+            batch = gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old)
+            return _loss_only(gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=objective, head=head))
 
     elif impl == "dense_jax":
         from gmpo_jax import reference
@@ -202,20 +218,9 @@ def lm_head_loss(impl: str, opts: dict[str, Any]) -> Callable:
         def loss(h, w, ids, mask, adv, old):
             # the naive bf16 training-step baseline: bf16 matmul with f32 accumulation, full logits
             # (upcast=True would be the f32 Precision.HIGHEST oracle, ~6x slower on the H200)
-            return _loss_only(
-                reference.policy_loss(
-                    h,
-                    w,
-                    ids,
-                    mask,
-                    adv,
-                    objective=objective,
-                    old_logps=old,
-                    weight_layout=layout,
-                    upcast=False,
-                    **features,
-                )
-            )
+            batch = gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old)
+            head = feature_head(layout, features)
+            return _loss_only(reference.policy_loss(h, w, batch, objective=objective, head=head, upcast=False))
 
     else:
         raise ValueError(f"unknown LM-head implementation {impl!r}")
@@ -259,11 +264,8 @@ def logits_loss(impl: Any, opts: dict[str, Any]) -> tuple[Callable, str | None]:
     if impl in ("mosaic_gpu", "xla") or not isinstance(impl, str):  # a name or a backend instance
 
         def loss(logits, ids, mask, adv, old):
-            return _loss_only(
-                gmpo_jax.policy_loss_from_logits(
-                    logits, ids, mask, adv, objective=objective, old_logps=old, implementation=impl
-                )
-            )
+            batch = gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old)
+            return _loss_only(gmpo_jax.policy_loss_from_logits(logits, batch, objective=objective, implementation=impl))
 
         return loss, None
     if impl == "dense_jax":
@@ -271,7 +273,7 @@ def logits_loss(impl: Any, opts: dict[str, Any]) -> tuple[Callable, str | None]:
         if ref is not None:
 
             def loss(logits, ids, mask, adv, old):
-                return _loss_only(ref(logits, ids, mask, adv, objective=objective, old_logps=old))
+                return _loss_only(ref(logits, gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old), objective=objective))
 
             return loss, "gmpo_jax.reference.policy_loss_from_logits"
         if grpo:
@@ -451,20 +453,9 @@ def _oracle_f32(layout: str, features: tuple[tuple[str, float], ...]) -> Callabl
     from gmpo_jax import reference
 
     def oracle(h, w, ids, mask, adv, old):
-        return _loss_only(
-            reference.policy_loss(
-                h,
-                w,
-                ids,
-                mask,
-                adv,
-                objective=gmpo_jax.GMPO(),
-                old_logps=old,
-                weight_layout=layout,
-                upcast=True,
-                **dict(features),
-            )
-        )
+        batch = gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old)
+        objective, head = feature_objective(dict(features)), feature_head(layout, dict(features))
+        return _loss_only(reference.policy_loss(h, w, batch, objective=objective, head=head, upcast=True))
 
     return jax.jit(jax.value_and_grad(oracle, argnums=(0, 1)))
 

@@ -65,9 +65,8 @@ def probe(R: int, H: int, V: int, interpret: bool, seed: int = 0) -> list[dict]:
 
     def run(implementation, precision):
         def logp(h, w):
-            return gmpo_jax.fused_linear_logprobs(
-                h[None], w, ids[None], implementation=implementation, logits_precision=precision
-            )[0]
+            head = gmpo_jax.HeadOptions(implementation=implementation, logits_precision=precision)
+            return gmpo_jax.fused_linear_logprobs(h[None], w, ids[None], head=head)[0]
 
         lp = jax.jit(logp)(jnp.asarray(h), jnp.asarray(w))
         dh, dw = jax.jit(jax.grad(lambda h, w: logp(h, w).sum(), argnums=(0, 1)))(jnp.asarray(h), jnp.asarray(w))

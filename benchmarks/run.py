@@ -578,17 +578,15 @@ def build_parser() -> argparse.ArgumentParser:
                 "mask": "flat data only: legacy ragged mask (lengths in [3T/4, T])",
                 "input_dtype": "LM head: dtype of hidden and weight (float32: the bf16 batch with the mantissa "
                 "bits below bf16 filled, so that it rounds back to the bf16 batch)",
-                "logits_precision": "LM head: fused_linear_policy_loss(logits_precision=...); none = None",
+                "logits_precision": "LM head: HeadOptions(logits_precision=...); none = None",
                 "oracle": "--grad-acc: float32 = dense float32 HIGHEST (gmpo_jax.reference.policy_loss); "
                 "float64 = dense float64 under jax.enable_x64 (GMPO only), for errors below float32's",
             }
             p.add_argument(flag, default=v, choices=CHOICES[k], help=helps.get(k))
         elif k == "grad_filter":
-            p.add_argument(
-                flag, default=v, help="LM head: fused_linear_policy_loss(grad_filter=...): none, auto or a float"
-            )
+            p.add_argument(flag, default=v, help="LM head: HeadOptions(grad_filter=...): none, auto or a float")
         elif k in ("entropy_coef", "softcap"):
-            what = "entropy_coef (loss -= c agg(H))" if k == "entropy_coef" else "softcap (Gemma's logit cap)"
+            what = "GMPO(entropy_coef=) (loss -= c agg(H))" if k == "entropy_coef" else "HeadOptions(softcap=)"
             p.add_argument(flag, type=float, default=v, help=f"LM head: {what}; 0 = off (default)")
         else:
             p.add_argument(flag, type=float if isinstance(v, float) else int, default=v, help=f"(default {v})")

@@ -49,14 +49,15 @@ def _worker(args) -> dict[str, Any]:
     rec = _common.base_record(
         cfg, args.impl, "fwd+bwd", layout=args.layout, n_devices=n, device=jax_impls.device_kind()
     )
-    kw: dict[str, Any] = dict(objective=gmpo_jax.GMPO(), implementation=args.impl)
+    head = gmpo_jax.HeadOptions(implementation=args.impl)
+    axes = None
     if args.layout == "single":
         shard = {k: None for k in ("h", "w", "bt", "b")}
     else:
         shape = (n, 1) if args.layout == "data" else (1, n)
         mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-        kw.update(
-            mesh=mesh,
+        axes = gmpo_jax.MeshAxes(
+            mesh,
             data_axis="data" if args.layout == "data" else None,
             vocab_axis="model" if args.layout == "vocab" else None,
         )
@@ -73,16 +74,16 @@ def _worker(args) -> dict[str, Any]:
     hidden, weight, ids, mask, adv = jax.jit(
         lambda: jax_impls.lm_head_arrays(cfg, opts), out_shardings=None if n == 1 else outs
     )()
-    logp_kw = {k: kw[k] for k in ("implementation", "mesh", "data_axis", "vocab_axis") if k in kw}
     old = jax.jit(
         lambda h, w, i: (
-            gmpo_jax.fused_linear_logprobs(h, w, i, **logp_kw)
+            gmpo_jax.fused_linear_logprobs(h, w, i, head=head, sharding=axes)
             + opts["ratio_noise"] * jax_impls.hashed_normal(seed, 5, (B, T), jnp.float32)
         )
     )(hidden, weight, ids)
 
     def loss(h, w, ids, mask, adv, old):
-        return gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, old_logps=old, **kw)[0]
+        batch = gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old)
+        return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=gmpo_jax.GMPO(), head=head, sharding=axes)[0]
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     try:

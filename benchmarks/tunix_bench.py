@@ -219,8 +219,9 @@ def _policy_logps(graphdef, state, prompt, comp):
     model = nnx.merge(graphdef, state)
     hidden = gtx.final_hidden_states(model, prompt, comp, pad_id=PAD_ID, eos_id=EOS_ID)
     weight, layout = gtx.lm_head(model)
+    head = gmpo_jax.HeadOptions(weight_layout=layout)
     return gmpo_jax.fused_linear_logprobs(
-        hidden, weight.astype(hidden.dtype), comp, completion_mask=comp != PAD_ID, weight_layout=layout
+        hidden, weight.astype(hidden.dtype), comp, completion_mask=comp != PAD_ID, head=head
     )
 
 
