@@ -334,21 +334,14 @@ def _call_policy(
     import gmpo_jax
     import gmpo_jax.reference
 
-    kw = dict(
-        objective=objective,
-        old_logps=old,
-        ref_logps=ref,
-        rollout_is_ratio=ris,
-        num_items_in_batch=num_items,
-        temperature=temperature,
-        weight_layout=weight_layout,
-        bias=b,
+    batch = gmpo_jax.PolicyBatch(
+        ids, mask, adv, old_logps=old, ref_logps=ref, rollout_is_ratio=ris, num_items_in_batch=num_items
     )
+    kw = dict(objective=objective, temperature=temperature, bias=b)
     if implementation == REFERENCE:
-        return gmpo_jax.reference.policy_loss(h, w, ids, mask, adv, **kw)
-    return gmpo_jax.fused_linear_policy_loss(
-        h, w, ids, mask, adv, chunk_size=chunk_size, implementation=implementation, **kw
-    )
+        return gmpo_jax.reference.policy_loss(h, w, batch, head=gmpo_jax.HeadOptions(weight_layout=weight_layout), **kw)
+    head = gmpo_jax.HeadOptions(weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation)
+    return gmpo_jax.fused_linear_policy_loss(h, w, batch, head=head, **kw)
 
 
 def _value_and_grad(implementation, chunk_size, objective, weight_layout, h, w, b, *rest):
@@ -426,7 +419,13 @@ def _call_logprobs(implementation, chunk_size, weight_layout, h, w, b, ids, mask
 
     if implementation == REFERENCE:
         return gmpo_jax.reference.logprobs(
-            h, w, ids, completion_mask=mask, bias=b, temperature=temperature, weight_layout=weight_layout
+            h,
+            w,
+            ids,
+            completion_mask=mask,
+            bias=b,
+            temperature=temperature,
+            head=gmpo_jax.HeadOptions(weight_layout=weight_layout),
         )
     return gmpo_jax.fused_linear_logprobs(
         h,
@@ -435,9 +434,7 @@ def _call_logprobs(implementation, chunk_size, weight_layout, h, w, b, ids, mask
         completion_mask=mask,
         bias=b,
         temperature=temperature,
-        weight_layout=weight_layout,
-        chunk_size=chunk_size,
-        implementation=implementation,
+        head=gmpo_jax.HeadOptions(weight_layout=weight_layout, chunk_size=chunk_size, implementation=implementation),
     )
 
 

@@ -406,7 +406,7 @@ def test_batch_not_divisible_and_no_mesh_raise():
     with pytest.raises(ValueError, match="multiple of the 8 data shards"):
         gmpo_jax.fused_linear_policy_loss(h, *args, objective=gmpo_jax.GMPO(), mesh=mesh, data_axis="data")
     with pytest.raises(ValueError, match="need mesh="):
-        gmpo_jax.fused_linear_logprobs(h, args[0], args[1], data_axis="data")
+        gmpo_jax.fused_linear_logprobs(h, args[0], args[1], sharding=gmpo_jax.MeshAxes(data_axis="data"))
 
 
 def test_explicit_sharding_along_hidden_raises():

@@ -122,9 +122,12 @@ def test_entropy_mosaic_lm_head_in_the_interpreter():
 
     def f(h):
         return gmpo_jax.fused_linear_policy_loss(
-            h, case.weight, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old,
-            ref_logps=case.ref, entropy_coef=0.01, implementation=be,
-        )  # fmt: skip
+            h,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
+            objective=obj.lib(entropy_coef=0.01),
+            head=gmpo_jax.HeadOptions(implementation=be),
+        )
 
     (loss, aux), _ = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(case.hidden))
     want, tol = _entropy_mean(case)

@@ -103,17 +103,12 @@ class TestContract:
         case = _case(c, CASES.index(c), V_LM_HEAD)
         want = spec_for(case, c.obj)
         for name, impl in self.lm_head_impls(c.dtype).items():
-            f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
+            f = lambda h, w: gmpo_jax.fused_linear_policy_loss(
                 h,
                 w,
-                case.ids,
-                case.mask,
-                case.adv,
+                gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
                 objective=c.obj.lib(),
-                old_logps=case.old,
-                ref_logps=case.ref,
-                weight_layout=c.layout,
-                implementation=impl,
+                head=gmpo_jax.HeadOptions(weight_layout=c.layout, implementation=impl),
             )
             (loss, aux), (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
                 jnp.asarray(case.hidden), jnp.asarray(case.weight)

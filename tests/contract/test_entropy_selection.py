@@ -66,10 +66,12 @@ def test_lm_head(obj, implementation):
     want = _spec(case, obj)
     assert want.margin > 1e-4, "test setup: an entropy or a ratio sits within 1e-4 of its threshold"
     if implementation == "reference":
-        f = lambda h, w: gmpo_jax.reference.policy_loss(  # noqa: E731
-            h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-            top_entropy_quantile=Q,
-        )  # fmt: skip
+        f = lambda h, w: gmpo_jax.reference.policy_loss(
+            h,
+            w,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
+            objective=obj.lib(top_entropy_quantile=Q),
+        )
         (loss, aux), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(case.hidden, case.weight)
     else:
         (loss, aux), grads = _lm_head(case, obj, implementation)
@@ -119,10 +121,12 @@ def test_logits(obj, impl):
         "mosaic_gpu": MosaicGpuLogitsBackend(interpret=True, fused=False),
         "mosaic_gpu_fused": MosaicGpuLogitsBackend(interpret=True),
     }[impl]
-    f = lambda x: gmpo_jax.policy_loss_from_logits(  # noqa: E731
-        x, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-        top_entropy_quantile=Q, implementation=implementation,
-    )  # fmt: skip
+    f = lambda x: gmpo_jax.policy_loss_from_logits(
+        x,
+        gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
+        objective=obj.lib(top_entropy_quantile=Q),
+        implementation=implementation,
+    )
     (loss, aux), g = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(logits))
     assert_loss_close(loss, want.loss, want.scale, np.float32)
     assert_grad_close(np.asarray(g), dwant, np.float32, "dlogits")
@@ -136,7 +140,10 @@ def test_bad_quantile_raises(q, err):
     case = make_case(0, B=B, T=T, H=H, V=V)
     with pytest.raises(err, match="top_entropy_quantile"):
         gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=gmpo_jax.GMPO(), top_entropy_quantile=q
+            case.hidden,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv),
+            objective=gmpo_jax.GMPO(top_entropy_quantile=q),
         )
 
 
@@ -145,7 +152,10 @@ def test_all_masked_threshold_is_zero():
     mask = np.zeros((B, T), bool)
     (loss, aux), _ = jax.value_and_grad(
         lambda h: gmpo_jax.fused_linear_policy_loss(
-            h, case.weight, case.ids, mask, case.adv, objective=gmpo_jax.GMPO(), top_entropy_quantile=Q
+            h,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, mask, case.adv),
+            objective=gmpo_jax.GMPO(top_entropy_quantile=Q),
         ),
         has_aux=True,
     )(case.hidden)

@@ -87,10 +87,14 @@ def test_kernels_in_the_interpreter(obj, impl):
         be = IMPLS[impl]()
         assert be.keeps_logits(rows=B * T, H=H, V=V, weight_dtype=jnp.bfloat16, budget_bytes=2**30)
     want = _spec(case, obj)
-    f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
-        h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-        temperature=0.8, entropy_coef=C, implementation=IMPLS[impl](),
-    )  # fmt: skip
+    f = lambda h, w: gmpo_jax.fused_linear_policy_loss(
+        h,
+        w,
+        gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
+        objective=obj.lib(entropy_coef=C),
+        temperature=0.8,
+        head=gmpo_jax.HeadOptions(implementation=IMPLS[impl]()),
+    )
     (loss, aux), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(case.hidden, case.weight)
     check_against_spec(loss, aux, (*grads, None), want, case, obj)
 
@@ -101,10 +105,13 @@ def test_traced_coefficient_and_zero():
     obj = Obj("grpo")
     f = jax.jit(
         lambda c: gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old,
-            ref_logps=case.ref, temperature=0.8, entropy_coef=c,
+            case.hidden,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
+            objective=obj.lib(entropy_coef=c),
+            temperature=0.8,
         )[0]
-    )  # fmt: skip
+    )
     assert_loss_close(f(jnp.float32(C)), _spec(case, obj).loss, _spec(case, obj).scale, np.float32)
     assert_loss_close(f(jnp.float32(0.0)), _spec(case, obj, c=0.0).loss, _spec(case, obj).scale, np.float32)
 
@@ -139,10 +146,13 @@ def test_logits(obj, impl):
         "mosaic_gpu": MosaicGpuLogitsBackend(interpret=True, fused=False),
         "mosaic_gpu_fused": MosaicGpuLogitsBackend(interpret=True),
     }[impl]
-    f = lambda x: gmpo_jax.policy_loss_from_logits(  # noqa: E731
-        x, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-        temperature=0.8, entropy_coef=C, implementation=implementation,
-    )  # fmt: skip
+    f = lambda x: gmpo_jax.policy_loss_from_logits(
+        x,
+        gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
+        objective=obj.lib(entropy_coef=C),
+        temperature=0.8,
+        implementation=implementation,
+    )
     (loss, aux), g = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(logits))
     assert_loss_close(loss, want.loss, want.scale, np.float32)
     assert_loss_close(
@@ -194,7 +204,10 @@ def test_bad_coefficient_raises(c, err):
     case = _case(0)
     with pytest.raises(err, match="entropy_coef"):
         gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=gmpo_jax.GMPO(), entropy_coef=c
+            case.hidden,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv),
+            objective=gmpo_jax.GMPO(entropy_coef=c),
         )
 
 
@@ -267,8 +280,12 @@ def test_gpu_qwen_head():
     adv = jnp.asarray([0.8, 0.0, -0.5, 0.0], jnp.float32)
 
     def run(implementation):
-        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
-            h, w, ids, mask, adv, objective=gmpo_jax.GMPO(), entropy_coef=0.01, implementation=implementation
+        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(
+            h,
+            w,
+            gmpo_jax.PolicyBatch(ids, mask, adv),
+            objective=gmpo_jax.GMPO(entropy_coef=0.01),
+            head=gmpo_jax.HeadOptions(implementation=implementation),
         )
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w)
 

@@ -157,14 +157,10 @@ def make_inputs(
 def _call(objective, implementation, logits, ids, mask, adv, old, ref, ris, num_items, temperature):
     return gmpo_jax.policy_loss_from_logits(
         logits,
-        ids,
-        mask,
-        adv,
+        gmpo_jax.PolicyBatch(
+            ids, mask, adv, old_logps=old, ref_logps=ref, rollout_is_ratio=ris, num_items_in_batch=num_items
+        ),
         objective=objective,
-        old_logps=old,
-        ref_logps=ref,
-        rollout_is_ratio=ris,
-        num_items_in_batch=num_items,
         temperature=temperature,
         implementation=implementation,
     )
@@ -329,14 +325,10 @@ def test_primal_and_jit_agree_and_deterministic_xla():
     assert np.array_equal(np.asarray(g1), np.asarray(g2)) and float(l1) == float(l2)
     l3, a3 = _LOSS(obj.lib(), "xla", *_args(case, 1.0, None))  # plain evaluation: no gradient work
     assert float(l3) == float(l1) and float(a3.kl) == float(a1.kl)
-    l4, _ = gmpo_jax.policy_loss_from_logits(  # eager, default dispatch (CPU: "xla"), no jit
+    l4, _ = gmpo_jax.policy_loss_from_logits(
         jnp.asarray(case["logits"]),
-        case["ids"],
-        case["mask"],
-        case["adv"],
+        gmpo_jax.PolicyBatch(case["ids"], case["mask"], case["adv"], old_logps=case["old"], ref_logps=case["ref"]),
         objective=obj.lib(),
-        old_logps=case["old"],
-        ref_logps=case["ref"],
     )
     assert float(l4) == pytest.approx(float(l1), rel=1e-6)
 
@@ -349,7 +341,7 @@ def test_memory_no_logits_copy_xla():
     f = jax.jit(
         lambda z, ids, m, a, old: jax.value_and_grad(
             lambda z: gmpo_jax.policy_loss_from_logits(
-                z, ids, m, a, objective=gmpo_jax.GMPO(), old_logps=old, implementation="xla"
+                z, gmpo_jax.PolicyBatch(ids, m, a, old_logps=old), objective=gmpo_jax.GMPO(), implementation="xla"
             )[0]
         )(z)
     )
@@ -373,27 +365,29 @@ def test_argument_errors():
     z, ids, m, a = (jnp.asarray(case[k]) for k in ("logits", "ids", "mask", "adv"))
     obj = gmpo_jax.GMPO()
     with pytest.raises(ValueError, match="logits must have shape"):
-        gmpo_jax.policy_loss_from_logits(z[:, :-3], ids, m, a, objective=obj)
+        gmpo_jax.policy_loss_from_logits(z[:, :-3], gmpo_jax.PolicyBatch(ids, m, a), objective=obj)
     with pytest.raises(ValueError, match="advantages"):
-        gmpo_jax.policy_loss_from_logits(z, ids, m, a[:2], objective=obj)
+        gmpo_jax.policy_loss_from_logits(z, gmpo_jax.PolicyBatch(ids, m, a[:2]), objective=obj)
     with pytest.raises(TypeError, match="logits"):
-        gmpo_jax.policy_loss_from_logits(z.astype(jnp.int32), ids, m, a, objective=obj)
+        gmpo_jax.policy_loss_from_logits(z.astype(jnp.int32), gmpo_jax.PolicyBatch(ids, m, a), objective=obj)
     with pytest.raises(ValueError, match="needs a reference"):
-        gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=gmpo_jax.GRPO(beta=0.1))
+        gmpo_jax.policy_loss_from_logits(z, gmpo_jax.PolicyBatch(ids, m, a), objective=gmpo_jax.GRPO(beta=0.1))
     with pytest.raises(ValueError, match="temperature"):
-        gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, temperature=0.0)
+        gmpo_jax.policy_loss_from_logits(z, gmpo_jax.PolicyBatch(ids, m, a), objective=obj, temperature=0.0)
     with pytest.raises(ValueError, match="implementation"):
-        gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, implementation="triton")
+        gmpo_jax.policy_loss_from_logits(z, gmpo_jax.PolicyBatch(ids, m, a), objective=obj, implementation="triton")
     if not _on_hopper():
         with pytest.raises(BackendUnavailableError):
-            gmpo_jax.policy_loss_from_logits(z, ids, m, a, objective=obj, implementation="mosaic_gpu")
+            gmpo_jax.policy_loss_from_logits(
+                z, gmpo_jax.PolicyBatch(ids, m, a), objective=obj, implementation="mosaic_gpu"
+            )
     with pytest.raises(UnsupportedConfigError, match="dtype"):  # the kernels take bf16 / f16 / f32
         gmpo_jax.policy_loss_from_logits(
-            z.astype(jnp.float8_e4m3fn), ids, m, a, objective=obj, implementation=INTERPRET
+            z.astype(jnp.float8_e4m3fn), gmpo_jax.PolicyBatch(ids, m, a), objective=obj, implementation=INTERPRET
         )
     with pytest.raises(UnsupportedConfigError, match="no k meets"):  # 100-column rows: no 128-byte tiling
         gmpo_jax.policy_loss_from_logits(
-            z[..., :100].astype(jnp.bfloat16), ids, m, a, objective=obj, implementation=INTERPRET
+            z[..., :100].astype(jnp.bfloat16), gmpo_jax.PolicyBatch(ids, m, a), objective=obj, implementation=INTERPRET
         )
 
 
@@ -556,9 +550,7 @@ def test_mosaic_gpu_interpret_tiny_temperature_argmax_targets(backend, temperatu
         jax.value_and_grad(
             lambda zl: gmpo_jax.policy_loss_from_logits(
                 zl,
-                ids,
-                np.ones((B, T)),
-                np.ones(B),
+                gmpo_jax.PolicyBatch(ids, np.ones((B, T)), np.ones(B)),
                 objective=gmpo_jax.CISPO(epsilon_high=5.0),
                 temperature=temperature,
                 implementation=backend,
@@ -711,7 +703,11 @@ def test_fused_interpret_tiny_temperature_unique_max(obj):
         out[name] = jax.jit(
             jax.value_and_grad(
                 lambda l: gmpo_jax.policy_loss_from_logits(
-                    l, ids, mask, adv, objective=obj, old_logps=old, temperature=tau, implementation=impl
+                    l,
+                    gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old),
+                    objective=obj,
+                    temperature=tau,
+                    implementation=impl,
                 ),
                 has_aux=True,
             )
@@ -871,7 +867,10 @@ def test_fused_full_shape_and_tiny_temperature():
     g = jax.jit(
         jax.grad(
             lambda zl: gmpo_jax.policy_loss_from_logits(
-                zl, ids, np.ones((2, 1024)), np.ones(2), objective=gmpo_jax.CISPO(epsilon_high=5.0), temperature=tau
+                zl,
+                gmpo_jax.PolicyBatch(ids, np.ones((2, 1024)), np.ones(2)),
+                objective=gmpo_jax.CISPO(epsilon_high=5.0),
+                temperature=tau,
             )[0]
         )
     )(z)
@@ -979,11 +978,8 @@ def test_mosaic_gpu_interpret_tie_at_tiny_temperature(backend):
         jax.grad(
             lambda x: gmpo_jax.policy_loss_from_logits(
                 x,
-                ids,
-                mask,
-                jnp.array([1.0, 0.0]),
+                gmpo_jax.PolicyBatch(ids, mask, jnp.array([1.0, 0.0]), old_logps=np.zeros((B, T), np.float32)),
                 objective=obj,
-                old_logps=np.zeros((B, T), np.float32),
                 temperature=tau,
                 implementation=backend,
             )[0]

@@ -128,7 +128,10 @@ def _permute_logits_case(case, perm):
 def _loss_from_logits(implementation, objective):
     def f(logits, ids, mask, adv, old, ref):
         return gmpo_jax.policy_loss_from_logits(
-            logits, ids, mask, adv, objective=objective, old_logps=old, ref_logps=ref, implementation=implementation
+            logits,
+            gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old, ref_logps=ref),
+            objective=objective,
+            implementation=implementation,
         )
 
     return jax.jit(jax.value_and_grad(f, has_aux=True), compiler_options=FAST_COMPILE)
@@ -408,9 +411,7 @@ def test_extreme_rows_logits(kind, implementation):
     def f(lg):
         return gmpo_jax.policy_loss_from_logits(
             lg,
-            jnp.asarray(ids[None]),
-            jnp.ones((1, n), bool),
-            adv,
+            gmpo_jax.PolicyBatch(jnp.asarray(ids[None]), jnp.ones((1, n), bool), adv),
             objective=gmpo_jax.GRPO(),
             implementation=implementation,
         )[0]
@@ -440,7 +441,9 @@ def test_extreme_rows_lm_head(kind, implementation):
     cot = jnp.ones((1, n), jnp.float32)
 
     def f(h):
-        return gmpo_jax.fused_linear_logprobs(h, eye, jnp.asarray(ids[None]), implementation=implementation)
+        return gmpo_jax.fused_linear_logprobs(
+            h, eye, jnp.asarray(ids[None]), head=gmpo_jax.HeadOptions(implementation=implementation)
+        )
 
     logp, vjp = jax.vjp(f, jnp.asarray(z[None]))
     (dz,) = vjp(cot)  # d sum(logp) / d z = onehot - p  (c = 1)
@@ -483,33 +486,37 @@ def test_x64_lm_head(x64, obj):
     case = make_case(5, dtype=np.float32, with_bias=True, ris="bt")
     for impl in ("reference", "xla_chunked"):
         if impl == "reference":
-            f = lambda h, w, b: gmpo_jax.reference.policy_loss(  # noqa: E731
+            f = lambda h, w, b: gmpo_jax.reference.policy_loss(
                 h,
                 w,
-                case.ids,
-                case.mask,
-                case.adv,
-                bias=b,
+                gmpo_jax.PolicyBatch(
+                    case.ids,
+                    case.mask,
+                    case.adv,
+                    old_logps=case.old,
+                    ref_logps=case.ref,
+                    rollout_is_ratio=case.ris,
+                    num_items_in_batch=20.0,
+                ),
                 objective=obj.lib(),
-                old_logps=case.old,
-                ref_logps=case.ref,
-                rollout_is_ratio=case.ris,
-                num_items_in_batch=20.0,
+                bias=b,
             )
         else:
-            f = lambda h, w, b: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
+            f = lambda h, w, b: gmpo_jax.fused_linear_policy_loss(
                 h,
                 w,
-                case.ids,
-                case.mask,
-                case.adv,
-                bias=b,
+                gmpo_jax.PolicyBatch(
+                    case.ids,
+                    case.mask,
+                    case.adv,
+                    old_logps=case.old,
+                    ref_logps=case.ref,
+                    rollout_is_ratio=case.ris,
+                    num_items_in_batch=20.0,
+                ),
                 objective=obj.lib(),
-                old_logps=case.old,
-                ref_logps=case.ref,
-                rollout_is_ratio=case.ris,
-                num_items_in_batch=20.0,
-                implementation=impl,
+                bias=b,
+                head=gmpo_jax.HeadOptions(implementation=impl),
             )
         vg = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
         args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
@@ -529,12 +536,8 @@ def test_x64_logits(x64, obj):
     def f(logits, ids, mask, adv, old, ref):
         return gmpo_jax.policy_loss_from_logits(
             logits,
-            ids,
-            mask,
-            adv,
+            gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old, ref_logps=ref),
             objective=obj.lib(),
-            old_logps=old,
-            ref_logps=ref,
             implementation="xla",
             temperature=0.9,
         )
@@ -553,22 +556,17 @@ def test_x64_logprobs_and_objectives(x64):
     for impl in ("reference", "xla_chunked"):
         if impl == "reference":
             f = lambda h: gmpo_jax.reference.logprobs(
-                h,
-                case.weight,
-                case.ids,
-                completion_mask=case.mask,  # noqa
-                bias=case.bias,
-                temperature=0.7,
+                h, case.weight, case.ids, completion_mask=case.mask, bias=case.bias, temperature=0.7
             )
         else:
             f = lambda h: gmpo_jax.fused_linear_logprobs(
                 h,
                 case.weight,
                 case.ids,
-                completion_mask=case.mask,  # noqa
+                completion_mask=case.mask,
                 bias=case.bias,
                 temperature=0.7,
-                implementation=impl,
+                head=gmpo_jax.HeadOptions(implementation=impl),
             )
         h = jnp.asarray(case.hidden)
         wide = _wide_ops(jax.make_jaxpr(f)(h))

@@ -119,10 +119,14 @@ def test_lm_head_against_spec(obj, implementation):
     want = spec_packed(case, seg, obj)
     assert want.margin > 1e-4, "test setup: a ratio sits within 1e-4 of a bound"
     if implementation == "reference":
-        f = lambda h, w: gmpo_jax.reference.policy_loss(  # noqa: E731
-            h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-            segment_ids=seg,
-        )  # fmt: skip
+        f = lambda h, w: gmpo_jax.reference.policy_loss(
+            h,
+            w,
+            gmpo_jax.PolicyBatch(
+                case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref, segment_ids=seg
+            ),
+            objective=obj.lib(),
+        )
         (loss, aux), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(case.hidden, case.weight)
     else:
         (loss, aux), grads = lm_head_call(case, seg, obj, implementation, chunk_size=1)
@@ -172,10 +176,12 @@ def logits_of(case, dtype):
 
 
 def logits_call(case, seg, logits, obj: Obj, implementation):
-    f = lambda z: gmpo_jax.policy_loss_from_logits(  # noqa: E731
-        z, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-        segment_ids=seg, implementation=implementation,
-    )  # fmt: skip
+    f = lambda z: gmpo_jax.policy_loss_from_logits(
+        z,
+        gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref, segment_ids=seg),
+        objective=obj.lib(),
+        implementation=implementation,
+    )
     return jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(logits))
 
 
@@ -238,10 +244,13 @@ def test_packed_equals_padded(obj):
     )  # fmt: skip
 
     def run(h, ids, m, a, old, ref, sg):
-        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
-            h, w, ids, m, a, objective=obj.lib(), old_logps=old, ref_logps=ref, segment_ids=sg,
-            implementation="xla_chunked", chunk_size=2,
-        )  # fmt: skip
+        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(
+            h,
+            w,
+            gmpo_jax.PolicyBatch(ids, m, a, old_logps=old, ref_logps=ref, segment_ids=sg),
+            objective=obj.lib(),
+            head=gmpo_jax.HeadOptions(chunk_size=2, implementation="xla_chunked"),
+        )
         return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, case.weight)
 
     (lp, auxp), (dhp, dwp) = run(case.hidden, case.ids, mask, case.adv, case.old, case.ref, None)
@@ -281,11 +290,16 @@ def test_bad_inputs_raise(segment_ids, advantages, err, match):
     adv = case.adv if advantages is None else advantages
     with pytest.raises(err, match=match):
         gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, adv, objective=gmpo_jax.GMPO(), segment_ids=segment_ids
+            case.hidden,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, adv, segment_ids=segment_ids),
+            objective=gmpo_jax.GMPO(),
         )
     with pytest.raises(err, match=match):
         gmpo_jax.policy_loss_from_logits(
-            logits_of(case, "float32"), case.ids, case.mask, adv, objective=gmpo_jax.GMPO(), segment_ids=segment_ids
+            logits_of(case, "float32"),
+            gmpo_jax.PolicyBatch(case.ids, case.mask, adv, segment_ids=segment_ids),
+            objective=gmpo_jax.GMPO(),
         )
 
 

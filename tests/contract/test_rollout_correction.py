@@ -47,10 +47,20 @@ def _spec(case, rollout, obj: Obj, mode, *, ris=None):
 def _lm_head(case, rollout, obj: Obj, mode, implementation, *, ris=None):
     def f(h, w):
         return gmpo_jax.fused_linear_policy_loss(
-            h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-            rollout_is_ratio=ris, rollout_logps=rollout, rollout_is_mode=mode, rollout_is_cap=CAP,
-            implementation=implementation, chunk_size=2,
-        )  # fmt: skip
+            h,
+            w,
+            gmpo_jax.PolicyBatch(
+                case.ids,
+                case.mask,
+                case.adv,
+                old_logps=case.old,
+                ref_logps=case.ref,
+                rollout_logps=rollout,
+                rollout_is_ratio=ris,
+            ),
+            objective=obj.lib(rollout_is_mode=mode, rollout_is_cap=CAP),
+            head=gmpo_jax.HeadOptions(chunk_size=2, implementation=implementation),
+        )
 
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
         jnp.asarray(case.hidden), jnp.asarray(case.weight)
@@ -121,10 +131,14 @@ def test_logits(obj, mode, impl):
     dwant = np.zeros(logits.shape)
     dwant[:, :T] = np.where(case.mask[..., None], want.dlogp[..., None] * (onehot - np.exp(logsm)), 0.0)
     implementation = "xla" if impl == "xla" else MosaicGpuLogitsBackend(interpret=True)
-    f = lambda x: gmpo_jax.policy_loss_from_logits(  # noqa: E731
-        x, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-        rollout_logps=rollout, rollout_is_mode=mode, rollout_is_cap=CAP, implementation=implementation,
-    )  # fmt: skip
+    f = lambda x: gmpo_jax.policy_loss_from_logits(
+        x,
+        gmpo_jax.PolicyBatch(
+            case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref, rollout_logps=rollout
+        ),
+        objective=obj.lib(rollout_is_mode=mode, rollout_is_cap=CAP),
+        implementation=implementation,
+    )
     (loss, _), g = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(logits))
     assert_loss_close(loss, want.loss, want.scale, np.dtype(DTYPES[dtype]))
     assert_grad_close(np.asarray(g), dwant, DTYPES[dtype], "dlogits")
@@ -138,10 +152,14 @@ def test_cap_inf_is_the_plain_ratio_and_cap_is_traced():
     want = _spec(case, None, obj, "token_truncate", ris=ris)
     f = jax.jit(
         lambda cap: gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old,
-            ref_logps=case.ref, rollout_logps=rollout, rollout_is_cap=cap,
+            case.hidden,
+            case.weight,
+            gmpo_jax.PolicyBatch(
+                case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref, rollout_logps=rollout
+            ),
+            objective=obj.lib(rollout_is_cap=cap),
         )[0]
-    )  # fmt: skip
+    )
     assert_loss_close(f(jnp.float32(np.inf)), want.loss, want.scale, np.float32)
     assert f(jnp.float32(0.5)) != f(jnp.float32(np.inf))
 
@@ -175,8 +193,10 @@ def test_traced_non_positive_cap_is_nan(obj):
     case, rollout = _case(1)
     f = jax.jit(
         lambda cap: gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old,
-            rollout_logps=rollout, rollout_is_cap=cap,
+            case.hidden,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, rollout_logps=rollout),
+            objective=obj.lib(rollout_is_cap=cap),
         )[0]
-    )  # fmt: skip
+    )
     assert np.isnan(float(f(jnp.float32(-1.0)))) and np.isfinite(float(f(jnp.float32(1.5))))

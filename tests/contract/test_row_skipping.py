@@ -43,15 +43,10 @@ def _run(case, obj, backend, chunk_size=None):
         return gmpo_jax.fused_linear_policy_loss(
             h,
             w,
-            case.ids,
-            case.mask,
-            case.adv,
-            bias=b,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
             objective=obj,
-            old_logps=case.old,
-            ref_logps=case.ref,
-            chunk_size=chunk_size,
-            implementation=backend,
+            bias=b,
+            head=gmpo_jax.HeadOptions(chunk_size=chunk_size, implementation=backend),
         )
 
     args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
@@ -170,7 +165,7 @@ def test_logprobs_skipping(entropy):
                 completion_mask=case.mask,
                 bias=b,
                 return_entropy=entropy,
-                implementation=XlaChunkedBackend(row_buckets=rb),
+                head=gmpo_jax.HeadOptions(implementation=XlaChunkedBackend(row_buckets=rb)),
             )
             logp = out[0] if entropy else out
             return jnp.sum(logp * g), out

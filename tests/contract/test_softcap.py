@@ -74,10 +74,15 @@ def test_policy_loss_against_spec(impl, dtype, layout, with_bias, obj):
     want = _spec(case, obj, temperature=0.8)
     assert want.margin > 1e-4, "test setup: a ratio sits within 1e-4 of a bound"
     if impl == "reference":
-        f = lambda h, w, b: gmpo_jax.reference.policy_loss(  # noqa: E731
-            h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-            bias=b, weight_layout=layout, temperature=0.8, softcap=CAP,
-        )  # fmt: skip
+        f = lambda h, w, b: gmpo_jax.reference.policy_loss(
+            h,
+            w,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref),
+            objective=obj.lib(),
+            bias=b,
+            temperature=0.8,
+            head=gmpo_jax.HeadOptions(weight_layout=layout, softcap=CAP),
+        )
         (loss, aux), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(case.hidden, case.weight, case.bias)
     else:
         loss, aux, grads = _loss(case, obj, IMPLS[impl](), temperature=0.8)
@@ -91,9 +96,14 @@ def test_logprobs_and_entropy(impl):
     want_lp = spec.spec_logprobs(case.hidden, case.weight, case.ids, case.mask, **kw)
     want_h = spec.spec_entropy(case.hidden, case.weight, case.mask, **kw)
     lp, ent = gmpo_jax.fused_linear_logprobs(
-        case.hidden, case.weight, case.ids, completion_mask=case.mask, temperature=0.7, softcap=CAP,
-        return_entropy=True, implementation=IMPLS[impl](),
-    )  # fmt: skip
+        case.hidden,
+        case.weight,
+        case.ids,
+        completion_mask=case.mask,
+        temperature=0.7,
+        return_entropy=True,
+        head=gmpo_jax.HeadOptions(softcap=CAP, implementation=IMPLS[impl]()),
+    )
     zmax = CAP / 0.7
     np.testing.assert_allclose(np.asarray(lp), want_lp, rtol=0, atol=LOGP_TOL * (1 + zmax))
     np.testing.assert_allclose(np.asarray(ent), want_h, rtol=0, atol=ENTROPY_TOL * (1 + zmax))
@@ -110,9 +120,13 @@ def test_kernel_cap_far_from_the_logits(cap):
     kw = dict(bias=None, temperature=0.7, weight_layout="hv", softcap=cap)
     want = spec.spec_logprobs(case.hidden, case.weight, case.ids, case.mask, **kw)
     lp = gmpo_jax.fused_linear_logprobs(
-        case.hidden, case.weight, case.ids, completion_mask=case.mask, temperature=0.7, softcap=cap,
-        implementation=MosaicGpuBackend(interpret=True),
-    )  # fmt: skip
+        case.hidden,
+        case.weight,
+        case.ids,
+        completion_mask=case.mask,
+        temperature=0.7,
+        head=gmpo_jax.HeadOptions(softcap=cap, implementation=MosaicGpuBackend(interpret=True)),
+    )
     zmax = min(cap, 20.0) / 0.7
     np.testing.assert_allclose(np.asarray(lp), want, rtol=0, atol=LOGP_TOL * (1 + zmax))
 
@@ -154,7 +168,11 @@ def test_bad_softcap_raises(cap, err):
     case = _case(0)
     with pytest.raises(err, match="softcap"):
         gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=gmpo_jax.GMPO(), softcap=cap
+            case.hidden,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv),
+            objective=gmpo_jax.GMPO(),
+            head=gmpo_jax.HeadOptions(softcap=cap),
         )
 
 
@@ -178,11 +196,16 @@ def test_gpu_gemma2_head(kept):
     impl = MosaicGpuBackend(save_min_hidden=0 if kept else 10**9)
 
     def run(implementation):
-        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
-            h, w, ids, mask, adv, objective=gmpo_jax.GMPO(), weight_layout="vh", softcap=cap,
-            implementation=implementation,
-        )  # fmt: skip
-        lp = gmpo_jax.fused_linear_logprobs(h, w, ids, weight_layout="vh", softcap=cap, implementation=implementation)
+        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(
+            h,
+            w,
+            gmpo_jax.PolicyBatch(ids, mask, adv),
+            objective=gmpo_jax.GMPO(),
+            head=gmpo_jax.HeadOptions(weight_layout="vh", softcap=cap, implementation=implementation),
+        )
+        lp = gmpo_jax.fused_linear_logprobs(
+            h, w, ids, head=gmpo_jax.HeadOptions(weight_layout="vh", softcap=cap, implementation=implementation)
+        )
         return lp, jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w)
 
     lp, ((loss, _), (dh, dw)) = run(impl)

@@ -37,10 +37,16 @@ def test_fused_temporaries_far_below_logits(objective):
     ids, mask, adv = _inputs()
     fused = _temp_bytes(
         lambda h, w: gmpo_jax.fused_linear_policy_loss(
-            h, w, ids, mask, adv, objective=objective, chunk_size=2, implementation="xla_chunked"
+            h,
+            w,
+            gmpo_jax.PolicyBatch(ids, mask, adv),
+            objective=objective,
+            head=gmpo_jax.HeadOptions(chunk_size=2, implementation="xla_chunked"),
         )[0]
     )
-    dense = _temp_bytes(lambda h, w: reference.policy_loss(h, w, ids, mask, adv, objective=objective)[0])
+    dense = _temp_bytes(
+        lambda h, w: reference.policy_loss(h, w, gmpo_jax.PolicyBatch(ids, mask, adv), objective=objective)[0]
+    )
     # the dense oracle needs at least the logits; the fused path a small fraction of them
     assert dense >= N_V_BYTES, (dense, N_V_BYTES)
     assert fused <= N_V_BYTES / 4, (fused, N_V_BYTES)
@@ -48,5 +54,7 @@ def test_fused_temporaries_far_below_logits(objective):
 
 def test_logprobs_temporaries_far_below_logits():
     ids, mask, _ = _inputs()
-    fused = _temp_bytes(lambda h, w: jnp.sum(gmpo_jax.fused_linear_logprobs(h, w, ids, chunk_size=2)))
+    fused = _temp_bytes(
+        lambda h, w: jnp.sum(gmpo_jax.fused_linear_logprobs(h, w, ids, head=gmpo_jax.HeadOptions(chunk_size=2)))
+    )
     assert fused <= N_V_BYTES / 4, (fused, N_V_BYTES)

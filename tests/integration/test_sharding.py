@@ -74,9 +74,11 @@ def test_vocab_size_equals_the_unpadded_head():
     h, w, ids = _inputs()
     w_pad = jnp.concatenate([w[:, :6], jnp.zeros((4, 2))], axis=1)  # real vocabulary 6, padded to 8
     want = gmpo_jax.fused_linear_logprobs(h, w[:, :6], ids)
-    got = gmpo_jax.fused_linear_logprobs(h, w_pad, ids, vocab_size=6)
+    got = gmpo_jax.fused_linear_logprobs(h, w_pad, ids, head=gmpo_jax.HeadOptions(vocab_size=6))
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    dw = jax.grad(lambda w: gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6).sum())(w_pad)
+    dw = jax.grad(lambda w: gmpo_jax.fused_linear_logprobs(h, w, ids, head=gmpo_jax.HeadOptions(vocab_size=6)).sum())(
+        w_pad
+    )
     assert np.all(np.asarray(dw)[:, 6:] == 0.0)
 
 
@@ -84,12 +86,18 @@ def test_unmasked_id_in_the_padding_is_nan_masked_one_is_ignored():
     h, w, ids = _inputs()
     ids = ids.at[0, 1].set(7)  # in [vocab_size, V)
     with pytest.raises(ValueError, match=r"completion_ids\[0, 1\] = 7"):  # concrete: checked
-        gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6)
-    logp = jax.jit(lambda ids: gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=6))(ids)  # traced: NaN
+        gmpo_jax.fused_linear_logprobs(h, w, ids, head=gmpo_jax.HeadOptions(vocab_size=6))
+    logp = jax.jit(lambda ids: gmpo_jax.fused_linear_logprobs(h, w, ids, head=gmpo_jax.HeadOptions(vocab_size=6)))(
+        ids
+    )  # traced: NaN
     assert np.isnan(logp[0, 1]) and np.all(np.isfinite(np.delete(np.asarray(logp).ravel(), 1)))
     mask = jnp.ones((2, 3), bool).at[0, 1].set(False)
     loss, _ = gmpo_jax.fused_linear_policy_loss(
-        h, w, ids, mask, jnp.array([1.0, -1.0]), objective=gmpo_jax.GMPO(), vocab_size=6
+        h,
+        w,
+        gmpo_jax.PolicyBatch(ids, mask, jnp.array([1.0, -1.0])),
+        objective=gmpo_jax.GMPO(),
+        head=gmpo_jax.HeadOptions(vocab_size=6),
     )
     assert np.isfinite(loss)
 
@@ -98,4 +106,4 @@ def test_unmasked_id_in_the_padding_is_nan_masked_one_is_ignored():
 def test_invalid_vocab_size_raises(vocab_size, err):
     h, w, ids = _inputs()
     with pytest.raises(err, match="vocab_size"):
-        gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=vocab_size)
+        gmpo_jax.fused_linear_logprobs(h, w, ids, head=gmpo_jax.HeadOptions(vocab_size=vocab_size))

@@ -185,14 +185,10 @@ def test_training_loss_gradient_matches_dense_reference(objective, tied):
         return gmpo_jax.reference.policy_loss(
             hidden,
             weight,
-            ids,
-            mask,
-            adv,
+            gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=batch.old_logps, ref_logps=batch.ref_logps),
             objective=objective,
-            old_logps=batch.old_logps,
-            ref_logps=batch.ref_logps,
             temperature=0.9,
-            weight_layout="vh" if tied else "hv",
+            head=gmpo_jax.HeadOptions(weight_layout="vh" if tied else "hv"),
         )
 
     fused = nnx.jit(

@@ -153,7 +153,11 @@ def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, ta
 
 def _loss(h, w, ids, mask, adv, impl, grad_filter):
     return gmpo_jax.fused_linear_policy_loss(
-        h, w, ids, mask, adv, objective=gmpo_jax.GMPO(beta=0.0), implementation=impl, grad_filter=grad_filter
+        h,
+        w,
+        gmpo_jax.PolicyBatch(ids, mask, adv),
+        objective=gmpo_jax.GMPO(beta=0.0),
+        head=gmpo_jax.HeadOptions(grad_filter=grad_filter, implementation=impl),
     )
 
 

@@ -224,7 +224,13 @@ def test_kept_logits_only_for_bfloat16_weights():
     def grad(impl):
         f = lambda w: (
             1e-3
-            * gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, objective=gmpo_jax.GMPO(), implementation=impl)[0]
+            * gmpo_jax.fused_linear_policy_loss(
+                h,
+                w,
+                gmpo_jax.PolicyBatch(ids, mask, adv),
+                objective=gmpo_jax.GMPO(),
+                head=gmpo_jax.HeadOptions(implementation=impl),
+            )[0]
         )
         return np.asarray(jax.jit(jax.grad(f))(w), np.float64)
 
@@ -492,13 +498,12 @@ def _tiny_temperature_policy_case(implementation, B, T, H, V, temperature):
     f = lambda h: gmpo_jax.fused_linear_policy_loss(
         h,
         w,
-        jnp.asarray(ids, jnp.int32),
-        mask,
-        jnp.ones((B,), jnp.float32),
+        gmpo_jax.PolicyBatch(
+            jnp.asarray(ids, jnp.int32), mask, jnp.ones((B,), jnp.float32), old_logps=jnp.zeros((B, T), jnp.float32)
+        ),
         objective=gmpo_jax.GMPO(),
-        old_logps=jnp.zeros((B, T), jnp.float32),
         temperature=temperature,
-        implementation=implementation,
+        head=gmpo_jax.HeadOptions(implementation=implementation),
     )[0]
     v, g = jax.jit(jax.value_and_grad(f))(h)
     assert np.isfinite(float(v))
@@ -521,7 +526,9 @@ def _tiny_temperature_case(implementation, B, T, H, V, temperature):
     p /= p.sum(-1, keepdims=True)
     want = (np.eye(V)[np.asarray(ids)] - p) / temperature @ np.asarray(w, np.float64).T
     f = lambda h: jnp.sum(
-        gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=temperature, implementation=implementation)
+        gmpo_jax.fused_linear_logprobs(
+            h, w, ids, temperature=temperature, head=gmpo_jax.HeadOptions(implementation=implementation)
+        )
     )
     v, g = jax.jit(jax.value_and_grad(f))(h)
     assert np.isfinite(float(v)) and float(v) <= 0
@@ -677,7 +684,9 @@ def test_interpret_padded_vocab_size_through_the_api():
     ids = jnp.asarray(rng.integers(0, real, (B, T)), jnp.int32)
 
     def run(impl):
-        f = lambda h, w: jnp.sum(gmpo_jax.fused_linear_logprobs(h, w, ids, vocab_size=real, implementation=impl))
+        f = lambda h, w: jnp.sum(
+            gmpo_jax.fused_linear_logprobs(h, w, ids, head=gmpo_jax.HeadOptions(vocab_size=real, implementation=impl))
+        )
         return jax.value_and_grad(f, argnums=(0, 1))(h, w)
 
     (v, (dh, dw)), (v0, (dh0, dw0)) = run(INTERPRET), run("xla_chunked")
@@ -710,15 +719,11 @@ def test_interpret_kept_logits_through_the_api(objective):
         f = lambda h, w, b: gmpo_jax.fused_linear_policy_loss(
             h,
             w,
-            ids,
-            mask,
-            adv,
+            gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old),
             objective=obj,
-            old_logps=old,
             bias=b,
             temperature=0.9,
-            implementation=impl,
-            chunk_size=chunk_size,
+            head=gmpo_jax.HeadOptions(chunk_size=chunk_size, implementation=impl),
         )
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(h, w, bias)
 
@@ -848,7 +853,9 @@ def test_interpret_tie_at_tiny_temperature():
     w[:, 3] = w[:, 7] = u / 2  # z_3 = z_7 ~ |u|^2 / 2 ~ 32, the others ~ N(0, 1)
     w = jnp.asarray(w, jnp.bfloat16)
     ids = jnp.full((B, T), 3, jnp.int32)
-    f = lambda w: jnp.sum(gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=tau, implementation=INTERPRET))
+    f = lambda w: jnp.sum(
+        gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=tau, head=gmpo_jax.HeadOptions(implementation=INTERPRET))
+    )
     dw = np.asarray(jax.jit(jax.grad(f))(w), np.float64)
     want = spec.spec_head_vjp(h, w, ids, None, np.ones((B, T)), temperature=tau)[1]
     assert np.allclose(want[:, 3], -want[:, 7]) and np.abs(want[:, 3]).max() > 0  # the setup: a real tie

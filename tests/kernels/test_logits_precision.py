@@ -123,14 +123,21 @@ def test_nan_input_gives_nan_not_a_number():
     w = (rng.normal(size=(64, 257)) * 0.3).astype(np.float32)
     ids = np.array([[5, 7]], np.int32)
     be = MosaicGpuBackend(interpret=True)
-    lp = np.asarray(gmpo_jax.fused_linear_logprobs(h, w, ids, implementation=be, logits_precision="float32"))
+    lp = np.asarray(
+        gmpo_jax.fused_linear_logprobs(
+            h, w, ids, head=gmpo_jax.HeadOptions(logits_precision="float32", implementation=be)
+        )
+    )
     assert np.isnan(lp[0, 0]) and np.isfinite(lp[0, 1]), lp
 
     def loss(h, w):
         return gmpo_jax.fused_linear_policy_loss(
-            h, w, ids, np.ones((1, 2)), np.ones(1, np.float32), objective=gmpo_jax.GRPO(), implementation=be,
-            logits_precision="bf16x3",
-        )[0]  # fmt: skip
+            h,
+            w,
+            gmpo_jax.PolicyBatch(ids, np.ones((1, 2)), np.ones(1, np.float32)),
+            objective=gmpo_jax.GRPO(),
+            head=gmpo_jax.HeadOptions(logits_precision="bf16x3", implementation=be),
+        )[0]
 
     dh, dw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(w))
     assert np.isnan(np.asarray(dw)).any() and np.isnan(np.asarray(dh)[0, 0]).any()
@@ -184,16 +191,25 @@ def test_kernel_logprobs_and_entropy(precision, layout):
     want_h = spec.spec_entropy(case.hidden, case.weight, case.mask, **kw)
     be = MosaicGpuBackend(interpret=True)
     lp, ent = gmpo_jax.fused_linear_logprobs(
-        case.hidden, case.weight, case.ids, completion_mask=case.mask, temperature=0.9, weight_layout=layout,
-        return_entropy=True, implementation=be, logits_precision=precision,
-    )  # fmt: skip
+        case.hidden,
+        case.weight,
+        case.ids,
+        completion_mask=case.mask,
+        temperature=0.9,
+        return_entropy=True,
+        head=gmpo_jax.HeadOptions(weight_layout=layout, logits_precision=precision, implementation=be),
+    )
     tol = _logp_tol(precision, case.hidden, case.weight, layout) / 0.9
     np.testing.assert_allclose(np.asarray(lp), want_lp, rtol=0, atol=tol)
     np.testing.assert_allclose(np.asarray(ent), want_h, rtol=0, atol=tol)
     rounded = gmpo_jax.fused_linear_logprobs(
-        jnp.asarray(case.hidden, jnp.bfloat16), jnp.asarray(case.weight, jnp.bfloat16), case.ids,
-        completion_mask=case.mask, temperature=0.9, weight_layout=layout, implementation=be,
-    )  # fmt: skip
+        jnp.asarray(case.hidden, jnp.bfloat16),
+        jnp.asarray(case.weight, jnp.bfloat16),
+        case.ids,
+        completion_mask=case.mask,
+        temperature=0.9,
+        head=gmpo_jax.HeadOptions(weight_layout=layout, implementation=be),
+    )
     err = np.max(np.abs(np.asarray(lp) - want_lp))
     assert np.max(np.abs(np.asarray(rounded) - want_lp)) > 20 * max(err, 1e-6), err
 
@@ -237,9 +253,13 @@ def test_float16_inputs():
     kw = dict(bias=None, temperature=0.9, weight_layout="hv")
     want = spec.spec_logprobs(case.hidden, case.weight, case.ids, case.mask, **kw)
     lp = gmpo_jax.fused_linear_logprobs(
-        case.hidden, case.weight, case.ids, completion_mask=case.mask, temperature=0.9,
-        implementation=MosaicGpuBackend(interpret=True), logits_precision="float32",
-    )  # fmt: skip
+        case.hidden,
+        case.weight,
+        case.ids,
+        completion_mask=case.mask,
+        temperature=0.9,
+        head=gmpo_jax.HeadOptions(logits_precision="float32", implementation=MosaicGpuBackend(interpret=True)),
+    )
     np.testing.assert_allclose(np.asarray(lp), want, rtol=0, atol=_logp_tol("float32", case.hidden, case.weight, "hv"))
 
 
@@ -264,11 +284,19 @@ def test_bad_logits_precision_raises(value, err):
     case = _case(30)
     with pytest.raises(err, match="logits_precision"):
         gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=gmpo_jax.GMPO(), logits_precision=value
+            case.hidden,
+            case.weight,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv),
+            objective=gmpo_jax.GMPO(),
+            head=gmpo_jax.HeadOptions(logits_precision=value),
         )
     with pytest.raises(err, match="logits_precision"):
         gmpo_jax.fused_linear_logprobs(
-            case.hidden, case.weight, case.ids, completion_mask=case.mask, logits_precision=value
+            case.hidden,
+            case.weight,
+            case.ids,
+            completion_mask=case.mask,
+            head=gmpo_jax.HeadOptions(logits_precision=value),
         )
 
 
@@ -278,9 +306,14 @@ def test_float32_kernels_need_the_option():
     case = _case(31)
     be = MosaicGpuBackend(interpret=True)
     with pytest.raises(UnsupportedConfigError, match="logits_precision"):
-        gmpo_jax.fused_linear_logprobs(case.hidden, case.weight, case.ids, completion_mask=case.mask, implementation=be)
+        gmpo_jax.fused_linear_logprobs(
+            case.hidden, case.weight, case.ids, completion_mask=case.mask, head=gmpo_jax.HeadOptions(implementation=be)
+        )
     lp = gmpo_jax.fused_linear_logprobs(
-        case.hidden[:1, :4], case.weight, case.ids[:1, :4] % V, implementation=be, logits_precision="bf16x3"
+        case.hidden[:1, :4],
+        case.weight,
+        case.ids[:1, :4] % V,
+        head=gmpo_jax.HeadOptions(logits_precision="bf16x3", implementation=be),
     )
     assert lp.shape == (1, 4) and np.all(np.isfinite(np.asarray(lp)))
 
@@ -338,7 +371,9 @@ def test_gpu_float32_head_against_float64(precision):
     want = z[np.arange(R), ids[0]] - lse
     s = np.max(np.abs(h[0]).astype(np.float64) @ np.abs(w).astype(np.float64))
     per = (Hq + 6) * 2.0**-24 if precision == "float32" else 3 * 2.0**-16
-    lp = gmpo_jax.fused_linear_logprobs(h, w, ids, implementation="mosaic_gpu", logits_precision=precision)
+    lp = gmpo_jax.fused_linear_logprobs(
+        h, w, ids, head=gmpo_jax.HeadOptions(logits_precision=precision, implementation="mosaic_gpu")
+    )
     np.testing.assert_allclose(np.asarray(lp[0], np.float64), want, rtol=0, atol=4 * per * s + LOGP_TOL)
     # d(sum logp)/dh = W[:, id] - p W^T, d/dW = h^T (onehot - p)
     p /= p.sum(1, keepdims=True)
@@ -347,7 +382,7 @@ def test_gpu_float32_head_against_float64(precision):
     want_dh, want_dw = dz @ w.T.astype(np.float64), h[0].T.astype(np.float64) @ dz
     dh, dw = jax.grad(
         lambda h, w: gmpo_jax.fused_linear_logprobs(
-            h, w, ids, implementation="mosaic_gpu", logits_precision=precision
+            h, w, ids, head=gmpo_jax.HeadOptions(logits_precision=precision, implementation="mosaic_gpu")
         ).sum(),
         argnums=(0, 1),
     )(jnp.asarray(h), jnp.asarray(w))

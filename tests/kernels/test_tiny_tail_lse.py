@@ -90,7 +90,10 @@ def _logits_logps(z, ids, mask, backend, obj, grad):
 
     def f(x):
         return gmpo_jax.policy_loss_from_logits(
-            x, ids, mask, jnp.ones((B,)), objective=obj, old_logps=jnp.zeros((B, T)), implementation=backend
+            x,
+            gmpo_jax.PolicyBatch(ids, mask, jnp.ones((B,)), old_logps=jnp.zeros((B, T))),
+            objective=obj,
+            implementation=backend,
         )
 
     x = jnp.asarray(z)
@@ -144,11 +147,8 @@ def test_reference_logits(case):
         _check(f"reference V={V} margin={margin} {dtype} logp[{j}]", got[0, j], logp[v], tol)
     _, aux = gmpo_jax.reference.policy_loss_from_logits(
         jnp.broadcast_to(jnp.asarray(z), (1, 2, V)),
-        ids,
-        jnp.ones((1, 2), bool),
-        jnp.ones((1,)),
+        gmpo_jax.PolicyBatch(ids, jnp.ones((1, 2), bool), jnp.ones((1,)), old_logps=jnp.zeros((1, 2))),
         objective=gmpo_jax.GMPO(),
-        old_logps=jnp.zeros((1, 2)),
     )
     _check("reference policy_loss_from_logits log_ratio_max", aux.log_ratio_max, logp[pos % V], tol)
 
@@ -201,13 +201,16 @@ def test_xla_chunked_lm_head(case):
     lse, logp, ent, tol = _stats(z)
     dom, tail = _targets(V, pos)
     ids = jnp.asarray([[dom, tail]], jnp.int32)
-    got = gmpo_jax.fused_linear_logprobs(h[None], w, ids, implementation="xla_chunked")
+    got = gmpo_jax.fused_linear_logprobs(h[None], w, ids, head=gmpo_jax.HeadOptions(implementation="xla_chunked"))
     _check(f"xla_chunked V={V} margin={margin} {dtype} logp(dominant)", got[0, 0], logp[dom], tol)
     _check(f"xla_chunked V={V} margin={margin} {dtype} logp(tail)", got[0, 1], logp[tail], tol)
     _, aux = gmpo_jax.fused_linear_policy_loss(
-        h[None], w, ids, jnp.ones((1, 2), bool), jnp.ones((1,)), objective=gmpo_jax.GMPO(),
-        old_logps=jnp.zeros((1, 2)), implementation="xla_chunked",
-    )  # fmt: skip
+        h[None],
+        w,
+        gmpo_jax.PolicyBatch(ids, jnp.ones((1, 2), bool), jnp.ones((1,)), old_logps=jnp.zeros((1, 2))),
+        objective=gmpo_jax.GMPO(),
+        head=gmpo_jax.HeadOptions(implementation="xla_chunked"),
+    )
     _check("xla_chunked policy loss log_ratio_max", aux.log_ratio_max, logp[dom], tol)
     _check("xla_chunked policy loss log_ratio_min", aux.log_ratio_min, logp[tail], tol)
     be = XlaChunkedBackend(vocab_block=min(V, 4096))  # several blocks merged, with the entropy

@@ -73,9 +73,12 @@ def test_logits_path(x64, obj, dtype, fused):
 
     def f(z):
         return gmpo_jax.policy_loss_from_logits(
-            z, ids, mask, jnp.linspace(-1.0, 1.0, B, dtype=jnp.float32), objective=OBJECTIVES[obj](),
-            old_logps=lp, ref_logps=lp, implementation=be, temperature=0.9,
-        )  # fmt: skip
+            z,
+            gmpo_jax.PolicyBatch(ids, mask, jnp.linspace(-1.0, 1.0, B, dtype=jnp.float32), old_logps=lp, ref_logps=lp),
+            objective=OBJECTIVES[obj](),
+            implementation=be,
+            temperature=0.9,
+        )
 
     _assert_no_float64(f, jnp.zeros((B, T + 1, V), dtype), what=f"logits {obj} {jnp.dtype(dtype)} fused={fused}")
 
@@ -90,9 +93,15 @@ def test_lm_head_path(x64, obj):
     def f(hw):
         hidden, weight = hw
         return gmpo_jax.fused_linear_policy_loss(
-            hidden, weight, ids, mask, jnp.asarray([1.0, -1.0], jnp.float32), objective=OBJECTIVES[obj](),
-            old_logps=jnp.full((B, T), -1.0, jnp.float32), ref_hidden=h, ref_weight=weight,
-            implementation=be, temperature=0.9,
-        )  # fmt: skip
+            hidden,
+            weight,
+            gmpo_jax.PolicyBatch(
+                ids, mask, jnp.asarray([1.0, -1.0], jnp.float32), old_logps=jnp.full((B, T), -1.0, jnp.float32)
+            ),
+            objective=OBJECTIVES[obj](),
+            temperature=0.9,
+            reference=gmpo_jax.ReferenceHead(h, weight),
+            head=gmpo_jax.HeadOptions(implementation=be),
+        )
 
     _assert_no_float64(f, (h, jnp.zeros((H, V), jnp.bfloat16)), what=f"lm_head {obj}")

@@ -574,7 +574,11 @@ def test_jit_does_not_retrace(implementation):
     def step(h, w, adv):
         def f(h, w):
             return gmpo_jax.fused_linear_policy_loss(
-                h, w, ids, mask, adv, objective=obj, old_logps=old, ref_logps=ref, implementation=implementation
+                h,
+                w,
+                gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old, ref_logps=ref),
+                objective=obj,
+                head=gmpo_jax.HeadOptions(implementation=implementation),
             )
 
         return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w)
@@ -612,14 +616,10 @@ def test_traced_hyperparameters_match_python_floats(obj, implementation):
         f = lambda h, w: gmpo_jax.fused_linear_policy_loss(
             h,
             w,
-            ids,
-            mask,
-            adv,
+            gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old, ref_logps=ref),
             objective=o,
-            old_logps=old,
-            ref_logps=ref,
             temperature=temperature,
-            implementation=implementation,
+            head=gmpo_jax.HeadOptions(implementation=implementation),
         )
         return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w)
 
@@ -645,14 +645,11 @@ def test_gradient_only_to_hidden_weight_bias(implementation):
         loss, _ = gmpo_jax.fused_linear_policy_loss(
             jnp.asarray(case.hidden),
             jnp.asarray(case.weight),
-            jnp.asarray(case.ids),
-            jnp.asarray(case.mask),
-            adv,
+            gmpo_jax.PolicyBatch(
+                jnp.asarray(case.ids), jnp.asarray(case.mask), adv, old_logps=old, ref_logps=ref, rollout_is_ratio=ris
+            ),
             objective=obj,
-            old_logps=old,
-            ref_logps=ref,
-            rollout_is_ratio=ris,
-            implementation=implementation,
+            head=gmpo_jax.HeadOptions(implementation=implementation),
         )
         return loss
 
@@ -693,17 +690,13 @@ def test_ref_hidden_path(implementation):
         return gmpo_jax.fused_linear_policy_loss(
             h,
             w,
-            jnp.asarray(case.ids),
-            jnp.asarray(case.mask),
-            jnp.asarray(case.adv),
+            gmpo_jax.PolicyBatch(
+                jnp.asarray(case.ids), jnp.asarray(case.mask), jnp.asarray(case.adv), old_logps=jnp.asarray(case.old)
+            ),
             objective=obj.lib(),
-            old_logps=jnp.asarray(case.old),
-            ref_hidden=rh,
-            ref_weight=rw,
-            ref_bias=jnp.asarray(ref_bias),
             bias=b,
-            weight_layout="vh",
-            implementation=implementation,
+            reference=gmpo_jax.ReferenceHead(rh, rw, jnp.asarray(ref_bias)),
+            head=gmpo_jax.HeadOptions(weight_layout="vh", implementation=implementation),
         )
 
     args = tuple(jnp.asarray(x) for x in (case.hidden, case.weight, case.bias, ref_hidden, ref_weight))
@@ -799,10 +792,9 @@ def test_logprobs_entropy(dtype, layout, with_bias, temperature, chunk_size, log
         completion_mask=case.mask,
         bias=case.bias,
         temperature=temperature,
-        weight_layout=layout,
-        chunk_size=chunk_size,
-        implementation=backend,
-        vocab_size=vocab_size,
+        head=gmpo_jax.HeadOptions(
+            weight_layout=layout, chunk_size=chunk_size, implementation=backend, vocab_size=vocab_size
+        ),
     )
 
     ids = case.ids if vocab_size is None else case.ids % vocab_size  # real ids only
@@ -884,7 +876,10 @@ def test_tiny_temperature_gives_finite_float64_value(temperature):
     zl = jnp.asarray(np.einsum("bth,hv->btv", h, w), jnp.float32)
     loss, aux = jax.jit(
         lambda zl: gmpo_jax.policy_loss_from_logits(
-            zl, ids, np.ones((2, 5)), np.array([1.0, -1.0]), objective=gmpo_jax.GMPO(), temperature=temperature
+            zl,
+            gmpo_jax.PolicyBatch(ids, np.ones((2, 5)), np.array([1.0, -1.0])),
+            objective=gmpo_jax.GMPO(),
+            temperature=temperature,
         )
     )(zl)
     assert np.isfinite(float(loss)) and np.isfinite(float(aux.log_ratio_max))
@@ -913,9 +908,7 @@ def test_tiny_temperature_gradients_and_entropy(temperature):
         jax.grad(
             lambda zl: gmpo_jax.policy_loss_from_logits(
                 zl,
-                ids,
-                np.ones((2, 8)),
-                np.ones(2),
+                gmpo_jax.PolicyBatch(ids, np.ones((2, 8)), np.ones(2)),
                 objective=gmpo_jax.CISPO(epsilon_high=5.0),
                 temperature=temperature,
             )[0]

@@ -56,13 +56,18 @@ def _op(name, case, implementation):
     if name == "lm_head":
         w = jnp.asarray(case.weight)
         return lambda obj, x, ref: gmpo_jax.fused_linear_policy_loss(
-            x, w, case.ids, case.mask, case.adv, objective=obj, old_logps=case.old, ref_logps=ref,
-            implementation=implementation,
-        )  # fmt: skip
+            x,
+            w,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=ref),
+            objective=obj,
+            head=gmpo_jax.HeadOptions(implementation=implementation),
+        )
     return lambda obj, x, ref: gmpo_jax.policy_loss_from_logits(
-        x, case.ids, case.mask, case.adv, objective=obj, old_logps=case.old, ref_logps=ref,
+        x,
+        gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=ref),
+        objective=obj,
         implementation=implementation,
-    )  # fmt: skip
+    )
 
 
 def _x(name, case):

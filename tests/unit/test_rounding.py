@@ -54,14 +54,12 @@ def test_cancellation_helps_on_a_head_with_a_shared_direction():
     )
     errs = {}
     for cancel in (False, True):
-        f = lambda h: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
+        f = lambda h: gmpo_jax.fused_linear_policy_loss(
             h,
             jnp.asarray(case.weight),
-            case.ids,
-            case.mask,
-            case.adv,
+            gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv),
             objective=obj,
-            implementation=XlaChunkedBackend(cancel_rounding=cancel),
+            head=gmpo_jax.HeadOptions(implementation=XlaChunkedBackend(cancel_rounding=cancel)),
         )[0]
         dh = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(case.hidden)), np.float64)
         errs[cancel] = np.linalg.norm(dh - want.dhidden) / np.linalg.norm(want.dhidden)

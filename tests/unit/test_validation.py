@@ -153,9 +153,7 @@ def test_traced_beta_without_reference_raises():
         jax.jit(
             lambda beta: gmpo_jax.policy_loss_from_logits(
                 jnp.zeros((B, T + 1, 7)),
-                jnp.zeros((B, T), jnp.int32),
-                jnp.ones((B, T)),
-                jnp.ones((B,)),
+                gmpo_jax.PolicyBatch(jnp.zeros((B, T), jnp.int32), jnp.ones((B, T)), jnp.ones((B,))),
                 objective=gmpo_jax.GRPO(beta=beta),
             )[0]
         )(jnp.float32(0.1))
@@ -304,28 +302,38 @@ def _tiny():
 def test_concrete_array_beta_without_reference_raises(beta):
     h, w, ids, m, adv = _tiny()
     with pytest.raises(ValueError, match="beta"):
-        gmpo_jax.fused_linear_policy_loss(h, w, ids, m, adv, objective=gmpo_jax.GRPO(beta=beta))
+        gmpo_jax.fused_linear_policy_loss(h, w, gmpo_jax.PolicyBatch(ids, m, adv), objective=gmpo_jax.GRPO(beta=beta))
 
 
 @pytest.mark.parametrize("temperature", [jnp.array(-1.0), jnp.array(0.0), np.float32(np.nan)], ids=str)
 def test_concrete_array_temperature_must_be_positive(temperature):
     h, w, ids, m, adv = _tiny()
     with pytest.raises(ValueError, match="temperature"):
-        gmpo_jax.fused_linear_policy_loss(h, w, ids, m, adv, objective=gmpo_jax.GMPO(), temperature=temperature)
+        gmpo_jax.fused_linear_policy_loss(
+            h, w, gmpo_jax.PolicyBatch(ids, m, adv), objective=gmpo_jax.GMPO(), temperature=temperature
+        )
 
 
 def test_weighted_mask_is_rejected_when_concrete():
     h, w, ids, _, adv = _tiny()
     with pytest.raises(ValueError, match="completion_mask"):
-        gmpo_jax.fused_linear_policy_loss(h, w, ids, jnp.full((2, 3), 0.5), adv, objective=gmpo_jax.GMPO())
+        gmpo_jax.fused_linear_policy_loss(
+            h, w, gmpo_jax.PolicyBatch(ids, jnp.full((2, 3), 0.5), adv), objective=gmpo_jax.GMPO()
+        )
 
 
 def test_non_array_and_non_backend_arguments_are_named():
     h, w, ids, m, adv = _tiny()
     with pytest.raises(TypeError, match="advantages"):
-        gmpo_jax.fused_linear_policy_loss(h, w, ids, m, [1.0, -1.0], objective=gmpo_jax.GMPO())
+        gmpo_jax.fused_linear_policy_loss(h, w, gmpo_jax.PolicyBatch(ids, m, [1.0, -1.0]), objective=gmpo_jax.GMPO())
     with pytest.raises(TypeError, match="implementation"):
-        gmpo_jax.fused_linear_policy_loss(h, w, ids, m, adv, objective=gmpo_jax.GMPO(), implementation=123)
+        gmpo_jax.fused_linear_policy_loss(
+            h,
+            w,
+            gmpo_jax.PolicyBatch(ids, m, adv),
+            objective=gmpo_jax.GMPO(),
+            head=gmpo_jax.HeadOptions(implementation=123),
+        )
 
 
 @pytest.mark.parametrize(
@@ -362,17 +370,23 @@ def test_concrete_unmasked_out_of_range_ids_raise():
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
     ids[1, 3] = -100  # masked: fine
     logits = jnp.asarray(rng.standard_normal((B, T + 1, V)), jnp.float32)
-    gmpo_jax.fused_linear_policy_loss(h, w, ids, mask, adv, objective=gmpo_jax.GMPO())
-    gmpo_jax.policy_loss_from_logits(logits, ids, mask, adv, objective=gmpo_jax.GMPO())
+    gmpo_jax.fused_linear_policy_loss(h, w, gmpo_jax.PolicyBatch(ids, mask, adv), objective=gmpo_jax.GMPO())
+    gmpo_jax.policy_loss_from_logits(logits, gmpo_jax.PolicyBatch(ids, mask, adv), objective=gmpo_jax.GMPO())
     bad = ids.copy()
     bad[0, 2] = V
     with pytest.raises(ValueError, match=r"completion_ids\[0, 2\] = 11"):
-        gmpo_jax.fused_linear_policy_loss(h, w, bad, mask, adv, objective=gmpo_jax.GMPO())
+        gmpo_jax.fused_linear_policy_loss(h, w, gmpo_jax.PolicyBatch(bad, mask, adv), objective=gmpo_jax.GMPO())
     with pytest.raises(ValueError, match=r"completion_ids\[0, 2\] = 11"):
-        gmpo_jax.policy_loss_from_logits(logits, bad, mask, adv, objective=gmpo_jax.GMPO())
+        gmpo_jax.policy_loss_from_logits(logits, gmpo_jax.PolicyBatch(bad, mask, adv), objective=gmpo_jax.GMPO())
     with pytest.raises(ValueError, match=r"completion_ids must lie in \[0, 11\)"):
         gmpo_jax.fused_linear_logprobs(h, w, jnp.asarray(ids))  # no mask: -100 counts
     with pytest.raises(ValueError, match=r"\[0, 7\)"):
-        gmpo_jax.fused_linear_logprobs(h, w, np.where(mask, 8, 0), completion_mask=mask, vocab_size=7)
-    traced = jax.jit(lambda i: gmpo_jax.fused_linear_policy_loss(h, w, i, mask, adv, objective=gmpo_jax.GMPO())[0])
+        gmpo_jax.fused_linear_logprobs(
+            h, w, np.where(mask, 8, 0), completion_mask=mask, head=gmpo_jax.HeadOptions(vocab_size=7)
+        )
+    traced = jax.jit(
+        lambda i: gmpo_jax.fused_linear_policy_loss(
+            h, w, gmpo_jax.PolicyBatch(i, mask, adv), objective=gmpo_jax.GMPO()
+        )[0]
+    )
     assert np.isnan(float(traced(bad)))
