@@ -107,7 +107,10 @@ class HeadOptions:
                 object.__setattr__(self, name, int(getattr(self, name)))
         impl = self.implementation
         if isinstance(impl, type):
-            raise TypeError(f"implementation must be a backend instance, not the class: pass {impl.__name__}()")
+            raise TypeError(
+                f"implementation must be a backend instance, not the class, got implementation={impl.__name__}: "
+                f"pass {impl.__name__}()"
+            )
         if impl is not None and not isinstance(impl, str):
             if not callable(getattr(impl, "check_supported", None)):
                 raise TypeError(

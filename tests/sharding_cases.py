@@ -97,26 +97,19 @@ def _ragged_mask():
     return np.arange(T)[None, :] < lengths[:, None]
 
 
-def _loss_fn(name, **kw):
+def _loss_fn(name, *, sharding=None, shaping=None, **head):
+    """``(h, w, b) -> (loss, aux)`` of case ``name``; ``shaping``: the objective's loss shaping, ``head``: more
+    of the ``HeadOptions``'."""
     obj, layout, _ = OBJECTIVES[name]
     c, _, _ = case_for(name)
     j = lambda x: None if x is None else jnp.asarray(x)
+    batch = gmpo_jax.PolicyBatch(j(c.ids), j(c.mask), j(c.adv), old_logps=j(c.old), ref_logps=j(c.ref))
+    options = gmpo_jax.HeadOptions(weight_layout=layout, chunk_size=CHUNK, vocab_size=V_REAL, **head)
+    objective = obj.lib(**(shaping or {}))
 
     def f(h, w, b):
         return gmpo_jax.fused_linear_policy_loss(
-            h,
-            w,
-            j(c.ids),
-            j(c.mask),
-            j(c.adv),
-            objective=obj.lib(),
-            old_logps=j(c.old),
-            ref_logps=j(c.ref),
-            bias=b,
-            weight_layout=layout,
-            chunk_size=CHUNK,
-            vocab_size=V_REAL,
-            **kw,
+            h, w, batch, objective=objective, bias=b, head=options, sharding=sharding
         )
 
     return f
@@ -191,7 +184,9 @@ def test_sharded_equals_single_device(name, mesh_name):
     hs = jax.device_put(c.hidden, NamedSharding(mesh, P(data_axis)))
     ws = jax.device_put(w, NamedSharding(mesh, w_spec))
     bs = None if b is None else jax.device_put(b, NamedSharding(mesh, P(vocab_axis)))
-    got = _value_and_grad(_loss_fn(name, mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), hs, ws, bs)
+    got = _value_and_grad(
+        _loss_fn(name, sharding=gmpo_jax.MeshAxes(mesh, data_axis=data_axis, vocab_axis=vocab_axis)), hs, ws, bs
+    )
     _assert_same(got, single_device(name), f"{name}@{mesh_name}")
     dh, dw, db = got[2]
     # gradients come back sharded like the primals
@@ -211,26 +206,23 @@ def test_num_items_in_batch_and_reference_model_on_2x4():
     mesh = _mesh((2, 4))
     j = jnp.asarray
 
-    def f(h, w, b, **kw):
+    batch = gmpo_jax.PolicyBatch(j(c.ids), j(c.mask), j(c.adv), old_logps=j(c.old), num_items_in_batch=100.0)
+    reference = gmpo_jax.ReferenceHead(j(ref_h), j(c.weight))
+
+    def f(h, w, b, sharding=None):
         return gmpo_jax.fused_linear_policy_loss(
             h,
             w,
-            j(c.ids),
-            j(c.mask),
-            j(c.adv),
+            batch,
             objective=obj.lib(),
-            old_logps=j(c.old),
-            ref_hidden=j(ref_h),
-            ref_weight=j(c.weight),
-            num_items_in_batch=100.0,
-            chunk_size=CHUNK,
-            **kw,
+            reference=reference,
+            head=gmpo_jax.HeadOptions(chunk_size=CHUNK),
+            sharding=sharding,
         )
 
     want = _value_and_grad(f, j(c.hidden), j(c.weight), None)
-    got = _value_and_grad(
-        lambda h, w, b: f(h, w, b, mesh=mesh, data_axis="data", vocab_axis="model"), j(c.hidden), j(c.weight), None
-    )
+    axes = gmpo_jax.MeshAxes(mesh, data_axis="data", vocab_axis="model")
+    got = _value_and_grad(lambda h, w, b: f(h, w, b, axes), j(c.hidden), j(c.weight), None)
     _assert_same(got, want, "cispo@2x4")
 
 
@@ -243,7 +235,7 @@ def test_bf16_vocab_parallel_rounds_like_single_device():
     mesh = _mesh((2, 4))
     loss0, _, (dh0, dw0, _) = _value_and_grad(_loss_fn("gmpo"), h16, w16, None)
     loss, _, (dh, dw, _) = _value_and_grad(
-        _loss_fn("gmpo", mesh=mesh, data_axis="data", vocab_axis="model"), h16, w16, None
+        _loss_fn("gmpo", sharding=gmpo_jax.MeshAxes(mesh, data_axis="data", vocab_axis="model")), h16, w16, None
     )
     assert dh.dtype == dw.dtype == jnp.bfloat16
     _close(loss, loss0, 1e-5, "bf16 loss")
@@ -258,17 +250,24 @@ def test_logprobs_sharded(mesh_name):
     c, w, _ = case_for("gmpo")
     g = jnp.asarray(np.random.default_rng(1).normal(size=(B, T)), jnp.float32)
 
-    def vjp(**kw):
+    def vjp(sharding=None):
         def f(h, w):
             return gmpo_jax.fused_linear_logprobs(
-                h, w, jnp.asarray(c.ids), completion_mask=jnp.asarray(c.mask), chunk_size=CHUNK, vocab_size=V_REAL, **kw
+                h,
+                w,
+                jnp.asarray(c.ids),
+                completion_mask=jnp.asarray(c.mask),
+                head=gmpo_jax.HeadOptions(chunk_size=CHUNK, vocab_size=V_REAL),
+                sharding=sharding,
             )
 
         logp, pullback = jax.vjp(f, jnp.asarray(c.hidden), jnp.asarray(w))
         return (logp,) + pullback(g)
 
     want = jax.jit(vjp, compiler_options=FAST)()
-    got = jax.jit(lambda: vjp(mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), compiler_options=FAST)()
+    got = jax.jit(
+        lambda: vjp(sharding=gmpo_jax.MeshAxes(mesh, data_axis=data_axis, vocab_axis=vocab_axis)), compiler_options=FAST
+    )()
     np.testing.assert_allclose(np.asarray(want[0])[c.mask], c.logp64[c.mask], rtol=0, atol=2e-5)
     for what, x, x0 in zip(("logp", "dhidden", "dweight"), got, want):
         _close(x, x0, GRAD_RTOL, f"{what}@{mesh_name}")
@@ -283,20 +282,21 @@ def test_logprobs_entropy_sharded(mesh_name):
     mesh = _mesh(shape)
     c, w, _ = case_for("gmpo")
 
-    def run(**kw):
+    def run(sharding=None):
         return gmpo_jax.fused_linear_logprobs(
             jnp.asarray(c.hidden),
             jnp.asarray(w),
             jnp.asarray(c.ids),
             completion_mask=jnp.asarray(c.mask),
-            chunk_size=CHUNK,
-            vocab_size=V_REAL,
             return_entropy=True,
-            **kw,
+            head=gmpo_jax.HeadOptions(chunk_size=CHUNK, vocab_size=V_REAL),
+            sharding=sharding,
         )
 
     logp0, ent0 = jax.jit(run, compiler_options=FAST)()
-    logp, ent = jax.jit(lambda: run(mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), compiler_options=FAST)()
+    logp, ent = jax.jit(
+        lambda: run(sharding=gmpo_jax.MeshAxes(mesh, data_axis=data_axis, vocab_axis=vocab_axis)), compiler_options=FAST
+    )()
     want = spec.spec_entropy(c.hidden, w, c.mask, vocab_size=V_REAL)
     np.testing.assert_allclose(np.asarray(ent0), want, rtol=0, atol=2e-5)
     _close(ent, ent0, 1e-5, f"entropy@{mesh_name}")
@@ -339,7 +339,7 @@ def test_vocab_parallel_never_gathers_weight_or_logits(mesh_name):
     c, w, _ = case_for("gmpo")
     hs = jax.device_put(c.hidden, NamedSharding(mesh, P(data_axis)))
     ws = jax.device_put(w, NamedSharding(mesh, P(None, vocab_axis)))
-    f = _loss_fn("gmpo", mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis)
+    f = _loss_fn("gmpo", sharding=gmpo_jax.MeshAxes(mesh, data_axis=data_axis, vocab_axis=vocab_axis))
     g = jax.jit(jax.value_and_grad(lambda h, w: f(h, w, None), argnums=(0, 1), has_aux=True))
     hlo = g.lower(hs, ws).compile().as_text()
     assert "all-reduce" in hlo  # the collectives are there ...
@@ -361,7 +361,9 @@ def test_explicit_axes_are_read_from_input_types_and_context_mesh():
     _assert_same(got, single_device("gmpo"), "inferred@2x4")
     assert got[2][1].sharding.spec == P(None, "model")
     with jax.set_mesh(mesh):
-        got = _value_and_grad(_loss_fn("gmpo", data_axis="data", vocab_axis="model"), hs, ws, None)
+        got = _value_and_grad(
+            _loss_fn("gmpo", sharding=gmpo_jax.MeshAxes(data_axis="data", vocab_axis="model")), hs, ws, None
+        )
     _assert_same(got, single_device("gmpo"), "set_mesh@2x4")
 
 
@@ -386,27 +388,27 @@ def test_auto_sharded_inputs_without_axes_stay_correct():
 def test_invalid_layouts_raise(kw, match):
     mesh = _mesh((2, 4))
     c, _, _ = case_for("gmpo")
-    with pytest.raises(ValueError, match=match):
+    batch = gmpo_jax.PolicyBatch(jnp.asarray(c.ids), jnp.asarray(c.mask), jnp.asarray(c.adv))
+    with pytest.raises(ValueError, match=match):  # MeshAxes checks what it can alone, the call the rest
         gmpo_jax.fused_linear_policy_loss(
             jnp.asarray(c.hidden),
             jnp.zeros((H, 36)),
-            jnp.asarray(c.ids),
-            jnp.asarray(c.mask),
-            jnp.asarray(c.adv),
+            batch,
             objective=gmpo_jax.GMPO(),
-            mesh=mesh,
-            **kw,
+            sharding=gmpo_jax.MeshAxes(mesh, **kw),
         )
 
 
 def test_batch_not_divisible_and_no_mesh_raise():
     mesh = _mesh((8, 1))
-    h = jnp.zeros((6, T, H))
-    args = (jnp.zeros((H, V)), jnp.zeros((6, T), jnp.int32), jnp.ones((6, T)), jnp.zeros((6,)))
+    h, w = jnp.zeros((6, T, H)), jnp.zeros((H, V))
+    batch = gmpo_jax.PolicyBatch(jnp.zeros((6, T), jnp.int32), jnp.ones((6, T)), jnp.zeros((6,)))
     with pytest.raises(ValueError, match="multiple of the 8 data shards"):
-        gmpo_jax.fused_linear_policy_loss(h, *args, objective=gmpo_jax.GMPO(), mesh=mesh, data_axis="data")
+        gmpo_jax.fused_linear_policy_loss(
+            h, w, batch, objective=gmpo_jax.GMPO(), sharding=gmpo_jax.MeshAxes(mesh, data_axis="data")
+        )
     with pytest.raises(ValueError, match="need mesh="):
-        gmpo_jax.fused_linear_logprobs(h, args[0], args[1], sharding=gmpo_jax.MeshAxes(data_axis="data"))
+        gmpo_jax.fused_linear_logprobs(h, w, batch.completion_ids, sharding=gmpo_jax.MeshAxes(data_axis="data"))
 
 
 def test_explicit_sharding_along_hidden_raises():
@@ -447,12 +449,17 @@ def test_packed_sharded_equals_single_device(name, mesh_name):
     rollout = (c.old + rng.uniform(-0.3, 0.3, size=c.old.shape)).astype(np.float32)
     j = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
 
-    def loss_fn(**kw):
+    batch = gmpo_jax.PolicyBatch(
+        j(c.ids), j(c.mask), j(c.adv), old_logps=j(c.old), ref_logps=j(c.ref), rollout_logps=j(rollout),
+        segment_ids=j(SEGMENTS),
+    )  # fmt: skip
+    objective = obj.lib(rollout_is_mode="sequence_truncate")
+    head = gmpo_jax.HeadOptions(weight_layout=layout, chunk_size=CHUNK)
+
+    def loss_fn(sharding=None):
         return lambda h, w, b: gmpo_jax.fused_linear_policy_loss(
-            h, w, j(c.ids), j(c.mask), j(c.adv), objective=obj.lib(), old_logps=j(c.old), ref_logps=j(c.ref),
-            segment_ids=j(SEGMENTS), rollout_logps=j(rollout), rollout_is_mode="sequence_truncate",
-            weight_layout=layout, chunk_size=CHUNK, **kw,
-        )  # fmt: skip
+            h, w, batch, objective=objective, head=head, sharding=sharding
+        )
 
     want = _value_and_grad(loss_fn(), jnp.asarray(c.hidden), jnp.asarray(c.weight), None)
     oracle = spec.spec_policy_loss(
@@ -465,7 +472,7 @@ def test_packed_sharded_equals_single_device(name, mesh_name):
     w_spec = P(None, vocab_axis) if layout == "hv" else P(vocab_axis, None)
     hs = jax.device_put(c.hidden, NamedSharding(mesh, P(data_axis)))
     ws = jax.device_put(c.weight, NamedSharding(mesh, w_spec))
-    got = _value_and_grad(loss_fn(mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), hs, ws, None)
+    got = _value_and_grad(loss_fn(gmpo_jax.MeshAxes(mesh, data_axis=data_axis, vocab_axis=vocab_axis)), hs, ws, None)
     _assert_same(got, want, f"packed {name}@{mesh_name}")
 
 
@@ -490,7 +497,10 @@ def test_softcap_sharded_equals_single_device(mesh_name):
     hs = jax.device_put(c.hidden, NamedSharding(mesh, P(data_axis)))
     ws = jax.device_put(w, NamedSharding(mesh, w_spec))
     got = _value_and_grad(
-        _loss_fn("gmpo", softcap=2.0, mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis), hs, ws, None
+        _loss_fn("gmpo", softcap=2.0, sharding=gmpo_jax.MeshAxes(mesh, data_axis=data_axis, vocab_axis=vocab_axis)),
+        hs,
+        ws,
+        None,
     )
     _assert_same(got, want, f"softcap@{mesh_name}")
 
@@ -502,7 +512,7 @@ def test_entropy_term_sharded_equals_single_device(mesh_name):
     float64 oracle on the real head."""
     obj, layout, _ = OBJECTIVES["gspo"]
     c, w, _ = case_for("gspo")
-    fn = _loss_fn("gspo", entropy_coef=0.05)
+    fn = _loss_fn("gspo", shaping=dict(entropy_coef=0.05))
     want = _value_and_grad(fn, jnp.asarray(c.hidden), jnp.asarray(w), None)
     oracle = spec.spec_policy_loss(
         c.hidden, c.weight, c.ids, c.mask, c.adv, weight_layout=layout, old_logps=c.old, ref_logps=c.ref,
@@ -515,7 +525,9 @@ def test_entropy_term_sharded_equals_single_device(mesh_name):
     w_spec = P(None, vocab_axis) if layout == "hv" else P(vocab_axis, None)
     hs = jax.device_put(c.hidden, NamedSharding(mesh, P(data_axis)))
     ws = jax.device_put(w, NamedSharding(mesh, w_spec))
-    kw = dict(entropy_coef=0.05, mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis)
+    kw = dict(
+        shaping=dict(entropy_coef=0.05), sharding=gmpo_jax.MeshAxes(mesh, data_axis=data_axis, vocab_axis=vocab_axis)
+    )
     got = _value_and_grad(_loss_fn("gspo", **kw), hs, ws, None)
     _assert_same(got, want, f"entropy@{mesh_name}")
 
@@ -535,7 +547,7 @@ def test_logits_precision_sharded_equals_single_device(mesh_name):
     w_spec = P(None, vocab_axis) if layout == "hv" else P(vocab_axis, None)
     hs = jax.device_put(h16, NamedSharding(mesh, P(data_axis)))
     ws = jax.device_put(w16, NamedSharding(mesh, w_spec))
-    kw = dict(logits_precision="float32", mesh=mesh, data_axis=data_axis, vocab_axis=vocab_axis)
+    kw = dict(logits_precision="float32", sharding=gmpo_jax.MeshAxes(mesh, data_axis=data_axis, vocab_axis=vocab_axis))
     loss, _, grads = _value_and_grad(_loss_fn("gspo", **kw), hs, ws, None)
     _close(loss, want[0], 1e-5, "loss")
     for what, g, g0 in zip(("dhidden", "dweight"), grads, want[2]):

@@ -21,6 +21,7 @@ __all__ = [
     "LMHeadBackend",
     "HeadSettings",
     "WithHeadSettings",
+    "with_settings",
     "Capabilities",
     "capabilities",
     "Forward",
@@ -71,6 +72,13 @@ class WithHeadSettings:
     @property
     def grad_filter(self) -> float | None:
         return self._settings.grad_filter
+
+
+def with_settings(backend, *, softcap=None, logits_precision=None, grad_filter=None):
+    """``backend`` (a :class:`WithHeadSettings`) computing with these :class:`HeadSettings` (``grad_filter``: a
+    threshold, already resolved); what ``lm_head.config.resolve_config`` does with a call's ``HeadOptions``."""
+    settings = HeadSettings(softcap=softcap, logits_precision=logits_precision, grad_filter=grad_filter)
+    return dataclasses.replace(backend, _settings=settings)
 
 
 @dataclasses.dataclass(frozen=True)

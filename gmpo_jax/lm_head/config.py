@@ -5,8 +5,6 @@ it (``softcap``, ``logits_precision``, ``grad_filter``, per its declared
 
 from __future__ import annotations
 
-import dataclasses
-
 from jax.sharding import PartitionSpec as P
 
 from gmpo_jax import tuning
@@ -54,9 +52,9 @@ def resolve_config(hidden, weight, bias, T: int, V: int, plan, head: HeadOptions
     tau = grad_filter_threshold(head.grad_filter)
     if not caps.grad_filter or (plan is not None and plan.vocab_axis is not None) or head.softcap is not None:
         tau = None  # the exact gradient (the dropped windows' correction has no (1 - tanh^2) factor of a cap)
-    settings = backend_lib.HeadSettings(softcap=head.softcap, logits_precision=head.logits_precision, grad_filter=tau)
-    if settings != backend_lib.HeadSettings():
-        backend = dataclasses.replace(backend, _settings=settings)
+    settings = dict(softcap=head.softcap, logits_precision=head.logits_precision, grad_filter=tau)
+    if any(v is not None for v in settings.values()):
+        backend = backend_lib.with_settings(backend, **settings)
     return LMHeadConfig(
         backend=sharding.local_backend(backend, plan, V),
         chunk_size=chunk,

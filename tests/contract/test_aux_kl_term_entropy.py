@@ -45,16 +45,17 @@ def _logits(case):
     return np.concatenate([z, z[:, :1]], axis=1).astype(np.float32)
 
 
-def _call(op, case, objective, *, ref=True, implementation=None, **kw):
-    args = (case.ids, case.mask, case.adv)
-    kw = dict(objective=objective, old_logps=case.old, ref_logps=case.ref if ref else None, **kw)
+def _call(op, case, objective, *, ref=True, implementation=None, **fields):
+    """``op``'s ``(loss, aux)``; ``fields``: more of the batch's (``PolicyBatch``)."""
+    ref_logps = case.ref if ref else None
+    batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=ref_logps, **fields)
     if op == "logits":
-        return gmpo_jax.policy_loss_from_logits(_logits(case), *args, implementation=implementation or "xla", **kw)
+        impl = implementation or "xla"
+        return gmpo_jax.policy_loss_from_logits(_logits(case), batch, objective=objective, implementation=impl)
     if op == "reference":
-        return gmpo_jax.reference.policy_loss(case.hidden, case.weight, *args, **kw)
-    return gmpo_jax.fused_linear_policy_loss(
-        case.hidden, case.weight, *args, implementation=implementation or "xla_chunked", **kw
-    )
+        return gmpo_jax.reference.policy_loss(case.hidden, case.weight, batch, objective=objective)
+    head = gmpo_jax.HeadOptions(implementation=implementation or "xla_chunked")
+    return gmpo_jax.fused_linear_policy_loss(case.hidden, case.weight, batch, objective=objective, head=head)
 
 
 @pytest.mark.parametrize("op", ["lm_head", "logits"])
@@ -98,14 +99,12 @@ ENTROPY_CALLS = {
 def test_entropy_mean(call, how):
     case = make_case(7, B=B, T=T, H=H, V=V)
     op, impl = ENTROPY_CALLS[call]
-    kw = {}
+    shaping = {}  # the objective's loss shaping
     if how in ("entropy_coef", "both"):
-        kw["entropy_coef"] = 0.01
+        shaping["entropy_coef"] = 0.01
     if how in ("quantile", "both"):
-        kw["top_entropy_quantile"] = 0.5
-    if impl is not None:
-        kw["implementation"] = impl
-    f = lambda h: _call(op, case, Obj("grpo").lib(), ref=False, **kw)[1]  # noqa: E731
+        shaping["top_entropy_quantile"] = 0.5
+    f = lambda h: _call(op, case, Obj("grpo").lib(**shaping), ref=False, implementation=impl)[1]  # noqa: E731
     aux = jax.jit(f)(0)
     if how == "neither":
         assert float(aux.entropy) == 0.0

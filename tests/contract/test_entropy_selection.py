@@ -33,12 +33,13 @@ def _spec(case, obj: Obj, q=Q, **kw):
     )  # fmt: skip
 
 
-def _lm_head(case, obj: Obj, implementation, q=Q, **kw):
+def _lm_head(case, obj: Obj, implementation, q=Q, **fields):
+    """``fields``: more of the batch's (``PolicyBatch``)."""
+
     def f(h, w):
-        return gmpo_jax.fused_linear_policy_loss(
-            h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-            weight_layout=case.layout, implementation=implementation, top_entropy_quantile=q, **kw,
-        )  # fmt: skip
+        batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref, **fields)
+        head = gmpo_jax.HeadOptions(weight_layout=case.layout, implementation=implementation)
+        return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj.lib(top_entropy_quantile=q), head=head)
 
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
         jnp.asarray(case.hidden), jnp.asarray(case.weight)

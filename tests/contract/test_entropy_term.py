@@ -65,13 +65,13 @@ def test_lm_head(obj, impl):
     case = _case(OBJECTIVES.index(obj))
     want = _spec(case, obj)
     assert want.margin > 1e-4
-    kw = dict(objective=obj.lib(), old_logps=case.old, ref_logps=case.ref, temperature=0.8, entropy_coef=C)
+    batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref)
+    kw = dict(objective=obj.lib(entropy_coef=C), temperature=0.8)
     if impl == "reference":
-        f = lambda h, w: gmpo_jax.reference.policy_loss(h, w, case.ids, case.mask, case.adv, **kw)  # noqa: E731
+        f = lambda h, w: gmpo_jax.reference.policy_loss(h, w, batch, **kw)  # noqa: E731
     else:
-        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
-            h, w, case.ids, case.mask, case.adv, implementation=IMPLS[impl](), chunk_size=2, **kw
-        )
+        head = gmpo_jax.HeadOptions(implementation=IMPLS[impl](), chunk_size=2)
+        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(h, w, batch, head=head, **kw)  # noqa: E731
     (loss, aux), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(case.hidden, case.weight)
     check_against_spec(loss, aux, (*grads, None), want, case, obj)
 

@@ -23,13 +23,16 @@ MASKED = tuple(int(i) for i in np.argwhere(~CASE.mask)[0])
 
 
 def _loss(op, *, old=CASE.old, ref=CASE.ref, ref_hidden=None):
-    args = (CASE.ids, CASE.mask, CASE.adv)
-    kw = dict(objective=OBJ.lib(), old_logps=old, ref_logps=ref)
+    batch = gmpo_jax.PolicyBatch(CASE.ids, CASE.mask, CASE.adv, old_logps=old, ref_logps=ref)
     if op == "logits":
-        return gmpo_jax.policy_loss_from_logits(LOGITS, *args, implementation="xla", **kw)
+        return gmpo_jax.policy_loss_from_logits(LOGITS, batch, objective=OBJ.lib(), implementation="xla")
+    reference = None
     if ref_hidden is not None:
-        kw.update(ref_logps=None, ref_hidden=ref_hidden, ref_weight=CASE.weight)
-    return gmpo_jax.fused_linear_policy_loss(CASE.hidden, CASE.weight, *args, implementation="xla_chunked", **kw)
+        batch, reference = batch._replace(ref_logps=None), gmpo_jax.ReferenceHead(ref_hidden, CASE.weight)
+    head = gmpo_jax.HeadOptions(implementation="xla_chunked")
+    return gmpo_jax.fused_linear_policy_loss(
+        CASE.hidden, CASE.weight, batch, objective=OBJ.lib(), reference=reference, head=head
+    )
 
 
 def _with_nan(x, *positions):

@@ -22,11 +22,11 @@ OPS = ["lm_head", "logits"]
 
 
 def _loss(op, objective, num_items):
-    args = (CASE.ids, CASE.mask, CASE.adv)
-    kw = dict(objective=objective, old_logps=CASE.old, num_items_in_batch=num_items)
+    batch = gmpo_jax.PolicyBatch(CASE.ids, CASE.mask, CASE.adv, old_logps=CASE.old, num_items_in_batch=num_items)
     if op == "lm_head":
-        return gmpo_jax.fused_linear_policy_loss(CASE.hidden, CASE.weight, *args, implementation="xla_chunked", **kw)
-    return gmpo_jax.policy_loss_from_logits(LOGITS, *args, implementation="xla", **kw)
+        head = gmpo_jax.HeadOptions(implementation="xla_chunked")
+        return gmpo_jax.fused_linear_policy_loss(CASE.hidden, CASE.weight, batch, objective=objective, head=head)
+    return gmpo_jax.policy_loss_from_logits(LOGITS, batch, objective=objective, implementation="xla")
 
 
 def _want(obj, num_items):

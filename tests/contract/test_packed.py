@@ -78,22 +78,15 @@ def spec_packed(case, seg, obj: Obj):
     )
 
 
-def lm_head_call(case, seg, obj: Obj, implementation, **kw):
+def lm_head_call(case, seg, obj: Obj, implementation, **head):
+    """``head``: more of the ``HeadOptions``'."""
+
     def f(h, w):
-        return gmpo_jax.fused_linear_policy_loss(
-            h,
-            w,
-            case.ids,
-            case.mask,
-            case.adv,
-            objective=obj.lib(),
-            old_logps=case.old,
-            ref_logps=case.ref,
-            segment_ids=seg,
-            weight_layout=case.layout,
-            implementation=implementation,
-            **kw,
+        batch = gmpo_jax.PolicyBatch(
+            case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref, segment_ids=seg
         )
+        options = gmpo_jax.HeadOptions(weight_layout=case.layout, implementation=implementation, **head)
+        return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj.lib(), head=options)
 
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
         jnp.asarray(case.hidden), jnp.asarray(case.weight)

@@ -167,24 +167,65 @@ def test_cap_inf_is_the_plain_ratio_and_cap_is_traced():
 @pytest.mark.parametrize(
     "kwargs,err,match",
     [
-        (dict(rollout_is_mode="tis"), ValueError, r"rollout_is_mode must be one of .*got rollout_is_mode='tis'"),
-        (dict(rollout_is_cap=0.0), ValueError, r"rollout_is_cap must be > 0"),
-        (dict(rollout_logps=np.zeros((B, T + 1), np.float32)), ValueError, r"rollout_logps must have shape \[B, T\]"),
-        (dict(rollout_logps=np.zeros((B, T), np.int32)), TypeError, "rollout_logps"),
-        (dict(rollout_is_ratio=-np.ones((B,), np.float32)), ValueError, r"rollout_is_ratio must be finite and >= 0"),
-        (dict(rollout_is_ratio=np.full((B,), np.inf, np.float32)), ValueError, r"rollout_is_ratio must be finite"),
-        (dict(rollout_logps=None, rollout_is_mode="token_mask"), ValueError, r"pass rollout_logps too"),
-        (dict(rollout_logps=None, rollout_is_cap=3.0), ValueError, r"pass rollout_logps too"),
-        (dict(rollout_logps=np.full((B, T), np.nan, np.float32)), ValueError, r"rollout_logps must not be NaN"),
+        (
+            dict(rollout_logps=np.zeros((B, T + 1), np.float32)),
+            ValueError,
+            r"batch\.rollout_logps must have shape \[B, T\]",
+        ),
+        (dict(rollout_logps=np.zeros((B, T), np.int32)), TypeError, r"batch\.rollout_logps"),
+        (
+            dict(rollout_is_ratio=-np.ones((B,), np.float32)),
+            ValueError,
+            r"batch\.rollout_is_ratio must be finite and >= 0",
+        ),
+        (
+            dict(rollout_is_ratio=np.full((B,), np.inf, np.float32)),
+            ValueError,
+            r"batch\.rollout_is_ratio must be finite",
+        ),
+        (dict(rollout_logps=np.full((B, T), np.nan, np.float32)), ValueError, r"batch\.rollout_logps must not be NaN"),
     ],
 )
-def test_bad_arguments_raise(kwargs, err, match):
+def test_bad_batch_fields_raise(kwargs, err, match):
     case, rollout = _case(0)
-    kw = {k: v for k, v in (dict(rollout_logps=rollout) | kwargs).items() if v is not None}
+    batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, **(dict(rollout_logps=rollout) | kwargs))
     with pytest.raises(err, match=match):
-        gmpo_jax.fused_linear_policy_loss(
-            case.hidden, case.weight, case.ids, case.mask, case.adv, objective=gmpo_jax.GMPO(), **kw
-        )
+        gmpo_jax.fused_linear_policy_loss(case.hidden, case.weight, batch, objective=gmpo_jax.GMPO())
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (
+            dict(rollout_is_mode="tis"),
+            ValueError,
+            r"rollout_is_mode must be None or one of .*got rollout_is_mode='tis'",
+        ),
+        (dict(rollout_is_cap=0.0), ValueError, r"rollout_is_cap must be > 0"),
+        (dict(rollout_is_cap=np.float32(-1.0)), ValueError, r"rollout_is_cap must be > 0"),
+        (dict(rollout_is_cap="2"), TypeError, r"rollout_is_cap"),
+    ],
+)
+@pytest.mark.parametrize("cls", [gmpo_jax.GMPO, gmpo_jax.GRPO, gmpo_jax.CISPO, gmpo_jax.SAPO], ids=lambda c: c.__name__)
+def test_bad_objective_fields_raise(cls, kwargs, err, match):
+    """The mode and the cap are the objective's (checked when it is built)."""
+    with pytest.raises(err, match=match):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("op", ["lm_head", "logits"])
+def test_mode_and_cap_without_rollout_logps_change_nothing(op):
+    """An objective configured with a correction serves batches without ``rollout_logps`` unchanged (it used to
+    be a ValueError to give the mode or the cap without them, when they were call arguments)."""
+    case, _ = _case(2)
+    batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old)
+    plain, shaped = Obj("grpo").lib(), Obj("grpo").lib(rollout_is_mode="token_mask", rollout_is_cap=1.5)
+    if op == "lm_head":
+        f = lambda o: gmpo_jax.fused_linear_policy_loss(case.hidden, case.weight, batch, objective=o)[0]  # noqa: E731
+    else:
+        z = np.concatenate([case.hidden @ case.weight] * 2, axis=1)[:, : T + 1].astype(np.float32)
+        f = lambda o: gmpo_jax.policy_loss_from_logits(z, batch, objective=o)[0]  # noqa: E731
+    assert float(f(shaped)) == float(f(plain))
 
 
 @pytest.mark.parametrize("obj", [Obj("grpo"), Obj("gmpo")], ids=str)

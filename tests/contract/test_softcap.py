@@ -18,6 +18,7 @@ import spec_numpy as spec
 from conftest import DTYPES, ENTROPY_TOL, LOGP_TOL, Obj, check_against_spec, make_case
 
 import gmpo_jax
+from gmpo_jax.lm_head.backend import with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 
 CAP = 3.0
@@ -36,13 +37,14 @@ def _spec(case, obj: Obj, temperature=1.0):
     )  # fmt: skip
 
 
-def _loss(case, obj: Obj, implementation, temperature=1.0, **kw):
+def _loss(case, obj: Obj, implementation, temperature=1.0):
+    batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref)
+    head = gmpo_jax.HeadOptions(weight_layout=case.layout, softcap=CAP, implementation=implementation)
+
     def f(h, w, b):
         return gmpo_jax.fused_linear_policy_loss(
-            h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-            bias=b, weight_layout=case.layout, temperature=temperature, softcap=CAP,
-            implementation=implementation, **kw,
-        )  # fmt: skip
+            h, w, batch, objective=obj.lib(), bias=b, temperature=temperature, head=head
+        )
 
     argnums = (0, 1) if case.bias is None else (0, 1, 2)
     (loss, aux), grads = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))(
@@ -139,7 +141,7 @@ def test_kernels_lower_for_cuda(monkeypatch):
 
     monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
     R, Hg, Vg = 4096, 2304, 256000
-    be = MosaicGpuBackend(softcap=30.0, save_min_hidden=0)
+    be = with_settings(MosaicGpuBackend(save_min_hidden=0), softcap=30.0)
     h = jax.ShapeDtypeStruct((R, Hg), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((Vg, Hg), jnp.bfloat16)
     i = jax.ShapeDtypeStruct((R,), jnp.int32)

@@ -25,6 +25,7 @@ from test_logits_loss import needs_hopper
 import gmpo_jax
 from gmpo_jax import tuning
 from gmpo_jax.lm_head import vjp
+from gmpo_jax.lm_head.backend import with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 from gmpo_jax.objectives import PolicyInputs, evaluate
 
@@ -126,8 +127,9 @@ def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, ta
     dlogp[rng.random(R) < 0.3] = 0.0  # rows without a cotangent: no window kept
     w_hv = w if layout == "hv" else w.T
     off, kept, dh_ref, dw_ref, db_ref = _reference(h, w_hv, ids, dlogp, tau, t, bias, tail)
-    be = MosaicGpuBackend(
-        interpret=True, filter_window=WINDOW, grad_filter=tau, filter_tail=tail or 65536, save_min_hidden=0
+    be = with_settings(
+        MosaicGpuBackend(interpret=True, filter_window=WINDOW, filter_tail=tail or 65536, save_min_hidden=0),
+        grad_filter=tau,
     )
     budget = None
     if keep is not None:  # the smallest budget that keeps `keep` tiles
@@ -242,14 +244,23 @@ def test_window_mass_of_the_wrong_shape_raises(shape):
     """``grads(window_mass=...)`` must be ``[rows, n_windows]`` (4 windows here): a wrong one raises at trace time
     (a missing window would be read past the array, clamped: a wrong gradient)."""
     h, w, ids, _ = _peaked(4, 256)
-    be = MosaicGpuBackend(interpret=True, filter_window=WINDOW, grad_filter=0.01)
+    be = with_settings(MosaicGpuBackend(interpret=True, filter_window=WINDOW), grad_filter=0.01)
     args = jnp.asarray(h), jnp.asarray(w), None, jnp.asarray(ids), jnp.zeros((256,)), jnp.zeros((256,)), 1.0
     with pytest.raises(ValueError, match=r"window_mass must be \[rows, n_windows\] = \[256, 4\]"):
         be.grads(*args, weight_layout="hv", dw_acc=None, db_acc=None, window_mass=jnp.zeros(shape))
 
 
 @pytest.mark.parametrize(
-    "value, error", [("fast", ValueError), (1.0, ValueError), (-0.1, ValueError), (True, TypeError), ([0.1], TypeError)]
+    "value, error",
+    [
+        ("fast", ValueError),
+        (1.0, ValueError),
+        (-0.1, ValueError),
+        (float("nan"), ValueError),
+        (5.0, ValueError),
+        (True, TypeError),
+        ([0.1], TypeError),
+    ],
 )
 def test_bad_grad_filter_raises(batch, value, error):
     h, w, ids, mask, adv = batch
@@ -257,12 +268,11 @@ def test_bad_grad_filter_raises(batch, value, error):
         _loss(h, w, ids, mask, adv, "xla_chunked", value)
 
 
-@pytest.mark.parametrize(
-    "value, error", [(float("nan"), ValueError), (5.0, ValueError), ("fast", ValueError), (True, TypeError)]
-)
-def test_bad_backend_grad_filter_raises(value, error):
-    with pytest.raises(error, match="grad_filter"):
-        MosaicGpuBackend(interpret=True, grad_filter=value)
+@pytest.mark.parametrize("name", ["grad_filter", "softcap", "logits_precision"])
+def test_call_settings_are_not_backend_arguments(name):
+    """``HeadOptions`` is the only home of the call's settings: the backends do not take them."""
+    with pytest.raises(TypeError, match=name):
+        MosaicGpuBackend(interpret=True, **{name: 0.01})
 
 
 @pytest.mark.parametrize("name", ["filter_window", "filter_tail"])
@@ -272,16 +282,22 @@ def test_bad_backend_filter_columns_raise(name, value, error):
         MosaicGpuBackend(interpret=True, **{name: value})
 
 
-def test_backend_grad_filter_applies_unless_the_call_sets_one():
-    """``"auto"`` on the instance resolves to the threshold; the call's value, when given, replaces it."""
-    from gmpo_jax.lm_head.api import _config
+def test_head_options_grad_filter_reaches_the_backend():
+    """``"auto"`` resolves to the threshold on the backend the call runs; a number is taken as it is; None and a
+    ``softcap`` (whose derivative the dropped windows' correction lacks) give the exact gradient."""
+    from gmpo_jax.lm_head.config import resolve_config
 
-    be = MosaicGpuBackend(interpret=True, grad_filter="auto")
-    assert be.grad_filter == tuning.GRAD_FILTER_AUTO
+    be = MosaicGpuBackend(interpret=True)
     h, w = jnp.zeros((2, 8, H), jnp.bfloat16), jnp.zeros((H, V), jnp.bfloat16)
-    kw = dict(implementation=be, chunk_size=None, weight_layout="hv")
-    assert _config(h, w, None, 8, V, None, grad_filter=None, **kw).backend.grad_filter == tuning.GRAD_FILTER_AUTO
-    assert _config(h, w, None, 8, V, None, grad_filter=0.25, **kw).backend.grad_filter == 0.25
+
+    def threshold(**options):
+        head = gmpo_jax.HeadOptions(implementation=be, **options)
+        return resolve_config(h, w, None, 8, V, None, head).backend.grad_filter
+
+    assert threshold(grad_filter="auto") == tuning.GRAD_FILTER_AUTO
+    assert threshold(grad_filter=0.25) == 0.25
+    assert threshold() is None and threshold(grad_filter=0.25, softcap=30.0) is None
+    assert be.grad_filter is None  # the instance given is not changed
 
 
 @pytest.mark.parametrize(
@@ -318,19 +334,14 @@ def test_gpu_filter_on_the_realistic_workload(H, V, B, T):
     args = (b.hidden, b.weight, b.ids, b.mask, b.advantages)
     obj = gmpo_jax.GMPO()
 
+    batch = gmpo_jax.PolicyBatch(*args[2:], old_logps=b.old_logps)
+
     def run(grad_filter):
-        f = (
-            lambda h, w: gmpo_jax.fused_linear_policy_loss(  # noqa: E731
-                h, w, *args[2:], objective=obj, old_logps=b.old_logps, grad_filter=grad_filter
-            )[0]
-        )
+        head = gmpo_jax.HeadOptions(grad_filter=grad_filter)
+        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj, head=head)[0]  # noqa: E731
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args[:2])
 
-    oracle = (
-        lambda h, w: reference.policy_loss(  # noqa: E731
-            h, w, *args[2:], objective=obj, old_logps=b.old_logps, upcast=True
-        )[0]
-    )
+    oracle = lambda h, w: reference.policy_loss(h, w, batch, objective=obj, upcast=True)[0]  # noqa: E731
     _, (dh_o, dw_o) = jax.jit(jax.value_and_grad(oracle, argnums=(0, 1)))(*args[:2])
     loss0, (dh0, dw0) = run(None)
     loss1, (dh1, dw1) = run("auto")

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from conftest import rel_err
 
+from gmpo_jax.lm_head.backend import with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # benchmarks/
@@ -60,7 +61,7 @@ def member(request):
 def _compiled(tau):
     """The backend's ``logprobs`` and ``grads`` under one ``jax.jit`` per ``tau`` (None: exact), so that the
     interpreter's kernels compile once for every member."""
-    be = MosaicGpuBackend(interpret=True, filter_window=WINDOW, grad_filter=tau)
+    be = with_settings(MosaicGpuBackend(interpret=True, filter_window=WINDOW), grad_filter=tau)
 
     @jax.jit
     def run(h, w, ids, c):

@@ -774,7 +774,8 @@ def test_interpret_entropy_matches_float64(layout, bias, V, vocab_size, temperat
     real = vocab_size or V
     rng = np.random.default_rng(12)
     ids = jnp.asarray(rng.integers(0, real, (B, T)), jnp.int32)
-    kw = dict(bias=b, temperature=temperature, weight_layout=layout, vocab_size=vocab_size, implementation=INTERPRET)
+    head = gmpo_jax.HeadOptions(weight_layout=layout, vocab_size=vocab_size, implementation=INTERPRET)
+    kw = dict(bias=b, temperature=temperature, head=head)
     logp, ent = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids, return_entropy=True, **kw))(h)
     want = spec.spec_entropy(h, w, bias=b, temperature=temperature, weight_layout=layout, vocab_size=vocab_size)
     zmax = np.abs(spec._logits(h, w, b, temperature, layout)).max()
@@ -829,7 +830,7 @@ def test_gpu_entropy_real_heads(layout, bias, H, V):
 
     R = 512
     h, w, b, ids, _ = _inputs(R, H, V, layout, jnp.bfloat16, bias, 3.0, seed=21)
-    kw = dict(bias=b, temperature=0.8, weight_layout=layout, implementation="mosaic_gpu")
+    kw = dict(bias=b, temperature=0.8, head=gmpo_jax.HeadOptions(weight_layout=layout, implementation="mosaic_gpu"))
     logp, ent = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids[None], return_entropy=True, **kw))(h[None])
     logp0 = jax.jit(lambda h: gmpo_jax.fused_linear_logprobs(h, w, ids[None], **kw))(h[None])
     np.testing.assert_array_equal(np.asarray(logp), np.asarray(logp0))

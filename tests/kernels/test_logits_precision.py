@@ -29,7 +29,7 @@ from conftest import LOGP_TOL, Obj, check_against_spec, make_case, rel_err
 import gmpo_jax
 from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax.kernels._common import split_terms
-from gmpo_jax.lm_head.backend import bf16_parts
+from gmpo_jax.lm_head.backend import bf16_parts, with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 
 B, T, H, V = 3, 40, 128, 300
@@ -53,13 +53,17 @@ def _case(seed, layout="hv", with_bias=False, dtype=np.float32):
     return make_case(seed, B=B, T=T, H=H, V=V, dtype=dtype, layout=layout, with_bias=with_bias, logit_scale=3.0)
 
 
-def _grads(case, obj, implementation, precision, **kw):
+def _grads(case, obj, implementation, precision, softcap=None, **shaping):
+    """``shaping``: the objective's loss shaping."""
+    batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref)
+    head = gmpo_jax.HeadOptions(
+        weight_layout=case.layout, softcap=softcap, logits_precision=precision, implementation=implementation
+    )
+
     def f(h, w, b):
         return gmpo_jax.fused_linear_policy_loss(
-            h, w, case.ids, case.mask, case.adv, objective=obj.lib(), old_logps=case.old, ref_logps=case.ref,
-            bias=b, weight_layout=case.layout, temperature=0.9, implementation=implementation,
-            logits_precision=precision, **kw,
-        )  # fmt: skip
+            h, w, batch, objective=obj.lib(**shaping), bias=b, temperature=0.9, head=head
+        )
 
     argnums = (0, 1) if case.bias is None else (0, 1, 2)
     b = None if case.bias is None else jnp.asarray(case.bias)
@@ -339,7 +343,7 @@ def test_kernels_lower_for_cuda(monkeypatch, shape, layout, dtypes, precision):
     monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
     Hh, Vv = shape
     R = 4096
-    be = MosaicGpuBackend(logits_precision=precision)
+    be = with_settings(MosaicGpuBackend(), logits_precision=precision)
     h = jax.ShapeDtypeStruct((R, Hh), jnp.dtype(dtypes[0]))
     w = jax.ShapeDtypeStruct((Hh, Vv) if layout == "hv" else (Vv, Hh), jnp.dtype(dtypes[1]))
     i = jax.ShapeDtypeStruct((R,), jnp.int32)

@@ -27,12 +27,20 @@ def good_args():
     )
 
 
-def call(fn=None, *, objective=None, **override):
-    """Call the loss with valid arguments, some replaced by ``override``."""
+BATCH_FIELDS = gmpo_jax.PolicyBatch._fields
+
+
+def call(fn=None, *, objective=None, head=None, **override):
+    """Call the loss with valid arguments, some replaced by ``override``: ``hidden`` / ``weight``, fields of the
+    batch by their names, ``head`` a dict of ``HeadOptions`` fields (built here, so that a bad field raises
+    inside the caller's ``pytest.raises``), and the other keywords of the call."""
     fn = fn or gmpo_jax.fused_linear_policy_loss
     a = good_args()
-    pos = [override.pop(k, a[k]) for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
-    return fn(*pos, objective=objective or gmpo_jax.GMPO(), **override)
+    hidden, weight = override.pop("hidden", a["hidden"]), override.pop("weight", a["weight"])
+    fields = {k: override.pop(k) for k in BATCH_FIELDS if k in override}
+    batch = gmpo_jax.PolicyBatch(**({k: a[k] for k in BATCH_FIELDS if k in a} | fields))
+    options = None if head is None else gmpo_jax.HeadOptions(**head)
+    return fn(hidden, weight, batch, objective=objective or gmpo_jax.GMPO(), head=options, **override)
 
 
 def test_valid_call_passes():
@@ -41,39 +49,43 @@ def test_valid_call_passes():
 
 
 # --------------------------------------------------------------------------------------------------
-# Shapes and ranks among all inputs
+# Shapes and ranks among all inputs (errors name the argument, or the field: batch.old_logps, reference.hidden)
 # --------------------------------------------------------------------------------------------------
 f32 = lambda *s: jnp.zeros(s, jnp.float32)
+REF_BETA = gmpo_jax.GMPO(beta=0.1)
 
 SHAPE_ERRORS = [
     ("hidden", dict(hidden=f32(B, T * H))),
     ("hidden", dict(hidden=f32(1, B, T, H))),
     ("weight", dict(weight=f32(H, V, 1))),
     ("weight", dict(weight=f32(V, H))),  # a [V, H] table declared "hv"
-    ("weight", dict(weight=f32(H, V), weight_layout="vh")),  # a [H, V] kernel declared "vh"
+    ("weight", dict(weight=f32(H, V), head=dict(weight_layout="vh"))),  # a [H, V] kernel declared "vh"
     ("weight", dict(weight=f32(H + 1, V))),
-    ("weight_layout", dict(weight_layout="HV")),
+    ("weight_layout", dict(head=dict(weight_layout="HV"))),
     ("bias", dict(bias=f32(V + 1))),
     ("bias", dict(bias=f32(1, V))),
-    ("completion_ids", dict(completion_ids=jnp.zeros((B, T + 1), jnp.int32))),
-    ("completion_ids", dict(completion_ids=jnp.zeros((B * T,), jnp.int32))),
-    ("completion_mask", dict(completion_mask=jnp.ones((B, T - 1), bool))),
-    ("completion_mask", dict(completion_mask=jnp.ones((T, B), bool))),
-    ("advantages", dict(advantages=f32(B, 1))),
-    ("advantages", dict(advantages=f32(B + 1))),
-    ("old_logps", dict(old_logps=f32(B, T + 1))),
-    ("old_logps", dict(old_logps=f32(B))),
-    ("ref_logps", dict(ref_logps=f32(T, B), objective=gmpo_jax.GMPO(beta=0.1))),
-    ("rollout_is_ratio", dict(rollout_is_ratio=f32(B, 2), objective=gmpo_jax.GRPO())),
-    ("rollout_is_ratio", dict(rollout_is_ratio=f32(T), objective=gmpo_jax.GRPO())),
-    ("rollout_is_ratio", dict(rollout_is_ratio=f32(B, T, 1), objective=gmpo_jax.GRPO())),
-    ("ref_hidden", dict(ref_hidden=f32(B + 1, T, H), ref_weight=f32(H, V), objective=gmpo_jax.GMPO(beta=0.1))),
-    ("ref_weight", dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V + 1), objective=gmpo_jax.GMPO(beta=0.1))),
+    (r"batch\.completion_ids", dict(completion_ids=jnp.zeros((B, T + 1), jnp.int32))),
+    (r"batch\.completion_ids", dict(completion_ids=jnp.zeros((B * T,), jnp.int32))),
+    (r"batch\.completion_mask", dict(completion_mask=jnp.ones((B, T - 1), bool))),
+    (r"batch\.completion_mask", dict(completion_mask=jnp.ones((T, B), bool))),
+    (r"batch\.advantages", dict(advantages=f32(B, 1))),
+    (r"batch\.advantages", dict(advantages=f32(B + 1))),
+    (r"batch\.old_logps", dict(old_logps=f32(B, T + 1))),
+    (r"batch\.old_logps", dict(old_logps=f32(B))),
+    (r"batch\.ref_logps", dict(ref_logps=f32(T, B), objective=REF_BETA)),
+    (r"batch\.rollout_logps", dict(rollout_logps=f32(B, T, 1))),
+    (r"batch\.rollout_is_ratio", dict(rollout_is_ratio=f32(B, 2), objective=gmpo_jax.GRPO())),
+    (r"batch\.rollout_is_ratio", dict(rollout_is_ratio=f32(T), objective=gmpo_jax.GRPO())),
+    (r"batch\.rollout_is_ratio", dict(rollout_is_ratio=f32(B, T, 1), objective=gmpo_jax.GRPO())),
+    (r"batch\.segment_ids", dict(segment_ids=jnp.ones((B, T + 1), jnp.int32))),
+    (r"reference\.hidden", dict(reference=gmpo_jax.ReferenceHead(f32(B + 1, T, H), f32(H, V)), objective=REF_BETA)),
+    (r"reference\.hidden", dict(reference=gmpo_jax.ReferenceHead(f32(B, T), f32(H, V)), objective=REF_BETA)),
+    (r"reference\.weight", dict(reference=gmpo_jax.ReferenceHead(f32(B, T, H), f32(H, V + 1)), objective=REF_BETA)),
     (
-        "ref_bias",
-        dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V), ref_bias=f32(V - 1), objective=gmpo_jax.GMPO(beta=0.1)),
+        r"reference\.bias",
+        dict(reference=gmpo_jax.ReferenceHead(f32(B, T, H), f32(H, V), f32(V - 1)), objective=REF_BETA),
     ),
-    ("num_items_in_batch", dict(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())),
+    (r"batch\.num_items_in_batch", dict(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())),
     ("temperature", dict(temperature=jnp.ones((2,)))),
 ]
 
@@ -87,25 +99,46 @@ def test_shape_errors_name_the_argument(name, override):
 @pytest.mark.parametrize(
     "name, override",
     [
-        ("completion_ids", dict(completion_ids=jnp.zeros((B, T), jnp.float32))),
-        ("completion_ids", dict(completion_ids=jnp.zeros((B, T), bool))),
+        (r"batch\.completion_ids", dict(completion_ids=jnp.zeros((B, T), jnp.float32))),
+        (r"batch\.completion_ids", dict(completion_ids=jnp.zeros((B, T), bool))),
         ("hidden", dict(hidden=jnp.zeros((B, T, H), jnp.int32))),
         ("weight", dict(weight=jnp.zeros((H, V), jnp.int32))),
-        ("advantages", dict(advantages=jnp.zeros((B,), jnp.int32))),
-        ("old_logps", dict(old_logps=jnp.zeros((B, T), jnp.int32))),
-        ("chunk_size", dict(chunk_size=1.5)),
-        ("completion_mask", dict(completion_mask=np.full((B, T), "a"))),
-        ("advantages", dict(advantages=np.full((B,), None, dtype=object))),
+        (r"batch\.advantages", dict(advantages=jnp.zeros((B,), jnp.int32))),
+        (r"batch\.old_logps", dict(old_logps=jnp.zeros((B, T), jnp.int32))),
+        (r"batch\.segment_ids", dict(segment_ids=jnp.ones((B, T), jnp.float32))),
+        ("chunk_size", dict(head=dict(chunk_size=1.5))),
+        (r"batch\.completion_mask", dict(completion_mask=np.full((B, T), "a"))),
+        (r"batch\.advantages", dict(advantages=np.full((B,), None, dtype=object))),
         ("objective", dict(objective="gmpo")),
+        ("reference", dict(reference=(f32(B, T, H), f32(H, V)), objective=REF_BETA)),  # a tuple, not the class
+        ("head", dict(head_options=dict(chunk_size=2))),
+        ("sharding", dict(sharding=("data", None))),
     ],
 )
 def test_dtype_errors_are_type_errors(name, override):
     with pytest.raises(TypeError, match=name):
         if "objective" in override:  # bypass call()'s default objective
             a = good_args()
-            gmpo_jax.fused_linear_policy_loss(*a.values(), objective=override["objective"])
+            batch = gmpo_jax.PolicyBatch(a["completion_ids"], a["completion_mask"], a["advantages"])
+            gmpo_jax.fused_linear_policy_loss(a["hidden"], a["weight"], batch, objective=override["objective"])
+        elif "head_options" in override:  # a dict where the HeadOptions belongs
+            a = good_args()
+            batch = gmpo_jax.PolicyBatch(a["completion_ids"], a["completion_mask"], a["advantages"])
+            gmpo_jax.fused_linear_policy_loss(
+                a["hidden"], a["weight"], batch, objective=gmpo_jax.GMPO(), head=override["head_options"]
+            )
         else:
             call(**override)
+
+
+def test_batch_must_be_a_policy_batch():
+    """A plain tuple (or dict) of the fields is refused, for both ops: the error names ``batch``."""
+    a = good_args()
+    fields = (a["completion_ids"], a["completion_mask"], a["advantages"])
+    with pytest.raises(TypeError, match="batch must be a gmpo_jax.PolicyBatch"):
+        gmpo_jax.fused_linear_policy_loss(a["hidden"], a["weight"], fields, objective=gmpo_jax.GMPO())
+    with pytest.raises(TypeError, match="batch must be a gmpo_jax.PolicyBatch"):
+        gmpo_jax.policy_loss_from_logits(f32(B, T + 1, V), dict(enumerate(fields)), objective=gmpo_jax.GMPO())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -120,18 +153,18 @@ def test_temperature_must_be_positive(temperature):
 @pytest.mark.parametrize("chunk_size", [0, -2])
 def test_chunk_size_at_least_one(chunk_size):
     with pytest.raises(ValueError, match="chunk_size"):
-        call(chunk_size=chunk_size)
+        call(head=dict(chunk_size=chunk_size))
 
 
 @pytest.mark.parametrize("num_items", [-3, jnp.float32(-5.0), np.float32(np.nan)], ids=["int", "jax", "nan"])
 def test_negative_num_items_in_batch(num_items):
-    with pytest.raises(ValueError, match="num_items_in_batch"):
+    with pytest.raises(ValueError, match=r"batch\.num_items_in_batch"):
         call(num_items_in_batch=num_items, objective=gmpo_jax.GRPO())
 
 
 def test_unknown_implementation():
     with pytest.raises(ValueError, match="implementation"):
-        call(implementation="triton")
+        call(head=dict(implementation="triton"))
 
 
 @pytest.mark.parametrize(
@@ -140,7 +173,7 @@ def test_unknown_implementation():
     ids=lambda o: type(o).__name__,
 )
 def test_beta_without_reference(objective):
-    with pytest.raises(ValueError, match="beta"):
+    with pytest.raises(ValueError, match=r"beta.*batch\.ref_logps, or reference="):
         call(objective=objective)
 
 
@@ -162,7 +195,7 @@ def test_traced_beta_without_reference_raises():
 
 
 def test_concrete_non_finite_advantages_raise():
-    with pytest.raises(ValueError, match=r"advantages must be finite.*advantages\[1\]"):
+    with pytest.raises(ValueError, match=r"batch\.advantages must be finite.*batch\.advantages\[1\]"):
         call(advantages=jnp.array([1.0, jnp.nan] + [0.5] * (B - 2)))
 
 
@@ -171,11 +204,11 @@ def test_backend_classes_and_other_ops_backends_are_type_errors():
     from gmpo_jax.logits import XlaLogitsBackend
 
     with pytest.raises(TypeError, match="instance, not the class"):
-        call(implementation=XlaChunkedBackend)
+        call(head=dict(implementation=XlaChunkedBackend))
     with pytest.raises(TypeError, match="not a fused LM head backend"):
-        call(implementation=XlaLogitsBackend())
+        call(head=dict(implementation=XlaLogitsBackend()))
     with pytest.raises(ValueError, match="row_buckets"):
-        call(implementation=XlaChunkedBackend(row_buckets=0))
+        call(head=dict(implementation=XlaChunkedBackend(row_buckets=0)))
 
 
 def test_beta_zero_with_reference_is_fine():
@@ -183,24 +216,24 @@ def test_beta_zero_with_reference_is_fine():
     assert np.isfinite(float(loss))
 
 
-def test_both_ref_logps_and_ref_hidden():
-    with pytest.raises(ValueError, match="ref_logps.*ref_hidden|ref_hidden.*ref_logps"):
-        call(objective=gmpo_jax.GMPO(beta=0.1), ref_logps=f32(B, T), ref_hidden=f32(B, T, H), ref_weight=f32(H, V))
+@pytest.mark.parametrize(
+    "fn", [gmpo_jax.fused_linear_policy_loss, gmpo_jax.reference.policy_loss], ids=["fused", "dense"]
+)
+def test_both_ref_logps_and_reference_head(fn):
+    """``batch.ref_logps`` and ``reference=`` are two sources of one thing: giving both is an error (the message
+    names both), with or without a KL term."""
+    reference = gmpo_jax.ReferenceHead(f32(B, T, H), f32(H, V))
+    for objective in (gmpo_jax.GMPO(beta=0.1), gmpo_jax.GMPO()):
+        with pytest.raises(ValueError, match=r"batch\.ref_logps or reference="):
+            call(fn, objective=objective, ref_logps=f32(B, T), reference=reference)
 
 
-def test_ref_weight_without_ref_hidden():
-    with pytest.raises(ValueError, match="ref_hidden"):
-        call(objective=gmpo_jax.GMPO(beta=0.1), ref_weight=f32(H, V))
-
-
-def test_ref_hidden_without_ref_weight():
-    with pytest.raises(ValueError, match="ref_weight"):
-        call(objective=gmpo_jax.GMPO(beta=0.1), ref_hidden=f32(B, T, H))
-
-
-def test_errors_raise_under_jit():
-    with pytest.raises(ValueError, match="advantages"):
-        jax.jit(lambda adv: call(advantages=adv)[0])(f32(B + 1))
+def test_reference_head_needs_hidden_and_weight():
+    """A ``ReferenceHead`` is built from both (a NamedTuple: the constructor refuses one alone)."""
+    with pytest.raises(TypeError, match="weight"):
+        gmpo_jax.ReferenceHead(f32(B, T, H))
+    loss, _ = call(objective=gmpo_jax.GMPO(beta=0.1), reference=gmpo_jax.ReferenceHead(f32(B, T, H), f32(H, V)))
+    assert np.isfinite(float(loss))
 
 
 def test_reference_validates_like_the_fused_path():
@@ -238,6 +271,14 @@ OBJECTIVE_ERRORS = [
     ("importance_sampling_level", lambda: gmpo_jax.GMPO(importance_sampling_level="sequence")),
     ("importance_sampling_level", lambda: gmpo_jax.CISPO(importance_sampling_level="sequence")),
     ("importance_sampling_level", lambda: gmpo_jax.SAPO(importance_sampling_level="sequence")),
+    # the loss shaping every objective takes
+    ("entropy_coef", lambda: gmpo_jax.GMPO(entropy_coef=float("nan"))),
+    ("entropy_coef", lambda: gmpo_jax.GRPO(entropy_coef=jnp.array(np.inf))),
+    ("top_entropy_quantile", lambda: gmpo_jax.CISPO(top_entropy_quantile=0.0)),
+    ("top_entropy_quantile", lambda: gmpo_jax.SAPO(top_entropy_quantile=1.5)),
+    ("rollout_is_mode", lambda: gmpo_jax.GMPO(rollout_is_mode="tis")),
+    ("rollout_is_cap", lambda: gmpo_jax.GRPO(rollout_is_cap=0.0)),
+    ("rollout_is_cap", lambda: gmpo_jax.SAPO(rollout_is_cap=np.float32(-2.0))),
 ]
 
 
@@ -265,14 +306,17 @@ def test_objective_defaults_follow_spec():
 LOGPROBS_ERRORS = [
     (ValueError, "hidden", dict(hidden=f32(B, T))),
     (ValueError, "weight", dict(weight=f32(V, H))),
-    (ValueError, "weight_layout", dict(weight_layout="t")),
+    (ValueError, "weight_layout", dict(head=dict(weight_layout="t"))),
     (ValueError, "bias", dict(bias=f32(V + 2))),
     (ValueError, "completion_ids", dict(completion_ids=jnp.zeros((B, T + 1), jnp.int32))),
     (TypeError, "completion_ids", dict(completion_ids=f32(B, T))),
     (ValueError, "completion_mask", dict(completion_mask=jnp.ones((B + 1, T), bool))),
     (ValueError, "temperature", dict(temperature=0.0)),
-    (ValueError, "chunk_size", dict(chunk_size=0)),
-    (ValueError, "implementation", dict(implementation="cuda")),
+    (ValueError, "chunk_size", dict(head=dict(chunk_size=0))),
+    (ValueError, "implementation", dict(head=dict(implementation="cuda"))),
+    (ValueError, "vocab_size", dict(head=dict(vocab_size=V + 1))),
+    (TypeError, "head", dict(head="hv")),
+    (TypeError, "sharding", dict(sharding="data")),
 ]
 
 
@@ -285,6 +329,8 @@ def test_logprobs_validation(exc, name, override):
     a.update(override)
     h, w, ids = a.pop("hidden"), a.pop("weight"), a.pop("completion_ids")
     with pytest.raises(exc, match=name):
+        if isinstance(a.get("head"), dict):
+            a["head"] = gmpo_jax.HeadOptions(**a["head"])
         gmpo_jax.fused_linear_logprobs(h, w, ids, **a)
 
 
