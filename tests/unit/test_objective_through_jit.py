@@ -200,3 +200,47 @@ def test_has_kl_is_static():
         f = _op(op, case, impl)
         with pytest.raises(ValueError, match="needs a reference"):
             jax.jit(lambda beta, x: f(gmpo_jax.GMPO(beta=beta), x, None)[0])(0.0, _x(op, case))
+
+
+def test_loss_shaping_is_traced_or_static_as_declared():
+    """The loss-shaping fields every objective takes: ``entropy_coef`` and ``rollout_is_cap`` are leaves (new
+    values, one program), ``top_entropy_quantile`` and ``rollout_is_mode`` aux data (a new value, a new program);
+    whether the entropy term exists (``entropy_coef`` None or not) is structure, as ``has_kl`` is."""
+    kw = dict(top_entropy_quantile=0.5, rollout_is_mode="token_mask")
+    for cls in (gmpo_jax.GMPO, gmpo_jax.GRPO, gmpo_jax.CISPO, gmpo_jax.SAPO):
+        a = cls(entropy_coef=0.01, rollout_is_cap=1.5, **kw)
+        b = cls(entropy_coef=jnp.float32(0.02), rollout_is_cap=3.0, **kw)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for change in (dict(top_entropy_quantile=0.4), dict(rollout_is_mode="sequence_mask"), dict(entropy_coef=None)):
+            assert jax.tree.structure(dataclasses.replace(a, **change)) != jax.tree.structure(a), change
+        assert {0.01, 1.5} <= set(jax.tree.leaves(a))
+        rebuilt = jax.jit(lambda o: o)(a)
+        assert (rebuilt.top_entropy_quantile, rebuilt.rollout_is_mode) == (0.5, "token_mask")
+        assert float(rebuilt.entropy_coef) == pytest.approx(0.01) and float(rebuilt.rollout_is_cap) == 1.5
+
+
+@pytest.mark.parametrize("op,implementation", OPS, ids=[o for o, _ in OPS])
+def test_traced_entropy_coef_and_rollout_cap(op, implementation):
+    """An objective with an entropy term and a rollout correction through ``jit`` as an argument: two values of
+    ``entropy_coef`` / ``rollout_is_cap``, one trace, each equal to the eager call with Python floats."""
+    case = make_case(13, B=B, T=T, H=H, V=V)
+    rollout = jnp.asarray(case.old + np.random.default_rng(13).uniform(-0.5, 0.5, case.old.shape), jnp.float32)
+    x, w = _x(op, case), jnp.asarray(case.weight)
+    batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, rollout_logps=rollout)
+    traces = []
+
+    def loss(objective, x):
+        traces.append(1)
+        if op == "lm_head":
+            head = gmpo_jax.HeadOptions(implementation=implementation)
+            return gmpo_jax.fused_linear_policy_loss(x, w, batch, objective=objective, head=head)[0]
+        return gmpo_jax.policy_loss_from_logits(x, batch, objective=objective, implementation=implementation)[0]
+
+    step = fast_jit(loss)
+    values = []
+    for c, cap in ((0.02, 1.2), (0.05, 2.5)):
+        objective = gmpo_jax.GRPO(loss_type="grpo", entropy_coef=c, rollout_is_cap=cap)
+        got = float(step(objective, x))
+        np.testing.assert_allclose(got, float(loss(objective, x)), rtol=2e-6)
+        values.append(got)
+    assert traces.count(1) == 1 + 2 and values[0] != values[1]  # one trace (plus the eager calls)

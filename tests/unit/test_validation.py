@@ -110,7 +110,7 @@ def test_shape_errors_name_the_argument(name, override):
         (r"batch\.completion_mask", dict(completion_mask=np.full((B, T), "a"))),
         (r"batch\.advantages", dict(advantages=np.full((B,), None, dtype=object))),
         ("objective", dict(objective="gmpo")),
-        ("reference", dict(reference=(f32(B, T, H), f32(H, V)), objective=REF_BETA)),  # a tuple, not the class
+        ("reference", dict(reference=(f32(B, T, H), f32(H, V)))),  # a tuple, not a ReferenceHead
         ("head", dict(head_options=dict(chunk_size=2))),
         ("sharding", dict(sharding=("data", None))),
     ],
