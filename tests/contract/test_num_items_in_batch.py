@@ -43,7 +43,7 @@ def fresh_warnings(monkeypatch):
 @pytest.mark.parametrize("obj", [Obj("dapo"), Obj("cispo", epsilon_high=1.3)], ids=str)
 @pytest.mark.parametrize("n", [0, 0.5, np.float32(0.999), jnp.int32(0)], ids=["0", "0.5", "np0.999", "jax0"])
 def test_below_one_raises(obj, op, n):
-    with pytest.raises(ValueError, match=r"num_items_in_batch must be >= 1.*got num_items_in_batch="):
+    with pytest.raises(ValueError, match=r"batch\.num_items_in_batch must be >= 1.*got batch\.num_items_in_batch="):
         _loss(op, obj.lib(), n)
 
 
