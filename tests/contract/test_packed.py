@@ -266,15 +266,20 @@ def test_packed_equals_padded(obj):
 @pytest.mark.parametrize(
     "segment_ids,advantages,err,match",
     [
-        (np.zeros((R, L - 1), np.int32), None, ValueError, r"segment_ids must have shape \[B, T\]"),
-        (np.zeros((R, L), np.float32), None, TypeError, "segment_ids must be an integer array"),
-        (np.full((R, L), -1, np.int32), None, ValueError, r"segment_ids must be >= 0 .*segment_ids\[0, 0\] = -1"),
-        (None, np.zeros((R, L + 1), np.float32), ValueError, r"advantages must have shape \[B\] .* or \[B, T\]"),
+        (np.zeros((R, L - 1), np.int32), None, ValueError, r"batch\.segment_ids must have shape \[B, T\]"),
+        (np.zeros((R, L), np.float32), None, TypeError, r"batch\.segment_ids must be an integer array"),
+        (
+            np.full((R, L), -1, np.int32),
+            None,
+            ValueError,
+            r"batch\.segment_ids must be >= 0 .*batch\.segment_ids\[0, 0\] = -1",
+        ),
+        (None, np.zeros((R, L + 1), np.float32), ValueError, r"batch\.advantages must have shape \[B\] .* or \[B, T\]"),
         (
             None,
             np.full((R, L), np.nan, np.float32),
             ValueError,
-            r"advantages must be finite, got advantages\[\(0, 0\)\]",
+            r"batch\.advantages must be finite, got batch\.advantages\[\(0, 0\)\]",
         ),
     ],
 )
