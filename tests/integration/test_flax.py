@@ -44,13 +44,10 @@ def _loss(model, fn, tokens, ids, mask, adv, old):
     loss, _ = fn(
         hidden,
         weight,
-        ids,
-        mask,
-        adv,
+        gmpo_jax.PolicyBatch(ids, mask, adv, old_logps=old),
         objective=gmpo_jax.GMPO(epsilon_low=0.2, epsilon_high=0.2),
-        old_logps=old,
         bias=bias,
-        weight_layout=layout,
+        head=gmpo_jax.HeadOptions(weight_layout=layout),
     )
     return loss
 
