@@ -152,16 +152,20 @@ def test_matches_tunix_grpo_loss_tied_embedding():
 
 
 def test_logits_precision_passes_through():
-    """``logits_precision`` reaches the fused loss (float32 model: Tunix's own loss to float32 tolerance), and a
-    bad value raises when the loss function is made, naming the argument."""
+    """``HeadOptions(logits_precision=...)`` reaches the fused loss (float32 model: Tunix's own loss to float32
+    tolerance); a bad value raises when the options are built, naming the field, and a ``head`` that is not
+    ``HeadOptions`` when the loss function is made."""
     config = CASES["grpo_kl"][0]()
     model, ex = tiny_qwen3(), example(ref=True)
+    head = gmpo_jax.HeadOptions(logits_precision="float32")
     assert_same(
         value_and_grad(algo_core.grpo_loss_fn, model, ex, config),
-        value_and_grad(gtx.make_policy_loss_fn(logits_precision="float32"), model, ex, config),
+        value_and_grad(gtx.make_policy_loss_fn(head=head), model, ex, config),
     )
     with pytest.raises(ValueError, match="logits_precision"):
-        gtx.make_policy_loss_fn(logits_precision="fp32")
+        gmpo_jax.HeadOptions(logits_precision="fp32")
+    with pytest.raises(TypeError, match="head"):
+        gtx.make_policy_loss_fn(head=dict(logits_precision="float32"))
 
 
 @pytest.mark.parametrize("sampler", [False, True])
@@ -176,18 +180,21 @@ def test_gmpo_through_tunix_matches_reference(sampler):
         hidden = gtx.final_hidden_states(model, ex.prompt_ids, ex.completion_ids, pad_id=pad_id, eos_id=eos_id)
         weight, layout = gtx.lm_head(model)
         mask = ex.completion_mask
-        loss, aux = gmpo_jax.reference.policy_loss(
-            hidden,
-            weight,
+        batch = gmpo_jax.PolicyBatch(
             ex.completion_ids,
             mask,
             ex.advantages,
-            objective=gmpo_jax.GMPO(epsilon_low=0.3, epsilon_high=0.35, beta=0.05),
             old_logps=ex.old_per_token_logps,
             ref_logps=ex.ref_per_token_logps,
             rollout_is_ratio=ex.sampler_is_weights,
+        )
+        loss, aux = gmpo_jax.reference.policy_loss(
+            hidden,
+            weight,
+            batch,
+            objective=gmpo_jax.GMPO(epsilon_low=0.3, epsilon_high=0.35, beta=0.05),
             temperature=0.8,
-            weight_layout=layout,
+            head=gmpo_jax.HeadOptions(weight_layout=layout),
         )
         rows = jnp.sum(jnp.sum(mask, -1) > 0)  # Tunix's sequence-mean-token-mean: mean over non-empty rows
         return loss * mask.shape[0] / rows, {"kl": aux.kl, "pg_clipfrac": aux.clip_fraction}
@@ -252,7 +259,7 @@ def test_compiled_step_holds_no_logits():
         return jax.jit(step).lower(state, ex).compile().as_text()
 
     # chunk_size=1: one sequence per chunk, so no chunk-sized buffer can reach B * T * V by itself
-    ours = _largest_buffer(compiled_hlo(gtx.make_policy_loss_fn(chunk_size=1)))
+    ours = _largest_buffer(compiled_hlo(gtx.make_policy_loss_fn(head=gmpo_jax.HeadOptions(chunk_size=1))))
     theirs = _largest_buffer(compiled_hlo(algo_core.grpo_loss_fn))
     assert theirs >= B * T * V
     assert ours < B * T * V, ours
@@ -604,7 +611,7 @@ def tiny_gemma2(vocab=97, softcap=2.0, seed=0):
 
 def test_matches_tunix_grpo_loss_gemma2_softcap():
     """Gemma 2's final-logit soft cap (here 2.0, so that it bends the logits) through the fused loss (its
-    ``softcap=``, read by ``logit_softcap``) equals Tunix's own loss on the model's capped logits."""
+    ``HeadOptions.softcap``, read by ``logit_softcap``) equals Tunix's own loss on the model's capped logits."""
     config = with_temperature(GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl"), 0.9)
     model, ex = tiny_gemma2(), example(ref=True, seed=3)
     assert gtx.logit_softcap(model) == 2.0 and gtx.lm_head(model)[1] == "vh"

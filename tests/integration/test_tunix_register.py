@@ -164,5 +164,5 @@ def test_bias_correction_with_tunix_kl_raises_in_the_loss_too():
     config = GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="kl")
     with pytest.raises(NotImplementedError, match="use_bias_correction_kl"):
         gtx.loss_arguments(config, ex, gmpo_jax.GMPO(use_bias_correction_kl=True))
-    kwargs, _ = gtx.loss_arguments(config, ex, gmpo_jax.GMPO())  # uncorrected: Tunix's KL, a second pass
-    assert kwargs["ref_logps"] is None
+    args = gtx.loss_arguments(config, ex, gmpo_jax.GMPO())  # uncorrected: Tunix's KL, a second pass
+    assert args.batch.ref_logps is None and not args.objective.has_kl
