@@ -60,7 +60,7 @@ def fused_linear_policy_loss(
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters and
         loss shaping (:class:`~gmpo_jax.objectives.Objective`).
       bias: ``[V]`` LM-head bias or None.
-      temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
+      temperature: ``> 0`` sampling temperature dividing the logits (float, or a traced scalar: not checked).
       reference: a :class:`~gmpo_jax.ReferenceHead` from which the KL term's reference log-probs are computed
         with the same fused path, without gradient; instead of ``batch.ref_logps``.
       head: how the LM head computes, a :class:`~gmpo_jax.HeadOptions` (None: ``HeadOptions()``).

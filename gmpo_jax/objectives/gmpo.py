@@ -43,11 +43,13 @@ class GMPO(Objective):
       epsilon_low: lower clip range in log space, ``>= 0`` (paper: 0.4, i.e. ratio >= e^-0.4).
       epsilon_high: upper clip range in log space, ``>= 0`` (paper: 0.4).
       beta: KL coefficient, ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
-        (:attr:`Objective.has_kl`, static), which needs a reference (``ref_logps`` or
-        ``ref_hidden``/``ref_weight``) at call time.
+        (:attr:`Objective.has_kl`, static), which needs a reference (``batch.ref_logps`` or
+        ``reference=``) at call time.
       use_bias_correction_kl: multiply the per-token KL by the unclipped ratio ``exp(r)`` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
         compatibility; ``"sequence"`` raises).
+      entropy_coef, top_entropy_quantile, rollout_is_mode, rollout_is_cap: the loss shaping every objective
+        takes (keyword-only; documented on :class:`~gmpo_jax.objectives.Objective`).
 
     Raises:
       ValueError: a negative epsilon or beta given as a Python number.

@@ -42,6 +42,8 @@ class GRPO(PerTokenObjective):
       delta: optional upper bound ``> 0`` on the unclipped ratio (two-sided clipping, TRL ``delta``).
       use_bias_correction_kl: multiply the KL by the unclipped ratio :math:`e^{w}` (static).
       max_completion_length: positive int, required for ``dr_grpo`` (static).
+      entropy_coef, top_entropy_quantile, rollout_is_mode, rollout_is_cap: the loss shaping every objective
+        takes (keyword-only; documented on :class:`~gmpo_jax.objectives.Objective`).
 
     Raises:
       ValueError: unknown ``loss_type`` / ``importance_sampling_level``, negative epsilon or beta,

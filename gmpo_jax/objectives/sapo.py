@@ -42,6 +42,8 @@ class SAPO(PerTokenObjective):
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
         compatibility; ``"sequence"`` raises).
+      entropy_coef, top_entropy_quantile, rollout_is_mode, rollout_is_cap: the loss shaping every objective
+        takes (keyword-only; documented on :class:`~gmpo_jax.objectives.Objective`).
 
     Raises:
       ValueError: a temperature ``<= 0`` or a negative ``beta``.
