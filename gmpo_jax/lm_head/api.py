@@ -283,7 +283,7 @@ def fused_linear_policy_loss(
         )  # fmt: skip
         select, threshold = high_entropy_tokens(lax.stop_gradient(entropy), inputs.mask, top_entropy_quantile)
         inputs = inputs._replace(token_select=select)
-    if ref_hidden is not None:
+    if ref_hidden is not None and objective.has_kl:  # without a KL term it is ignored (warned)
         ref_logps = lax.stop_gradient(
             fused_linear_logprobs(
                 ref_hidden,
