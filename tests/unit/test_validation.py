@@ -73,7 +73,6 @@ SHAPE_ERRORS = [
         "ref_bias",
         dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V), ref_bias=f32(V - 1), objective=gmpo_jax.GMPO(beta=0.1)),
     ),
-    ("num_items_in_batch", dict(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())),
     ("temperature", dict(temperature=jnp.ones((2,)))),
 ]
 
@@ -106,6 +105,12 @@ def test_dtype_errors_are_type_errors(name, override):
             gmpo_jax.fused_linear_policy_loss(*a.values(), objective=override["objective"])
         else:
             call(**override)
+
+
+def test_num_items_in_batch_vector_is_a_type_error():
+    """A vector is not a real scalar: TypeError, like a bool or a string (tests/unit/test_edge_arguments.py)."""
+    with pytest.raises(TypeError, match="num_items_in_batch must be a real scalar"):
+        call(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())
 
 
 # --------------------------------------------------------------------------------------------------
