@@ -12,6 +12,7 @@ import pytest
 
 import gmpo_jax
 import gmpo_jax.reference
+from gmpo_jax import _validation
 
 B, T, H, V = 2, 3, 4, 5
 
@@ -185,8 +186,11 @@ def test_backend_classes_and_other_ops_backends_are_type_errors():
         call(implementation=XlaChunkedBackend(row_buckets=0))
 
 
-def test_beta_zero_with_reference_is_fine():
-    loss, _ = call(objective=gmpo_jax.GMPO(beta=0.0), ref_logps=f32(B, T) - 1.0)
+def test_beta_zero_with_reference_is_fine(monkeypatch):
+    """Not an error: the reference is ignored, with a warning (once per process; reset here)."""
+    monkeypatch.setattr(_validation, "_warned_ignored_reference", set())
+    with pytest.warns(UserWarning, match="ref_logps is ignored"):
+        loss, _ = call(objective=gmpo_jax.GMPO(beta=0.0), ref_logps=f32(B, T) - 1.0)
     assert np.isfinite(float(loss))
 
 
