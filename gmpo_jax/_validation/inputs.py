@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +23,7 @@ from gmpo_jax._validation.arguments import (
 )
 from gmpo_jax._validation.values import check_ids_in_range, check_mask, check_not_nan_unmasked, check_segment_ids
 from gmpo_jax.objectives import Objective, PolicyInputs, RolloutCorrection
+from gmpo_jax.objectives.params import _concrete_value
 
 TOKEN_ARGS = (
     "completion_ids",
@@ -126,14 +125,12 @@ def check_token_inputs(
         check_not_nan_unmasked("rollout_logps", rollout_logps, completion_mask)
         rollout_correction(rollout_is_mode, rollout_is_cap)  # checks the mode and the cap
     check_entropy_coef(entropy_coef)
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, bool) or not (
-            isinstance(num_items_in_batch, numbers.Real) or _shape(num_items_in_batch) == ()
-        ):
-            raise ValueError(f"num_items_in_batch must be a scalar, got {num_items_in_batch!r}")
-        from gmpo_jax import _validation  # its warn-once state lives on the package
+    from gmpo_jax import _validation  # the warn-once state lives on the package
 
+    if num_items_in_batch is not None:
         _validation.check_num_items(num_items_in_batch, objective)
+    if ref_logps is not None and not objective.has_kl:
+        _validation.warn_ignored_reference("ref_logps", objective)
     check_temperature(temperature)
     check_ids_in_range(completion_ids, completion_mask, V)
 
@@ -205,6 +202,10 @@ def check_policy_inputs(
                 f"ref_weight must have the policy's vocabulary size V={V}, got ref_weight.shape={_shape(ref_weight)}"
             )
         check_not_nan_unmasked("ref_hidden", ref_hidden, completion_mask)
+        if not objective.has_kl:
+            from gmpo_jax import _validation  # the warn-once state lives on the package
+
+            _validation.warn_ignored_reference("ref_hidden", objective)
     has_ref = ref_logps is not None or ref_hidden is not None
     if objective.requires_reference and not has_ref:
         raise ValueError(reference_error(objective, "ref_logps, or ref_hidden and ref_weight"))
@@ -213,11 +214,15 @@ def check_policy_inputs(
 
 
 def reference_error(objective, what: str) -> str:
-    """The message for an objective with a KL term (:attr:`Objective.has_kl`) called without a reference."""
+    """The message for an objective with a KL term (:attr:`Objective.has_kl`) called without a reference. The
+    flag is static: an objective built with a KL term keeps it when ``jax.tree.map`` maps its ``beta`` to 0."""
+    beta = _concrete_value(getattr(objective, "beta", None))
+    now = "traced" if beta is None else f"now {beta!r}"
     return (
-        f"objective.beta={objective.beta!r} gives the loss a KL term (objective.has_kl: beta was non-zero, or "
-        f"traced, when the objective was built), which needs a reference: pass {what} (or build the objective "
-        "with beta=0.0 as a number for no KL term)"
+        f"objective {type(objective).__name__} was built with a KL term (objective.has_kl is static: its beta "
+        f"was non-zero, or traced, when it was built; beta is {now}), which needs a reference: pass {what} (or "
+        "build a new objective with beta=0.0 as a number for no KL term, e.g. dataclasses.replace(objective, "
+        "beta=0.0))"
     )
 
 
@@ -290,7 +295,7 @@ def policy_inputs(
         mask=mask,
         advantages=_f32(advantages),
         old_logps=_f32(old_logps),
-        ref_logps=_f32(ref_logps),
+        ref_logps=_f32(ref_logps) if objective.has_kl else None,  # without a KL term: ignored (warned)
         rollout_is_ratio=ris,
         ids=jnp.where(mask, as_ids(completion_ids), 0),
         num_items=_f32(num_items_in_batch),

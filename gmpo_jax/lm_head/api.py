@@ -98,10 +98,12 @@ def fused_linear_policy_loss(
         (their common value when the advantage is per sequence).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = sg(logp)``).
-      ref_logps: ``[B, T]`` float reference log-probs for the KL term.
+      ref_logps: ``[B, T]`` float reference log-probs for the KL term. Given to an objective without a KL
+        term (``objective.has_kl`` False) it is ignored: a UserWarning once per process, at the caller's line.
       ref_hidden, ref_weight, ref_bias: instead of ``ref_logps``, the reference model's hidden states
         ``[B, T, H_ref]`` and LM head (same ``weight_layout``); its log-probs are computed with the same
-        fused path, without gradient.
+        fused path, without gradient (not at all for an objective without a KL term: ignored and warned,
+        as ``ref_logps``).
       bias: ``[V]`` LM-head bias or None.
       rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` precomputed importance weights ``>= 0`` of the
         trainer vs the sampler (Liger's ``vllm_is_ratio``), no gradient; multiplies each token's policy
@@ -123,10 +125,12 @@ def fused_linear_policy_loss(
         when it spans more micro-steps than one optimizer step accumulates: that scales each update
         by ``gas / steps_per_generation`` (TRL #5619). With ``optax.MultiSteps`` (which averages the
         accumulated gradients) multiply each micro-step's loss by the number of accumulation steps.
-        A concrete value must be ``>= 1`` (ValueError; any real: a per-process share ``count / processes``
-        need not be integral); a traced one cannot be checked and the normaliser is ``max(n, 1)``. The
-        other loss types ignore it and warn once per loss type (trainers pass it for every loss type, as
-        the Hugging Face ``Trainer`` does; ``_validation.check_num_items``). docs/guide.md: "`num_items_in_batch` under gradient accumulation".
+        A real scalar (TypeError for a bool, a string, a list or a vector, for every loss type). For dapo /
+        cispo a concrete value must be finite and ``>= 1`` (ValueError; any real: a per-process share
+        ``count / processes`` need not be integral); a traced one cannot be checked: the normaliser is
+        ``max(n, 1)`` and a NaN propagates (NaN loss). The other loss types ignore it, whatever its value,
+        and warn once per loss type at the caller's line (trainers pass it for every loss type, as the
+        Hugging Face ``Trainer`` does; ``_validation.check_num_items``). docs/guide.md: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       segment_ids: ``[B, T]`` integer or None: a packed batch, several sequences per row (the layout
         of Tunix and MaxText). Each maximal run of equal positive ids within a row is one sequence; id 0
@@ -216,13 +220,15 @@ def fused_linear_policy_loss(
         - non-floating ``hidden`` / ``weight`` / ``advantages`` / log-probs;
         - non-integer ``completion_ids`` or ``segment_ids``;
         - an ``objective`` that is not an objective;
+        - a ``num_items_in_batch`` that is not a real scalar (a bool, a string, a list, a vector);
         - a ``grad_filter`` that is neither None, ``"auto"`` nor a number.
       ValueError:
         - inconsistent shapes (the argument named); an empty ``B``, ``T``, ``H`` or ``V``;
         - ``weight`` not ``[H, V]`` / ``[V, H]`` as ``weight_layout`` declares; an unknown ``weight_layout``;
         - a concrete ``temperature`` not finite and ``> 0``; ``chunk_size < 1``;
         - an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was
-          built) without a reference; both ``ref_logps`` and ``ref_hidden``;
+          built, kept by ``jax.tree.map``) without a reference; both ``ref_logps`` and ``ref_hidden``;
+        - a concrete ``num_items_in_batch`` not finite and ``>= 1`` (dapo / cispo);
         - concrete non-finite ``advantages``; concrete negative ``segment_ids``;
         - a concrete ``rollout_is_ratio`` not finite and ``>= 0``;
         - ``old_logps`` / ``ref_logps`` / ``rollout_logps`` / ``ref_hidden`` NaN at an unmasked token (concrete;
@@ -283,7 +289,7 @@ def fused_linear_policy_loss(
         )  # fmt: skip
         select, threshold = high_entropy_tokens(lax.stop_gradient(entropy), inputs.mask, top_entropy_quantile)
         inputs = inputs._replace(token_select=select)
-    if ref_hidden is not None:
+    if ref_hidden is not None and objective.has_kl:  # without a KL term it is ignored (warned)
         ref_logps = lax.stop_gradient(
             fused_linear_logprobs(
                 ref_hidden,

@@ -106,15 +106,18 @@ def policy_loss_from_logits(
         (their common value when the advantage is per sequence).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters.
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = sg(logp)``).
-      ref_logps: ``[B, T]`` float reference log-probs for the KL term (needed when ``beta != 0``).
+      ref_logps: ``[B, T]`` float reference log-probs for the KL term (needed when ``objective.has_kl``;
+        given to an objective without a KL term it is ignored: a UserWarning once per process, at the
+        caller's line).
       rollout_is_ratio, rollout_logps, rollout_is_mode, rollout_is_cap: the trainer-vs-sampler mismatch
         correction, as in :func:`gmpo_jax.fused_linear_policy_loss` (with ``rollout_logps`` the token-local
         objectives run the three-pass path, not the fused kernel).
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
         completion tokens in ONE optimizer step's accumulation window (global over devices), exactly as
-        for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details): a concrete value
-        must be ``>= 1``, a traced one is used as ``max(n, 1)``; the other loss types ignore it and warn
-        once per loss type. docs/guide.md: "`num_items_in_batch` under gradient accumulation".
+        for :func:`gmpo_jax.fused_linear_policy_loss` (whose docstring has the details): a real scalar; for
+        dapo / cispo a concrete value must be finite and ``>= 1``, a traced one is used as ``max(n, 1)``
+        (a NaN propagates: NaN loss); the other loss types ignore it, whatever its value, and warn once per
+        loss type at the caller's line. docs/guide.md: "`num_items_in_batch` under gradient accumulation".
       temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
       segment_ids, top_entropy_quantile: as in :func:`gmpo_jax.fused_linear_policy_loss` (packed rows;
         policy gradient only for the highest-entropy tokens, whose entropies come from one more fused XLA
@@ -140,14 +143,16 @@ def policy_loss_from_logits(
       dropped last position). Reverse mode only (a ``jax.custom_vjp``: no ``jax.jvp`` / ``jacfwd``).
 
     Raises:
-      TypeError: non-floating logits / advantages / log-probs; non-integer ids or segment_ids; a non-objective.
+      TypeError: non-floating logits / advantages / log-probs; non-integer ids or segment_ids; a non-objective;
+        a ``num_items_in_batch`` that is not a real scalar (a bool, a string, a list, a vector).
       ValueError:
         - inconsistent shapes (the argument named); an empty ``B``, ``T`` or ``V``;
         - a concrete ``temperature`` not finite and ``> 0``; a concrete mask with values other than 0 / 1;
         - a concrete unmasked id outside ``[0, V)``;
         - an objective with a KL term (``objective.has_kl``: its ``beta`` non-zero or traced when it was
-          built) without ``ref_logps``;
-        - a concrete ``num_items_in_batch < 1``; concrete non-finite ``advantages``; concrete negative
+          built, kept by ``jax.tree.map``) without ``ref_logps``;
+        - a concrete ``num_items_in_batch`` not finite and ``>= 1`` (dapo / cispo); concrete non-finite
+          ``advantages``; concrete negative
           ``segment_ids``; a concrete ``rollout_is_ratio`` not finite and ``>= 0``;
         - ``old_logps`` / ``ref_logps`` / ``rollout_logps`` NaN at an unmasked token (concrete; the error names
           the first ``(b, t)``);

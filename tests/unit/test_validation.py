@@ -12,6 +12,7 @@ import pytest
 
 import gmpo_jax
 import gmpo_jax.reference
+from gmpo_jax import _validation
 
 B, T, H, V = 2, 3, 4, 5
 
@@ -73,7 +74,6 @@ SHAPE_ERRORS = [
         "ref_bias",
         dict(ref_hidden=f32(B, T, H), ref_weight=f32(H, V), ref_bias=f32(V - 1), objective=gmpo_jax.GMPO(beta=0.1)),
     ),
-    ("num_items_in_batch", dict(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())),
     ("temperature", dict(temperature=jnp.ones((2,)))),
 ]
 
@@ -106,6 +106,12 @@ def test_dtype_errors_are_type_errors(name, override):
             gmpo_jax.fused_linear_policy_loss(*a.values(), objective=override["objective"])
         else:
             call(**override)
+
+
+def test_num_items_in_batch_vector_is_a_type_error():
+    """A vector is not a real scalar: TypeError, like a bool or a string (tests/unit/test_edge_arguments.py)."""
+    with pytest.raises(TypeError, match="num_items_in_batch must be a real scalar"):
+        call(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,8 +186,11 @@ def test_backend_classes_and_other_ops_backends_are_type_errors():
         call(implementation=XlaChunkedBackend(row_buckets=0))
 
 
-def test_beta_zero_with_reference_is_fine():
-    loss, _ = call(objective=gmpo_jax.GMPO(beta=0.0), ref_logps=f32(B, T) - 1.0)
+def test_beta_zero_with_reference_is_fine(monkeypatch):
+    """Not an error: the reference is ignored, with a warning (once per process; reset here)."""
+    monkeypatch.setattr(_validation, "_warned_ignored_reference", set())
+    with pytest.warns(UserWarning, match="ref_logps is ignored"):
+        loss, _ = call(objective=gmpo_jax.GMPO(beta=0.0), ref_logps=f32(B, T) - 1.0)
     assert np.isfinite(float(loss))
 
 
