@@ -3,6 +3,9 @@
     python -m benchmarks.compile_probe --shape qwen2.5-0.5b --B 8 --T 2048 --row-buckets 1,2,4,8 \\
         --data heavy-shared,light,unsure,heavy-shared-live [--grad-filter 0.001] [--results run.jsonl]
 
+Records (``kind: compile_probe``) go to ``benchmarks/results/compile-<device>.jsonl``; docs/performance.md
+"First-call time" tabulates them.
+
 One process per ``--row-buckets`` value (``tuning.ROW_BUCKETS``; nothing is shared between them, as for a user's
 first call): ``jax.jit(value_and_grad(loss))`` is lowered (``lower_s``), compiled (``compile_s``: XLA and every
 Mosaic GPU kernel in the program; ``mosaic_calls`` counts the kernel call sites in the optimised HLO) and run
@@ -46,6 +49,10 @@ def _worker(args) -> list[dict]:
     t3 = time.perf_counter()
     hlo = compiled.as_text()
     common = dict(
+        kind="compile_probe",
+        status="ok",
+        date=time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+        commit=_commit(),
         shape=args.shape,
         B=args.B,
         T=args.T,
@@ -73,6 +80,14 @@ def _worker(args) -> list[dict]:
         out.append(rec)
         print(json.dumps(rec), flush=True)
     return out
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
 
 
 def main(argv=None) -> int:
