@@ -71,6 +71,8 @@ def load(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
                     continue
                 if str(r.get("kind", "")).startswith("tunix_"):  # benchmarks.tunix_bench: its own --report
                     continue
+                if r.get("kind") == "compile_probe":  # benchmarks.compile_probe: tabulated by hand
+                    continue
                 dev = r.get("device") or os.path.splitext(os.path.basename(p))[0]
                 by_dev.setdefault(dev, []).append(r)
     return by_dev

@@ -32,7 +32,9 @@ class PolicyBatch(NamedTuple):
         value when the advantage is per sequence). Concrete values must be finite.
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = stop_gradient(logp)``).
       ref_logps: ``[B, T]`` float reference-model log-probs for the KL term (an objective with ``beta != 0``);
-        the LM-head op can compute them instead from a :class:`ReferenceHead` (``reference=``), not both.
+        the LM-head op can compute them instead from a :class:`ReferenceHead` (``reference=``), not both. Given
+        to an objective without a KL term (``objective.has_kl`` False) they are ignored: a UserWarning once per
+        process, at the caller's line.
       rollout_logps: ``[B, T]`` float log-probs of the sampler (e.g. vLLM) for the mismatch correction computed
         from ``old_logps`` (or the current log-probs, on-policy) and these, as the objective's
         ``rollout_is_mode`` / ``rollout_is_cap`` say; combines with ``rollout_is_ratio``. None: no correction.
@@ -53,10 +55,12 @@ class PolicyBatch(NamedTuple):
         normalisers are global). Not the token count of a whole generation batch when it spans more
         micro-steps than one optimizer step accumulates: that scales each update by
         ``gas / steps_per_generation`` (TRL #5619). With ``optax.MultiSteps`` (which averages the accumulated
-        gradients) multiply each micro-step's loss by the number of accumulation steps. A concrete value must
-        be ``>= 1`` (any real: a per-process share ``count / processes`` need not be integral); a traced one
-        cannot be checked and the normaliser is ``max(n, 1)``. The other loss types ignore it and warn once per
-        loss type (trainers pass it for every loss type, as the Hugging Face ``Trainer`` does).
+        gradients) multiply each micro-step's loss by the number of accumulation steps. A real scalar
+        (TypeError for a bool, a string, a list or a vector, for every loss type). For dapo / cispo a concrete
+        value must be finite and ``>= 1`` (any real: a per-process share ``count / processes`` need not be
+        integral); a traced one cannot be checked: the normaliser is ``max(n, 1)`` and a NaN propagates (NaN
+        loss). The other loss types ignore it, whatever its value, and warn once per loss type at the caller's
+        line (trainers pass it for every loss type, as the Hugging Face ``Trainer`` does).
         docs/guide.md: "`num_items_in_batch` under gradient accumulation".
 
     Example:

@@ -4,8 +4,6 @@ take, :func:`check_policy_inputs`, :func:`check_logits_inputs`), and the checked
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +23,7 @@ from gmpo_jax._validation.arguments import (
 from gmpo_jax._validation.values import check_ids_in_range, check_mask, check_not_nan_unmasked, check_segment_ids
 from gmpo_jax.batch import PolicyBatch, ReferenceHead
 from gmpo_jax.objectives import Objective, PolicyInputs
+from gmpo_jax.objectives.params import _concrete_value
 
 
 def check_objective(objective) -> None:
@@ -79,13 +78,12 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
             raise ValueError(
                 f"{name} must be finite and >= 0 (a weight), got {name}{list(bad)} = {float(value[bad])!r}"
             )
-    n, name = batch.num_items_in_batch, "batch.num_items_in_batch"
-    if n is not None:
-        if isinstance(n, (bool, np.bool_)) or not (isinstance(n, numbers.Real) or _shape(n) == ()):
-            raise ValueError(f"{name} must be a scalar, got {name}={n!r}")
-        from gmpo_jax import _validation  # its warn-once state lives on the package
+    from gmpo_jax import _validation  # the warn-once state lives on the package
 
-        _validation.check_num_items(n, objective)
+    if batch.num_items_in_batch is not None:
+        _validation.check_num_items(batch.num_items_in_batch, objective)
+    if batch.ref_logps is not None and not objective.has_kl:
+        _validation.warn_ignored_reference("batch.ref_logps", objective)
     check_ids_in_range(ids, mask, V, "batch.completion_ids", "batch.completion_mask")
 
 
@@ -127,6 +125,10 @@ def check_policy_inputs(
     check_temperature(temperature)
     if reference is not None:
         check_reference(reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout)
+        if not objective.has_kl:
+            from gmpo_jax import _validation  # the warn-once state lives on the package
+
+            _validation.warn_ignored_reference("reference", objective)
     if objective.requires_reference and reference is None and batch.ref_logps is None:
         raise ValueError(reference_error(objective, "batch.ref_logps, or reference=ReferenceHead(hidden, weight)"))
     return B, T, H, V
@@ -161,11 +163,15 @@ def check_logits_inputs(logits, batch, objective, temperature) -> tuple[int, int
 
 
 def reference_error(objective, what: str) -> str:
-    """The message for an objective with a KL term (:attr:`Objective.has_kl`) called without a reference."""
+    """The message for an objective with a KL term (:attr:`Objective.has_kl`) called without a reference. The
+    flag is static: an objective built with a KL term keeps it when ``jax.tree.map`` maps its ``beta`` to 0."""
+    beta = _concrete_value(getattr(objective, "beta", None))
+    now = "traced" if beta is None else f"now {beta!r}"
     return (
-        f"objective.beta={objective.beta!r} gives the loss a KL term (objective.has_kl: beta was non-zero, or "
-        f"traced, when the objective was built), which needs a reference: pass {what} (or build the objective "
-        "with beta=0.0 as a number for no KL term)"
+        f"objective {type(objective).__name__} was built with a KL term (objective.has_kl is static: its beta "
+        f"was non-zero, or traced, when it was built; beta is {now}), which needs a reference: pass {what} (or "
+        "build a new objective with beta=0.0 as a number for no KL term, e.g. dataclasses.replace(objective, "
+        "beta=0.0))"
     )
 
 
@@ -209,7 +215,8 @@ def policy_inputs(batch, objective, temperature) -> PolicyInputs:
     """The checked :class:`~gmpo_jax.PolicyBatch` as the one :class:`~gmpo_jax.objectives.PolicyInputs` the custom
     VJPs take (built here only): bool mask, int32 ids (0 under the mask), float32 advantages / log-probs / ratio /
     scalars. ``rollout_is_ratio`` ``[B]`` becomes ``[B, 1]``. ``segment_ids`` become int32 run labels, and their
-    padding (id 0) is masked. The objective's ``entropy_coef`` joins the data, and, with ``rollout_logps``, its
+    padding (id 0) is masked; ``ref_logps`` is dropped for an objective without a KL term. The objective's
+    ``entropy_coef`` joins the data, and, with ``rollout_logps``, its
     :meth:`~gmpo_jax.objectives.Objective.rollout_correction`."""
     mask = as_mask(batch.completion_mask)
     segment_ids = batch.segment_ids
@@ -224,7 +231,7 @@ def policy_inputs(batch, objective, temperature) -> PolicyInputs:
         mask=mask,
         advantages=_f32(batch.advantages),
         old_logps=_f32(batch.old_logps),
-        ref_logps=_f32(batch.ref_logps),
+        ref_logps=_f32(batch.ref_logps) if objective.has_kl else None,  # without a KL term: ignored (warned)
         rollout_is_ratio=ris,
         ids=jnp.where(mask, as_ids(batch.completion_ids), 0),
         num_items=_f32(batch.num_items_in_batch),

@@ -62,7 +62,9 @@ def fused_linear_policy_loss(
       bias: ``[V]`` LM-head bias or None.
       temperature: ``> 0`` sampling temperature dividing the logits (float, or a traced scalar: not checked).
       reference: a :class:`~gmpo_jax.ReferenceHead` from which the KL term's reference log-probs are computed
-        with the same fused path, without gradient; instead of ``batch.ref_logps``.
+        with the same fused path, without gradient; instead of ``batch.ref_logps``. Given to an objective
+        without a KL term (``objective.has_kl`` False) it is ignored (nothing computed): a UserWarning once
+        per process, at the caller's line.
       head: how the LM head computes, a :class:`~gmpo_jax.HeadOptions` (None: ``HeadOptions()``).
       sharding: the mesh axes to split over, a :class:`~gmpo_jax.MeshAxes` (None: none, or those of inputs
         sharded over ``Explicit`` mesh axes).
@@ -75,13 +77,14 @@ def fused_linear_policy_loss(
 
     Raises:
       TypeError: a ``batch`` / ``reference`` / ``head`` / ``sharding`` / ``objective`` of the wrong class;
-        non-floating ``hidden`` / ``weight`` / advantages / log-probs; non-integer ids or segment ids.
+        non-floating ``hidden`` / ``weight`` / advantages / log-probs; non-integer ids or segment ids; a
+        ``batch.num_items_in_batch`` that is not a real scalar.
       ValueError:
         - inconsistent shapes (the argument or field named); an empty ``B``, ``T``, ``H`` or ``V``;
         - ``weight`` not laid out as ``head.weight_layout`` declares; ``head.vocab_size`` above ``V``;
         - a concrete ``temperature`` not finite and ``> 0``;
-        - an objective with a KL term (``objective.has_kl``) and neither ``batch.ref_logps`` nor ``reference``;
-          both of them;
+        - an objective with a KL term (``objective.has_kl``: static, fixed when it was built and kept by
+          ``jax.tree.map``) and neither ``batch.ref_logps`` nor ``reference``; both of them;
         - concrete values the batch's fields rule out (``PolicyBatch``: a mask of other values than 0 / 1, an
           unmasked id outside ``[0, V)``, non-finite advantages, a NaN log-prob at an unmasked token, ...);
         - mesh axes not in the mesh or not dividing ``B`` / ``V``; an unknown implementation name.
@@ -119,7 +122,7 @@ def fused_linear_policy_loss(
         entropy = lax.stop_gradient(entropy)
         select, threshold = high_entropy_tokens(entropy, inputs.mask, objective.top_entropy_quantile)
         inputs = inputs._replace(token_select=select)
-    if reference is not None:
+    if reference is not None and objective.has_kl:  # without a KL term it is ignored (warned)
         ref_logps = _logprobs(Head(*reference), inputs, head, plan)
         inputs = inputs._replace(ref_logps=lax.stop_gradient(ref_logps))
     ids, bias = sharding_lib.mask_padded_vocab(inputs.ids, bias, V, head.vocab_size)

@@ -69,11 +69,12 @@ def policy_loss_from_logits(
 
     Raises:
       TypeError: a ``batch`` that is not a ``PolicyBatch``, a non-objective; non-floating logits / advantages /
-        log-probs; non-integer ids or segment ids.
+        log-probs; non-integer ids or segment ids; a ``batch.num_items_in_batch`` that is not a real scalar.
       ValueError:
         - inconsistent shapes (the argument or field named); an empty ``B``, ``T`` or ``V``;
         - a concrete ``temperature`` not finite and ``> 0``;
-        - an objective with a KL term (``objective.has_kl``) without ``batch.ref_logps``;
+        - an objective with a KL term (``objective.has_kl``: static, fixed when it was built and kept by
+          ``jax.tree.map``) without ``batch.ref_logps``;
         - concrete values the batch's fields rule out (see ``PolicyBatch``);
         - an unknown ``implementation`` (this op's are ``"xla"`` and ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot serve

@@ -167,8 +167,10 @@ class Objective:
         ``shard_map`` as an argument keeps its flag while its ``beta`` becomes a tracer, so the value of a
         traced ``beta`` stays in the math (a schedule does not recompile: ``GMPO(beta=0.01)`` and
         ``GMPO(beta=0.02)`` have the same tree structure) and never decides whether a reference is needed.
-        ``GMPO(beta=0.0)`` and ``GMPO(beta=0.1)`` differ in structure (one program each). An objective
-        defined elsewhere without ``Objective.__post_init__`` gets it from its ``beta`` here."""
+        ``GMPO(beta=0.0)`` and ``GMPO(beta=0.1)`` differ in structure (one program each). Rebuilding an
+        objective built without a KL term with a concrete non-zero ``beta`` (e.g. ``jax.tree.map``) raises
+        ValueError: the term would be silently missing; a concrete zero or a traced ``beta`` is allowed. An
+        objective defined elsewhere without ``Objective.__post_init__`` gets it from its ``beta`` here."""
         flag = getattr(self, "_has_kl", None)
         return _concrete_value(getattr(self, "beta", 0.0)) != 0 if flag is None else flag
 

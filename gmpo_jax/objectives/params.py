@@ -86,6 +86,23 @@ def shared_field(default: Any, *, static: bool) -> Any:
     return dataclasses.field(default=default, kw_only=True, metadata={"pytree": "static" if static else "data"})
 
 
+def _check_kl_flag(x) -> None:
+    """An objective rebuilt from its leaves keeps its static ``_has_kl``; one built without a KL term must not
+    come back with a concrete non-zero ``beta`` (e.g. ``jax.tree.map(lambda b: b + 0.3, GMPO(beta=0.0))``):
+    its KL term would be silently missing. A concrete zero and a traced ``beta`` (``jit`` / ``vmap`` of an
+    objective passed as an argument) stay allowed."""
+    if getattr(x, "_has_kl", True):
+        return
+    beta = _concrete_value(getattr(x, "beta", None))
+    if beta is not None and beta != 0:
+        raise ValueError(
+            f"{type(x).__name__} rebuilt from its leaves (e.g. by jax.tree.map) with beta={beta!r}, but it was "
+            "built without a KL term (beta a concrete 0 at construction; objective.has_kl is static and kept "
+            "when JAX rebuilds the objective), so the non-zero beta would be silently ignored: build a new "
+            "objective instead (dataclasses.replace(objective, beta=...) re-derives the flag)"
+        )
+
+
 def _register(cls, data_fields, meta_fields, derived=()):
     """``cls`` as a frozen dataclass registered as a pytree: ``data_fields`` are leaves, ``meta_fields`` and
     the ``derived`` attributes (set by ``__post_init__``, e.g. ``_has_kl``) static aux data; the fields of a
@@ -94,7 +111,8 @@ def _register(cls, data_fields, meta_fields, derived=()):
     Unlike ``jax.tree_util.register_dataclass`` (whose unflatten calls ``cls(**fields)``, i.e. reruns
     ``__post_init__`` on whatever the leaves are: tracers under ``jit``), unflattening restores the derived
     attributes from the aux data and reruns only the checks (``_check``), so a static decision made from
-    concrete values at construction survives ``jit`` / ``vmap`` / ``shard_map`` / ``jax.tree.map``."""
+    concrete values at construction survives ``jit`` / ``vmap`` / ``shard_map`` / ``jax.tree.map``; a
+    concrete non-zero ``beta`` in an objective built without a KL term raises (:func:`_check_kl_flag`)."""
     own_repr = any("__repr__" in c.__dict__ for c in cls.__mro__[:-1])  # e.g. Objective's
     cls = dataclasses.dataclass(frozen=True, repr=not own_repr)(cls)
     shared = {f.name: f.metadata["pytree"] for f in dataclasses.fields(cls) if "pytree" in f.metadata}
@@ -116,6 +134,7 @@ def _register(cls, data_fields, meta_fields, derived=()):
         for name, value in (*zip(static, aux), *zip(data_fields, leaves)):
             object.__setattr__(x, name, value)
         getattr(x, "_recheck", x._check)()
+        _check_kl_flag(x)
         return x
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)

@@ -1,10 +1,13 @@
 """GMPO training demo: a Flax NNX policy trained end to end with the fused GMPO loss (``gmpo-jax train``).
 
 Data flow, one file per stage: `config` (options, presets, validation) -> `tasks` (prompts, rewards) ->
-`model` (transformer returning hidden states) -> `rollout` (KV-cache sampling, advantages, log-probs) ->
-`loop` (fused-loss updates, metrics, checkpoints via `checkpoint`) -> `plots`; `cli` is the command line;
-`parallel` places a run on a ``--mesh data=D,model=M`` device mesh; `qwen3` replaces `model` with Tunix's
-Qwen3 (``--model qwen3 [--checkpoint DIR]``: random init or a Hugging Face checkpoint).
+`plan` (the config resolved: task, lengths, objective, mesh) -> `model` (transformer returning hidden
+states) -> `state` (policy, reference and optimizer built) -> `rollout` (KV-cache sampling, advantages,
+log-probs) -> `step` (the fused training loss and the compiled update) -> `loop` (the steps, metrics,
+checkpoints via `checkpoint`) -> `run_dir` (run folder, metrics history, summary) -> `plots`; `cli` is the
+command line; `parallel` places a run on a ``--mesh data=D,model=M`` device mesh; `qwen3` replaces
+`model` with Tunix's Qwen3 (``--model qwen3 [--checkpoint DIR]``: random init, or a Hugging Face
+checkpoint read by `hf_checkpoint`).
 
 Programmatic use::
 

@@ -230,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       SystemExit: status 2 with a one-line message on stderr for a configuration error.
     """
     config = config_from_args(argv)
-    from gmpo_jax.train.loop import plan, train
+    from gmpo_jax.train.loop import train
+    from gmpo_jax.train.plan import plan
 
     try:
         plan(config)  # resolves --task and the objective: errors here are still pre-compilation

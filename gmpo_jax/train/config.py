@@ -260,7 +260,7 @@ class TrainConfig:
         if self.checkpoint is not None:
             if not isinstance(self.checkpoint, str) or not self.checkpoint:
                 raise f.bad("checkpoint", "must be a directory path")
-            from gmpo_jax.train.qwen3 import read_checkpoint
+            from gmpo_jax.train.hf_checkpoint import read_checkpoint
 
             read_checkpoint(self.checkpoint)  # ConfigError naming --checkpoint
 

@@ -7,10 +7,14 @@ One step of `train`:
 3. host rewards of the decoded completions (`tasks.Task.rewards`) and `rollout.group_advantages`;
 4. ``old_logps`` of the behaviour policy when ``num_iterations > 1`` and ``ref_logps`` of the frozen
    initial policy when ``beta > 0``, both via ``gmpo_jax.fused_linear_logprobs``;
-5. ``num_iterations`` calls of `train_step`: ``nnx.value_and_grad`` of `policy_loss`, which feeds the
-   policy's final hidden states and its LM-head weight to ``gmpo_jax.fused_linear_policy_loss``; then
-   ``optimizer.update`` (AdamW, global-norm clipping, warmup + cosine schedule);
+5. ``num_iterations`` calls of `step.train_step`: ``nnx.value_and_grad`` of `step.training_loss`, which
+   feeds the policy's final hidden states and its LM-head weight to ``gmpo_jax.fused_linear_policy_loss``;
+   then ``optimizer.update`` (AdamW, global-norm clipping, warmup + cosine schedule);
 6. one JSON line of metrics, the progress bar, periodic orbax checkpoints.
+
+Before the first step the configuration is resolved (`plan.plan`), the policy, reference and optimizer
+are built (`state.build_state`) and the run folder prepared (`run_dir`); after the last, `run_dir.finish`
+writes the summary and the plot.
 
 With ``--model qwen3`` the policy is a `gmpo_jax.train.qwen3.Qwen3Policy` (Tunix's Qwen3): step 2 runs its
 layers against Tunix's KV cache, steps 4-5 take its hidden states and LM head from
@@ -36,8 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from typing import Any
@@ -45,189 +47,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-import gmpo_jax
-from gmpo_jax.train import parallel
 from gmpo_jax.train import rollout as rollout_lib
-from gmpo_jax.train.config import ConfigError, TrainConfig, make_objective
-from gmpo_jax.train.model import Transformer
-from gmpo_jax.train.tasks import TOKENIZER, Task, TokenMap, make_task
+from gmpo_jax.train.config import TrainConfig
+from gmpo_jax.train.plan import Plan, plan
+from gmpo_jax.train.run_dir import finish, prepare_run_dir, read_history
+from gmpo_jax.train.state import build_state, learning_rate_schedule
+from gmpo_jax.train.step import train_step
 
-__all__ = ["Plan", "TrainResult", "plan", "build_model", "make_optimizer", "training_loss", "train_step", "train"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Everything resolved from a `TrainConfig` before any JAX compilation.
-
-    Attributes:
-      config: the validated configuration.
-      task: the resolved `Task`.
-      max_completion_length: ``T``.
-      vocab_size: ``V`` of the policy (>= the tokenizer's).
-      objective: the ``gmpo_jax`` objective (static, hashable).
-      train_mesh: the `parallel.TrainMesh` of ``--mesh`` (static, hashable), or None (one device).
-      tokens: the `TokenMap` from task tokens to policy ids (identity unless a checkpoint says otherwise).
-      architecture: ``--model qwen3``: Tunix ``ModelConfig`` keyword arguments (from ``--checkpoint``'s
-        config.json or `gmpo_jax.train.qwen3.architecture`); None for the toy model.
-    """
-
-    config: TrainConfig
-    task: Task
-    max_completion_length: int
-    vocab_size: int
-    objective: Any
-    train_mesh: Any = None
-    tokens: TokenMap = dataclasses.field(default_factory=TokenMap.identity)
-    architecture: dict | None = None
-
-    @property
-    def max_len(self) -> int:
-        """Longest sequence, ``P + T``."""
-        return self.task.prompt_length + self.max_completion_length
-
-
-def plan(config: TrainConfig) -> Plan:
-    """Validate ``config`` and resolve task, lengths, objective and mesh; nothing compiles.
-
-    Raises:
-      ConfigError: one-line message naming the offending ``--option``.
-    """
-    config.validate()
-    try:
-        task = make_task(
-            config.task, digits=config.digits, partial_credit=config.partial_credit, prompt_task=config.prompt_task
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    t = config.max_completion_length or task.answer_length + 1
-    tokens, arch = TokenMap.identity(), None
-    if config.model == "qwen3" and config.checkpoint is not None:
-        from gmpo_jax.train import qwen3
-
-        info = qwen3.read_checkpoint(config.checkpoint)
-        arch, tokens = info.architecture, qwen3.checkpoint_token_map(info)
-        vocab = arch["vocab_size"]
-    else:
-        vocab = config.vocab_size or TOKENIZER.vocab_size
-        if vocab < TOKENIZER.vocab_size:
-            raise ConfigError(f"--vocab-size must be >= the tokenizer's {TOKENIZER.vocab_size}, got {vocab}")
-        if config.model == "qwen3":
-            from gmpo_jax.train import qwen3
-
-            arch = qwen3.architecture(config, vocab)
-    shape = config.mesh_shape()
-    train_mesh = None if shape is None else parallel.make_train_mesh(*shape)
-    return Plan(config, task, t, vocab, make_objective(config, t), train_mesh, tokens, arch)
-
-
-def build_model(p: Plan, seed: int | None = None):
-    """The policy of plan ``p``, initialised from ``seed`` (default ``p.config.seed``).
-
-    Returns:
-      ``--model toy``: a `Transformer`; ``--model qwen3``: a `gmpo_jax.train.qwen3.Qwen3Policy`, loaded
-      from ``--checkpoint`` (``seed`` unused) or randomly initialised.
-    """
-    c = p.config
-    seed = c.seed if seed is None else seed
-    if c.model == "qwen3":
-        from gmpo_jax.train import qwen3
-
-        return qwen3.build_policy(p.architecture, dtype=c.dtype, seed=seed, checkpoint=c.checkpoint)
-    return Transformer(
-        p.vocab_size,
-        p.max_len,
-        c.d_model,
-        c.n_layers,
-        c.n_heads,
-        c.d_ff,
-        tie_embeddings=c.tie_embeddings,
-        dtype=jnp.dtype(c.dtype),
-        rngs=nnx.Rngs(seed),
-    )
-
-
-def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
-    """Linear warmup over ``warmup_steps`` updates, then cosine decay to 10% (or constant)."""
-    total = config.steps * config.num_iterations
-    warmup = min(config.warmup_steps, max(total - 1, 0))
-    if config.lr_schedule == "constant":
-        return optax.warmup_constant_schedule(0.0, config.learning_rate, max(warmup, 1))
-    return optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, max(warmup, 1), max(total, warmup + 1), end_value=0.1 * config.learning_rate
-    )
-
-
-def make_optimizer(config: TrainConfig, model: Transformer) -> nnx.Optimizer:
-    """``nnx.Optimizer`` over the policy's ``nnx.Param``: global-norm clipping then AdamW with the schedule."""
-    tx = optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(learning_rate_schedule(config), b2=config.adam_b2, weight_decay=config.weight_decay),
-    )
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
-def training_loss(
-    model: Transformer,
-    batch: rollout_lib.RolloutBatch,
-    objective,
-    *,
-    temperature: float = 1.0,
-    train_mesh: parallel.TrainMesh | None = None,
-):
-    """The training loss: ``gmpo_jax.fused_linear_policy_loss`` on the policy's completion hidden states.
-
-    Args:
-      model: the policy.
-      batch: a `rollout.RolloutBatch` (``N`` completions of ``T`` tokens).
-      objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)``.
-      temperature: the sampling temperature (log-probs of the distribution that was sampled).
-      train_mesh: None (one device) or the ``--mesh`` `parallel.TrainMesh`: the fused loss runs sharded
-        over its data / vocabulary axes (the head zero-padded to a multiple of ``M``, ``HeadOptions(vocab_size=V)``).
-
-    Returns:
-      ``(loss f32[], aux: gmpo_jax.LossAux)``; differentiable with respect to the policy's parameters.
-    """
-    hidden = rollout_lib.completion_hidden(model, batch.prompt_ids, batch.completion_ids)
-    weight, layout = rollout_lib.head_weight(model, hidden.dtype)
-    weight, head, axes = parallel.fused_head(weight, layout, train_mesh)
-    policy_batch = gmpo_jax.PolicyBatch(
-        batch.completion_ids,
-        batch.completion_mask,
-        batch.advantages,
-        old_logps=batch.old_logps,
-        ref_logps=batch.ref_logps,
-    )
-    return gmpo_jax.fused_linear_policy_loss(
-        hidden, weight, policy_batch, objective=objective, temperature=temperature, head=head, sharding=axes
-    )
-
-
-@nnx.jit(static_argnames=("objective", "temperature", "train_mesh"))
-def train_step(
-    model: Transformer,
-    optimizer: nnx.Optimizer,
-    batch: rollout_lib.RolloutBatch,
-    objective,
-    temperature: float = 1.0,
-    train_mesh: parallel.TrainMesh | None = None,
-) -> dict:
-    """One optimizer update on ``batch`` (compiled; updates ``model`` and ``optimizer`` in place).
-
-    Returns:
-      dict of float32 scalars: ``loss``, the ``LossAux`` fields (``kl``, ``clip_fraction``,
-      ``clip_fraction_low``, ``clip_fraction_high``, ``log_ratio_min``, ``log_ratio_max``, ...) and
-      ``grad_norm`` (before clipping).
-    """
-
-    def loss_fn(m):
-        return training_loss(m, batch, objective, temperature=temperature, train_mesh=train_mesh)
-
-    (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    optimizer.update(model, grads)
-    return {"loss": loss, **aux._asdict(), "grad_norm": optax.tree.norm(grads)}
+__all__ = ["TrainResult", "train"]
 
 
 @dataclasses.dataclass
@@ -317,39 +146,6 @@ def _update(p: Plan, model, optimizer, batch) -> dict:
     return m
 
 
-def _read_history(path: str, upto: int) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["step"] <= upto]
-
-
-def _summarise(history: list, new_rows: list, wall: float) -> dict:
-    """Reward of the first / last 10 steps of ``history``; throughput of ``new_rows`` minus the first
-    (compiling) step of this invocation."""
-    k = min(10, len(history))
-    timed = new_rows[1:]
-    t = sum(h["step_time_s"] for h in timed)
-    tok = sum(h["tokens"] for h in timed)
-
-    def mean(key, rows):
-        return float(np.mean([h[key] for h in rows])) if rows else float("nan")
-
-    return {
-        "steps": len(history),
-        "new_steps": len(new_rows),
-        "wall_time_s": wall,
-        "first_step_s": new_rows[0]["step_time_s"] if new_rows else float("nan"),
-        "steps_per_s": len(timed) / t if t > 0 else float("nan"),
-        "tokens_per_s": tok / t if t > 0 else float("nan"),
-        "reward_first10": mean("reward_mean", history[:k]),
-        "reward_last10": mean("reward_mean", history[len(history) - k :]),
-        "exact_first10": mean("exact_match", history[:k]),
-        "exact_last10": mean("exact_match", history[len(history) - k :]),
-    }
-
-
 def train(config: TrainConfig, *, log=None) -> TrainResult:
     """Run the RL loop of the module docstring for ``config.steps`` steps.
 
@@ -377,14 +173,14 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
     c = p.config
     if log is None:
         log = (lambda s: tqdm.write(s, file=sys.stderr)) if c.progress else (lambda s: None)
-    metrics_path, ckpt_dir = _prepare_run_dir(c)
-    model, ref_model, optimizer = _build_state(p)
+    metrics_path, ckpt_dir = prepare_run_dir(c)
+    model, ref_model, optimizer = build_state(p)
     ckpt = Checkpointer(ckpt_dir)
     start = 0
     if c.resume and ckpt.latest_step() is not None:
         start = int(ckpt.restore(model, optimizer)["step"])
         log(f"resumed {c.run_dir} at step {start}")
-    history = _read_history(metrics_path, start)
+    history = read_history(metrics_path, start)
     with open(metrics_path, "w") as f:
         f.writelines(json.dumps(h) + "\n" for h in history)
     log(_describe(p, model))
@@ -424,38 +220,8 @@ def train(config: TrainConfig, *, log=None) -> TrainResult:
         ckpt.save(c.steps, model, optimizer, {"config": json.loads(c.to_json())})
     ckpt.close()
     history = history + new_rows
-    summary = _finish(c, history, new_rows, wall, sample, log)
+    summary = finish(c, history, new_rows, wall, sample, log)
     return TrainResult(c, c.run_dir, history, summary, model, optimizer)
-
-
-def _prepare_run_dir(c: TrainConfig) -> tuple[str, str]:
-    """``(metrics.jsonl path, checkpoints dir)`` of the run folder, written ``config.json``; without
-    ``resume`` the previous metrics and checkpoints are removed."""
-    os.makedirs(c.run_dir, exist_ok=True)
-    metrics_path = os.path.join(c.run_dir, "metrics.jsonl")
-    ckpt_dir = os.path.join(c.run_dir, "checkpoints")
-    if not c.resume:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        if os.path.exists(metrics_path):
-            os.remove(metrics_path)
-    with open(os.path.join(c.run_dir, "config.json"), "w") as f:
-        f.write(c.to_json() + "\n")
-    return metrics_path, ckpt_dir
-
-
-def _build_state(p: Plan):
-    """``(model, frozen reference or None, optimizer)``, placed on the training mesh when there is one
-    (before a checkpoint is restored into them: it is read into the placed arrays' shardings)."""
-    c = p.config
-    model = build_model(p)
-    ref_model = build_model(p) if c.beta > 0 else None  # frozen copy of the initial policy
-    optimizer = make_optimizer(c, model)
-    if p.train_mesh is not None:
-        layout = "vh" if c.tie_embeddings else "hv"
-        for module in (model, ref_model, optimizer):
-            if module is not None:
-                p.train_mesh.place_module(module, p.vocab_size, layout)
-    return model, ref_model, optimizer
 
 
 def _describe(p: Plan, model) -> str:
@@ -503,33 +269,3 @@ def _train_step_row(p: Plan, model, ref_model, optimizer, step: int, schedule) -
         "tokens_per_s": tokens_per_step / (t2 - t0),
     }
     return row, stats["sample"]
-
-
-def _finish(c: TrainConfig, history, new_rows, wall: float, sample: str, log) -> dict:
-    """The run's summary (``summary.json``, the plot) and its closing log lines."""
-    summary = _summarise(history, new_rows, wall)
-    if c.plots and history:
-        from gmpo_jax.train.plots import plot_history
-
-        summary["plot"] = plot_history(history, os.path.join(c.run_dir, "training.png"), title=c.run_name)
-    with open(os.path.join(c.run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    if new_rows:
-        speed = (
-            f"; after compilation {summary['steps_per_s']:.2f} steps/s, {summary['tokens_per_s']:,.0f} tokens/s"
-            if len(new_rows) > 1
-            else ""
-        )
-        log(
-            f"{c.run_name}: {len(new_rows)} step(s) in {wall:.1f} s (first step, incl. compilation: "
-            f"{summary['first_step_s']:.1f} s){speed}"
-        )
-    log(
-        f"reward (mean of {min(10, summary['steps'])} steps): first {summary['reward_first10']:.3f} -> last "
-        f"{summary['reward_last10']:.3f}; "
-        f"exact answers {summary['exact_first10']:.1%} -> {summary['exact_last10']:.1%}"
-        + (f"; last sample: {sample!r}" if sample else "")
-    )
-    plot = ", training.png" if "plot" in summary else ""
-    log(f"outputs: {c.run_dir}/ (config.json, metrics.jsonl, summary.json, checkpoints/{c.steps}{plot})")
-    return summary

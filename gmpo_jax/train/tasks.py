@@ -96,7 +96,7 @@ class TokenMap:
     ``model_ids[k]`` is the policy id of `TOKENIZER` id ``k`` (``<pad>``, ``<eos>``, ``0-9 + = >``). The
     identity map (`TokenMap.identity`) is the toy model's and a randomly initialised Qwen3's: the
     policy's ids 0..14 are the task's. A pretrained checkpoint maps the characters to its own tokens
-    (`gmpo_jax.train.qwen3.checkpoint_token_map`). Sampling is over the policy's whole vocabulary: an id
+    (`gmpo_jax.train.hf_checkpoint.checkpoint_token_map`). Sampling is over the policy's whole vocabulary: an id
     that is no task token decodes as ``?`` (a wrong character), so nothing is truncated or renormalised.
 
     Attributes:

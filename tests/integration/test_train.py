@@ -20,9 +20,12 @@ import pytest
 from flax import nnx
 
 import gmpo_jax
-from gmpo_jax.train import TrainConfig, cli, loop, rollout, train
+from gmpo_jax.train import TrainConfig, cli, rollout, train
 from gmpo_jax.train.checkpoint import Checkpointer
 from gmpo_jax.train.model import Transformer
+from gmpo_jax.train.plan import plan
+from gmpo_jax.train.state import build_model, make_optimizer
+from gmpo_jax.train.step import training_loss
 from gmpo_jax.train.tasks import TOKENIZER, make_task
 
 # beta > 0 and num_iterations > 1: the run exercises the reference policy and old_logps too
@@ -192,9 +195,7 @@ def test_training_loss_gradient_matches_dense_reference(objective, tied):
         )
 
     fused = nnx.jit(
-        lambda m: nnx.value_and_grad(lambda m: loop.training_loss(m, batch, objective, temperature=0.9), has_aux=True)(
-            m
-        )
+        lambda m: nnx.value_and_grad(lambda m: training_loss(m, batch, objective, temperature=0.9), has_aux=True)(m)
     )
     dense = nnx.jit(lambda m: nnx.value_and_grad(dense_loss, has_aux=True)(m))
     (l1, aux1), g1 = fused(model)
@@ -256,9 +257,9 @@ def _params(model):
 
 
 def test_checkpoint_round_trip(short_run):
-    p = loop.plan(short_run.config)
-    model = loop.build_model(p, seed=123)  # different init: the restore must overwrite it
-    opt = loop.make_optimizer(p.config, model)
+    p = plan(short_run.config)
+    model = build_model(p, seed=123)  # different init: the restore must overwrite it
+    opt = make_optimizer(p.config, model)
     ckpt = Checkpointer(os.path.join(short_run.run_dir, "checkpoints"))
     meta = ckpt.restore(model, opt)
     ckpt.close()

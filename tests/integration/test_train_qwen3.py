@@ -3,7 +3,7 @@
 Skipped without the optional extra (``pip install -e '.[tunix]'``). The checkpoints are written here, in
 Hugging Face's layout (``config.json``, ``model.safetensors`` with ``Qwen3ForCausalLM``'s tensor names and
 PyTorch ``[out, in]`` weights, optionally a ``tokenizers``-format ``tokenizer.json``), from the
-transformers conventions rather than from `gmpo_jax.train.qwen3.hf_tensor_shapes`, so the test checks the
+transformers conventions rather than from `gmpo_jax.train.hf_checkpoint.hf_tensor_shapes`, so the test checks the
 names and shapes the loader is given as well as the loaded values. Every run is a tiny model (one or two
 layers, H = 32), two steps: the file stays well under a minute on 2 CPU cores.
 """
@@ -23,9 +23,12 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from gmpo_jax.train import cli, loop  # noqa: E402
+from gmpo_jax.train import cli  # noqa: E402
 from gmpo_jax.train.config import TrainConfig  # noqa: E402
-from gmpo_jax.train.qwen3 import Qwen3Policy, checkpoint_token_map, read_checkpoint  # noqa: E402
+from gmpo_jax.train.hf_checkpoint import checkpoint_token_map, read_checkpoint  # noqa: E402
+from gmpo_jax.train.plan import plan  # noqa: E402
+from gmpo_jax.train.qwen3 import Qwen3Policy  # noqa: E402
+from gmpo_jax.train.state import build_model  # noqa: E402
 from gmpo_jax.train.tasks import TOKENIZER, TokenMap  # noqa: E402
 
 # two steps of a tiny run: 2 prompts x 4 completions, 2 updates per batch (old_logps), a KL reference
@@ -115,15 +118,15 @@ def test_cli_trains_random_qwen3_two_steps(tmp_path, capsys):
 def test_random_init_is_hugging_faces():
     """Every matrix N(0, 0.02) (Qwen3Config.initializer_range), norms 1: Tunix's own initialisers expect
     a checkpoint (zero MLP kernels would get zero gradients forever)."""
-    p = loop.plan(TrainConfig(model="qwen3", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64).validate())
-    leaves = jax.tree.leaves(nnx.state(loop.build_model(p), nnx.Param))
+    p = plan(TrainConfig(model="qwen3", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64).validate())
+    leaves = jax.tree.leaves(nnx.state(build_model(p), nnx.Param))
     assert len(leaves) == 14  # embedding, final norm, head; 11 per layer
     for x in map(np.asarray, leaves):
         if x.ndim == 1:
             np.testing.assert_array_equal(x, 1.0)
         else:
             assert abs(x.mean()) < 0.005 and 0.018 < x.std() < 0.022, (x.shape, x.mean(), x.std())
-    other = jax.tree.leaves(nnx.state(loop.build_model(p, seed=1), nnx.Param))
+    other = jax.tree.leaves(nnx.state(build_model(p, seed=1), nnx.Param))
     assert all(not np.array_equal(a, b) for a, b in zip(leaves, other) if a.ndim > 1)  # the seed matters
 
 
@@ -159,9 +162,9 @@ def _loaded_and_written(policy: Qwen3Policy, t: dict, tied: bool) -> list:
 def test_checkpoint_loads_the_written_weights(tmp_path, tied):
     t = write_checkpoint(tmp_path / "ckpt", tied=tied)
     cfg = cli.config_from_args(["train", "--model", "qwen3", "--checkpoint", str(tmp_path / "ckpt")])
-    p = loop.plan(cfg)
+    p = plan(cfg)
     assert p.vocab_size == _ARCH["vocab"] and p.architecture["use_tied_embedding"] is tied
-    policy = loop.build_model(p)
+    policy = build_model(p)
     pairs = _loaded_and_written(policy, t, tied)
     assert len(pairs) == 2 + 11 * _ARCH["L"] + (not tied)
     for loaded, written in pairs:
@@ -191,7 +194,7 @@ def test_sampler_decode_matches_the_training_forward(tmp_path):
     """The KV-cache decode (prefill + one token at a time) gives the hidden states that the loss reads
     through ``integrations.tunix.final_hidden_states``, so sampling and training see one policy."""
     write_checkpoint(tmp_path / "ckpt", tied=True)
-    policy = loop.build_model(loop.plan(TrainConfig(model="qwen3", checkpoint=str(tmp_path / "ckpt"))))
+    policy = build_model(plan(TrainConfig(model="qwen3", checkpoint=str(tmp_path / "ckpt"))))
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     prompt = jax.random.randint(k1, (3, 4), 0, 64)
     comp = jax.random.randint(k2, (3, 5), 0, 64)

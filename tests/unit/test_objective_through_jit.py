@@ -185,12 +185,15 @@ def test_mosaic_logits_in_the_interpreter():
 
 
 def test_has_kl_is_static():
-    """The flag: fixed at construction, part of the tree structure, kept through tree maps and jit, re-derived
-    by ``dataclasses.replace``; a traced beta at construction needs a reference."""
+    """The flag: fixed at construction, part of the tree structure, kept through tree maps and jit (a concrete
+    non-zero beta mapped into a KL-free objective raises), re-derived by ``dataclasses.replace``; a traced beta
+    at construction needs a reference."""
     a, b, off = gmpo_jax.GMPO(beta=0.01), gmpo_jax.GMPO(beta=0.02), gmpo_jax.GMPO(beta=np.float32(0.0))
     assert a.has_kl and not off.has_kl and not gmpo_jax.GRPO().has_kl and gmpo_jax.SAPO(beta=0.1).requires_reference
     assert jax.tree.structure(a) == jax.tree.structure(b) != jax.tree.structure(off)
-    assert not jax.tree.map(lambda x: x + 1.0, off).has_kl  # rebuilt from its leaves: the flag is kept
+    assert not jax.tree.map(lambda x: x * 2.0, off).has_kl  # rebuilt from its leaves: the flag is kept
+    with pytest.raises(ValueError, match="built without a KL term"):
+        jax.tree.map(lambda x: x + 1.0, off)  # a concrete non-zero beta would silently lack the KL term
     assert dataclasses.replace(off, beta=0.1).has_kl and not dataclasses.replace(a, beta=0.0).has_kl
     assert jax.jit(lambda o: o)(off) == off and not jax.jit(lambda o: o)(off).has_kl
     with pytest.raises(ValueError, match="must be >= 0"):

@@ -12,6 +12,7 @@ import pytest
 
 import gmpo_jax
 import gmpo_jax.reference
+from gmpo_jax import _validation
 
 B, T, H, V = 2, 3, 4, 5
 
@@ -85,7 +86,6 @@ SHAPE_ERRORS = [
         r"reference\.bias",
         dict(reference=gmpo_jax.ReferenceHead(f32(B, T, H), f32(H, V), f32(V - 1)), objective=REF_BETA),
     ),
-    (r"batch\.num_items_in_batch", dict(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())),
     ("temperature", dict(temperature=jnp.ones((2,)))),
 ]
 
@@ -139,6 +139,12 @@ def test_batch_must_be_a_policy_batch():
         gmpo_jax.fused_linear_policy_loss(a["hidden"], a["weight"], fields, objective=gmpo_jax.GMPO())
     with pytest.raises(TypeError, match="batch must be a gmpo_jax.PolicyBatch"):
         gmpo_jax.policy_loss_from_logits(f32(B, T + 1, V), dict(enumerate(fields)), objective=gmpo_jax.GMPO())
+
+
+def test_num_items_in_batch_vector_is_a_type_error():
+    """A vector is not a real scalar: TypeError, like a bool or a string (tests/unit/test_edge_arguments.py)."""
+    with pytest.raises(TypeError, match=r"batch\.num_items_in_batch must be a real scalar"):
+        call(num_items_in_batch=jnp.ones((2,)), objective=gmpo_jax.GRPO())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,8 +217,11 @@ def test_backend_classes_and_other_ops_backends_are_type_errors():
         call(head=dict(implementation=XlaChunkedBackend(row_buckets=0)))
 
 
-def test_beta_zero_with_reference_is_fine():
-    loss, _ = call(objective=gmpo_jax.GMPO(beta=0.0), ref_logps=f32(B, T) - 1.0)
+def test_beta_zero_with_reference_is_fine(monkeypatch):
+    """Not an error: the reference is ignored, with a warning (once per process; reset here)."""
+    monkeypatch.setattr(_validation, "_warned_ignored_reference", set())
+    with pytest.warns(UserWarning, match=r"batch\.ref_logps is ignored"):
+        loss, _ = call(objective=gmpo_jax.GMPO(beta=0.0), ref_logps=f32(B, T) - 1.0)
     assert np.isfinite(float(loss))
 
 
