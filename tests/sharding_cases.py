@@ -198,7 +198,7 @@ def test_sharded_equals_single_device(name, mesh_name):
 
 def test_num_items_in_batch_and_reference_model_on_2x4():
     """CISPO with the ``num_items_in_batch`` override, and the KL reference computed from
-    ``ref_hidden`` / ``ref_weight`` through the same sharded path."""
+    a ``ReferenceHead`` through the same sharded path."""
     obj = Obj("cispo", epsilon_high=1.1, beta=0.1)
     c = make_case(7, B=B, T=T, H=H, V=V, mask=_ragged_mask(), with_ref=False)
     rng = np.random.default_rng(7)

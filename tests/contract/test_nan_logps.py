@@ -1,5 +1,5 @@
-"""Concrete NaN in ``old_logps`` / ``ref_logps`` (both ops) or ``ref_hidden`` (LM head) at an unmasked token
-raises ValueError naming the argument and the first position ``(b, t)``, like NaN advantages and
+"""Concrete NaN in ``batch.old_logps`` / ``batch.ref_logps`` (both ops) or ``reference.hidden`` (LM head) at an
+unmasked token raises ValueError naming the field and the first position ``(b, t)``, like NaN advantages and
 ``rollout_logps``; NaN under the mask is allowed and changes nothing (the loss equals the float64 oracle's
 on the clean inputs, ``conftest.TOLERANCES``)."""
 

@@ -676,7 +676,8 @@ def test_cotangent_scaling(implementation):
 
 
 def test_ref_hidden_path(implementation):
-    """ref_hidden / ref_weight / ref_bias: reference log-probs computed by the same fused path, no gradient."""
+    """``reference=ReferenceHead(hidden, weight, bias)``: reference log-probs computed by the same fused path, no
+    gradient."""
     case = make_case(23, with_bias=True, with_ref=False, layout="vh")
     rng = np.random.default_rng(5)
     ref_hidden = (np.asarray(case.hidden) + 0.3 * rng.normal(size=case.hidden.shape)).astype(np.float32)
