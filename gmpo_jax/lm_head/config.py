@@ -53,8 +53,8 @@ def resolve_config(hidden, weight, bias, T: int, V: int, plan, head: HeadOptions
     if not caps.grad_filter or (plan is not None and plan.vocab_axis is not None) or head.softcap is not None:
         tau = None  # the exact gradient (the dropped windows' correction has no (1 - tanh^2) factor of a cap)
     settings = dict(softcap=head.softcap, logits_precision=head.logits_precision, grad_filter=tau)
-    if any(v is not None for v in settings.values()):
-        backend = backend_lib.with_settings(backend, **settings)
+    if isinstance(backend, backend_lib.WithHeadSettings) or any(v is not None for v in settings.values()):
+        backend = backend_lib.with_settings(backend, **settings)  # the options' values, whatever the instance held
     return LMHeadConfig(
         backend=sharding.local_backend(backend, plan, V),
         chunk_size=chunk,
