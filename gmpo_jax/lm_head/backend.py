@@ -47,6 +47,10 @@ class Capabilities:
       cancel_rounding: it has a ``cancel_rounding`` field (switched off per vocabulary shard).
       softcap: it has a ``softcap`` field, which a call's ``softcap`` sets.
       logits_precision: it has a ``logits_precision`` field, which a call's ``logits_precision`` sets.
+      row_prefix: its ``logprobs`` / ``logprobs_for_grads`` / ``grads`` take ``n_rows=`` (an int32 scalar, traced:
+        only the first ``n_rows`` rows need work; the others' log-probs, log-sum-exps, entropies and window masses
+        are 0, their hidden-state gradients 0, and they add nothing to the weight and bias gradients) and serve
+        every ``n_rows`` with one compiled program (exact row skipping without a program per prefix size).
     """
 
     keeps_logits: bool = False
@@ -54,6 +58,7 @@ class Capabilities:
     cancel_rounding: bool = False
     softcap: bool = False
     logits_precision: bool = False
+    row_prefix: bool = False
 
 
 def capabilities(backend) -> Capabilities:
@@ -150,15 +155,28 @@ class Forward(NamedTuple):
 
 
 def forward(
-    backend, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, with_window_mass, budget_bytes
+    backend,
+    hidden,
+    weight,
+    bias,
+    ids,
+    temperature,
+    *,
+    weight_layout,
+    with_entropy,
+    with_window_mass,
+    budget_bytes,
+    n_rows=None,
 ) -> Forward:
     """The seam's log-probs of rows ``hidden`` as a :class:`Forward`: ``backend.logprobs``, or, with
     ``budget_bytes`` (a backend that ``keeps_logits``), ``backend.logprobs_for_grads`` keeping what its
     gradient pass may reuse; ``with_window_mass``: the gradient filter's masses (a backend whose ``grad_filter``
-    is set)."""
+    is set); ``n_rows``: only the first rows need work (a backend that declares ``row_prefix``)."""
     kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
     if with_window_mass:
         kw["with_window_mass"] = True
+    if n_rows is not None:
+        kw["n_rows"] = n_rows
     keep = budget_bytes is not None
     if keep:
         out = backend.logprobs_for_grads(
@@ -187,10 +205,12 @@ def backward(
     db_acc,
     fwd=None,
     entropy=None,
+    n_rows=None,
 ):
     """The seam's ``grads`` given what the forward kept (``fwd``, a :class:`Forward` or None): ``(dhidden, dw_acc,
-    db_acc)``; ``entropy``: ``(gamma, H)`` of an entropy term."""
-    kw = {}
+    db_acc)``; ``entropy``: ``(gamma, H)`` of an entropy term; ``n_rows``: only the first rows have a gradient (a
+    backend that declares ``row_prefix``)."""
+    kw = {} if n_rows is None else {"n_rows": n_rows}
     if fwd is not None and fwd.window_mass is not None:
         kw["window_mass"] = fwd.window_mass
     if fwd is not None and fwd.saved is not None:

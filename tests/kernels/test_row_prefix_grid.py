@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels._compat import _interpret_params_cls
@@ -135,3 +136,35 @@ def test_row_prefix_kernels_lower_for_cuda():
 
     w_win = jax.ShapeDtypeStruct((hd, wt * 256), jnp.bfloat16)
     jax.export.export(jax.jit(bwd), platforms=["cuda"])(h, w_win, i, f, f, f, n)
+
+
+@pytest.mark.parametrize("layout, keep", [("hv", False), ("vh", True)], ids=["qwen-hv-recompute", "llama-vh-kept"])
+def test_backend_on_a_row_prefix_lowers_for_cuda(monkeypatch, layout, keep):
+    """The backend's passes on a traced row count (``Capabilities.row_prefix``: one kernel per pass, the GEMMs in
+    one ``lax.switch`` branch per prefix size) lower for CUDA at real heads, recomputing and keeping the logits."""
+    from gmpo_jax.lm_head import mosaic_gpu
+    from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+
+    monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
+    rows, hd, vocab = (16384, 896, 151936) if not keep else (8192, 4096, 128256)
+    be = MosaicGpuBackend(row_buckets=8, save_min_hidden=0 if keep else 10**9)
+    h = jax.ShapeDtypeStruct((rows, hd), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((hd, vocab) if layout == "hv" else (vocab, hd), jnp.bfloat16)
+    i = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    f = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+    t = jnp.float32(0.9)
+
+    def step(h, w, i, d, n):
+        if keep:
+            logp, lse, saved = be.logprobs_for_grads(
+                h, w, None, i, t, weight_layout=layout, budget_bytes=2**40, n_rows=n
+            )
+        else:
+            (logp, lse), saved = be.logprobs(h, w, None, i, t, weight_layout=layout, n_rows=n), None
+        return logp, be.grads(h, w, None, i, d, lse, t, weight_layout=layout, dw_acc=None, db_acc=None, saved=saved,
+                              n_rows=n)  # fmt: skip
+
+    exp = jax.export.export(jax.jit(step), platforms=["cuda"])(h, w, i, f, n)
+    text = exp.mlir_module()
+    assert text.count("mosaic_gpu") >= 1 and "stablehlo.case" in text

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
+from gmpo_jax.lm_head import rows as rows_lib
 from gmpo_jax.lm_head.backend import Capabilities, cancel_rounding, logits_precision_of
 from gmpo_jax.lm_head.mosaic_gpu import grad_filter as filter_lib
 from gmpo_jax.lm_head.mosaic_gpu import kept_logits
@@ -78,7 +79,7 @@ class MosaicGpuBackend:
     filter_tail: int = tuning.GRAD_FILTER_TAIL  # its windows from this column on are kept together
     name: str = "mosaic_gpu"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        keeps_logits=True, grad_filter=True, cancel_rounding=True, softcap=True, logits_precision=True
+        keeps_logits=True, grad_filter=True, cancel_rounding=True, softcap=True, logits_precision=True, row_prefix=True
     )
 
     def __post_init__(self):
@@ -142,11 +143,22 @@ class MosaicGpuBackend:
                 )
 
     def logprobs(
-        self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False, with_window_mass=False
+        self,
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature,
+        *,
+        weight_layout,
+        with_entropy=False,
+        with_window_mass=False,
+        n_rows=None,
     ):
         """The seam's ``logprobs``; ``with_window_mass`` (the gradient filter, ``grad_filter`` set) appends each
         row's softmax mass off its target per vocabulary window, ``[R, cdiv(V, filter_window)]`` float32, for
-        :meth:`grads`' ``window_mass``."""
+        :meth:`grads`' ``window_mass``; ``n_rows`` (``Capabilities.row_prefix``): only the first ``n_rows`` rows are
+        computed (one compiled kernel for every ``n_rows``), the others' outputs are 0."""
         R, H, V = self._check_call(hidden, weight, bias, weight_layout, with_entropy=with_entropy)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
             out, _, mass = self._logprobs(
@@ -159,6 +171,7 @@ class MosaicGpuBackend:
                 with_entropy=with_entropy,
                 save_tiles=0,
                 window_mass=with_window_mass,
+                n_rows=n_rows,
             )
         return (*out, mass) if with_window_mass else out
 
@@ -190,6 +203,7 @@ class MosaicGpuBackend:
         budget_bytes,
         with_entropy=False,
         with_window_mass=False,
+        n_rows=None,
     ):
         """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
         tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes).
@@ -202,7 +216,10 @@ class MosaicGpuBackend:
         dtype, and the custom VJP multiplies it by the loss's cotangent afterwards. bfloat16 has float32's
         range, so a scaled loss (a loss weight, microbatch averaging, loss scaling) cannot overflow or
         underflow there as float16 could (a 1e-3-scaled loss gave inf in float16); a float16 weight keeps
-        the float32 accumulator and recomputes."""
+        the float32 accumulator and recomputes.
+
+        ``n_rows``: as in :meth:`logprobs`, but the rows kept and computed are :meth:`prefix_rows` of it, the prefix
+        that :meth:`grads` with the same ``n_rows`` reads."""
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
         save_tiles = 0
         if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
@@ -218,15 +235,29 @@ class MosaicGpuBackend:
                 with_entropy=with_entropy,
                 save_tiles=save_tiles,
                 window_mass=with_window_mass,
+                # kept logits: the prefix grads reads; nothing kept: the given rows only
+                n_rows=n_rows if n_rows is None or not save_tiles else self.prefix_rows(n_rows, R),
             )
         return (*stats, saved, mass) if with_window_mass else (*stats, saved)
 
     def _logprobs(
-        self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles, window_mass=False
+        self,
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature,
+        *,
+        weight_layout,
+        with_entropy,
+        save_tiles,
+        window_mass=False,
+        n_rows=None,
     ):
         """``((logp, lse[, entropy]), saved, mass)``: ``saved`` the kept tiles (``SavedLogits``, or None without
         ``save_tiles``), ``mass`` the gradient filter's ``[R, n_windows]`` window mass with ``window_mass`` (one
-        split per window), else None."""
+        split per window), else None. ``n_rows``: the kernel on a row-prefix grid (``kernels.RowPrefixGrid``),
+        every output 0 past the first ``n_rows`` rows (kept tiles there not written)."""
         from gmpo_jax.kernels import _common as C
         from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
@@ -236,12 +267,19 @@ class MosaicGpuBackend:
         cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
         hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
         n_tiles = C.cdiv(V, cfg.block_n)
-        tiles_per_split = None
+        tiles_per_split, grid = None, None
         if window_mass:  # one split per filter window, so that its statistics are the window's
             tiles_per_split = filter_lib.filter_tiles(self, cfg.block_n)
             splits = C.cdiv(n_tiles, tiles_per_split)
         else:
             splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
+        if n_rows is not None:
+            rpc, blocks = cfg.rows_per_cta, Rp // cfg.rows_per_cta
+            grid = (
+                C.RowPrefixGrid.fixed(rpc, blocks, n_tiles, tiles_per_split)
+                if window_mass
+                else C.RowPrefixGrid.balanced(rpc, blocks, n_tiles, num_sms(self.interpret))
+            )
         ops = operands(hp, weight, weight_layout, self.logits_precision)
         out = lm_head_lse_partials(
             ops.hidden,
@@ -258,6 +296,8 @@ class MosaicGpuBackend:
             save_tiles=save_tiles,
             softcap=self.softcap,
             terms=ops.terms,
+            row_grid=grid,
+            n_rows=n_rows,
             interpret=self._interpret_params(),
         )
         stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
@@ -269,9 +309,12 @@ class MosaicGpuBackend:
         )
         valid = (ids >= 0) & (ids < V)
         logp = jnp.where(valid, logp, jnp.nan)
-        if with_entropy:  # in [0, log V], as the XLA path's
-            return (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))), saved, mass
-        return (logp, lse), saved, mass
+        out = (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))) if with_entropy else (logp, lse)
+        if n_rows is not None:  # the rows past the prefix: 0, as the rows a prefix of a static size leaves out
+            live = jnp.arange(R) < n_rows
+            out = tuple(jnp.where(live, x, 0.0) for x in out)
+            mass = None if mass is None else jnp.where(live[:, None], mass, 0.0)
+        return out, saved, mass
 
     def grads(
         self,
@@ -289,6 +332,7 @@ class MosaicGpuBackend:
         saved=None,
         entropy=None,
         window_mass=None,
+        n_rows=None,
     ):
         """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
         the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
@@ -299,7 +343,12 @@ class MosaicGpuBackend:
 
         ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned in the weight's dtype
         (float32 for a float16 weight without ``saved``: its range), each window's block written once (a float32 GEMM result
-        rounded once: what the caller's final cast would give, without a float32 weight-sized buffer)."""
+        rounded once: what the caller's final cast would give, without a float32 weight-sized buffer).
+
+        ``n_rows`` (``Capabilities.row_prefix``; not with ``window_mass``): only the first ``n_rows`` rows have a
+        gradient. The gradient kernel runs on :meth:`prefix_rows` of them (one compiled kernel for every prefix,
+        ``kernels.RowPrefixGrid``); the GEMMs (and ``dz`` from ``saved``) on that prefix, one ``lax.switch`` branch
+        per prefix size (XLA's, cheap to compile)."""
         from gmpo_jax.kernels import _common as C
 
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
@@ -315,6 +364,8 @@ class MosaicGpuBackend:
                 )
             if saved is not None and precise:
                 raise ValueError("logits_precision needs the recomputed logits (no kept logits: saved=None)")
+            if window_mass is not None and n_rows is not None:
+                raise ValueError("window_mass picks each window's rows itself: no n_rows with it")
             if window_mass is not None and self.grad_filter is None:
                 raise ValueError("window_mass needs grad_filter set (MosaicGpuBackend(grad_filter=...))")
             n_windows = C.cdiv(V, self.filter_window)
@@ -347,6 +398,7 @@ class MosaicGpuBackend:
                 entropy=None
                 if entropy is None
                 else tuple(jnp.pad(x.astype(jnp.float32), (0, Rp - R)) for x in (entropy[0] / t, entropy[1])),
+                prefix=None if n_rows is None else (n_rows, self.prefix_sizes(R)),
             )
             n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
             item = ops.dz_bytes, ops.weight_bytes
@@ -377,6 +429,18 @@ class MosaicGpuBackend:
         return dh[:R].astype(hidden.dtype), dw_acc, db_acc
 
     # -- helpers ----------------------------------------------------------------------------------
+    def prefix_sizes(self, rows: int) -> tuple[int, ...]:
+        """The static row prefixes the gradient GEMMs run on (``lm_head.rows.prefix_sizes`` of this backend's
+        ``row_buckets``), each a multiple of ``tuning.ROW_ALIGN`` (of every kernel's CTA row block)."""
+        from gmpo_jax.kernels import _common as C
+
+        align = tuning.ROW_ALIGN
+        return tuple(sorted({C.cdiv(s, align) * align for s in rows_lib.prefix_sizes(rows, tuning.row_buckets(self))}))
+
+    def prefix_rows(self, n_rows, rows: int) -> jax.Array:
+        """The rows :meth:`grads` runs its GEMMs on for ``n_rows`` rows with a gradient (int32, traced)."""
+        return rows_lib.prefix_rows(n_rows, self.prefix_sizes(rows))
+
     def _check_call(self, hidden, weight, bias, weight_layout: str, with_entropy: bool = False):
         """``(R, H, V)`` of a seam call, after :meth:`check_supported` accepted it."""
         R, H = hidden.shape
