@@ -52,8 +52,6 @@ def lm_head_dlogits_window(
     softcap: float | None = None,
     terms: tuple[tuple[int, int], ...] = ((0, 0),),
     dz_dtype=None,
-    row_grid: C.RowPrefixGrid | None = None,
-    n_rows=None,
     interpret=None,
 ):
     """``dz = row_coef (onehot(ids) - exp2(z * row_scale - row_lse2))`` for the vocabulary columns
@@ -76,10 +74,6 @@ def lm_head_dlogits_window(
       window_start: first column, a multiple of ``block_n``.
       terms: the split operands' products (``_common.split_terms``); ``((0, 0),)``: plain operands.
       dz_dtype: the stored ``dz``'s dtype: None (``hidden.dtype``) or float32 (twice the staging memory).
-      row_grid, n_rows: a :class:`~gmpo_jax.kernels._common.RowPrefixGrid` of ``Rp`` rows over the window's tiles
-        and the runtime number of rows to compute (int32 scalar): only the row blocks holding the first
-        ``n_rows`` rows are computed (``num_splits`` is then ignored); ``dz`` of the other rows is not written
-        (read only the first ``cdiv(n_rows, 2 block_m) * 2 block_m`` rows) and their ``rowsum`` is 0.
 
     Returns:
       ``(dz, rowsum)``: ``dz`` ``[Rp, window_tiles * block_n]`` in ``dz_dtype`` (columns past ``V`` are
@@ -89,11 +83,8 @@ def lm_head_dlogits_window(
     bm, bn = cfg.block_m, cfg.block_n
     assert window_start % bn == 0
     first_tile = window_start // bn
-    if row_grid is not None:
-        num_splits, tiles_per_split = row_grid.max_splits, 0
-    else:
-        tiles_per_split = C.cdiv(window_tiles, num_splits)
-        assert C.cdiv(window_tiles, tiles_per_split) == num_splits
+    tiles_per_split = C.cdiv(window_tiles, num_splits)
+    assert C.cdiv(window_tiles, tiles_per_split) == num_splits
     k_iters = C.part_k_iters(hidden, weight, weight_layout, terms, cfg.block_k)
     dtype = jnp.dtype(hidden.dtype if dz_dtype is None else dz_dtype)
     has_bias = bias is not None
@@ -173,8 +164,7 @@ def lm_head_dlogits_window(
             terms=terms,
         )
 
-    info = None if row_grid is None else row_grid.info(n_rows)
-    dz, rowsum = C.launch(
+    return C.launch(
         body,
         hidden=hidden,
         weight=weight,
@@ -193,11 +183,5 @@ def lm_head_dlogits_window(
         num_splits=num_splits,
         tiles_per_split=tiles_per_split,
         num_tiles=window_tiles,
-        row_grid=row_grid,
-        info=info,
         interpret=interpret,
     )
-    if row_grid is not None:  # the splits and row blocks the grid did not run sum to 0
-        written = row_grid.live_splits(info)[:, None] & (jnp.arange(rows) < info[0] * cfg.rows_per_cta)[None, :]
-        rowsum = jnp.where(written, rowsum, jnp.float32(0.0))
-    return dz, rowsum

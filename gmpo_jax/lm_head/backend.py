@@ -47,10 +47,11 @@ class Capabilities:
       cancel_rounding: it has a ``cancel_rounding`` field (switched off per vocabulary shard).
       softcap: it has a ``softcap`` field, which a call's ``softcap`` sets.
       logits_precision: it has a ``logits_precision`` field, which a call's ``logits_precision`` sets.
-      row_prefix: its ``logprobs`` / ``logprobs_for_grads`` / ``grads`` take ``n_rows=`` (an int32 scalar, traced:
-        only the first ``n_rows`` rows need work; the others' log-probs, log-sum-exps, entropies and window masses
-        are 0, their hidden-state gradients 0, and they add nothing to the weight and bias gradients) and serve
-        every ``n_rows`` with one compiled program (exact row skipping without a program per prefix size).
+      row_prefix: its ``logprobs`` / ``logprobs_for_grads`` take ``n_rows=`` (an int32 scalar, traced: only the
+        first ``n_rows`` rows need work; the others' log-probs, log-sum-exps, entropies and window masses are 0 and
+        their kept logits unspecified) and serve every ``n_rows`` with one compiled program (the forward's exact
+        row skipping without a program per prefix size); its ``grads`` then reads ``saved`` of more rows than it
+        is given (their first rows).
     """
 
     keeps_logits: bool = False
@@ -205,12 +206,10 @@ def backward(
     db_acc,
     fwd=None,
     entropy=None,
-    n_rows=None,
 ):
     """The seam's ``grads`` given what the forward kept (``fwd``, a :class:`Forward` or None): ``(dhidden, dw_acc,
-    db_acc)``; ``entropy``: ``(gamma, H)`` of an entropy term; ``n_rows``: only the first rows have a gradient (a
-    backend that declares ``row_prefix``)."""
-    kw = {} if n_rows is None else {"n_rows": n_rows}
+    db_acc)``; ``entropy``: ``(gamma, H)`` of an entropy term."""
+    kw = {}
     if fwd is not None and fwd.window_mass is not None:
         kw["window_mass"] = fwd.window_mass
     if fwd is not None and fwd.saved is not None:

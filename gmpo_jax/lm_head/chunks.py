@@ -82,20 +82,17 @@ def _chunk_rows(cfg: LMHeadConfig, hidden, inputs: PolicyInputs, locate, i):
     return start, fresh, h, jnp.where(chunk.mask, chunk.ids, 0).reshape(-1), chunk
 
 
-def _backward(
-    cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, fwd: Forward | None, entropy=None, n_rows=None
-):
+def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, fwd: Forward | None, entropy=None):
     """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``
-    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``fwd``: what :func:`_forward` kept; ``n_rows``:
-    only the first rows have a gradient, ``Capabilities.row_prefix``)."""
+    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``fwd``: what :func:`_forward` kept)."""
     return backend_lib.backward(
         cfg.backend, h, head.weight, head.bias, ids, dlogp, lse, t,
-        weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, fwd=fwd, entropy=entropy, n_rows=n_rows,
+        weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, fwd=fwd, entropy=entropy,
     )  # fmt: skip
 
 
 def _row_prefix(cfg: LMHeadConfig) -> bool:
-    """Whether the backend serves a runtime row prefix with one program (``Capabilities.row_prefix``)."""
+    """Whether the backend's forward serves a runtime row prefix with one program (``Capabilities.row_prefix``)."""
     return backend_lib.capabilities(cfg.backend).row_prefix
 
 

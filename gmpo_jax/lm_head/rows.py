@@ -119,8 +119,8 @@ def on_live_rows(
 ):
     """``fn(*arrays)`` (each ``[R, ...]``) on every row when ``buckets <= 1``, else on the rows reordered live first
     (``live``: ``R`` bools in any shape), its per-row outputs scattered back (zeros elsewhere): on the static
-    prefix that holds every live row (one ``lax.switch`` branch per prefix size), or, with ``row_prefix`` (a
-    backend that serves a runtime prefix, ``Capabilities.row_prefix``), on all of them as
+    prefix that holds every live row (one ``lax.switch`` branch per prefix size), or, for a forward with
+    ``row_prefix`` (a backend that serves a runtime prefix, ``Capabilities.row_prefix``), on all of them as
     ``fn(*arrays, n_rows=number of live rows)`` (one program).
 
     ``accumulators``: None for a forward (every output per-row); else ``fn`` returns ``(dh, *accumulators)``
@@ -129,10 +129,8 @@ def on_live_rows(
         return fn(*arrays)
     order_ = order(live)
     R = order_.perm.size
-    if row_prefix:
+    if row_prefix and accumulators is None:
         out = fn(*(take(x, order_, R) for x in arrays), n_rows=order_.n_live)
-        if accumulators is not None:
-            return scatter_back(out[0], order_), *out[1:]
         return jax.tree.map(lambda x: scatter_back(x, order_), out)
 
     def run(S):

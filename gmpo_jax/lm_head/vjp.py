@@ -174,10 +174,10 @@ def _chunk_step_skipping(
     if with_ent:  # a row with an entropy cotangent has work even where d loss / d logp is 0
         live = live | (extra[0] != 0)
 
-    def backward(hs, ids_s, dlogp_s, lse_s, *rest, n_rows=None):
+    def backward(hs, ids_s, dlogp_s, lse_s, *rest):
         mass_s, e_s = (rest[-1], rest[:-1]) if filters else (None, rest)
         fwd_s = None if mass_s is None else Forward(None, None, window_mass=mass_s)
-        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, fwd_s, tuple(e_s) or None, n_rows)
+        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, fwd_s, tuple(e_s) or None)
 
     grads = rows.on_live_rows(
         1 if filters else buckets,  # the filter picks each vocabulary window's rows itself
@@ -185,31 +185,44 @@ def _chunk_step_skipping(
         backward,
         (h, ids, dlogp, lse, *extra) + ((mass,) if filters else ()),
         accumulators=(jnp.zeros_like(head.weight) if dw is None else dw, db),  # None: the chunk's own, any dtype
-        row_prefix=prefix and not filters,
     )
     return (num, sums, *grads)
 
 
 def _keep_on_row_prefix(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk: PolicyInputs, denominator, db):
-    """:func:`_chunk_step_skipping` of a single chunk that keeps its logits, on a backend that serves a runtime row
-    prefix: the rows reordered unmasked first, both passes told the number of unmasked rows (the backend keeps and
-    reads the logits of the same prefix of them), no ``lax.switch`` here."""
+    """:func:`_chunk_step_skipping` of a single chunk that keeps its logits, on a backend whose forward serves a
+    runtime row prefix: the rows reordered unmasked first, the forward (one program) on the prefix of them that
+    the backward's static prefix sizes round them up to, keeping their logits; the backward on that static
+    prefix (one ``lax.switch`` branch per size), reading the kept logits of its rows."""
     t, with_ent = chunk.temperature, chunk.entropy_coef is not None
     order = rows.order(chunk.mask)
     R = order.perm.size
+    sizes = rows.prefix_sizes(R, cfg.row_buckets)
     hs, ids_s = rows.take(h, order, R), rows.take(ids, order, R)
-    fwd = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent, n_rows=order.n_live)
+    fwd = _forward(
+        cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent, n_rows=rows.prefix_rows(order.n_live, sizes)
+    )
     logp = rows.scatter_back(fwd.logp, order).reshape(chunk.mask.shape)
     num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
-    entropy = None
+    gamma = None
     if with_ent:  # the entropy's cotangent is 0 off the unmasked rows: the same prefix
         ent = rows.scatter_back(fwd.entropy, order)
         ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
-        num, entropy = num + ent_num, (rows.take(gamma, order, R), fwd.entropy)
+        num, gamma = num + ent_num, rows.take(gamma, order, R)
         sums = sums.with_entropy(ent, chunk.mask)
     dlogp_s = rows.take(dlogp.reshape(-1), order, R)
-    dh_s, dw, db = _backward(cfg, head, hs, ids_s, dlogp_s, fwd.lse, t, None, db, fwd, entropy, order.n_live)
-    return num, sums, rows.scatter_back(dh_s, order), dw, db
+
+    def run(S):  # the kept logits hold more rows than S: the backend reads their first S
+        entropy = None if gamma is None else (gamma[:S], fwd.entropy[:S])
+        fwd_s = fwd._replace(logp=None, lse=None, entropy=None)
+        dh_s, dw, db_ = _backward(cfg, head, hs[:S], ids_s[:S], dlogp_s[:S], fwd.lse[:S], t, None, db, fwd_s, entropy)
+        return rows.scatter_back(dh_s, order), dw, db_
+
+    def empty():
+        return jnp.zeros_like(h), jnp.zeros_like(head.weight), db
+
+    dh, dw, db = rows.on_prefix(order.n_live, sizes, run, empty)
+    return num, sums, dh, dw, db
 
 
 def _keeps_logits(backend, rows: int, H: int, weight) -> bool:

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from gmpo_jax import tuning
 from gmpo_jax._device import num_sms
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
-from gmpo_jax.lm_head import rows as rows_lib
 from gmpo_jax.lm_head.backend import Capabilities, cancel_rounding, logits_precision_of
 from gmpo_jax.lm_head.mosaic_gpu import grad_filter as filter_lib
 from gmpo_jax.lm_head.mosaic_gpu import kept_logits
@@ -218,8 +217,8 @@ class MosaicGpuBackend:
         underflow there as float16 could (a 1e-3-scaled loss gave inf in float16); a float16 weight keeps
         the float32 accumulator and recomputes.
 
-        ``n_rows``: as in :meth:`logprobs`, but the rows kept and computed are :meth:`prefix_rows` of it, the prefix
-        that :meth:`grads` with the same ``n_rows`` reads."""
+        ``n_rows``: as in :meth:`logprobs`; the logits of the rows after them are not kept (:meth:`grads` reads the
+        first rows of ``saved``)."""
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
         save_tiles = 0
         if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
@@ -235,8 +234,7 @@ class MosaicGpuBackend:
                 with_entropy=with_entropy,
                 save_tiles=save_tiles,
                 window_mass=with_window_mass,
-                # kept logits: the prefix grads reads; nothing kept: the given rows only
-                n_rows=n_rows if n_rows is None or not save_tiles else self.prefix_rows(n_rows, R),
+                n_rows=n_rows,
             )
         return (*stats, saved, mass) if with_window_mass else (*stats, saved)
 
@@ -332,7 +330,6 @@ class MosaicGpuBackend:
         saved=None,
         entropy=None,
         window_mass=None,
-        n_rows=None,
     ):
         """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
         the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
@@ -345,10 +342,8 @@ class MosaicGpuBackend:
         (float32 for a float16 weight without ``saved``: its range), each window's block written once (a float32 GEMM result
         rounded once: what the caller's final cast would give, without a float32 weight-sized buffer).
 
-        ``n_rows`` (``Capabilities.row_prefix``; not with ``window_mass``): only the first ``n_rows`` rows have a
-        gradient. The gradient kernel runs on :meth:`prefix_rows` of them (one compiled kernel for every prefix,
-        ``kernels.RowPrefixGrid``); the GEMMs (and ``dz`` from ``saved``) on that prefix, one ``lax.switch`` branch
-        per prefix size (XLA's, cheap to compile)."""
+        ``saved`` may hold more rows than ``hidden`` (kept by a forward on a row prefix, ``Capabilities.row_prefix``):
+        the first ones are read."""
         from gmpo_jax.kernels import _common as C
 
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
@@ -357,6 +352,8 @@ class MosaicGpuBackend:
         bn = cfg.block_n
         with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
             hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
+            if saved is not None and saved.d.shape[0] > Rp:  # a row prefix's forward kept more rows: the first
+                saved = SavedLogits(saved.d[:Rp], saved.m[:, :Rp])
             if saved is not None and (saved.block_n != bn or saved.d.shape[0] != Rp):
                 raise ValueError(
                     f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
@@ -364,8 +361,6 @@ class MosaicGpuBackend:
                 )
             if saved is not None and precise:
                 raise ValueError("logits_precision needs the recomputed logits (no kept logits: saved=None)")
-            if window_mass is not None and n_rows is not None:
-                raise ValueError("window_mass picks each window's rows itself: no n_rows with it")
             if window_mass is not None and self.grad_filter is None:
                 raise ValueError("window_mass needs grad_filter set (MosaicGpuBackend(grad_filter=...))")
             n_windows = C.cdiv(V, self.filter_window)
@@ -398,7 +393,6 @@ class MosaicGpuBackend:
                 entropy=None
                 if entropy is None
                 else tuple(jnp.pad(x.astype(jnp.float32), (0, Rp - R)) for x in (entropy[0] / t, entropy[1])),
-                prefix=None if n_rows is None else (n_rows, self.prefix_sizes(R)),
             )
             n_tiles, save_tiles = C.cdiv(V, bn), 0 if saved is None else saved.m.shape[0]
             item = ops.dz_bytes, ops.weight_bytes
@@ -429,18 +423,6 @@ class MosaicGpuBackend:
         return dh[:R].astype(hidden.dtype), dw_acc, db_acc
 
     # -- helpers ----------------------------------------------------------------------------------
-    def prefix_sizes(self, rows: int) -> tuple[int, ...]:
-        """The static row prefixes the gradient GEMMs run on (``lm_head.rows.prefix_sizes`` of this backend's
-        ``row_buckets``), each a multiple of ``tuning.ROW_ALIGN`` (of every kernel's CTA row block)."""
-        from gmpo_jax.kernels import _common as C
-
-        align = tuning.ROW_ALIGN
-        return tuple(sorted({C.cdiv(s, align) * align for s in rows_lib.prefix_sizes(rows, tuning.row_buckets(self))}))
-
-    def prefix_rows(self, n_rows, rows: int) -> jax.Array:
-        """The rows :meth:`grads` runs its GEMMs on for ``n_rows`` rows with a gradient (int32, traced)."""
-        return rows_lib.prefix_rows(n_rows, self.prefix_sizes(rows))
-
     def _check_call(self, hidden, weight, bias, weight_layout: str, with_entropy: bool = False):
         """``(R, H, V)`` of a seam call, after :meth:`check_supported` accepted it."""
         R, H = hidden.shape

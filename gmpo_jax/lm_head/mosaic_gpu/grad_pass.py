@@ -58,18 +58,14 @@ class _GradPass:
     fresh: bool  # dW blocks are written, not accumulated (a single chunk)
     entropy: Any = None  # ([Rp] gamma / temperature, [Rp] entropy) of an entropy term, or None
     saved_rows: Any = None  # [S] the rows of ``saved`` this pass reads (``subset``), or None: all of them
-    # (n_rows, sizes): only the first n_rows rows (traced) have a gradient; the kernel runs on a row-prefix grid
-    # and the GEMMs on the smallest of the static prefix sizes that holds them (``window_on_prefix``); None: all
-    prefix: Any = None
 
     @property
     def axis(self) -> int:
         return 1 if self.layout == "hv" else 0  # the weight's vocabulary axis
 
-    def dz(self, w_blk, b_blk, ids_w, v0, width, wt, kept, n_rows=None):
+    def dz(self, w_blk, b_blk, ids_w, v0, width, wt, kept):
         """dz of one window, ``[Rp, wt * block_n]`` (its weight columns ``w_blk``, ids relative to it), and
-        the row sums ``[Rp]`` of its stored entries (see ``backend.cancel_rounding``); ``n_rows``: the kernel on
-        the row-prefix grid of that many rows (``dz`` of the rows after them not written, their row sums 0)."""
+        the row sums ``[Rp]`` of its stored entries (see ``backend.cancel_rounding``)."""
         from gmpo_jax.kernels import _common as C
         from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
 
@@ -85,9 +81,9 @@ class _GradPass:
             rowsum = stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
             return dz, rowsum if exact is None else rowsum - exact
         cfg = self.cfg
-        blocks, sms = self.hp.shape[0] // cfg.rows_per_cta, num_sms(self.backend.interpret)
-        splits = C.lm_head_num_splits(blocks, wt, sms, min_tiles=1)
-        grid = None if n_rows is None else C.RowPrefixGrid.balanced(cfg.rows_per_cta, blocks, wt, sms, min_tiles=1)
+        splits = C.lm_head_num_splits(
+            self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret), min_tiles=1
+        )
         dz, rowsum = lm_head_dlogits_window(
             self.ops.hidden,
             w_blk,
@@ -106,39 +102,24 @@ class _GradPass:
             softcap=self.backend.softcap,
             terms=self.ops.terms,
             dz_dtype=None if self.ops.order is None else jnp.float32,
-            row_grid=grid,
-            n_rows=n_rows,
             interpret=self.backend._interpret_params(),
         )
         return dz, jnp.sum(rowsum, axis=0)
 
     def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
         """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""
-        if self.prefix is not None:
-            return self.window_on_prefix(carry, v0, width, wt, kept, w_blk, b_blk)
         dh, dw_acc, db_acc, rowsum = carry
         dh_w, dw_blk, db_blk, rowsum_w = self.window_grads(v0, width, wt, kept, w_blk, b_blk)
         dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, width, dw_blk, db_blk)
         return dh + dh_w, dw_acc, db_acc, rowsum + rowsum_w
 
-    def window_blocks(self, v0, wt, w_blk=None, b_blk=None):
-        """The window's weight (and bias) columns: given (the partial window's static slices), or dynamic slices of
-        static width (a full window inside the loop)."""
-        if w_blk is None:
-            bn = self.cfg.block_n
-            w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=self.axis)
-            b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
-        return w_blk, b_blk
-
     def window_grads(self, v0, width, wt, kept, w_blk=None, b_blk=None):
         """One window's own ``(dh [Rp, H], dW block, db block or None, row sums [Rp])``, float32."""
-        w_blk, b_blk = self.window_blocks(v0, wt, w_blk, b_blk)
+        axis, bn = self.axis, self.cfg.block_n
+        if w_blk is None:  # a full window inside the loop: dynamic slices of static width
+            w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
+            b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
         dz, rowsum = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
-        return *self.gemms(dz, w_blk, width), rowsum
-
-    def gemms(self, dz, w_blk, width):
-        """``(dh = dz W^T, dW block = h^T dz, db block or None)`` of one window's ``dz`` (float32 results)."""
-        axis = self.axis
         if dz.shape[1] != width:
             dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns
@@ -153,62 +134,7 @@ class _GradPass:
         a, b = (ops.hidden_parts, dz_parts) if axis == 1 else (dz_parts, ops.hidden_parts)  # dW in the weight's layout
         dw_blk = _split_dot(a, b, (((0,), (0,)), ((), ())), ops.order or 0)
         db_blk = None if self.bias_p is None else jnp.sum(dz.astype(jnp.float32), axis=0)
-        return dh, dw_blk, db_blk
-
-    def window_on_prefix(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
-        """:meth:`window` when only a prefix of the rows has a gradient (``prefix``): the kernel writes ``dz`` of
-        the rows of the smallest prefix size that holds them (one compiled kernel for every size: the row-prefix
-        grid); the GEMMs, and ``dz`` from the kept logits, run in one ``lax.switch`` branch per size on static
-        slices (no rows: none), ``dh`` and the row sums of the prefix updated in place."""
-        n_rows, sizes = self.prefix
-        dh, dw_acc, db_acc, rowsum = carry
-        w_blk, b_blk = self.window_blocks(v0, wt, w_blk, b_blk)
-        ids_w = self.ids_p - v0
-        dz_all = None
-        if not kept:
-            dz_all, rowsum_w = self.dz(w_blk, b_blk, ids_w, v0, width, wt, False, rows_lib.prefix_rows(n_rows, sizes))
-            rowsum = rowsum + rowsum_w  # 0 past the prefix
-
-        def run(S):
-            sub = self.first_rows(S)
-            if kept:
-                dz, rowsum_s = sub.dz(w_blk, b_blk, ids_w[:S], v0, width, wt, True)
-                rs = lax.dynamic_update_slice_in_dim(rowsum, rowsum[:S] + rowsum_s, 0, axis=0)
-            else:
-                dz, rs = dz_all[:S], rowsum
-            dh_s, dw_blk, db_blk = sub.gemms(dz, w_blk, width)
-            return lax.dynamic_update_slice_in_dim(dh, dh[:S] + dh_s, 0, axis=0), rs, dw_blk, db_blk
-
-        def empty():
-            shape = (dh.shape[1], width) if self.axis == 1 else (width, dh.shape[1])
-            return (
-                dh,
-                rowsum,
-                jnp.zeros(shape, jnp.float32),
-                None if self.bias_p is None else jnp.zeros(width, jnp.float32),
-            )
-
-        dh, rowsum, dw_blk, db_blk = rows_lib.on_prefix(n_rows, sizes, run, empty)
-        dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, width, dw_blk, db_blk)
-        return dh, dw_acc, db_acc, rowsum
-
-    def first_rows(self, S: int) -> _GradPass:
-        """The pass over the first ``S`` rows (static slices; the kept logits' rows too)."""
-        cut = lambda x: None if x is None else x[:S]  # noqa: E731
-        ops = self.ops._replace(hidden=cut(self.ops.hidden), hidden_parts=[cut(p) for p in self.ops.hidden_parts])
-        saved = None if self.saved is None else SavedLogits(self.saved.d[:S], self.saved.m[:, :S])
-        return dataclasses.replace(
-            self,
-            hp=cut(self.hp),
-            ops=ops,
-            ids_p=cut(self.ids_p),
-            scale=cut(self.scale),
-            coef=cut(self.coef),
-            lse2=cut(self.lse2),
-            entropy=None if self.entropy is None else tuple(cut(x) for x in self.entropy),
-            saved=saved,
-            prefix=None,
-        )
+        return dh, dw_blk, db_blk, rowsum
 
     def accumulate(self, dw_acc, db_acc, v0, width, dw_blk, db_blk):
         """``dW[:, window] += dw_blk`` (written once when the accumulator is fresh), ``db[window] += db_blk``."""
