@@ -524,6 +524,78 @@ def cta_block(block_m: int, tiles_per_split: int, num_tiles: int) -> CtaBlock:
     return CtaBlock(split, row0, my_rows, tile0, jnp.minimum(tiles_per_split, num_tiles - tile0), lax.axis_index("wg"))
 
 
+# A bulk copy moves a multiple of a warpgroup's 128 threads' bytes: the row-prefix info is 32 int32 (3 used).
+INFO_WORDS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPrefixGrid:
+    """The grid of an LM-head kernel whose live rows are a prefix of a runtime length (exact row skipping).
+
+    The kernel is compiled once for ``num_row_ctas`` row blocks of ``rows_per_cta`` rows; at run time only the
+    first ``nb = cdiv(n_rows, rows_per_cta)`` blocks have work, and each is dealt ``splits[nb]`` vocabulary
+    splits of ``tiles[nb]`` tiles (the last split may have fewer or none), so that a short prefix still fills
+    the GPU (``lm_head_num_splits`` per prefix length). The grid is ``(1, num_ctas)``: CTA ``i`` takes row block
+    ``i // s`` and split ``i % s`` and returns at once when its row block is past ``nb``. The kernel reads
+    ``(nb, s, tiles)`` from a small int32 vector (:meth:`info`) staged through shared memory, so one compiled
+    kernel serves every prefix length (one ``lax.switch`` branch per length would compile one kernel each).
+
+    Outputs of the blocks past ``nb`` and of splits ``>= s`` are not written: :meth:`live_splits` says which
+    split rows hold statistics; callers read only the first ``nb * rows_per_cta`` rows.
+    """
+
+    rows_per_cta: int
+    num_row_ctas: int
+    splits: tuple[int, ...]  # per number of live row blocks nb in [0, num_row_ctas]
+    tiles: tuple[int, ...]  # vocabulary tiles per split, per nb
+
+    @classmethod
+    def balanced(cls, rows_per_cta: int, num_row_ctas: int, num_tiles: int, num_sms: int, min_tiles: int = 4):
+        """Splits per prefix length from :func:`lm_head_num_splits` (as a kernel compiled for that length)."""
+        splits = tuple(lm_head_num_splits(max(nb, 1), num_tiles, num_sms, min_tiles) for nb in range(num_row_ctas + 1))
+        return cls(rows_per_cta, num_row_ctas, splits, tuple(cdiv(num_tiles, s) for s in splits))
+
+    @classmethod
+    def fixed(cls, rows_per_cta: int, num_row_ctas: int, num_tiles: int, tiles_per_split: int):
+        """The same splits of ``tiles_per_split`` tiles for every prefix length (the gradient filter's windows)."""
+        s = cdiv(num_tiles, tiles_per_split)
+        return cls(rows_per_cta, num_row_ctas, (s,) * (num_row_ctas + 1), (tiles_per_split,) * (num_row_ctas + 1))
+
+    @property
+    def max_splits(self) -> int:
+        """Rows of the per-split outputs."""
+        return max(self.splits)
+
+    @property
+    def num_ctas(self) -> int:
+        """The grid's CTAs: the most any prefix length has work for."""
+        return max(1, max(nb * s for nb, s in enumerate(self.splits)))
+
+    def info(self, n_rows) -> jax.Array:
+        """``[nb, s, tiles per split, 0, ...]``: ``INFO_WORDS`` int32 for ``n_rows`` live rows (traced or not)."""
+        nb = jnp.clip(cdiv(jnp.asarray(n_rows, jnp.int32), self.rows_per_cta), 0, self.num_row_ctas)
+        s = jnp.asarray(self.splits, jnp.int32)[nb]
+        t = jnp.asarray(self.tiles, jnp.int32)[nb]
+        return jnp.zeros((INFO_WORDS,), jnp.int32).at[:3].set(jnp.stack([nb, s, t]).astype(jnp.int32))
+
+    def live_splits(self, info) -> jax.Array:
+        """``[max_splits]`` bool: which rows of a per-split output were written."""
+        return jnp.arange(self.max_splits, dtype=jnp.int32) < info[1]
+
+
+def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem) -> tuple[CtaBlock, jax.Array]:
+    """This CTA's block under a :class:`RowPrefixGrid` (its ``info`` in this warpgroup's shared memory), and
+    whether it has work."""
+    wg = lax.axis_index("wg")
+    nb, s, tps = info_smem[wg, 0], info_smem[wg, 1], info_smem[wg, 2]
+    i = i32(lax.axis_index("rows"))
+    block, split = div(i, s), rem(i, s)
+    row0 = block * (2 * block_m)
+    tile0 = split * tps
+    n_tiles = jnp.clip(num_tiles - tile0, 0, tps)
+    return CtaBlock(split, row0, row0 + wg * block_m, tile0, n_tiles, wg), block < nb
+
+
 def launch(
     body,
     *,
@@ -536,16 +608,23 @@ def launch(
     weight_layout: str,
     cfg: LMHeadBlocks,
     num_splits: int,
+    tiles_per_split: int,
+    num_tiles: int,
+    row_grid: RowPrefixGrid | None = None,
+    info=None,
     interpret=None,
 ):
-    """Runs an LM-head kernel on the grid ``(num_splits, rows / (2 block_m))`` with three warpgroups
-    (two consumers, one memory warpgroup: ``logits_tile_loop``).
+    """Runs an LM-head kernel with three warpgroups (two consumers, one memory warpgroup:
+    ``logits_tile_loop``) on the grid ``(num_splits, rows / (2 block_m))`` (split ``s`` walks tiles
+    ``[s * tiles_per_split, ...)`` of ``num_tiles``), or, with ``row_grid`` and its ``info`` (:class:`RowPrefixGrid`),
+    on the grid that serves a runtime row prefix (``num_splits`` then ``row_grid.max_splits``).
 
-    ``body(h_ref, w_ref, b_ref, row_refs, out_refs, smem)`` gets the references of ``hidden``, ``weight``,
+    ``body(h_ref, w_ref, b_ref, row_refs, out_refs, smem, cta)`` gets the references of ``hidden``, ``weight``,
     ``bias`` (None without one), the per-row inputs ``row_inputs`` and the outputs ``out_type`` (a tuple,
-    or one ``ShapeDtypeStruct``), and ``smem = (a_smem, b_smem, epilogue, loaded, consumed)``: the
+    or one ``ShapeDtypeStruct``), ``smem = (a_smem, b_smem, epilogue, loaded, consumed)``: the
     operand rings of ``logits_tile_loop``, the scratch ``epilogue_smem`` (a ``plgpu.SMEM``) of the
-    kernel's own epilogue, and the ring's two barriers.
+    kernel's own epilogue, and the ring's two barriers; and its :class:`CtaBlock`. Under ``row_grid`` a CTA
+    without work does not run ``body``.
     """
     dtype = hidden.dtype
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
@@ -553,10 +632,22 @@ def launch(
     b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
     has_bias = bias is not None
     n_rows = len(row_inputs)
+    dynamic = row_grid is not None
 
     def kernel(h_ref, w_ref, *refs):
         b_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
-        body(h_ref, w_ref, b_ref, refs[:n_rows], refs[n_rows:-1], refs[-1])
+        row_refs, refs = refs[:n_rows], refs[n_rows:]
+        info_ref, refs = (refs[0], refs[1:]) if dynamic else (None, refs)
+        outs, smem = refs[:-1], refs[-1]
+        if not dynamic:
+            body(h_ref, w_ref, b_ref, row_refs, outs, smem, cta_block(bm, tiles_per_split, num_tiles))
+            return
+        *smem, info_smem, info_bar = smem
+        wg = lax.axis_index("wg")  # each warpgroup stages its own copy of the info
+        plgpu.copy_gmem_to_smem(info_ref, info_smem.at[wg], info_bar.at[wg])
+        plgpu.barrier_wait(info_bar.at[wg])
+        cta, live = _dynamic_cta_block(bm, num_tiles, info_smem)
+        pl.when(live)(lambda: body(h_ref, w_ref, b_ref, row_refs, outs, tuple(smem), cta))
 
     scratch = [
         plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
@@ -565,15 +656,21 @@ def launch(
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
+    if dynamic:
+        assert row_grid.rows_per_cta == 2 * bm and row_grid.num_row_ctas * 2 * bm == hidden.shape[0]
+        scratch += [plgpu.SMEM((3, INFO_WORDS), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=3)]
+        grid = (1, row_grid.num_ctas)
+    else:
+        grid = (num_splits, hidden.shape[0] // (2 * bm))
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=[scratch],
-        grid=(num_splits, hidden.shape[0] // (2 * bm)),
+        grid=grid,
         grid_names=("split", "rows"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs)
+    return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs, *((info,) if dynamic else ()))

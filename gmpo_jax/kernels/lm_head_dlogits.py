@@ -90,11 +90,11 @@ def lm_head_dlogits_window(
     has_bias = bias is not None
     with_ent = row_entropy is not None
 
-    def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
+    def body(h_ref, w_ref, b_ref, row_refs, outs, smem, cta):
         ids_ref, scale_ref, lse_ref, coef_ref, *ent_refs = row_refs
         dz_out, rowsum_out = outs
         a_smem, b_smem, (out_smem, sum_smem), loaded, consumed = smem
-        split, row0, my_rows, local0, n_tiles, wg = C.cta_block(bm, tiles_per_split, window_tiles)
+        split, row0, my_rows, local0, n_tiles, wg = cta
 
         def init_carry():
             lse2_v = C.row_vector(lse_ref, my_rows, bm, interpret)
@@ -181,5 +181,7 @@ def lm_head_dlogits_window(
         weight_layout=weight_layout,
         cfg=cfg,
         num_splits=num_splits,
+        tiles_per_split=tiles_per_split,
+        num_tiles=window_tiles,
         interpret=interpret,
     )

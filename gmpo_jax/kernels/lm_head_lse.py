@@ -54,6 +54,8 @@ def lm_head_lse_partials(
     save_tiles: int = 0,
     softcap: float | None = None,
     terms: tuple[tuple[int, int], ...] = ((0, 0),),
+    row_grid: C.RowPrefixGrid | None = None,
+    n_rows=None,
     interpret=None,
 ):
     """Per-split online log-sum-exp statistics of the logits ``z = (hidden W + bias) / T``, never stored.
@@ -74,6 +76,11 @@ def lm_head_lse_partials(
       save_tiles: also return the first ``save_tiles`` logits tiles (module docstring; at most the number
         of tiles); the epilogue then stages a ``[block_m, block_n]`` float16 tile per warpgroup in shared
         memory (``cfg`` must leave room).
+      row_grid, n_rows: a :class:`~gmpo_jax.kernels._common.RowPrefixGrid` of ``Rp`` rows and the runtime number
+        of rows with work (an int32 scalar, traced or not): only the row blocks holding the first ``n_rows``
+        rows are computed, on as many splits as fill the GPU (``num_splits`` and ``tiles_per_split`` are then
+        ignored; the outputs have ``row_grid.max_splits`` split rows). The statistics of the other rows are
+        those of an empty split (the merge gives ``lse = -inf``); their kept logits are not written.
 
     Returns:
       ``(m2, l, t2)`` or, with ``with_entropy``, ``(m2, l, t2, e2)``, each ``[num_splits, Rp]`` f32:
@@ -86,9 +93,12 @@ def lm_head_lse_partials(
     rows = hidden.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     num_tiles = C.cdiv(vocab_size, bn)
-    if tiles_per_split is None:
+    if row_grid is not None:
+        num_splits, tiles_per_split = row_grid.max_splits, 0
+    elif tiles_per_split is None:
         tiles_per_split = C.cdiv(num_tiles, num_splits)
-    assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits, tiles_per_split)
+    if row_grid is None:
+        assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits, tiles_per_split)
     k_iters = C.part_k_iters(hidden, weight, weight_layout, terms, bk)
     assert rows % (2 * bm) == 0
     has_bias = bias is not None
@@ -96,12 +106,12 @@ def lm_head_lse_partials(
     assert 0 <= save_tiles <= num_tiles, (save_tiles, num_tiles)
     save_logits = save_tiles > 0
 
-    def body(h_ref, w_ref, b_ref, row_refs, outs, smem):
+    def body(h_ref, w_ref, b_ref, row_refs, outs, smem, cta):
         ids_ref, scale_ref = row_refs
         a_smem, b_smem, epi_smem, loaded, consumed = smem
         stat_smem, tile_smem = epi_smem if save_logits else (epi_smem, None)
         outs, saved = (outs[:n_stats], outs[n_stats:]) if save_logits else (outs, ())
-        split, row0, my_rows, tile0, n_tiles, wg = C.cta_block(bm, tiles_per_split, num_tiles)
+        split, row0, my_rows, tile0, n_tiles, wg = cta
 
         def init_carry():
             ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)
@@ -195,7 +205,8 @@ def lm_head_lse_partials(
             jax.ShapeDtypeStruct((save_tiles, rows), jnp.float32),
         )
         epilogue_smem = (epilogue_smem, plgpu.SMEM((2, bm, bn), jnp.float16, transforms=C.smem_transforms(2)))
-    return C.launch(
+    info = None if row_grid is None else row_grid.info(n_rows)
+    out = C.launch(
         body,
         hidden=hidden,
         weight=weight,
@@ -206,8 +217,19 @@ def lm_head_lse_partials(
         weight_layout=weight_layout,
         cfg=cfg,
         num_splits=num_splits,
+        tiles_per_split=tiles_per_split,
+        num_tiles=num_tiles,
+        row_grid=row_grid,
+        info=info,
         interpret=interpret,
     )
+    if row_grid is None:
+        return out
+    # what the grid did not compute is an empty split's statistics: (m2, l, t2, e2) = (-inf, -1, 0, 0)
+    written = row_grid.live_splits(info)[:, None] & (jnp.arange(rows) < info[0] * cfg.rows_per_cta)[None, :]
+    empty = (-jnp.inf, -1.0, 0.0, 0.0)
+    stats = tuple(jnp.where(written, x, jnp.float32(e)) for x, e in zip(out[:n_stats], empty))
+    return stats + tuple(out[n_stats:])
 
 
 def lm_head_lse_epilogue_bytes(cfg: C.LMHeadBlocks, *, n_stats: int, save: bool) -> int:

@@ -94,6 +94,11 @@ class Capabilities:
       cancel_rounding: it has a ``cancel_rounding`` field (switched off per vocabulary shard).
       softcap: it computes ``HeadSettings.softcap`` (a :class:`WithHeadSettings`).
       logits_precision: it computes ``HeadSettings.logits_precision`` (a :class:`WithHeadSettings`).
+      row_prefix: its ``logprobs`` / ``logprobs_for_grads`` take ``n_rows=`` (an int32 scalar, traced: only the
+        first ``n_rows`` rows need work; the others' log-probs, log-sum-exps, entropies and window masses are 0 and
+        their kept logits unspecified) and serve every ``n_rows`` with one compiled program (the forward's exact
+        row skipping without a program per prefix size); its ``grads`` then reads ``saved`` of more rows than it
+        is given (their first rows).
     """
 
     keeps_logits: bool = False
@@ -101,6 +106,7 @@ class Capabilities:
     cancel_rounding: bool = False
     softcap: bool = False
     logits_precision: bool = False
+    row_prefix: bool = False
 
 
 def capabilities(backend) -> Capabilities:
@@ -197,15 +203,28 @@ class Forward(NamedTuple):
 
 
 def forward(
-    backend, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, with_window_mass, budget_bytes
+    backend,
+    hidden,
+    weight,
+    bias,
+    ids,
+    temperature,
+    *,
+    weight_layout,
+    with_entropy,
+    with_window_mass,
+    budget_bytes,
+    n_rows=None,
 ) -> Forward:
     """The seam's log-probs of rows ``hidden`` as a :class:`Forward`: ``backend.logprobs``, or, with
     ``budget_bytes`` (a backend that ``keeps_logits``), ``backend.logprobs_for_grads`` keeping what its
     gradient pass may reuse; ``with_window_mass``: the gradient filter's masses (a backend whose ``grad_filter``
-    is set)."""
+    is set); ``n_rows``: only the first rows need work (a backend that declares ``row_prefix``)."""
     kw = {"with_entropy": True} if with_entropy else {}  # a backend without an entropy term needs no flag
     if with_window_mass:
         kw["with_window_mass"] = True
+    if n_rows is not None:
+        kw["n_rows"] = n_rows
     keep = budget_bytes is not None
     if keep:
         out = backend.logprobs_for_grads(

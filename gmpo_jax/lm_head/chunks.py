@@ -91,6 +91,11 @@ def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, fwd:
     )  # fmt: skip
 
 
+def _row_prefix(cfg: LMHeadConfig) -> bool:
+    """Whether the backend's forward serves a runtime row prefix with one program (``Capabilities.row_prefix``)."""
+    return backend_lib.capabilities(cfg.backend).row_prefix
+
+
 def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:
     """The stored gradients times the cotangent ``g``, in the primal dtypes."""
     g = g.astype(jnp.float32)

@@ -18,7 +18,16 @@ from jax.sharding import PartitionSpec as P
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import rows
 from gmpo_jax.lm_head.backend import LMHeadBackend
-from gmpo_jax.lm_head.chunks import Head, LMHeadConfig, _backward, _chunk_plan, _chunk_rows, _merge_rows, _scaled
+from gmpo_jax.lm_head.chunks import (
+    Head,
+    LMHeadConfig,
+    _backward,
+    _chunk_plan,
+    _chunk_rows,
+    _merge_rows,
+    _row_prefix,
+    _scaled,
+)
 from gmpo_jax.objectives import PolicyInputs
 
 __all__ = ["fused_logprobs"]
@@ -31,16 +40,16 @@ def _scan_logprobs(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs):
     backend: LMHeadBackend = cfg.backend
     n, locate = _chunk_plan(B, cfg.chunk_size)
 
-    def logprobs(hs, ids_s):  # (logp, lse[, entropy])
+    def logprobs(hs, ids_s, n_rows=None):  # (logp, lse[, entropy])
         fwd = backend_lib.forward(
             backend, hs, weight, bias, ids_s, inputs.temperature, weight_layout=cfg.weight_layout,
-            with_entropy=cfg.with_entropy, with_window_mass=False, budget_bytes=None,
+            with_entropy=cfg.with_entropy, with_window_mass=False, budget_bytes=None, n_rows=n_rows,
         )  # fmt: skip
         return (fwd.logp, fwd.lse, fwd.entropy) if cfg.with_entropy else (fwd.logp, fwd.lse)
 
     def body(carry, i):
         start, fresh, h, ids, chunk = _chunk_rows(cfg, hidden, inputs, locate, i)
-        out = rows.on_live_rows(cfg.row_buckets, chunk.mask, logprobs, (h, ids))
+        out = rows.on_live_rows(cfg.row_buckets, chunk.mask, logprobs, (h, ids), row_prefix=_row_prefix(cfg))
         m = chunk.mask
         new = [jnp.where(m, x.reshape(m.shape), 0.0) if k != 1 else x.reshape(m.shape) for k, x in enumerate(out)]
         return tuple(_merge_rows(a, start, fresh, x) for a, x in zip(carry, new)), None

@@ -22,7 +22,17 @@ from jax import lax
 
 from gmpo_jax import tuning
 
-__all__ = ["RowOrder", "order", "prefix_sizes", "on_prefix", "on_live_rows", "take", "scatter_back"]
+__all__ = [
+    "RowOrder",
+    "order",
+    "prefix_sizes",
+    "prefix_index",
+    "prefix_rows",
+    "on_prefix",
+    "on_live_rows",
+    "take",
+    "scatter_back",
+]
 
 
 class RowOrder(NamedTuple):
@@ -76,6 +86,17 @@ def scatter_back(x: jax.Array, order_: RowOrder) -> jax.Array:
     return jnp.take(full, order_.inv, axis=0)
 
 
+def prefix_index(n: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """The ``lax.switch`` index of :func:`on_prefix`: 0 when ``n == 0``, else ``1 +`` the position of the smallest
+    size ``>= n``."""
+    return jnp.where(n == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n, side="left")).astype(jnp.int32)
+
+
+def prefix_rows(n: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """The rows :func:`on_prefix` runs on for ``n`` live rows: the smallest size ``>= n`` (0 when ``n == 0``)."""
+    return jnp.asarray((0, *sizes), jnp.int32)[prefix_index(n, sizes)]
+
+
 def on_prefix(n: jax.Array, sizes: tuple[int, ...], run: Callable, empty: Callable | None = None):
     """``run(S)`` for the smallest ``S`` in ``sizes`` with ``S >= n``, or ``empty()`` when ``n == 0``
     (``lax.switch``: one branch runs). Outputs whose dtype differs between the ``run`` branches (e.g. a
@@ -90,14 +111,17 @@ def on_prefix(n: jax.Array, sizes: tuple[int, ...], run: Callable, empty: Callab
     def cast(b):
         return lambda: jax.tree.map(lambda x, d: x.astype(d), b(), target)
 
-    index = jnp.where(n == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n, side="left"))
-    return lax.switch(index.astype(jnp.int32), [cast(b) for b in [empty] + runs])
+    return lax.switch(prefix_index(n, sizes), [cast(b) for b in [empty] + runs])
 
 
-def on_live_rows(buckets: int, live: jax.Array, fn: Callable, arrays: tuple, accumulators=None):
-    """``fn(*arrays)`` (each ``[R, ...]``) on every row when ``buckets <= 1``, else on the static prefix of the
-    rows reordered live first (``live``: ``R`` bools in any shape) that holds every live row, its per-row
-    outputs scattered back (zeros elsewhere).
+def on_live_rows(
+    buckets: int, live: jax.Array, fn: Callable, arrays: tuple, accumulators=None, row_prefix: bool = False
+):
+    """``fn(*arrays)`` (each ``[R, ...]``) on every row when ``buckets <= 1``, else on the rows reordered live first
+    (``live``: ``R`` bools in any shape), its per-row outputs scattered back (zeros elsewhere): on the static
+    prefix that holds every live row (one ``lax.switch`` branch per prefix size), or, for a forward with
+    ``row_prefix`` (a backend that serves a runtime prefix, ``Capabilities.row_prefix``), on all of them as
+    ``fn(*arrays, n_rows=number of live rows)`` (one program).
 
     ``accumulators``: None for a forward (every output per-row); else ``fn`` returns ``(dh, *accumulators)``
     (the weight / bias gradients it accumulated into), and when no row is live they pass through unchanged."""
@@ -105,6 +129,9 @@ def on_live_rows(buckets: int, live: jax.Array, fn: Callable, arrays: tuple, acc
         return fn(*arrays)
     order_ = order(live)
     R = order_.perm.size
+    if row_prefix and accumulators is None:
+        out = fn(*(take(x, order_, R) for x in arrays), n_rows=order_.n_live)
+        return jax.tree.map(lambda x: scatter_back(x, order_), out)
 
     def run(S):
         out = fn(*(take(x, order_, S) for x in arrays))

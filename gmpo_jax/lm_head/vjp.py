@@ -21,7 +21,16 @@ from jax.sharding import PartitionSpec as P
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import rows
 from gmpo_jax.lm_head.backend import Forward
-from gmpo_jax.lm_head.chunks import Head, LMHeadConfig, _backward, _chunk_plan, _chunk_rows, _merge_rows, _scaled
+from gmpo_jax.lm_head.chunks import (
+    Head,
+    LMHeadConfig,
+    _backward,
+    _chunk_plan,
+    _chunk_rows,
+    _merge_rows,
+    _row_prefix,
+    _scaled,
+)
 from gmpo_jax.lm_head.logprobs_vjp import fused_logprobs
 from gmpo_jax.objectives import LossAux, MetricSums, Objective, PolicyInputs, evaluate, loss_and_aux
 
@@ -41,10 +50,13 @@ def _saved_budget(weight) -> int:
     return 4 * weight.size + SAVED_LOGITS_SLACK
 
 
-def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False) -> Forward:
+def _forward(
+    cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entropy: bool = False, n_rows=None
+) -> Forward:
     """The :class:`~gmpo_jax.lm_head.backend.Forward` of rows ``h [R, H]``; ``keep``: the backend may keep what
     its gradient pass can reuse (``logprobs_for_grads``, a single chunk's float32 weight copy as budget); with
-    the gradient filter (``backend.filters``) it carries each row's window mass."""
+    the gradient filter (``backend.filters``) it carries each row's window mass; ``n_rows``: only the first rows
+    need work (``Capabilities.row_prefix``)."""
     return backend_lib.forward(
         cfg.backend,
         h,
@@ -56,6 +68,7 @@ def _forward(cfg: LMHeadConfig, head: Head, h, ids, t, *, keep: bool, with_entro
         with_entropy=with_entropy,
         with_window_mass=backend_lib.filters(cfg.backend),
         budget_bytes=_saved_budget(head.weight) if keep else None,
+        n_rows=n_rows,
     )
 
 
@@ -119,6 +132,9 @@ def _chunk_step_skipping(
     passes share the forward's prefix (the kept logits hold those rows)."""
     t, buckets = chunk.temperature, cfg.row_buckets
     with_ent = chunk.entropy_coef is not None
+    prefix, filters = _row_prefix(cfg), backend_lib.filters(cfg.backend)
+    if keep and prefix and not filters:  # one program: the kept rows are the bucket of the unmasked rows
+        return _keep_on_row_prefix(cfg, objective, head, h, ids, chunk, denominator, db)
     if keep:  # only under differentiation
         order = rows.order(chunk.mask)
 
@@ -142,9 +158,8 @@ def _chunk_step_skipping(
             return num, sums, jnp.zeros_like(h), jnp.zeros_like(head.weight), db
 
         return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
-    filters = backend_lib.filters(cfg.backend)
-    fwd = rows.on_live_rows(buckets, chunk.mask, lambda hs, ids_s: _forward(cfg, head, hs, ids_s, t, keep=False,
-                            with_entropy=with_ent), (h, ids))  # fmt: skip
+    fwd = rows.on_live_rows(buckets, chunk.mask, lambda hs, ids_s, n_rows=None: _forward(cfg, head, hs, ids_s, t,
+                            keep=False, with_entropy=with_ent, n_rows=n_rows), (h, ids), row_prefix=prefix)  # fmt: skip
     logp, lse, ent, mass = fwd.logp, fwd.lse, [fwd.entropy] if with_ent else [], fwd.window_mass
     num, sums, dlogp = evaluate(objective, logp.reshape(chunk.mask.shape), chunk, denominator, with_grads=with_grads)
     extra = ()
@@ -172,6 +187,42 @@ def _chunk_step_skipping(
         accumulators=(jnp.zeros_like(head.weight) if dw is None else dw, db),  # None: the chunk's own, any dtype
     )
     return (num, sums, *grads)
+
+
+def _keep_on_row_prefix(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk: PolicyInputs, denominator, db):
+    """:func:`_chunk_step_skipping` of a single chunk that keeps its logits, on a backend whose forward serves a
+    runtime row prefix: the rows reordered unmasked first, the forward (one program) on the prefix of them that
+    the backward's static prefix sizes round them up to, keeping their logits; the backward on that static
+    prefix (one ``lax.switch`` branch per size), reading the kept logits of its rows."""
+    t, with_ent = chunk.temperature, chunk.entropy_coef is not None
+    order = rows.order(chunk.mask)
+    R = order.perm.size
+    sizes = rows.prefix_sizes(R, cfg.row_buckets)
+    hs, ids_s = rows.take(h, order, R), rows.take(ids, order, R)
+    fwd = _forward(
+        cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent, n_rows=rows.prefix_rows(order.n_live, sizes)
+    )
+    logp = rows.scatter_back(fwd.logp, order).reshape(chunk.mask.shape)
+    num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
+    gamma = None
+    if with_ent:  # the entropy's cotangent is 0 off the unmasked rows: the same prefix
+        ent = rows.scatter_back(fwd.entropy, order)
+        ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
+        num, gamma = num + ent_num, rows.take(gamma, order, R)
+        sums = sums.with_entropy(ent, chunk.mask)
+    dlogp_s = rows.take(dlogp.reshape(-1), order, R)
+
+    def run(S):  # the kept logits hold more rows than S: the backend reads their first S
+        entropy = None if gamma is None else (gamma[:S], fwd.entropy[:S])
+        fwd_s = fwd._replace(logp=None, lse=None, entropy=None)
+        dh_s, dw, db_ = _backward(cfg, head, hs[:S], ids_s[:S], dlogp_s[:S], fwd.lse[:S], t, None, db, fwd_s, entropy)
+        return rows.scatter_back(dh_s, order), dw, db_
+
+    def empty():
+        return jnp.zeros_like(h), jnp.zeros_like(head.weight), db
+
+    dh, dw, db = rows.on_prefix(order.n_live, sizes, run, empty)
+    return num, sums, dh, dw, db
 
 
 def _keeps_logits(backend, rows: int, H: int, weight) -> bool:

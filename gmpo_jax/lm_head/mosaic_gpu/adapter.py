@@ -74,7 +74,7 @@ class MosaicGpuBackend(WithHeadSettings):
     filter_tail: int = tuning.GRAD_FILTER_TAIL  # its windows from this column on are kept together
     name: str = "mosaic_gpu"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        keeps_logits=True, grad_filter=True, cancel_rounding=True, softcap=True, logits_precision=True
+        keeps_logits=True, grad_filter=True, cancel_rounding=True, softcap=True, logits_precision=True, row_prefix=True
     )
 
     def __post_init__(self):
@@ -133,11 +133,22 @@ class MosaicGpuBackend(WithHeadSettings):
                 )
 
     def logprobs(
-        self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy=False, with_window_mass=False
+        self,
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature,
+        *,
+        weight_layout,
+        with_entropy=False,
+        with_window_mass=False,
+        n_rows=None,
     ):
         """The seam's ``logprobs``; ``with_window_mass`` (the gradient filter, ``grad_filter`` set) appends each
         row's softmax mass off its target per vocabulary window, ``[R, cdiv(V, filter_window)]`` float32, for
-        :meth:`grads`' ``window_mass``."""
+        :meth:`grads`' ``window_mass``; ``n_rows`` (``Capabilities.row_prefix``): only the first ``n_rows`` rows are
+        computed (one compiled kernel for every ``n_rows``), the others' outputs are 0."""
         R, H, V = self._check_call(hidden, weight, bias, weight_layout, with_entropy=with_entropy)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
             out, _, mass = self._logprobs(
@@ -150,6 +161,7 @@ class MosaicGpuBackend(WithHeadSettings):
                 with_entropy=with_entropy,
                 save_tiles=0,
                 window_mass=with_window_mass,
+                n_rows=n_rows,
             )
         return (*out, mass) if with_window_mass else out
 
@@ -181,6 +193,7 @@ class MosaicGpuBackend(WithHeadSettings):
         budget_bytes,
         with_entropy=False,
         with_window_mass=False,
+        n_rows=None,
     ):
         """``(logp, lse, saved)`` as :meth:`logprobs`, plus what :meth:`grads` may reuse: the leading logits
         tiles that fit ``budget_bytes`` (:meth:`save_plan`), or None when none do (``grads`` recomputes).
@@ -193,7 +206,10 @@ class MosaicGpuBackend(WithHeadSettings):
         dtype, and the custom VJP multiplies it by the loss's cotangent afterwards. bfloat16 has float32's
         range, so a scaled loss (a loss weight, microbatch averaging, loss scaling) cannot overflow or
         underflow there as float16 could (a 1e-3-scaled loss gave inf in float16); a float16 weight keeps
-        the float32 accumulator and recomputes."""
+        the float32 accumulator and recomputes.
+
+        ``n_rows``: as in :meth:`logprobs`; the logits of the rows after them are not kept (:meth:`grads` reads the
+        first rows of ``saved``)."""
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
         save_tiles = 0
         if jnp.dtype(weight.dtype) == jnp.dtype(jnp.bfloat16):
@@ -209,15 +225,28 @@ class MosaicGpuBackend(WithHeadSettings):
                 with_entropy=with_entropy,
                 save_tiles=save_tiles,
                 window_mass=with_window_mass,
+                n_rows=n_rows,
             )
         return (*stats, saved, mass) if with_window_mass else (*stats, saved)
 
     def _logprobs(
-        self, hidden, weight, bias, ids, temperature, *, weight_layout, with_entropy, save_tiles, window_mass=False
+        self,
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature,
+        *,
+        weight_layout,
+        with_entropy,
+        save_tiles,
+        window_mass=False,
+        n_rows=None,
     ):
         """``((logp, lse[, entropy]), saved, mass)``: ``saved`` the kept tiles (``SavedLogits``, or None without
         ``save_tiles``), ``mass`` the gradient filter's ``[R, n_windows]`` window mass with ``window_mass`` (one
-        split per window), else None."""
+        split per window), else None. ``n_rows``: the kernel on a row-prefix grid (``kernels.RowPrefixGrid``),
+        every output 0 past the first ``n_rows`` rows (kept tiles there not written)."""
         from gmpo_jax.kernels import _common as C
         from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
@@ -227,12 +256,19 @@ class MosaicGpuBackend(WithHeadSettings):
         cfg = block_config(rows=R, H=H, V=V, kind=kind, interpret=self.interpret)
         hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
         n_tiles = C.cdiv(V, cfg.block_n)
-        tiles_per_split = None
+        tiles_per_split, grid = None, None
         if window_mass:  # one split per filter window, so that its statistics are the window's
             tiles_per_split = filter_lib.filter_tiles(self, cfg.block_n)
             splits = C.cdiv(n_tiles, tiles_per_split)
         else:
             splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
+        if n_rows is not None:
+            rpc, blocks = cfg.rows_per_cta, Rp // cfg.rows_per_cta
+            grid = (
+                C.RowPrefixGrid.fixed(rpc, blocks, n_tiles, tiles_per_split)
+                if window_mass
+                else C.RowPrefixGrid.balanced(rpc, blocks, n_tiles, num_sms(self.interpret))
+            )
         ops = operands(hp, weight, weight_layout, self.logits_precision)
         out = lm_head_lse_partials(
             ops.hidden,
@@ -249,6 +285,8 @@ class MosaicGpuBackend(WithHeadSettings):
             save_tiles=save_tiles,
             softcap=self.softcap,
             terms=ops.terms,
+            row_grid=grid,
+            n_rows=n_rows,
             interpret=self._interpret_params(),
         )
         stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
@@ -260,9 +298,12 @@ class MosaicGpuBackend(WithHeadSettings):
         )
         valid = (ids >= 0) & (ids < V)
         logp = jnp.where(valid, logp, jnp.nan)
-        if with_entropy:  # in [0, log V], as the XLA path's
-            return (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))), saved, mass
-        return (logp, lse), saved, mass
+        out = (logp, lse, jnp.clip(ent[0], 0.0, jnp.log(jnp.float32(V)))) if with_entropy else (logp, lse)
+        if n_rows is not None:  # the rows past the prefix: 0, as the rows a prefix of a static size leaves out
+            live = jnp.arange(R) < n_rows
+            out = tuple(jnp.where(live, x, 0.0) for x in out)
+            mass = None if mass is None else jnp.where(live[:, None], mass, 0.0)
+        return out, saved, mass
 
     def grads(
         self,
@@ -290,7 +331,10 @@ class MosaicGpuBackend(WithHeadSettings):
 
         ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned in the weight's dtype
         (float32 for a float16 weight without ``saved``: its range), each window's block written once (a float32 GEMM result
-        rounded once: what the caller's final cast would give, without a float32 weight-sized buffer)."""
+        rounded once: what the caller's final cast would give, without a float32 weight-sized buffer).
+
+        ``saved`` may hold more rows than ``hidden`` (kept by a forward on a row prefix, ``Capabilities.row_prefix``):
+        the first ones are read."""
         from gmpo_jax.kernels import _common as C
 
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
@@ -299,6 +343,8 @@ class MosaicGpuBackend(WithHeadSettings):
         bn = cfg.block_n
         with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
             hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
+            if saved is not None and saved.d.shape[0] > Rp:  # a row prefix's forward kept more rows: the first
+                saved = SavedLogits(saved.d[:Rp], saved.m[:, :Rp])
             if saved is not None and (saved.block_n != bn or saved.d.shape[0] != Rp):
                 raise ValueError(
                     f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "

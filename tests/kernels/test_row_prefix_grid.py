@@ -1,0 +1,137 @@
+"""The LM-head log-prob kernel on a runtime row prefix (``kernels._common.RowPrefixGrid``): one compiled kernel for
+every number of live rows, against the same kernel compiled for those rows.
+
+In the interpreter with uninitialised memory read as NaN (so an output the grid did not write, read by mistake,
+shows), three row blocks and a ragged vocabulary, no live row and a partial second block: the log-sum-exp
+statistics (with the entropy) merge to the full grid's within float32 rounding (the split boundaries differ), the
+rest of the rows are an empty split's (``lse = -inf``); kept logits rebuild the same logits. The kernel on the
+grid, and the backend's passes around it, also lower to Mosaic GPU for CUDA (``jax.export`` on the CPU) with a
+traced row count.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels._compat import _interpret_params_cls
+from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
+
+R, H, V = 384, 64, 600  # three CTA row blocks of 128 rows; 5 tiles of 128 columns, the last ragged
+CFG = C.LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)
+NAN_MEMORY = _interpret_params_cls()(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+N_ROWS = [0, 129]  # none; a partial block past the first (two of three blocks live)
+LIVE = 256  # rows of the blocks that hold the first 129: the full grid runs on these only
+SMS = 4  # a small GPU: prefixes of one, two and three blocks take 3, 2 and 3 splits
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((R, H)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((H, V)) / np.sqrt(H), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, V, R), jnp.int32)
+    scale = jnp.full((R,), C.LOG2E / 0.8, jnp.float32)
+    return h, w, ids, scale
+
+
+def test_grid_deals_every_live_block_and_split_once():
+    grid = C.RowPrefixGrid.balanced(128, 64, 594, 132, min_tiles=1)
+    for n in (0, 1, 128, 129, 4000, 8192):
+        nb, s, t = (int(x) for x in grid.info(n)[:3])
+        assert nb == C.cdiv(n, 128) and s == grid.splits[nb] and t == C.cdiv(594, s)
+        assert nb * s <= grid.num_ctas  # the grid has a CTA for every (block, split)
+    assert grid.splits[64] <= grid.splits[1]  # a short prefix takes more splits
+    fixed = C.RowPrefixGrid.fixed(128, 4, 594, 32)
+    assert set(fixed.splits) == {19} and set(fixed.tiles) == {32}
+
+
+def test_interpret_lse_on_a_row_prefix():
+    h, w, ids, scale = _inputs(1)
+    kw = dict(weight_layout="hv", vocab_size=V, cfg=CFG, with_entropy=True, interpret=NAN_MEMORY)
+    full = lm_head_merge_splits(*lm_head_lse_partials(h[:LIVE], w, None, ids[:LIVE], scale[:LIVE], num_splits=2, **kw))
+    grid = C.RowPrefixGrid.balanced(128, R // 128, C.cdiv(V, 128), SMS, min_tiles=1)
+    run = jax.jit(lambda n: lm_head_merge_splits(*lm_head_lse_partials(h, w, None, ids, scale, num_splits=0,
+                                                                         row_grid=grid, n_rows=n, **kw)))  # fmt: skip
+    for n in N_ROWS:
+        got = run(jnp.int32(n))
+        live = C.cdiv(n, 128) * 128
+        assert live <= LIVE
+        for x, y in zip(got, full):
+            np.testing.assert_allclose(np.asarray(x)[:live], np.asarray(y)[:live], rtol=2e-6, atol=2e-6)
+        assert np.all(np.asarray(got[1])[live:] == -np.inf)
+
+
+def test_interpret_kept_logits_on_a_row_prefix():
+    """Kept tiles are relative to the split's running maximum (``d = z2 - m``), so other split boundaries give
+    other ``d`` and ``m``; the logits they rebuild (``d + m``) agree to float16's precision of ``d``."""
+    h, w, ids, scale = _inputs(2)
+    kw = dict(weight_layout="hv", vocab_size=V, cfg=CFG, save_tiles=4, interpret=NAN_MEMORY)
+    grid = C.RowPrefixGrid.balanced(128, R // 128, C.cdiv(V, 128), SMS, min_tiles=1)
+    n = 129
+    live = C.cdiv(n, 128) * 128
+
+    def rebuilt(d, m):
+        d, m = np.asarray(d, np.float64)[:live], np.asarray(m, np.float64)[:, :live]
+        return d + np.repeat(m.T, 128, axis=1), np.abs(d)
+
+    full, d_full = rebuilt(*lm_head_lse_partials(h[:LIVE], w, None, ids[:LIVE], scale[:LIVE], num_splits=2, **kw)[-2:])
+    got, d_got = rebuilt(
+        *lm_head_lse_partials(h, w, None, ids, scale, num_splits=0, row_grid=grid, n_rows=jnp.int32(n), **kw)[-2:]
+    )
+    assert np.all(np.abs(got - full) <= (d_full + d_got) * 2.0**-11 + 1e-6 * (1 + np.abs(full)))
+
+
+def test_row_prefix_kernel_lowers_for_cuda():
+    """The log-prob kernel on a row-prefix grid lowers to Mosaic GPU for CUDA with a traced row count (Qwen-sized)."""
+    rows, hd, vocab = 4096, 896, 151936
+    cfg = C.LMHeadBlocks(block_m=64, block_n=256, block_k=64, num_stages=3)
+    tiles = C.cdiv(vocab, 256)
+    grid = C.RowPrefixGrid.balanced(128, rows // 128, tiles, 132)
+    h = jax.ShapeDtypeStruct((rows, hd), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((hd, vocab), jnp.bfloat16)
+    i = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    f = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def fwd(h, w, i, s, n):
+        return lm_head_lse_partials(h, w, None, i, s, weight_layout="hv", vocab_size=vocab, cfg=cfg, num_splits=0,
+                                    row_grid=grid, n_rows=n, with_entropy=True)  # fmt: skip
+
+    jax.export.export(jax.jit(fwd), platforms=["cuda"])(h, w, i, f, n)
+
+
+@pytest.mark.parametrize("layout, keep", [("hv", False), ("vh", True)], ids=["qwen-hv-recompute", "llama-vh-kept"])
+def test_backend_on_a_row_prefix_lowers_for_cuda(monkeypatch, layout, keep):
+    """The backend's forward on a traced row count (``Capabilities.row_prefix``: one kernel for every count) and the
+    gradient pass after it (on a static prefix, reading the first rows of the kept logits) lower for CUDA at real
+    heads, recomputing and keeping the logits."""
+    from gmpo_jax.lm_head import mosaic_gpu
+    from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+
+    monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
+    rows, hd, vocab = (16384, 896, 151936) if not keep else (8192, 4096, 128256)
+    be = MosaicGpuBackend(row_buckets=8, save_min_hidden=0 if keep else 10**9)
+    h = jax.ShapeDtypeStruct((rows, hd), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((hd, vocab) if layout == "hv" else (vocab, hd), jnp.bfloat16)
+    i = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    f = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+    t = jnp.float32(0.9)
+
+    S = rows // 2  # the gradient pass's static prefix
+
+    def step(h, w, i, d, n):
+        if keep:
+            logp, lse, saved = be.logprobs_for_grads(
+                h, w, None, i, t, weight_layout=layout, budget_bytes=2**40, n_rows=n
+            )
+        else:
+            (logp, lse), saved = be.logprobs(h, w, None, i, t, weight_layout=layout, n_rows=n), None
+        dh, dw, _ = be.grads(h[:S], w, None, i[:S], d[:S], lse[:S], t, weight_layout=layout, dw_acc=None,
+                             db_acc=None, saved=saved)  # fmt: skip
+        return logp, dh, dw
+
+    jax.export.export(jax.jit(step), platforms=["cuda"])(h, w, i, f, n)
