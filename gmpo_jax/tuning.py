@@ -96,6 +96,12 @@ LOGITS_FUSED = {"tile_bytes": 16384, "stages": 4, "out_stages": 2, "clusters_of_
 # kernels' largest row block). On the CPU (tests, the demo) one bucket: no reordering, no extra compiles.
 ROW_BUCKETS = 8
 ROW_ALIGN = 128
+# The forward's skipping on one compiled log-prob kernel for every number of live rows (``Capabilities.row_prefix``,
+# ``kernels.RowPrefixGrid``) instead of one per prefix size: fewer kernels to compile (Qwen2.5-0.5B 8 x 2048: 24 -> 17,
+# Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off until measured on the GPU: the version that also ran the
+# gradient kernel on a row prefix compiled in 12 / 10 s instead of 38 / 33 s but stepped 17-29 % slower (H200,
+# 2026-12-04; docs/performance.md "First-call time"); this forward-only version has not run on a GPU yet.
+ROW_PREFIX_FORWARD = False
 
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of
 # GRAD_FILTER_WINDOW columns (a multiple of every kernel's tile width), each window's rows on the smallest of

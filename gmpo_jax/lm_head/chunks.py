@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmpo_jax import tuning
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head.backend import Forward
 from gmpo_jax.lm_head.sharding import ShardingPlan
@@ -92,8 +93,9 @@ def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, fwd:
 
 
 def _row_prefix(cfg: LMHeadConfig) -> bool:
-    """Whether the backend's forward serves a runtime row prefix with one program (``Capabilities.row_prefix``)."""
-    return backend_lib.capabilities(cfg.backend).row_prefix
+    """Whether the forward runs on a runtime row prefix with one program: the backend serves one
+    (``Capabilities.row_prefix``) and ``tuning.ROW_PREFIX_FORWARD`` is on."""
+    return tuning.ROW_PREFIX_FORWARD and backend_lib.capabilities(cfg.backend).row_prefix
 
 
 def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:

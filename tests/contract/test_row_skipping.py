@@ -134,9 +134,12 @@ def test_skipping_edge_batches():
     assert float(aux.log_ratio_max) != 0.0  # the forward still ran for the metrics
 
 
-def test_skipping_mosaic_interpret_keeps_logits():
+@pytest.mark.parametrize("row_prefix_forward", [False, True], ids=["per-bucket-forward", "one-forward-kernel"])
+def test_skipping_mosaic_interpret_keeps_logits(monkeypatch, row_prefix_forward):
     """The Mosaic backend in the interpreter, a single chunk whose logits are kept for the gradient pass
-    (forward and backward on one prefix), bf16: as without skipping."""
+    (forward and backward on one prefix; the forward per prefix size, or once on a runtime row prefix:
+    ``tuning.ROW_PREFIX_FORWARD``), bf16: as without skipping."""
+    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", row_prefix_forward)
     case = _batch(4, B=4, T=64, H=64, V=200, dtype=jnp.bfloat16, zero_adv=(1,))
     be = MosaicGpuBackend(interpret=True, save_min_hidden=0)
     want = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=1))
@@ -144,9 +147,10 @@ def test_skipping_mosaic_interpret_keeps_logits():
     _assert_same(got, want)
 
 
-def test_skipping_mosaic_interpret_row_prefix_recomputes():
-    """The Mosaic backend in the interpreter recomputing the logits (nothing kept), two chunks: one compiled
-    kernel per pass for every number of live rows (``Capabilities.row_prefix``), as without skipping."""
+def test_skipping_mosaic_interpret_row_prefix_recomputes(monkeypatch):
+    """The Mosaic backend in the interpreter recomputing the logits (nothing kept), two chunks: the forward on one
+    compiled kernel for every number of live rows (``tuning.ROW_PREFIX_FORWARD``), as without skipping."""
+    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)
     case = _batch(6, B=4, T=64, H=64, V=200, dtype=jnp.bfloat16, zero_adv=(1,), empty_rows=(3,))
     be = MosaicGpuBackend(interpret=True, save_logits=False)
     want = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=1), chunk_size=2)
@@ -203,14 +207,17 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@pytest.mark.parametrize("row_prefix_forward", [False, True], ids=["per-bucket-forward", "one-forward-kernel"])
 @pytest.mark.parametrize(
     "B, T, H, V, layout, chunk_size",
     [(8, 2048, 896, 151936, "hv", None), (4, 2048, 4096, 128256, "vh", None), (8, 1024, 896, 151936, "hv", 3)],
     ids=["qwen-one-chunk", "llama-kept-logits", "qwen-three-chunks"],
 )
-def test_gpu_row_prefix_matches_all_rows(B, T, H, V, layout, chunk_size):
-    """On the GPU at real heads: eight row buckets on one compiled kernel per pass (``Capabilities.row_prefix``)
-    give the loss, metrics and gradients of no skipping (ragged masks, zero-advantage and empty sequences)."""
+def test_gpu_skipping_matches_all_rows(monkeypatch, B, T, H, V, layout, chunk_size, row_prefix_forward):
+    """On the GPU at real heads: eight row buckets (the forward per prefix size, or on one kernel for every number
+    of live rows: ``tuning.ROW_PREFIX_FORWARD``) give the loss, metrics and gradients of no skipping (ragged masks,
+    zero-advantage and empty sequences)."""
+    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", row_prefix_forward)
     rng = np.random.default_rng(7)
     mask = np.arange(T)[None] < rng.integers(T // 5, T + 1, B)[:, None]
     mask[1] = False
