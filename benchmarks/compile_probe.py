@@ -1,7 +1,8 @@
 """First-call cost of the LM-head loss: trace, XLA + Mosaic compile, first run; and the step time it buys.
 
     python -m benchmarks.compile_probe --shape qwen2.5-0.5b --B 8 --T 2048 --row-buckets 1,2,4,8 \\
-        --data heavy-shared,light,unsure,heavy-shared-live [--grad-filter 0.001] [--results run.jsonl]
+        --data heavy-shared,light,unsure,heavy-shared-live [--grad-filter 0.001] [--tuning ROW_PREFIX_FORWARD=True]
+        [--results run.jsonl]
 
 Records (``kind: compile_probe``) go to ``benchmarks/results/compile-<device>.jsonl``; docs/performance.md
 "First-call time" tabulates them.
@@ -32,7 +33,8 @@ def _worker(args) -> list[dict]:
     from benchmarks import jax_impls
     from benchmarks.run import DEFAULT_OPTS
 
-    jax_impls.apply_tuning({"ROW_BUCKETS": args.row_buckets})
+    tuning = {"ROW_BUCKETS": args.row_buckets, **dict(_parse_tuning(t) for t in args.tuning)}
+    jax_impls.apply_tuning(tuning)
     shape = SHAPES[args.shape]
     cfg = Config(args.shape, shape.kind, args.B, args.T, shape.H, shape.V)
     datas = args.data.split(",")
@@ -58,6 +60,7 @@ def _worker(args) -> list[dict]:
         T=args.T,
         row_buckets=args.row_buckets,
         grad_filter=args.grad_filter,
+        variant=",".join(args.tuning) or None,
         lower_s=round(t1 - t0, 2),
         compile_s=round(t2 - t1, 2),
         first_run_s=round(t3 - t2, 2),
@@ -82,6 +85,17 @@ def _worker(args) -> list[dict]:
     return out
 
 
+def _parse_tuning(item: str):
+    """``NAME=VALUE`` with VALUE a Python literal (True, 8, 1e-3) or else a string."""
+    import ast
+
+    name, _, value = item.partition("=")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
@@ -99,13 +113,14 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="peaked", help="comma-separated workload family members")
     p.add_argument("--grad-filter", default="none")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE", help="a gmpo_jax.tuning constant")
     p.add_argument("--timeout-s", type=float, default=240.0)
     p.add_argument("--results", help="append the records to this JSONL")
     args = p.parse_args(argv)
     lines = []
     for nb in args.row_buckets.split(","):
         cmd = [sys.executable, "-c", "import sys; from benchmarks.compile_probe import _worker_entry; _worker_entry()"]
-        cmd += [args.shape, str(args.B), str(args.T), nb, args.data, args.grad_filter, str(args.iters)]
+        cmd += [args.shape, str(args.B), str(args.T), nb, args.data, args.grad_filter, str(args.iters), *args.tuning]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
@@ -125,11 +140,10 @@ def main(argv=None) -> int:
 
 def _worker_entry() -> None:
     shape, B, T, nb, data, grad_filter, iters = sys.argv[1:8]
-    _worker(
-        argparse.Namespace(
-            shape=shape, B=int(B), T=int(T), row_buckets=int(nb), data=data, grad_filter=grad_filter, iters=int(iters)
-        )
+    ns = dict(
+        shape=shape, B=int(B), T=int(T), row_buckets=int(nb), data=data, grad_filter=grad_filter, iters=int(iters)
     )
+    _worker(argparse.Namespace(**ns, tuning=sys.argv[8:]))
 
 
 if __name__ == "__main__":
