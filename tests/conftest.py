@@ -41,6 +41,20 @@ def pytest_configure(config):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _on_hopper() -> bool:
+    """Whether a Hopper (sm_90) or newer GPU is present: the Mosaic GPU kernels compile and run there."""
+    from gmpo_jax.lm_head.mosaic_gpu import supported_on
+
+    try:
+        return any(supported_on(d) for d in jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+# The GPU tests (marker ``gpu``) that need the compiled Mosaic kernels: skipped elsewhere.
+needs_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+
+
 # --------------------------------------------------------------------------------------------------
 # Implementations under test. ONE list: the kernel suite joins by adding its name here (e.g.
 # "mosaic_gpu", which also runs in Pallas interpret mode on CPU). "reference" (the dense float32

@@ -23,7 +23,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 import spec_numpy as spec
-from conftest import R_GRID, Obj, assert_fraction_close, assert_grad_close, assert_loss_close, ragged_mask
+from conftest import (
+    R_GRID,
+    Obj,
+    _on_hopper,
+    assert_fraction_close,
+    assert_grad_close,
+    assert_loss_close,
+    needs_hopper,
+    ragged_mask,
+)
 
 import gmpo_jax
 from gmpo_jax import kernels as K
@@ -56,13 +65,7 @@ INTERPRET_SKIP = dataclasses.replace(INTERPRET, skip_masked_rows=True)  # 64-row
 assert INTERPRET_SKIP == INTERPRET, "skip_masked_rows is the default"
 
 
-def _on_hopper() -> bool:
-    d = jax.devices()[0]
-    return d.platform == "gpu" and float(getattr(d, "compute_capability", "0") or 0) >= 9.0
-
-
 gpu = pytest.mark.gpu
-needs_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper (sm_90+) GPU")
 
 
 # --------------------------------------------------------------------------------------------------

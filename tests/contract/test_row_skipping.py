@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import Obj, check_against_spec, make_case, spec_for
+from conftest import Obj, check_against_spec, make_case, needs_hopper, spec_for
 
 import gmpo_jax
 from gmpo_jax import tuning
@@ -196,17 +196,8 @@ def test_logprobs_skipping(entropy):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0, atol=RTOL * np.abs(b).max())
 
 
-def _hopper() -> bool:
-    from gmpo_jax.lm_head.mosaic_gpu import supported_on
-
-    try:
-        return any(supported_on(d) for d in jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@needs_hopper
 @pytest.mark.parametrize("row_prefix_forward", [False, True], ids=["per-bucket-forward", "one-forward-kernel"])
 @pytest.mark.parametrize(
     "B, T, H, V, layout, chunk_size",

@@ -29,6 +29,7 @@ from conftest import (
     LOGP_TOL,
     LSE_VS_XLA,
     SAVED_REL,
+    needs_hopper,
     rel_err,
 )
 
@@ -401,15 +402,8 @@ def test_block_table():
 # --------------------------------------------------------------------------------------------------
 # GPU: real shapes on a Hopper GPU
 # --------------------------------------------------------------------------------------------------
-def _hopper():
-    try:
-        return any(supported_on(d) for d in jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@needs_hopper
 @pytest.mark.parametrize(
     "R,H,V,layout,bias,T,scale",
     [
@@ -552,7 +546,7 @@ def test_interpret_tiny_temperature_saved_logits(temperature):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@needs_hopper
 @pytest.mark.parametrize("temperature", [1e-6, 1e-2])
 def test_gpu_tiny_temperature_argmax_targets(temperature):
     """As the interpreter test, at 128 rows of V = 1024 on the GPU. Failed at T = 1e-6 on the H200
@@ -821,7 +815,7 @@ def test_interpret_entropy_split_merge(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) or newer GPU")
+@needs_hopper
 @pytest.mark.parametrize("layout,bias,H,V", [("hv", False, 896, 151936), ("vh", True, 4096, 128256)])
 def test_gpu_entropy_real_heads(layout, bias, H, V):
     """The kernel's entropy on the GPU at real heads equals the float64 entropy of a row subset (absolute
