@@ -11,7 +11,7 @@ import numpy as np
 
 WEIGHT_LAYOUTS = ("hv", "vh")
 
-# logits_precision -> the order of the split-bfloat16 products kept (gmpo_jax.kernels._common.split_terms):
+# logits_precision -> the order of the split-bfloat16 products kept (gmpo_jax.kernels._lm_head_pipeline.split_terms):
 # "float32": three parts, i + j <= 2 (six products, float32-accurate); "bf16x3": two parts, i + j <= 1.
 LOGITS_PRECISIONS = {"float32": 2, "bf16x3": 1}
 

@@ -5,7 +5,8 @@
 * ``logits_lse.py``: log-sum-exp statistics of logits that already exist;
 * ``logits_dlogits.py``: ``dlogits`` of logits that already exist;
 * ``logits_fused.py``: both passes over each row of existing logits, with the token loss, in one kernel;
-* ``_common.py``: the shared Mosaic helpers (constants, transforms, splits, merges, the LM-head pipeline);
+* ``_common.py``: the shared Mosaic helpers (constants, transforms, splits, merges, the logits kernels' blocks);
+  ``_lm_head_pipeline.py``: the LM-head kernels' blocks, logits-tile pipeline, grids and launch;
   ``_compat.py``: the jax 0.10.2 / 0.11.2 shim.
 
 The backends (``gmpo_jax.lm_head.mosaic_gpu``, ``gmpo_jax.logits.mosaic_gpu``) call the entry
@@ -16,13 +17,12 @@ from gmpo_jax.kernels._common import (
     BLOCK_ROWS,
     LN2,
     LOG2E,
-    LMHeadBlocks,
     LogitsBlocks,
-    lm_head_num_splits,
     logits_num_splits,
     merge_splits,
     row_block_flags,
 )
+from gmpo_jax.kernels._lm_head_pipeline import LMHeadBlocks, RowPrefixGrid, lm_head_num_splits
 from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
 from gmpo_jax.kernels.lm_head_lse import lm_head_lse_epilogue_bytes, lm_head_lse_partials, lm_head_merge_splits
 from gmpo_jax.kernels.logits_dlogits import logits_dlogits
@@ -42,6 +42,7 @@ __all__ = [
     "LN2",
     "LOG2E",
     "LMHeadBlocks",
+    "RowPrefixGrid",
     "LogitsBlocks",
     "FusedLogitsBlocks",
     "RowData",

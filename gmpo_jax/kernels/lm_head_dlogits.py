@@ -30,6 +30,7 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 
 from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels import _lm_head_pipeline as P
 from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
 
 
@@ -47,7 +48,7 @@ def lm_head_dlogits_window(
     vocab_size: int,
     window_start: int,
     window_tiles: int,
-    cfg: C.LMHeadBlocks,
+    cfg: P.LMHeadBlocks,
     num_splits: int,
     softcap: float | None = None,
     terms: tuple[tuple[int, int], ...] = ((0, 0),),
@@ -85,7 +86,7 @@ def lm_head_dlogits_window(
     first_tile = window_start // bn
     tiles_per_split = C.cdiv(window_tiles, num_splits)
     assert C.cdiv(window_tiles, tiles_per_split) == num_splits
-    k_iters = C.part_k_iters(hidden, weight, weight_layout, terms, cfg.block_k)
+    k_iters = P.part_k_iters(hidden, weight, weight_layout, terms, cfg.block_k)
     dtype = jnp.dtype(hidden.dtype if dz_dtype is None else dz_dtype)
     has_bias = bias is not None
     with_ent = row_entropy is not None
@@ -144,7 +145,7 @@ def lm_head_dlogits_window(
             plgpu.copy_smem_to_gmem(sum_smem.at[wg], rowsum_out.at[split, pl.ds(my_rows, bm)])
             plgpu.wait_smem_to_gmem(0)
 
-        C.logits_tile_loop(
+        P.logits_tile_loop(
             hidden_ref=h_ref,
             weight_ref=w_ref,
             weight_layout=weight_layout,
@@ -164,7 +165,7 @@ def lm_head_dlogits_window(
             terms=terms,
         )
 
-    return C.launch(
+    return P.launch(
         body,
         hidden=hidden,
         weight=weight,

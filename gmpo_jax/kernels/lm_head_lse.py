@@ -35,6 +35,7 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 
 from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels import _lm_head_pipeline as P
 from gmpo_jax.kernels._compat import iota, layout_cast, plgpu
 
 
@@ -47,14 +48,14 @@ def lm_head_lse_partials(
     *,
     weight_layout: str,
     vocab_size: int,
-    cfg: C.LMHeadBlocks,
+    cfg: P.LMHeadBlocks,
     num_splits: int,
     tiles_per_split: int | None = None,
     with_entropy: bool = False,
     save_tiles: int = 0,
     softcap: float | None = None,
     terms: tuple[tuple[int, int], ...] = ((0, 0),),
-    row_grid: C.RowPrefixGrid | None = None,
+    row_grid: P.RowPrefixGrid | None = None,
     n_rows=None,
     interpret=None,
 ):
@@ -76,7 +77,7 @@ def lm_head_lse_partials(
       save_tiles: also return the first ``save_tiles`` logits tiles (module docstring; at most the number
         of tiles); the epilogue then stages a ``[block_m, block_n]`` float16 tile per warpgroup in shared
         memory (``cfg`` must leave room).
-      row_grid, n_rows: a :class:`~gmpo_jax.kernels._common.RowPrefixGrid` of ``Rp`` rows and the runtime number
+      row_grid, n_rows: a :class:`~gmpo_jax.kernels._lm_head_pipeline.RowPrefixGrid` of ``Rp`` rows and the runtime number
         of rows with work (an int32 scalar, traced or not): only the row blocks holding the first ``n_rows``
         rows are computed, on as many splits as fill the GPU (``num_splits`` and ``tiles_per_split`` are then
         ignored; the outputs have ``row_grid.max_splits`` split rows). The statistics of the other rows are
@@ -99,7 +100,7 @@ def lm_head_lse_partials(
         tiles_per_split = C.cdiv(num_tiles, num_splits)
     if row_grid is None:
         assert C.cdiv(num_tiles, tiles_per_split) == num_splits, (num_tiles, num_splits, tiles_per_split)
-    k_iters = C.part_k_iters(hidden, weight, weight_layout, terms, bk)
+    k_iters = P.part_k_iters(hidden, weight, weight_layout, terms, bk)
     assert rows % (2 * bm) == 0
     has_bias = bias is not None
     n_stats = 4 if with_entropy else 3
@@ -176,7 +177,7 @@ def lm_head_lse_partials(
                 plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], out.at[dst])
             plgpu.wait_smem_to_gmem(0)
 
-        C.logits_tile_loop(
+        P.logits_tile_loop(
             hidden_ref=h_ref,
             weight_ref=w_ref,
             weight_layout=weight_layout,
@@ -206,7 +207,7 @@ def lm_head_lse_partials(
         )
         epilogue_smem = (epilogue_smem, plgpu.SMEM((2, bm, bn), jnp.float16, transforms=C.smem_transforms(2)))
     info = None if row_grid is None else row_grid.info(n_rows)
-    out = C.launch(
+    out = P.launch(
         body,
         hidden=hidden,
         weight=weight,
@@ -232,7 +233,7 @@ def lm_head_lse_partials(
     return stats + tuple(out[n_stats:])
 
 
-def lm_head_lse_epilogue_bytes(cfg: C.LMHeadBlocks, *, n_stats: int, save: bool) -> int:
+def lm_head_lse_epilogue_bytes(cfg: P.LMHeadBlocks, *, n_stats: int, save: bool) -> int:
     """Shared memory of :func:`lm_head_lse_partials`' epilogue: the ``n_stats`` statistics' staging per warpgroup,
     plus with ``save_tiles`` one more row of it (the running maxima) and the two float16 logits tiles."""
     return 2 * (n_stats + save) * cfg.block_m * 4 + save * 2 * cfg.block_m * cfg.block_n * 2

@@ -35,6 +35,7 @@ from conftest import (
 
 from gmpo_jax._dispatch import BackendUnavailableError, UnsupportedConfigError
 from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels import _lm_head_pipeline as P
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend, supported_on
 from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
 
@@ -365,18 +366,18 @@ def test_unavailable_without_hopper():
 
 def test_block_config_and_splits():
     with pytest.raises(ValueError):
-        C.LMHeadBlocks(block_m=96)
+        P.LMHeadBlocks(block_m=96)
     with pytest.raises(ValueError):
-        C.LMHeadBlocks(block_n=100)
+        P.LMHeadBlocks(block_n=100)
     for rows_ctas, tiles in ((32, 1187), (1, 2), (64, 594), (4, 1002), (1, 1)):
-        s = C.lm_head_num_splits(rows_ctas, tiles, 132)
+        s = P.lm_head_num_splits(rows_ctas, tiles, 132)
         per = C.cdiv(tiles, s)
         assert 1 <= s <= tiles and C.cdiv(tiles, per) == s  # every split non-empty
     # a gradient-filter window on 256 rows (2 row blocks) of 16 tiles: 4 tiles per split at least by default,
     # one per split for the window kernels (min_tiles=1), the grid being what limits so few rows
-    assert C.lm_head_num_splits(2, 16, 132) == 4
-    assert C.lm_head_num_splits(2, 16, 132, min_tiles=1) == 16
-    assert C.lm_head_num_splits(128, 16, 132, min_tiles=1) == 1  # a full wave already
+    assert P.lm_head_num_splits(2, 16, 132) == 4
+    assert P.lm_head_num_splits(2, 16, 132, min_tiles=1) == 16
+    assert P.lm_head_num_splits(128, 16, 132, min_tiles=1) == 1  # a full wave already
 
 
 def test_block_table():
@@ -394,7 +395,7 @@ def test_block_table():
     assert block_config(rows=100, H=896, V=151936, kind="grad", device_kind="NVIDIA H200").block_m == 64
     for entry in [*tuning.MOSAIC_BLOCKS.values(), tuning.MOSAIC_DEFAULT]:
         for kind, (bm, bn, bk, st) in entry.items():
-            cfg = C.LMHeadBlocks(block_m=bm, block_n=bn, block_k=bk, num_stages=st)
+            cfg = P.LMHeadBlocks(block_m=bm, block_n=bn, block_k=bk, num_stages=st)
             extra = epilogue_bytes(kind, cfg, 2)
             assert cfg.smem_bytes(2, extra) <= C.SMEM_BYTES, (kind, cfg)
 

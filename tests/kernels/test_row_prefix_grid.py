@@ -1,4 +1,4 @@
-"""The LM-head log-prob kernel on a runtime row prefix (``kernels._common.RowPrefixGrid``): one compiled kernel for
+"""The LM-head log-prob kernel on a runtime row prefix (``kernels._lm_head_pipeline.RowPrefixGrid``): one compiled kernel for
 every number of live rows, against the same kernel compiled for those rows.
 
 In the interpreter with uninitialised memory read as NaN (so an output the grid did not write, read by mistake,
@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels import _lm_head_pipeline as P
 from gmpo_jax.kernels._compat import _interpret_params_cls
 from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
 R, H, V = 384, 64, 600  # three CTA row blocks of 128 rows; 5 tiles of 128 columns, the last ragged
-CFG = C.LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)
+CFG = P.LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)
 NAN_MEMORY = _interpret_params_cls()(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
 N_ROWS = [0, 129]  # none; a partial block past the first (two of three blocks live)
 LIVE = 256  # rows of the blocks that hold the first 129: the full grid runs on these only
@@ -38,13 +39,13 @@ def _inputs(seed=0):
 
 
 def test_grid_deals_every_live_block_and_split_once():
-    grid = C.RowPrefixGrid.balanced(128, 64, 594, 132, min_tiles=1)
+    grid = P.RowPrefixGrid.balanced(128, 64, 594, 132, min_tiles=1)
     for n in (0, 1, 128, 129, 4000, 8192):
         nb, s, t = (int(x) for x in grid.info(n)[:3])
         assert nb == C.cdiv(n, 128) and s == grid.splits[nb] and t == C.cdiv(594, s)
         assert nb * s <= grid.num_ctas  # the grid has a CTA for every (block, split)
     assert grid.splits[64] <= grid.splits[1]  # a short prefix takes more splits
-    fixed = C.RowPrefixGrid.fixed(128, 4, 594, 32)
+    fixed = P.RowPrefixGrid.fixed(128, 4, 594, 32)
     assert set(fixed.splits) == {19} and set(fixed.tiles) == {32}
 
 
@@ -52,7 +53,7 @@ def test_interpret_lse_on_a_row_prefix():
     h, w, ids, scale = _inputs(1)
     kw = dict(weight_layout="hv", vocab_size=V, cfg=CFG, with_entropy=True, interpret=NAN_MEMORY)
     full = lm_head_merge_splits(*lm_head_lse_partials(h[:LIVE], w, None, ids[:LIVE], scale[:LIVE], num_splits=2, **kw))
-    grid = C.RowPrefixGrid.balanced(128, R // 128, C.cdiv(V, 128), SMS, min_tiles=1)
+    grid = P.RowPrefixGrid.balanced(128, R // 128, C.cdiv(V, 128), SMS, min_tiles=1)
     run = jax.jit(lambda n: lm_head_merge_splits(*lm_head_lse_partials(h, w, None, ids, scale, num_splits=0,
                                                                          row_grid=grid, n_rows=n, **kw)))  # fmt: skip
     for n in N_ROWS:
@@ -69,7 +70,7 @@ def test_interpret_kept_logits_on_a_row_prefix():
     other ``d`` and ``m``; the logits they rebuild (``d + m``) agree to float16's precision of ``d``."""
     h, w, ids, scale = _inputs(2)
     kw = dict(weight_layout="hv", vocab_size=V, cfg=CFG, save_tiles=4, interpret=NAN_MEMORY)
-    grid = C.RowPrefixGrid.balanced(128, R // 128, C.cdiv(V, 128), SMS, min_tiles=1)
+    grid = P.RowPrefixGrid.balanced(128, R // 128, C.cdiv(V, 128), SMS, min_tiles=1)
     n = 129
     live = C.cdiv(n, 128) * 128
 
@@ -87,9 +88,9 @@ def test_interpret_kept_logits_on_a_row_prefix():
 def test_row_prefix_kernel_lowers_for_cuda():
     """The log-prob kernel on a row-prefix grid lowers to Mosaic GPU for CUDA with a traced row count (Qwen-sized)."""
     rows, hd, vocab = 4096, 896, 151936
-    cfg = C.LMHeadBlocks(block_m=64, block_n=256, block_k=64, num_stages=3)
+    cfg = P.LMHeadBlocks(block_m=64, block_n=256, block_k=64, num_stages=3)
     tiles = C.cdiv(vocab, 256)
-    grid = C.RowPrefixGrid.balanced(128, rows // 128, tiles, 132)
+    grid = P.RowPrefixGrid.balanced(128, rows // 128, tiles, 132)
     h = jax.ShapeDtypeStruct((rows, hd), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((hd, vocab), jnp.bfloat16)
     i = jax.ShapeDtypeStruct((rows,), jnp.int32)

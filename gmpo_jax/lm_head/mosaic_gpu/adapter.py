@@ -248,6 +248,7 @@ class MosaicGpuBackend(WithHeadSettings):
         split per window), else None. ``n_rows``: the kernel on a row-prefix grid (``kernels.RowPrefixGrid``),
         every output 0 past the first ``n_rows`` rows (kept tiles there not written)."""
         from gmpo_jax.kernels import _common as C
+        from gmpo_jax.kernels import _lm_head_pipeline as P
         from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
         R, H = hidden.shape
@@ -261,13 +262,13 @@ class MosaicGpuBackend(WithHeadSettings):
             tiles_per_split = filter_lib.filter_tiles(self, cfg.block_n)
             splits = C.cdiv(n_tiles, tiles_per_split)
         else:
-            splits = C.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
+            splits = P.lm_head_num_splits(Rp // cfg.rows_per_cta, n_tiles, num_sms(self.interpret))
         if n_rows is not None:
             rpc, blocks = cfg.rows_per_cta, Rp // cfg.rows_per_cta
             grid = (
-                C.RowPrefixGrid.fixed(rpc, blocks, n_tiles, tiles_per_split)
+                P.RowPrefixGrid.fixed(rpc, blocks, n_tiles, tiles_per_split)
                 if window_mass
-                else C.RowPrefixGrid.balanced(rpc, blocks, n_tiles, num_sms(self.interpret))
+                else P.RowPrefixGrid.balanced(rpc, blocks, n_tiles, num_sms(self.interpret))
             )
         ops = operands(hp, weight, weight_layout, self.logits_precision)
         out = lm_head_lse_partials(

@@ -66,7 +66,7 @@ class _GradPass:
     def dz(self, w_blk, b_blk, ids_w, v0, width, wt, kept):
         """dz of one window, ``[Rp, wt * block_n]`` (its weight columns ``w_blk``, ids relative to it), and
         the row sums ``[Rp]`` of its stored entries (see ``backend.cancel_rounding``)."""
-        from gmpo_jax.kernels import _common as C
+        from gmpo_jax.kernels import _lm_head_pipeline as P
         from gmpo_jax.kernels.lm_head_dlogits import lm_head_dlogits_window
 
         if kept:
@@ -81,7 +81,7 @@ class _GradPass:
             rowsum = stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
             return dz, rowsum if exact is None else rowsum - exact
         cfg = self.cfg
-        splits = C.lm_head_num_splits(
+        splits = P.lm_head_num_splits(
             self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret), min_tiles=1
         )
         dz, rowsum = lm_head_dlogits_window(

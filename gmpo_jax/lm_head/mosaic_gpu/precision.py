@@ -2,7 +2,7 @@
 
 ``logits_precision`` (``"float32"`` / ``"bf16x3"``): float32 (or float16) operands are split into bfloat16 parts
 (``backend.bf16_parts``) side by side along ``H``, and the kernels sum the leading products of the parts into
-each logits tile (``kernels._common.split_terms``: six for ``"float32"``, three for ``"bf16x3"``); a bfloat16
+each logits tile (``kernels._lm_head_pipeline.split_terms``: six for ``"float32"``, three for ``"bf16x3"``); a bfloat16
 operand is its own single part. The dz kernel then writes float32, and the two gradient GEMMs multiply its parts
 the same way (``backend.split_dot``, in the gradient pass). The logits are never kept in this mode. None: the
 16-bit inputs themselves (exact products in float32), ``dz`` rounded to their dtype.

@@ -1,0 +1,391 @@
+"""The warp-specialised pipeline both LM-head kernels (``lm_head_lse``, ``lm_head_dlogits``) share: block sizes,
+vocabulary splits, the logits-tile loop, where each CTA works (a static grid, or a runtime row prefix) and the launch.
+
+Both LM-head kernels (log-prob forward, gradient of the logits) run the same loop: a CTA owns
+``2 * block_m`` rows (one warpgroup per ``block_m`` rows) and a contiguous range of vocabulary
+tiles; for every vocabulary tile it computes the ``[block_m, block_n]`` logits tile with wgmma,
+streaming ``[2 * block_m, block_k]`` hidden tiles and ``[block_k, block_n]`` weight tiles through
+a ``num_stages``-deep ring of shared-memory slots filled by a third (memory) warpgroup with bulk
+tensor copies. What happens to the finished f32 tile (online log-sum-exp, or the gradient of
+the logits) is the kernel's epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.experimental.pallas as pl
+import jax.numpy as jnp
+from jax import lax
+
+from gmpo_jax.kernels._common import _even_splits, cdiv, div, i32, rem, smem_transforms
+from gmpo_jax.kernels._compat import needs_value_matmul, plgpu, value_matmul, wgmma
+
+
+def lm_head_num_splits(num_row_ctas: int, num_vocab_tiles: int, num_sms: int, min_tiles: int = 4) -> int:
+    """Vocabulary splits per row block of the LM-head kernels so that the grid fills the GPU in whole waves.
+
+    Deterministic and cheap: the fewest splits (at most 32) whose CTA count wastes the least of
+    the last wave, counting only splits that leave at least ``min_tiles`` vocabulary tiles per split (the
+    gradient kernel's windows pass 1: on few rows, the gradient filter's or a small batch's, the grid is what
+    limits it; on many rows one split already fills the GPU).
+    """
+    best, best_eff = 1, 0.0
+    for s in range(1, 33):
+        if s > 1 and num_vocab_tiles / s < min_tiles:
+            break
+        ctas = num_row_ctas * s
+        eff = ctas / (cdiv(ctas, num_sms) * num_sms)
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+        if eff > 0.95:
+            break
+    return _even_splits(num_vocab_tiles, best)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMHeadBlocks:
+    """Block sizes of the LM-head kernels (``lm_head_lse``, ``lm_head_dlogits``; hashable, static).
+
+    block_m: rows per compute warpgroup (the CTA owns ``2 * block_m`` rows); 64 or 128.
+    block_n: vocabulary columns per logits tile; multiple of 64, at most 256.
+    block_k: hidden columns per pipeline step; 64 (128-byte swizzle of 16-bit operands).
+    num_stages: depth of the shared-memory ring.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"{self.block_m=} must be 64 or 128")
+        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"{self.block_n=} must be a multiple of 64 in [64, 256]")
+        if self.block_k != 64:
+            raise ValueError(f"{self.block_k=} must be 64")
+        if self.num_stages < 2:
+            raise ValueError(f"{self.num_stages=} must be at least 2")
+
+    @property
+    def rows_per_cta(self) -> int:
+        """Rows of one CTA: two compute warpgroups of ``block_m`` rows."""
+        return 2 * self.block_m
+
+    def smem_bytes(self, itemsize: int, extra: int = 0) -> int:
+        """Shared memory of a CTA: the operand ring of ``itemsize``-byte operands plus ``extra`` bytes."""
+        ring = self.num_stages * (self.rows_per_cta + self.block_n) * self.block_k * itemsize
+        return ring + extra + 1024  # barriers, alignment
+
+
+def logits_tile_loop(
+    *,
+    hidden_ref,  # GMEM [Rp, H]
+    weight_ref,  # GMEM [H, V] ("hv") or [V, H] ("vh")
+    weight_layout: str,
+    a_smem,  # SMEM [stages, 2*bm, bk]
+    b_smem,  # SMEM [stages, bk, bn] or [stages, bn, bk]
+    loaded,  # Barrier(num_arrivals=2, num_barriers=stages)
+    consumed,  # Barrier(num_arrivals=2, num_barriers=stages)
+    row0,  # first row of this CTA
+    tile0,  # first vocabulary tile of this CTA
+    num_tiles,  # vocabulary tiles of this CTA (traced int32)
+    k_iters: int,
+    cfg: LMHeadBlocks,
+    init_carry,  # () -> carry (compute warpgroups)
+    epilogue,  # (tile_index, z f32[bm, bn] WGMMA layout, carry) -> carry
+    finish,  # (carry) -> None
+    interpret=None,
+    terms: tuple[tuple[int, int], ...] = ((0, 0),),
+):
+    """Runs the warp-specialised logits-tile pipeline inside a 3-warpgroup kernel.
+
+    ``terms``: the products summed into each logits tile, ``(i, j)`` = hidden part ``i`` times weight part
+    ``j``, each part ``k_iters * block_k`` wide along the contraction, side by side in ``hidden_ref`` and
+    ``weight_ref`` (split-bfloat16 operands, :func:`split_terms`); ``((0, 0),)``: the plain product."""
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+    wg = lax.axis_index("wg")
+    steps = len(terms) * k_iters  # pipeline steps per vocabulary tile
+
+    @pl.when(wg == 2)
+    def _memory_warpgroup():
+        plgpu.set_max_registers(40, action="decrease")
+        total = num_tiles * steps
+
+        @pl.loop(0, total)
+        def _step(step):
+            slot = rem(step, stages)
+            n = tile0 + div(step, steps)
+            k = rem(step, steps)
+            hk = wk = k
+            if len(terms) > 1:  # which parts this step multiplies, and where along their contraction
+                term, k_in = div(k, k_iters), rem(k, k_iters)
+                hk = _static_lookup([i for i, _ in terms], term) * k_iters + k_in
+                wk = _static_lookup([j for _, j in terms], term) * k_iters + k_in
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(
+                hidden_ref.at[pl.ds(row0, 2 * bm), pl.ds(hk * bk, bk)], a_smem.at[slot], loaded.at[slot]
+            )
+            if weight_layout == "hv":
+                w_src = weight_ref.at[pl.ds(wk * bk, bk), pl.ds(n * bn, bn)]
+            else:
+                w_src = weight_ref.at[pl.ds(n * bn, bn), pl.ds(wk * bk, bk)]
+            plgpu.copy_gmem_to_smem(w_src, b_smem.at[slot], loaded.at[slot])
+
+        # Observe the last phases of the `consumed` barriers too (every phase of a barrier is
+        # waited on by every thread that waits on it: the interpreter checks this; on the device
+        # it is a no-op that keeps the memory warpgroup alive until the slots are released).
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _drain(step):
+            plgpu.barrier_wait(consumed.at[rem(step, stages)])
+
+    @pl.when(wg < 2)
+    def _compute_warpgroup():
+        plgpu.set_max_registers(232, action="increase")
+        a_rows = pl.ds(wg * bm, bm)
+
+        def tile_body(t, carry):
+            transpose_b = weight_layout == "vh"
+
+            def matmul(acc_ref):
+                def k_body(k, _):
+                    slot = rem(t * steps + k, stages)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    wgmma(
+                        acc_ref,
+                        a_smem.at[slot].at[a_rows],
+                        b_smem.at[slot],
+                        transpose_b=transpose_b,
+                        interpret=interpret,
+                    )
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return ()
+
+                lax.fori_loop(0, i32(steps), k_body, ())
+                return acc_ref[...]
+
+            def value_mm():
+                def k_body(k, acc):
+                    slot = rem(t * steps + k, stages)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    acc = acc + value_matmul(a_smem.at[slot].at[a_rows], b_smem.at[slot], transpose_b=transpose_b)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return acc
+
+                return lax.fori_loop(0, i32(steps), k_body, jnp.zeros((bm, bn), jnp.float32))
+
+            if needs_value_matmul(transpose_b, interpret):
+                z = value_mm()
+            else:
+                z = pl.run_scoped(matmul, plgpu.ACC((bm, bn), jnp.float32))
+            return epilogue(tile0 + t, z, carry)
+
+        carry = lax.fori_loop(0, num_tiles, tile_body, init_carry())
+        finish(carry)
+
+
+def _static_lookup(values, index):
+    """``values[index]`` of a static list of ints at a traced int32 ``index`` (a chain of selects)."""
+    out = i32(values[0])
+    for i, v in enumerate(values[1:], 1):
+        out = jnp.where(index == i, i32(v), out)
+    return out
+
+
+def split_terms(parts_a: int, parts_b: int, order: int) -> tuple[tuple[int, int], ...]:
+    """The products ``(i, j)`` of a split-bfloat16 product ``a b = sum_ij a_i b_j`` that are kept: ``i + j
+    <= order`` (part ``i`` of an operand is about ``2**(-8 i)`` of it, so a dropped product is at most about
+    ``2**(-8 (order + 1))`` of ``|a| |b|``), the largest first. ``parts_*``: the operands' part counts (1 for a
+    bfloat16 operand: it is its own single part). ``order`` 2 with three parts each is XLA's
+    ``BF16_BF16_F32_X6`` (float32-accurate), 1 with two parts its ``BF16_BF16_F32_X3``."""
+    return tuple((i, s - i) for s in range(order + 1) for i in range(parts_a) if 0 <= s - i < parts_b)
+
+
+def part_k_iters(hidden, weight, weight_layout: str, terms, block_k: int) -> int:
+    """Pipeline steps along one operand part's contraction (``H / block_k``), checking that ``hidden``
+    (``[Rp, P H]``) and ``weight`` (``[Q H, V]`` / ``[V, Q H]``) hold the parts ``terms`` names."""
+    n_h, n_w = 1 + max(i for i, _ in terms), 1 + max(j for _, j in terms)
+    hdim = hidden.shape[1] // n_h
+    w_k = weight.shape[0] if weight_layout == "hv" else weight.shape[1]
+    assert hidden.shape[1] == n_h * hdim and w_k == n_w * hdim and hdim % block_k == 0, (hidden.shape, weight.shape)
+    return hdim // block_k
+
+
+class CtaBlock(NamedTuple):
+    """Where this CTA and warpgroup of an LM-head kernel work (traced int32 scalars)."""
+
+    split: jax.Array  # the vocabulary split (grid axis ``"split"``)
+    row0: jax.Array  # the CTA's first row (it owns ``2 * block_m``)
+    my_rows: jax.Array  # this consumer warpgroup's first row
+    tile0: jax.Array  # the split's first vocabulary tile (of ``num_tiles``)
+    n_tiles: jax.Array  # the split's vocabulary tiles (the last split may have fewer)
+    wg: jax.Array  # this warpgroup (grid axis ``"wg"``)
+
+
+def cta_block(block_m: int, tiles_per_split: int, num_tiles: int) -> CtaBlock:
+    """This CTA's rows and vocabulary tiles: split ``s`` walks tiles ``[s * tiles_per_split, ...)`` of
+    ``num_tiles``."""
+    row0 = lax.axis_index("rows") * (2 * block_m)
+    split, my_rows = lax.axis_index("split"), row0 + lax.axis_index("wg") * block_m
+    tile0 = split * tiles_per_split
+    return CtaBlock(split, row0, my_rows, tile0, jnp.minimum(tiles_per_split, num_tiles - tile0), lax.axis_index("wg"))
+
+
+# A bulk copy moves a multiple of a warpgroup's 128 threads' bytes: the row-prefix info is 32 int32 (3 used).
+INFO_WORDS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPrefixGrid:
+    """The grid of an LM-head kernel whose live rows are a prefix of a runtime length (exact row skipping).
+
+    The kernel is compiled once for ``num_row_ctas`` row blocks of ``rows_per_cta`` rows; at run time only the
+    first ``nb = cdiv(n_rows, rows_per_cta)`` blocks have work, and each is dealt ``splits[nb]`` vocabulary
+    splits of ``tiles[nb]`` tiles (the last split may have fewer or none), so that a short prefix still fills
+    the GPU (``lm_head_num_splits`` per prefix length). The grid is ``(1, num_ctas)``: CTA ``i`` takes row block
+    ``i // s`` and split ``i % s`` and returns at once when its row block is past ``nb``. The kernel reads
+    ``(nb, s, tiles)`` from a small int32 vector (:meth:`info`) staged through shared memory, so one compiled
+    kernel serves every prefix length (one ``lax.switch`` branch per length would compile one kernel each).
+
+    Outputs of the blocks past ``nb`` and of splits ``>= s`` are not written: :meth:`live_splits` says which
+    split rows hold statistics; callers read only the first ``nb * rows_per_cta`` rows.
+    """
+
+    rows_per_cta: int
+    num_row_ctas: int
+    splits: tuple[int, ...]  # per number of live row blocks nb in [0, num_row_ctas]
+    tiles: tuple[int, ...]  # vocabulary tiles per split, per nb
+
+    @classmethod
+    def balanced(cls, rows_per_cta: int, num_row_ctas: int, num_tiles: int, num_sms: int, min_tiles: int = 4):
+        """Splits per prefix length from :func:`lm_head_num_splits` (as a kernel compiled for that length)."""
+        splits = tuple(lm_head_num_splits(max(nb, 1), num_tiles, num_sms, min_tiles) for nb in range(num_row_ctas + 1))
+        return cls(rows_per_cta, num_row_ctas, splits, tuple(cdiv(num_tiles, s) for s in splits))
+
+    @classmethod
+    def fixed(cls, rows_per_cta: int, num_row_ctas: int, num_tiles: int, tiles_per_split: int):
+        """The same splits of ``tiles_per_split`` tiles for every prefix length (the gradient filter's windows)."""
+        s = cdiv(num_tiles, tiles_per_split)
+        return cls(rows_per_cta, num_row_ctas, (s,) * (num_row_ctas + 1), (tiles_per_split,) * (num_row_ctas + 1))
+
+    @property
+    def max_splits(self) -> int:
+        """Rows of the per-split outputs."""
+        return max(self.splits)
+
+    @property
+    def num_ctas(self) -> int:
+        """The grid's CTAs: the most any prefix length has work for."""
+        return max(1, max(nb * s for nb, s in enumerate(self.splits)))
+
+    def info(self, n_rows) -> jax.Array:
+        """``[nb, s, tiles per split, 0, ...]``: ``INFO_WORDS`` int32 for ``n_rows`` live rows (traced or not)."""
+        nb = jnp.clip(cdiv(jnp.asarray(n_rows, jnp.int32), self.rows_per_cta), 0, self.num_row_ctas)
+        s = jnp.asarray(self.splits, jnp.int32)[nb]
+        t = jnp.asarray(self.tiles, jnp.int32)[nb]
+        return jnp.zeros((INFO_WORDS,), jnp.int32).at[:3].set(jnp.stack([nb, s, t]).astype(jnp.int32))
+
+    def live_splits(self, info) -> jax.Array:
+        """``[max_splits]`` bool: which rows of a per-split output were written."""
+        return jnp.arange(self.max_splits, dtype=jnp.int32) < info[1]
+
+
+def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem) -> tuple[CtaBlock, jax.Array]:
+    """This CTA's block under a :class:`RowPrefixGrid` (its ``info`` in this warpgroup's shared memory), and
+    whether it has work."""
+    wg = lax.axis_index("wg")
+    nb, s, tps = info_smem[wg, 0], info_smem[wg, 1], info_smem[wg, 2]
+    i = i32(lax.axis_index("rows"))
+    block, split = div(i, s), rem(i, s)
+    row0 = block * (2 * block_m)
+    tile0 = split * tps
+    n_tiles = jnp.clip(num_tiles - tile0, 0, tps)
+    return CtaBlock(split, row0, row0 + wg * block_m, tile0, n_tiles, wg), block < nb
+
+
+def launch(
+    body,
+    *,
+    hidden,
+    weight,
+    bias,
+    row_inputs,
+    out_type,
+    epilogue_smem,
+    weight_layout: str,
+    cfg: LMHeadBlocks,
+    num_splits: int,
+    tiles_per_split: int,
+    num_tiles: int,
+    row_grid: RowPrefixGrid | None = None,
+    info=None,
+    interpret=None,
+):
+    """Runs an LM-head kernel with three warpgroups (two consumers, one memory warpgroup:
+    ``logits_tile_loop``) on the grid ``(num_splits, rows / (2 block_m))`` (split ``s`` walks tiles
+    ``[s * tiles_per_split, ...)`` of ``num_tiles``), or, with ``row_grid`` and its ``info`` (:class:`RowPrefixGrid`),
+    on the grid that serves a runtime row prefix (``num_splits`` then ``row_grid.max_splits``).
+
+    ``body(h_ref, w_ref, b_ref, row_refs, out_refs, smem, cta)`` gets the references of ``hidden``, ``weight``,
+    ``bias`` (None without one), the per-row inputs ``row_inputs`` and the outputs ``out_type`` (a tuple,
+    or one ``ShapeDtypeStruct``), ``smem = (a_smem, b_smem, epilogue, loaded, consumed)``: the
+    operand rings of ``logits_tile_loop``, the scratch ``epilogue_smem`` (a ``plgpu.SMEM``) of the
+    kernel's own epilogue, and the ring's two barriers; and its :class:`CtaBlock`. Under ``row_grid`` a CTA
+    without work does not run ``body``.
+    """
+    dtype = hidden.dtype
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+    transforms = smem_transforms(jnp.dtype(dtype).itemsize)
+    b_shape = (stages, bk, bn) if weight_layout == "hv" else (stages, bn, bk)
+    has_bias = bias is not None
+    n_rows = len(row_inputs)
+    dynamic = row_grid is not None
+
+    def kernel(h_ref, w_ref, *refs):
+        b_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+        row_refs, refs = refs[:n_rows], refs[n_rows:]
+        info_ref, refs = (refs[0], refs[1:]) if dynamic else (None, refs)
+        outs, smem = refs[:-1], refs[-1]
+        if not dynamic:
+            body(h_ref, w_ref, b_ref, row_refs, outs, smem, cta_block(bm, tiles_per_split, num_tiles))
+            return
+        *smem, info_smem, info_bar = smem
+        wg = lax.axis_index("wg")  # each warpgroup stages its own copy of the info
+        plgpu.copy_gmem_to_smem(info_ref, info_smem.at[wg], info_bar.at[wg])
+        plgpu.barrier_wait(info_bar.at[wg])
+        cta, live = _dynamic_cta_block(bm, num_tiles, info_smem)
+        pl.when(live)(lambda: body(h_ref, w_ref, b_ref, row_refs, outs, tuple(smem), cta))
+
+    scratch = [
+        plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
+        plgpu.SMEM(b_shape, dtype, transforms=transforms),
+        epilogue_smem,
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
+    if dynamic:
+        assert row_grid.rows_per_cta == 2 * bm and row_grid.num_row_ctas * 2 * bm == hidden.shape[0]
+        scratch += [plgpu.SMEM((3, INFO_WORDS), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=3)]
+        grid = (1, row_grid.num_ctas)
+    else:
+        grid = (num_splits, hidden.shape[0] // (2 * bm))
+    call = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=[scratch],
+        grid=grid,
+        grid_names=("split", "rows"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+    return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs, *((info,) if dynamic else ()))
