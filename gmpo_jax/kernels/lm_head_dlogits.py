@@ -73,7 +73,7 @@ def lm_head_dlogits_window(
       row_entropy: None, or ``(gamma / T, H)``, two ``[Rp]`` f32: an entropy term's cotangent and the
         rows' entropies; ``dz`` then also holds ``-(gamma / T) p (log p + H)`` (still summing to 0).
       window_start: first column, a multiple of ``block_n``.
-      terms: the split operands' products (``_common.split_terms``); ``((0, 0),)``: plain operands.
+      terms: the split operands' products (``_lm_head_pipeline.split_terms``); ``((0, 0),)``: plain operands.
       dz_dtype: the stored ``dz``'s dtype: None (``hidden.dtype``) or float32 (twice the staging memory).
 
     Returns:

@@ -61,7 +61,7 @@ def lm_head_lse_partials(
 ):
     """Per-split online log-sum-exp statistics of the logits ``z = (hidden W + bias) / T``, never stored.
     With ``softcap`` (a static ``cap > 0``): ``z = cap tanh((hidden W + bias) / cap) / T`` (Gemma).
-    With split operands (``terms``, ``_common.split_terms``): ``hidden W = sum_(i, j) in terms hidden_i W_j``.
+    With split operands (``terms``, ``_lm_head_pipeline.split_terms``): ``hidden W = sum_(i, j) in terms hidden_i W_j``.
 
     Args:
       hidden: ``[Rp, H]`` bf16/f16, ``Rp`` a multiple of ``2 * cfg.block_m``; with ``terms``, ``[Rp, P H]``: its

@@ -28,7 +28,7 @@ from conftest import LOGP_TOL, Obj, check_against_spec, make_case, rel_err
 
 import gmpo_jax
 from gmpo_jax._dispatch import UnsupportedConfigError
-from gmpo_jax.kernels._common import split_terms
+from gmpo_jax.kernels._lm_head_pipeline import split_terms
 from gmpo_jax.lm_head.backend import bf16_parts, with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 

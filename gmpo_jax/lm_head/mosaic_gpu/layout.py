@@ -22,7 +22,7 @@ def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = Fals
     ``dz``) from the reviewed table
     ``gmpo_jax.tuning.MOSAIC_BLOCKS`` (keyed by GPU and head; ``device_kind`` defaults to the first
     device's). The gradient kernel runs 64-row warpgroup blocks when ``rows <= 128`` (less padding)."""
-    from gmpo_jax.kernels._common import LMHeadBlocks
+    from gmpo_jax.kernels._lm_head_pipeline import LMHeadBlocks
 
     if interpret:  # small tiles: the interpreter's cost grows with the tile count and sizes
         return LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)

@@ -42,7 +42,7 @@ def operands(hp, weight, weight_layout: str, logits_precision: str | None) -> Op
     if logits_precision is None:
         item = hp.dtype.itemsize
         return Operands(hp, weight, ((0, 0),), [hp], None, None, item, item)
-    from gmpo_jax.kernels._common import split_terms
+    from gmpo_jax.kernels._lm_head_pipeline import split_terms
 
     order = LOGITS_PRECISIONS[logits_precision]
     h_parts = bf16_parts(hp, num_parts(hp.dtype, order))
