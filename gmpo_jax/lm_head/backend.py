@@ -359,8 +359,8 @@ def bf16_parts(x, n: int) -> list:
 
 
 def split_dot(a_parts, b_parts, dimension_numbers, order: int):
-    """``sum_(i, j) dot(a_i, b_j)`` over the split-bfloat16 products ``i + j <= order`` (``kernels._common.
-    split_terms``), float32 accumulation: the GEMM of the two split operands to about ``2**(-8 (order + 1))``
+    """``sum_(i, j) dot(a_i, b_j)`` over the split-bfloat16 products ``i + j <= order`` (``kernels.
+    _lm_head_pipeline.split_terms``), float32 accumulation: the GEMM of the two split operands to about ``2**(-8 (order + 1))``
     relative (each product of bfloat16 parts is exact in float32)."""
     from gmpo_jax.kernels._lm_head_pipeline import split_terms
 
