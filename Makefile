@@ -27,7 +27,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 bench:
 ifneq ($(strip $(ARGS)),)
