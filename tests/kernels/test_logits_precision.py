@@ -53,11 +53,15 @@ def _case(seed, layout="hv", with_bias=False, dtype=np.float32):
     return make_case(seed, B=B, T=T, H=H, V=V, dtype=dtype, layout=layout, with_bias=with_bias, logit_scale=3.0)
 
 
-def _grads(case, obj, implementation, precision, softcap=None, **shaping):
+def _grads(case, obj, implementation, precision, softcap=None, chunk_size=None, **shaping):
     """``shaping``: the objective's loss shaping."""
     batch = gmpo_jax.PolicyBatch(case.ids, case.mask, case.adv, old_logps=case.old, ref_logps=case.ref)
     head = gmpo_jax.HeadOptions(
-        weight_layout=case.layout, softcap=softcap, logits_precision=precision, implementation=implementation
+        weight_layout=case.layout,
+        softcap=softcap,
+        logits_precision=precision,
+        chunk_size=chunk_size,
+        implementation=implementation,
     )
 
     def f(h, w, b):
