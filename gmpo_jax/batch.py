@@ -39,8 +39,8 @@ class PolicyBatch(NamedTuple):
         from ``old_logps`` (or the current log-probs, on-policy) and these, as the objective's
         ``rollout_is_mode`` / ``rollout_is_cap`` say; combines with ``rollout_is_ratio``. None: no correction.
       rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` precomputed importance weights ``>= 0`` (finite when
-        concrete) of the trainer vs the sampler (Liger's ``vllm_is_ratio``), no gradient; multiplies each
-        token's policy term (not the KL). GMPO multiplies each sequence's term by the geometric mean of its
+        concrete; a traced negative or infinite one cannot be checked and makes the loss NaN) of the trainer vs
+        the sampler (Liger's ``vllm_is_ratio``), no gradient; multiplies each token's policy term (not the KL). GMPO multiplies each sequence's term by the geometric mean of its
         tokens' weights (SPEC.md "Rollout correction").
       segment_ids: ``[B, T]`` integer ``>= 0`` or None: packed rows, several sequences per row (the layout of
         Tunix and MaxText). Each maximal run of equal positive ids within a row is one sequence; id 0 is
@@ -48,7 +48,8 @@ class PolicyBatch(NamedTuple):
         mean, GSPO's sequence ratio, grpo / sapo's per-sequence mean) runs per sequence, and the ``B`` of the
         normalisers (gmpo, grpo, sapo, dr_grpo) is the number of sequences, so the same sequences padded one
         per row give the same loss and gradients. Pass ``[B, T]`` advantages (and a ``[B, T]``
-        ``rollout_is_ratio``) with it.
+        ``rollout_is_ratio``) with it. A concrete negative id raises; a traced one cannot be checked and is not
+        a sequence (its tokens count as padding).
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
         completion tokens in ONE optimizer step's accumulation window, i.e. every micro-batch whose gradients
         are accumulated into one update (under data parallelism the global count over all devices, since the

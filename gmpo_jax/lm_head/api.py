@@ -73,7 +73,10 @@ def fused_linear_policy_loss(
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`~gmpo_jax.LossAux` of float32 scalars (no
       gradient). The gradients w.r.t. ``hidden``, ``weight`` and ``bias`` come in those arrays' dtypes; reverse
       mode only (``jax.grad`` / ``vjp``, not ``jvp``); everything else (``temperature``, the batch, the
-      objective) is data with a zero cotangent.
+      objective) is data with a zero cotangent (``gmpo_jax.reference`` differentiates them too). Hidden states at
+      masked positions must be finite (their ids are ignored, but ``0 * NaN`` in the weight gradient is NaN).
+      With ``sharding``, take gradients under ``jax.jit`` or inside ``jax.set_mesh(mesh)`` (JAX builds the
+      cotangent of a mesh-sharded scalar only there; an eager ``jax.grad`` fails inside JAX).
 
     Raises:
       TypeError: a ``batch`` / ``reference`` / ``head`` / ``sharding`` / ``objective`` of the wrong class;

@@ -7,7 +7,15 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from gmpo_jax.objectives.params import _DERIVED, Scalar, _check_flag, _check_nonneg, _check_token_level, _register
+from gmpo_jax.objectives.params import (
+    _DERIVED,
+    Scalar,
+    _check_flag,
+    _check_nonneg,
+    _check_pos,
+    _check_token_level,
+    _register,
+)
 from gmpo_jax.objectives.per_token import PerTokenObjective
 
 
@@ -38,7 +46,8 @@ class CISPO(PerTokenObjective):
         takes (keyword-only; documented on :class:`~gmpo_jax.objectives.Objective`).
 
     Raises:
-      ValueError: negative ``epsilon_high`` or ``beta``.
+      ValueError: ``epsilon_high <= 0`` (it caps the ratio itself: 0 would zero every gradient) or a negative
+        ``beta`` (concrete values; traced ones are not checked).
 
     References: MiniMax-M1, arXiv 2506.13585; Liger-Kernel ``LigerFusedLinearGRPOLoss(loss_type="cispo")``.
     """
@@ -52,7 +61,7 @@ class CISPO(PerTokenObjective):
     def _check(self) -> None:
         _check_token_level("CISPO", self.importance_sampling_level)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
-        _check_nonneg("epsilon_high", self.epsilon_high)
+        _check_pos("epsilon_high", self.epsilon_high)  # the cap on the ratio itself: 0 would zero every gradient
         _check_nonneg("beta", self.beta)
 
     @property

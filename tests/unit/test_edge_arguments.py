@@ -131,3 +131,21 @@ def test_reference_head_without_kl_term_warns_and_is_not_run():
     jaxpr = jax.make_jaxpr(lambda h: _loss("lm_head", gmpo_jax.GMPO(), reference=reference._replace(hidden=h))[0])
     assert "custom_vjp_call" in str(jaxpr(jnp.asarray(CASE.hidden)))  # the policy's own fused call only
     assert str(jaxpr(jnp.asarray(CASE.hidden))).count("custom_vjp_call") == 1
+
+
+def test_cispo_cap_must_be_positive():
+    """CISPO's ``epsilon_high`` caps the ratio itself: 0 would make every gradient 0 (a traced value is not checked)."""
+    with pytest.raises(ValueError, match="epsilon_high"):
+        gmpo_jax.CISPO(epsilon_high=0.0)
+    assert gmpo_jax.CISPO(epsilon_high=jnp.float32(0.5)).epsilon_high == 0.5
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_dr_grpo_normaliser_below_a_completion_raises(op):
+    """``max_completion_length`` is the sampler's limit: a row counting more tokens than it is a wrong normaliser
+    (concrete masks; a padded width T above it is fine)."""
+    longest = int(np.asarray(CASE.mask).sum(axis=1).max())
+    with pytest.raises(ValueError, match=r"max_completion_length=.*counts"):
+        _loss(op, gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=longest - 1))
+    loss, _ = _loss(op, gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=longest))
+    assert np.isfinite(float(loss))
