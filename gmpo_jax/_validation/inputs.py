@@ -58,13 +58,14 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
         where = bad[0] if len(bad) == 1 else bad
         raise ValueError(f"{name} must be finite, got {name}[{where}] = {float(value[bad])!r}")
     check_segment_ids(batch.segment_ids, B, T, "batch.segment_ids")
-    mcl = getattr(objective, "max_completion_length", None) if objective.loss_type == "dr_grpo" else None
+    mcl = objective.max_completion_length if objective.loss_type == "dr_grpo" else None
     counted = None if mcl is None or batch.segment_ids is not None else _concrete(mask)  # packed: several per row
-    if counted is not None and int((counted != 0).sum(axis=1).max()) > mcl:
+    longest = None if counted is None else int((counted != 0).sum(axis=1).max())
+    if longest is not None and longest > mcl:
         raise ValueError(
             f"loss_type='dr_grpo' normalises by max_completion_length={mcl}, the longest completion the sampler can "
-            f"return, but batch.completion_mask counts {int((counted != 0).sum(axis=1).max())} tokens in a row: pass "
-            "the sampler's limit (a traced mask is not checked)"
+            f"return, but batch.completion_mask counts {longest} tokens in a row: pass the sampler's limit (a traced "
+            "mask is not checked)"
         )
     for field in ("old_logps", "ref_logps", "rollout_logps"):
         x = getattr(batch, field)

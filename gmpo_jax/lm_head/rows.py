@@ -129,7 +129,8 @@ def on_live_rows(
         return fn(*arrays)
     order_ = order(live)
     R = order_.perm.size
-    if row_prefix and accumulators is None:
+    if row_prefix:
+        assert accumulators is None, "row_prefix serves a forward (per-row outputs only)"
         out = fn(*(take(x, order_, R) for x in arrays), n_rows=order_.n_live)
         return jax.tree.map(lambda x: scatter_back(x, order_), out)
 

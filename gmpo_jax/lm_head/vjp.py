@@ -129,18 +129,27 @@ def _chunk_step_skipping(
 ):
     """:func:`_chunk_step` on static prefixes of the reordered rows (``gmpo_jax.lm_head.rows``): the forward
     on the unmasked rows, the backward on the rows with a non-zero ``d loss / d logp``. With ``keep`` both
-    passes share the forward's prefix (the kept logits hold those rows)."""
+    passes share the forward's prefix (the kept logits hold those rows); with ``tuning.ROW_PREFIX_FORWARD`` the
+    forward runs once, outside the prefix switch, on that prefix's rows (``_row_prefix``)."""
     t, buckets = chunk.temperature, cfg.row_buckets
     with_ent = chunk.entropy_coef is not None
     prefix, filters = _row_prefix(cfg), backend_lib.filters(cfg.backend)
-    if keep and prefix and not filters:  # one program: the kept rows are the bucket of the unmasked rows
-        return _keep_on_row_prefix(cfg, objective, head, h, ids, chunk, denominator, db)
     if keep:  # only under differentiation
         order = rows.order(chunk.mask)
+        sizes = rows.prefix_sizes(ids.size, buckets)
+        once = None
+        if prefix and not filters:  # one forward program, on the bucket of the unmasked rows, keeping their logits
+            R = order.perm.size
+            once = _forward(cfg, head, rows.take(h, order, R), rows.take(ids, order, R), t, keep=True,
+                            with_entropy=with_ent, n_rows=rows.prefix_rows(order.n_live, sizes))  # fmt: skip
 
         def run(S):
             hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
-            fwd = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent)
+            if once is None:
+                fwd = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent)
+            else:  # its first S rows; the backend reads the first S rows of the kept logits
+                ent_s = None if once.entropy is None else once.entropy[:S]
+                fwd = once._replace(logp=once.logp[:S], lse=once.lse[:S], entropy=ent_s)
             logp = rows.scatter_back(fwd.logp, order).reshape(chunk.mask.shape)
             num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
             entropy = None
@@ -157,7 +166,7 @@ def _chunk_step_skipping(
             num, sums, _ = evaluate(objective, jnp.zeros(chunk.mask.shape), chunk, denominator, with_grads=False)
             return num, sums, jnp.zeros_like(h), jnp.zeros_like(head.weight), db
 
-        return rows.on_prefix(order.n_live, rows.prefix_sizes(ids.size, buckets), run, empty)
+        return rows.on_prefix(order.n_live, sizes, run, empty)
     fwd = rows.on_live_rows(buckets, chunk.mask, lambda hs, ids_s, n_rows=None: _forward(cfg, head, hs, ids_s, t,
                             keep=False, with_entropy=with_ent, n_rows=n_rows), (h, ids), row_prefix=prefix)  # fmt: skip
     logp, lse, ent, mass = fwd.logp, fwd.lse, [fwd.entropy] if with_ent else [], fwd.window_mass
@@ -187,42 +196,6 @@ def _chunk_step_skipping(
         accumulators=(jnp.zeros_like(head.weight) if dw is None else dw, db),  # None: the chunk's own, any dtype
     )
     return (num, sums, *grads)
-
-
-def _keep_on_row_prefix(cfg: LMHeadConfig, objective, head: Head, h, ids, chunk: PolicyInputs, denominator, db):
-    """:func:`_chunk_step_skipping` of a single chunk that keeps its logits, on a backend whose forward serves a
-    runtime row prefix: the rows reordered unmasked first, the forward (one program) on the prefix of them that
-    the backward's static prefix sizes round them up to, keeping their logits; the backward on that static
-    prefix (one ``lax.switch`` branch per size), reading the kept logits of its rows."""
-    t, with_ent = chunk.temperature, chunk.entropy_coef is not None
-    order = rows.order(chunk.mask)
-    R = order.perm.size
-    sizes = rows.prefix_sizes(R, cfg.row_buckets)
-    hs, ids_s = rows.take(h, order, R), rows.take(ids, order, R)
-    fwd = _forward(
-        cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent, n_rows=rows.prefix_rows(order.n_live, sizes)
-    )
-    logp = rows.scatter_back(fwd.logp, order).reshape(chunk.mask.shape)
-    num, sums, dlogp = evaluate(objective, logp, chunk, denominator, with_grads=True)
-    gamma = None
-    if with_ent:  # the entropy's cotangent is 0 off the unmasked rows: the same prefix
-        ent = rows.scatter_back(fwd.entropy, order)
-        ent_num, gamma = _entropy_term(objective, chunk, ent, denominator)
-        num, gamma = num + ent_num, rows.take(gamma, order, R)
-        sums = sums.with_entropy(ent, chunk.mask)
-    dlogp_s = rows.take(dlogp.reshape(-1), order, R)
-
-    def run(S):  # the kept logits hold more rows than S: the backend reads their first S
-        entropy = None if gamma is None else (gamma[:S], fwd.entropy[:S])
-        fwd_s = fwd._replace(logp=None, lse=None, entropy=None)
-        dh_s, dw, db_ = _backward(cfg, head, hs[:S], ids_s[:S], dlogp_s[:S], fwd.lse[:S], t, None, db, fwd_s, entropy)
-        return rows.scatter_back(dh_s, order), dw, db_
-
-    def empty():
-        return jnp.zeros_like(h), jnp.zeros_like(head.weight), db
-
-    dh, dw, db = rows.on_prefix(order.n_live, sizes, run, empty)
-    return num, sums, dh, dw, db
 
 
 def _keeps_logits(backend, rows: int, H: int, weight) -> bool:

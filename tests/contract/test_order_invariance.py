@@ -484,39 +484,21 @@ X64_OBJECTIVES = [
 @pytest.mark.parametrize("obj", X64_OBJECTIVES, ids=str)
 def test_x64_lm_head(x64, obj):
     case = make_case(5, dtype=np.float32, with_bias=True, ris="bt")
+    batch = gmpo_jax.PolicyBatch(
+        case.ids,
+        case.mask,
+        case.adv,
+        old_logps=case.old,
+        ref_logps=case.ref,
+        rollout_is_ratio=case.ris,
+        num_items_in_batch=20.0,
+    )
     for impl in ("reference", "xla_chunked"):
         if impl == "reference":
-            f = lambda h, w, b: gmpo_jax.reference.policy_loss(
-                h,
-                w,
-                gmpo_jax.PolicyBatch(
-                    case.ids,
-                    case.mask,
-                    case.adv,
-                    old_logps=case.old,
-                    ref_logps=case.ref,
-                    rollout_is_ratio=case.ris,
-                    num_items_in_batch=20.0,
-                ),
-                objective=obj.lib(),
-                bias=b,
-            )
+            f = lambda h, w, b: gmpo_jax.reference.policy_loss(h, w, batch, objective=obj.lib(), bias=b)
         else:
             f = lambda h, w, b: gmpo_jax.fused_linear_policy_loss(
-                h,
-                w,
-                gmpo_jax.PolicyBatch(
-                    case.ids,
-                    case.mask,
-                    case.adv,
-                    old_logps=case.old,
-                    ref_logps=case.ref,
-                    rollout_is_ratio=case.ris,
-                    num_items_in_batch=20.0,
-                ),
-                objective=obj.lib(),
-                bias=b,
-                head=gmpo_jax.HeadOptions(implementation=impl),
+                h, w, batch, objective=obj.lib(), bias=b, head=gmpo_jax.HeadOptions(implementation=impl)
             )
         vg = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
         args = (jnp.asarray(case.hidden), jnp.asarray(case.weight), jnp.asarray(case.bias))
