@@ -43,6 +43,22 @@ def _make(registry: dict[str, str], name: str):
     return getattr(module, class_name)()
 
 
+def check_implementation(implementation, names: tuple[str, ...] = ()) -> None:
+    """TypeError for what can never be an implementation: a backend class instead of an instance, or an object
+    without ``check_supported``. ``names``: the registered names, for the message (None and strings pass)."""
+    as_name = f"a name in {names}" if names else "a name"
+    if isinstance(implementation, type):
+        raise TypeError(
+            f"implementation must be a backend instance, not the class, got implementation={implementation.__name__}: "
+            f"pass {implementation.__name__}() (or {as_name})"
+        )
+    if implementation is not None and not isinstance(implementation, str):
+        if not callable(getattr(implementation, "check_supported", None)):
+            raise TypeError(
+                f"implementation must be None, {as_name} or a backend instance, got implementation={implementation!r}"
+            )
+
+
 def dispatch(implementation, registry: dict[str, str], what: str, *, required: tuple[str, ...] = (), **config):
     """Pick a backend from ``registry`` (ordered name -> ``"module.path:ClassName"``); shared by every op's dispatch.
 
@@ -57,17 +73,8 @@ def dispatch(implementation, registry: dict[str, str], what: str, *, required: t
       ValueError: unknown ``implementation`` name.
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested backend cannot serve.
     """
-    if isinstance(implementation, type):
-        raise TypeError(
-            f"implementation must be a backend instance, not the class: pass {implementation.__name__}() "
-            f"(or a name in {tuple(registry)})"
-        )
+    check_implementation(implementation, tuple(registry))
     if implementation is not None and not isinstance(implementation, str):
-        if not callable(getattr(implementation, "check_supported", None)):
-            raise TypeError(
-                f"implementation must be None, a name in {tuple(registry)} or a backend instance, "
-                f"got implementation={implementation!r}"
-            )
         missing = [m for m in required if not callable(getattr(implementation, m, None))]
         if missing:
             raise TypeError(

@@ -9,6 +9,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from gmpo_jax._dispatch import check_implementation
 from gmpo_jax._validation.arguments import (
     WEIGHT_LAYOUTS,
     check_chunk_size,
@@ -106,16 +107,8 @@ class HeadOptions:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         impl = self.implementation
-        if isinstance(impl, type):
-            raise TypeError(
-                f"implementation must be a backend instance, not the class, got implementation={impl.__name__}: "
-                f"pass {impl.__name__}()"
-            )
+        check_implementation(impl)
         if impl is not None and not isinstance(impl, str):
-            if not callable(getattr(impl, "check_supported", None)):
-                raise TypeError(
-                    f"implementation must be None, a name or a backend instance, got implementation={impl!r}"
-                )
             try:
                 hash(impl)
             except TypeError:
