@@ -68,8 +68,10 @@ def probe(R: int, H: int, V: int, interpret: bool, seed: int = 0) -> list[dict]:
             head = gmpo_jax.HeadOptions(implementation=implementation, logits_precision=precision)
             return gmpo_jax.fused_linear_logprobs(h[None], w, ids[None], head=head)[0]
 
-        lp = jax.jit(logp)(jnp.asarray(h), jnp.asarray(w))
-        dh, dw = jax.jit(jax.grad(lambda h, w: logp(h, w).sum(), argnums=(0, 1)))(jnp.asarray(h), jnp.asarray(w))
+        summed = lambda h, w: (lambda lp: (lp.sum(), lp))(logp(h, w))  # noqa: E731  (one forward for both)
+        (_, lp), (dh, dw) = jax.jit(jax.value_and_grad(summed, argnums=(0, 1), has_aux=True))(
+            jnp.asarray(h), jnp.asarray(w)
+        )
         return lp, dh, dw
 
     out = []

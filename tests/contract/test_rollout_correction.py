@@ -96,9 +96,13 @@ def test_on_policy_and_with_a_precomputed_ratio(obj, mode):
     check_against_spec(loss, aux, (*grads, None), want, case, obj)
 
 
-@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
-@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo", beta=0.04)], ids=str)
+@pytest.mark.parametrize(
+    "obj, mode", [(Obj("gmpo"), "token_mask"), (Obj("grpo", beta=0.04), "sequence_truncate")], ids=str
+)
 def test_kernels_in_the_interpreter(obj, mode):
+    """The kernels see only the cotangents: one token-level mode (masked tokens: rows the backward skips) with the
+    sequence-level objective, one sequence-level mode with the token-level objective and its KL term (the mode x
+    objective grid runs on ``xla_chunked`` above)."""
     case, rollout = _case(3, dtype="bfloat16")
     want = _spec(case, rollout, obj, mode)
     (loss, aux), grads = _lm_head(case, rollout, obj, mode, MosaicGpuBackend(interpret=True))
