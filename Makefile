@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# pytest-xdist processes: one per core; TEST_WORKERS=0 runs the tests in one process
+# pytest-xdist processes: one per core (an idle worker steals queued tests); TEST_WORKERS=0: one process
 TEST_WORKERS ?= auto
 
 .PHONY: train test venv bench clean
@@ -28,7 +28,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 bench:
 ifneq ($(strip $(ARGS)),)
