@@ -142,6 +142,18 @@ def test_xla_logits_backend(case, lse_mode):
     _check_logits_path(V, margin, pos % V, base, dtype, XlaLogitsBackend(lse=lse_mode), gmpo_jax.GMPO(), False, 1, 2)
 
 
+@jax.jit  # one compiled program per shape (see _logits_aux)
+def _reference_paths(z, ids):
+    x = jnp.broadcast_to(z, (1, 2, z.shape[0]))
+    got = gmpo_jax.reference._target_logprobs(x, ids)
+    _, aux = gmpo_jax.reference.policy_loss_from_logits(
+        x,
+        gmpo_jax.PolicyBatch(ids, jnp.ones((1, 2), bool), jnp.ones((1,)), old_logps=jnp.zeros((1, 2))),
+        objective=gmpo_jax.GMPO(),
+    )
+    return got, aux
+
+
 @settings(max_examples=6, **SETTINGS)
 @given(XLA_CASES)
 @example((151936, 17.0, 0, True, "float32"))
@@ -150,14 +162,9 @@ def test_reference_logits(case):
     z = _row(V, margin, pos % V, -margin if at_zero else 0.0, dtype)
     lse, logp, ent, tol = _stats(z)
     ids = jnp.asarray([_targets(V, pos % V)], jnp.int32)
-    got = gmpo_jax.reference._target_logprobs(jnp.broadcast_to(jnp.asarray(z), (1, 2, V)), ids)
+    got, aux = _reference_paths(jnp.asarray(z), ids)
     for j, v in enumerate(_targets(V, pos % V)):
         _check(f"reference V={V} margin={margin} {dtype} logp[{j}]", got[0, j], logp[v], tol)
-    _, aux = gmpo_jax.reference.policy_loss_from_logits(
-        jnp.broadcast_to(jnp.asarray(z), (1, 2, V)),
-        gmpo_jax.PolicyBatch(ids, jnp.ones((1, 2), bool), jnp.ones((1,)), old_logps=jnp.zeros((1, 2))),
-        objective=gmpo_jax.GMPO(),
-    )
     _check("reference policy_loss_from_logits log_ratio_max", aux.log_ratio_max, logp[pos % V], tol)
 
 
