@@ -639,7 +639,7 @@ def test_interpret_padded_vocab_size_through_the_api():
     import gmpo_jax
 
     rng = np.random.default_rng(4)
-    B, T, H, V, real = 2, 40, 64, 512, 250  # tiles 2 and 3 all padding
+    B, T, H, V, real = 2, 40, 64, 384, 250  # tile 2 all padding
     h = jnp.asarray(rng.standard_normal((B, T, H)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((H, V)) / 8, jnp.bfloat16)
     ids = jnp.asarray(rng.integers(0, real, (B, T)), jnp.int32)
@@ -662,7 +662,10 @@ def test_interpret_kept_logits_through_the_api(objective):
     """The fused loss through the public API with a backend that keeps its logits (one chunk: float16
     logits, dz from them, dW in the weight's dtype) against the same kernels with two chunks (float32 dW
     accumulator, logits recomputed) and float64 (tests/spec_numpy.py): loss and metrics to 1e-5, gradients
-    to the float16 logits' tolerance (``SAVED_REL``) and 1e-2 of float64; dW comes back in bfloat16."""
+    to the float16 logits' tolerance (``SAVED_REL``) and 1e-2 of float64; dW comes back in bfloat16. The
+    two-chunk comparison runs for GMPO (sequence level) only: the kernels see the objective only through the
+    cotangent, and the chunked run is four more kernel CTAs; GRPO-dapo (token level) is checked against
+    float64."""
     import gmpo_jax
 
     rng = np.random.default_rng(12)
@@ -689,13 +692,14 @@ def test_interpret_kept_logits_through_the_api(objective):
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(h, w, bias)
 
     (loss, aux), (dh, dw, db) = run(KEEP)
-    (loss2, aux2), (dh2, dw2, db2) = run(KEEP, chunk_size=1)
     assert dw.dtype == w.dtype and dh.dtype == h.dtype and db.dtype == bias.dtype
-    np.testing.assert_allclose(float(loss), float(loss2), rtol=1e-5, atol=1e-7)
-    for k in ("clip_fraction", "log_ratio_min", "log_ratio_max"):
-        np.testing.assert_allclose(float(getattr(aux, k)), float(getattr(aux2, k)), rtol=1e-5, atol=1e-6)
-    for a, b in ((dh, dh2), (dw, dw2), (db, db2)):
-        assert rel_err(a, b) < SAVED_REL
+    if objective == "GMPO":
+        (loss2, aux2), (dh2, dw2, db2) = run(KEEP, chunk_size=1)
+        np.testing.assert_allclose(float(loss), float(loss2), rtol=1e-5, atol=1e-7)
+        for k in ("clip_fraction", "log_ratio_min", "log_ratio_max"):
+            np.testing.assert_allclose(float(getattr(aux, k)), float(getattr(aux2, k)), rtol=1e-5, atol=1e-6)
+        for a, b in ((dh, dh2), (dw, dw2), (db, db2)):
+            assert rel_err(a, b) < SAVED_REL
     kw = (
         dict(loss_type="gmpo", epsilon_low=0.4, epsilon_high=0.4)
         if objective == "GMPO"
