@@ -25,6 +25,8 @@ bound at ``V = 256`` (there ``lse ~ 1e-5``: one rounding of ``1 + tail`` is ~1e5
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -83,9 +85,10 @@ def _targets(V, pos):
 # --------------------------------------------------------------------------------------------------
 # policy_loss_from_logits
 # --------------------------------------------------------------------------------------------------
-def _logits_logps(z, ids, mask, backend, obj, grad):
-    """Per-token log-probs of the unmasked tokens through ``policy_loss_from_logits``: with ``old_logps = 0``
-    the metrics ``log_ratio_min / max`` are the smallest / largest of them."""
+# One compiled program per configuration and shape, reused by every example that shares them (the arrays are
+# arguments; op-by-op dispatch would compile each operation of every new shape).
+@functools.partial(jax.jit, static_argnames=("backend", "obj", "grad"))
+def _logits_aux(x, ids, mask, *, backend, obj, grad):
     B, T = ids.shape
 
     def f(x):
@@ -96,8 +99,13 @@ def _logits_logps(z, ids, mask, backend, obj, grad):
             implementation=backend,
         )
 
-    x = jnp.asarray(z)
-    aux = jax.value_and_grad(f, has_aux=True)(x)[0][1] if grad else f(x)[1]
+    return jax.value_and_grad(f, has_aux=True)(x)[0][1] if grad else f(x)[1]
+
+
+def _logits_logps(z, ids, mask, backend, obj, grad):
+    """Per-token log-probs of the unmasked tokens through ``policy_loss_from_logits``: with ``old_logps = 0``
+    the metrics ``log_ratio_min / max`` are the smallest / largest of them."""
+    aux = _logits_aux(jnp.asarray(z), ids, mask, backend=backend, obj=obj, grad=grad)
     return float(aux.log_ratio_min), float(aux.log_ratio_max)
 
 
@@ -134,6 +142,18 @@ def test_xla_logits_backend(case, lse_mode):
     _check_logits_path(V, margin, pos % V, base, dtype, XlaLogitsBackend(lse=lse_mode), gmpo_jax.GMPO(), False, 1, 2)
 
 
+@jax.jit  # one compiled program per shape (see _logits_aux)
+def _reference_paths(z, ids):
+    x = jnp.broadcast_to(z, (1, 2, z.shape[0]))
+    got = gmpo_jax.reference._target_logprobs(x, ids)
+    _, aux = gmpo_jax.reference.policy_loss_from_logits(
+        x,
+        gmpo_jax.PolicyBatch(ids, jnp.ones((1, 2), bool), jnp.ones((1,)), old_logps=jnp.zeros((1, 2))),
+        objective=gmpo_jax.GMPO(),
+    )
+    return got, aux
+
+
 @settings(max_examples=6, **SETTINGS)
 @given(XLA_CASES)
 @example((151936, 17.0, 0, True, "float32"))
@@ -142,14 +162,9 @@ def test_reference_logits(case):
     z = _row(V, margin, pos % V, -margin if at_zero else 0.0, dtype)
     lse, logp, ent, tol = _stats(z)
     ids = jnp.asarray([_targets(V, pos % V)], jnp.int32)
-    got = gmpo_jax.reference._target_logprobs(jnp.broadcast_to(jnp.asarray(z), (1, 2, V)), ids)
+    got, aux = _reference_paths(jnp.asarray(z), ids)
     for j, v in enumerate(_targets(V, pos % V)):
         _check(f"reference V={V} margin={margin} {dtype} logp[{j}]", got[0, j], logp[v], tol)
-    _, aux = gmpo_jax.reference.policy_loss_from_logits(
-        jnp.broadcast_to(jnp.asarray(z), (1, 2, V)),
-        gmpo_jax.PolicyBatch(ids, jnp.ones((1, 2), bool), jnp.ones((1,)), old_logps=jnp.zeros((1, 2))),
-        objective=gmpo_jax.GMPO(),
-    )
     _check("reference policy_loss_from_logits log_ratio_max", aux.log_ratio_max, logp[pos % V], tol)
 
 
@@ -190,6 +205,17 @@ def _head(V, margin, pos, base, dtype, H, rows):
     return z, jnp.asarray(h, DTYPES[dtype]), jnp.asarray(w, DTYPES[dtype])
 
 
+@jax.jit  # one compiled program per shape (see _logits_aux)
+def _xla_chunked_paths(h, w, ids):
+    head = gmpo_jax.HeadOptions(implementation="xla_chunked")
+    got = gmpo_jax.fused_linear_logprobs(h[None], w, ids, head=head)
+    batch = gmpo_jax.PolicyBatch(ids, jnp.ones((1, 2), bool), jnp.ones((1,)), old_logps=jnp.zeros((1, 2)))
+    _, aux = gmpo_jax.fused_linear_policy_loss(h[None], w, batch, objective=gmpo_jax.GMPO(), head=head)
+    V = w.shape[1]
+    be = XlaChunkedBackend(vocab_block=min(V, 4096))  # several blocks merged, with the entropy
+    return got, aux, be.logprobs(h, w, None, ids[0], 1.0, weight_layout="hv", with_entropy=True)
+
+
 @settings(max_examples=8, **SETTINGS)
 @given(XLA_CASES)
 @example((151936, 17.0, 0, True, "float32"))
@@ -201,20 +227,11 @@ def test_xla_chunked_lm_head(case):
     lse, logp, ent, tol = _stats(z)
     dom, tail = _targets(V, pos)
     ids = jnp.asarray([[dom, tail]], jnp.int32)
-    got = gmpo_jax.fused_linear_logprobs(h[None], w, ids, head=gmpo_jax.HeadOptions(implementation="xla_chunked"))
+    got, aux, (lp, ls, en) = _xla_chunked_paths(h, w, ids)
     _check(f"xla_chunked V={V} margin={margin} {dtype} logp(dominant)", got[0, 0], logp[dom], tol)
     _check(f"xla_chunked V={V} margin={margin} {dtype} logp(tail)", got[0, 1], logp[tail], tol)
-    _, aux = gmpo_jax.fused_linear_policy_loss(
-        h[None],
-        w,
-        gmpo_jax.PolicyBatch(ids, jnp.ones((1, 2), bool), jnp.ones((1,)), old_logps=jnp.zeros((1, 2))),
-        objective=gmpo_jax.GMPO(),
-        head=gmpo_jax.HeadOptions(implementation="xla_chunked"),
-    )
     _check("xla_chunked policy loss log_ratio_max", aux.log_ratio_max, logp[dom], tol)
     _check("xla_chunked policy loss log_ratio_min", aux.log_ratio_min, logp[tail], tol)
-    be = XlaChunkedBackend(vocab_block=min(V, 4096))  # several blocks merged, with the entropy
-    lp, ls, en = be.logprobs(h, w, None, ids[0], 1.0, weight_layout="hv", with_entropy=True)
     _check("xla_chunked lse", ls[0], lse, tol)
     _check("xla_chunked entropy", en[0], ent, _entropy_tol(z, tol))
 
@@ -223,6 +240,12 @@ def _entropy_tol(z, tol):
     """The entropy ``H = log1p(l) + sum_v p_v |z_v - m|`` carries the tail's relative error once per term,
     weighted by ``1 + |z_v - m|``: ``tol (1 + max |z - m|)``."""
     return tol * (1.0 + float(np.ptp(np.asarray(z, np.float64))))
+
+
+@jax.jit  # one compiled program per shape (see _logits_aux)
+def _mosaic_lm_head(h, w, ids):
+    be = MosaicGpuBackend(interpret=True)
+    return be.logprobs(h, w, None, ids, jnp.float32(1.0), weight_layout="hv", with_entropy=True)
 
 
 @settings(max_examples=3, **SETTINGS)
@@ -235,13 +258,23 @@ def test_mosaic_lm_head_kernel_interpret(V, margin, pos, at_zero):
     lse, logp, ent, tol = _stats(z, base2=True)
     dom, tail = _targets(V, pos)
     ids = jnp.asarray([dom, tail] * 4, jnp.int32)
-    be = MosaicGpuBackend(interpret=True)
-    lp, ls, en = be.logprobs(h, w, None, ids, jnp.float32(1.0), weight_layout="hv", with_entropy=True)
+    lp, ls, en = _mosaic_lm_head(h, w, ids)
     what = f"mosaic lm_head V={V} margin={margin} pos={pos} at_zero={at_zero}"
     _check(f"{what}: lse", ls[0], lse, tol)
     _check(f"{what}: logp(dominant)", lp[0], logp[dom], tol)
     _check(f"{what}: logp(tail)", lp[1], logp[tail], tol)
     _check(f"{what}: entropy", en[0], ent, _entropy_tol(z, tol))
+
+
+@jax.jit  # one compiled program per shape (see _logits_aux)
+def _vocab_parallel(h, shards, ids):
+    n, _, Vn = shards.shape
+    be = VocabParallelBackend(XlaChunkedBackend(), ("model",), Vn)
+
+    def local(ws):
+        return be.logprobs(h, ws, None, ids, 1.0, weight_layout="hv", with_entropy=True)
+
+    return jax.vmap(local, axis_name="model")(shards)
 
 
 @settings(max_examples=6, **SETTINGS)
@@ -254,13 +287,8 @@ def test_vocab_parallel_merge(n, V, margin, pos, at_zero):
     lse, logp, ent, tol = _stats(z)
     dom, tail = _targets(V, pos)
     ids = jnp.asarray([dom, tail], jnp.int32)
-    be = VocabParallelBackend(XlaChunkedBackend(), ("model",), V // n)
     shards = w.reshape(8, n, V // n).transpose(1, 0, 2)
-
-    def local(ws):
-        return be.logprobs(h, ws, None, ids, 1.0, weight_layout="hv", with_entropy=True)
-
-    lp, ls, en = jax.vmap(local, axis_name="model")(shards)
+    lp, ls, en = _vocab_parallel(h, shards, ids)
     what = f"vocab-parallel n={n} V={V} margin={margin} pos={pos} at_zero={at_zero}"
     _check(f"{what}: lse", ls[0, 0], lse, tol)
     _check(f"{what}: logp(dominant)", lp[0, 0], logp[dom], tol)
