@@ -252,7 +252,7 @@ def _mosaic_lm_head(h, w, ids):
 @given(st.sampled_from([512, 640]), MARGINS, st.integers(0, 639), st.booleans())
 @example(512, 17.0, 0, True)
 def test_mosaic_lm_head_kernel_interpret(V, margin, pos, at_zero):
-    """The LM-head kernel (bf16 operands) at the seam, two vocabulary splits, with the entropy."""
+    """The LM-head kernel (bf16 operands) at the seam (one vocabulary split at these sizes; splits: test_kernels), with the entropy."""
     pos = pos % V
     z, h, w = _head(V, margin, pos, -margin if at_zero else 0.0, "bfloat16", 64, 8)
     lse, logp, ent, tol = _stats(z, base2=True)
