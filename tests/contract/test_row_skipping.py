@@ -101,21 +101,22 @@ def test_order_is_numpys_stable_argsort(n):
 
 
 @pytest.mark.parametrize(
-    "obj",
+    "obj, chunk_size",
     [
-        Obj("gmpo"),
-        Obj("gmpo", beta=0.04),
-        Obj("grpo", beta=0.04),
-        Obj("dapo", level="sequence"),
-        Obj("cispo"),
-        Obj("sapo"),
+        (Obj("gmpo"), None),
+        (Obj("gmpo"), 3),
+        (Obj("gmpo", beta=0.04), 3),
+        (Obj("grpo", beta=0.04), None),
+        (Obj("dapo", level="sequence"), 3),
+        (Obj("cispo"), None),
+        (Obj("sapo"), 3),
     ],
     ids=str,
 )
-@pytest.mark.parametrize("chunk_size", [None, 3])
 def test_skipping_matches_all_rows(obj, chunk_size):
     """Zero-advantage sequences (gradient-free unless beta != 0), an empty sequence, ragged masks; one chunk
-    and several (the last overlapping)."""
+    (``chunk_size=None``) and several (3 sequences, the last chunk overlapping). Each objective once, GMPO with
+    both; a KL term (every unmasked row live) with one chunk and with several."""
     case = _batch(1, empty_rows=(6,))
     want = _run(case, obj.lib(), XlaChunkedBackend(row_buckets=1), chunk_size)
     got = _run(case, obj.lib(), XlaChunkedBackend(row_buckets=4), chunk_size)
@@ -134,24 +135,34 @@ def test_skipping_edge_batches():
     assert float(aux.log_ratio_max) != 0.0  # the forward still ran for the metrics
 
 
+def _kept_case():
+    return _batch(4, B=4, T=64, H=64, V=200, dtype=jnp.bfloat16, zero_adv=(1,))
+
+
+@pytest.fixture(scope="module")
+def kept_without_skipping():
+    """The kept-logits case on every row (one row bucket: ``tuning.ROW_PREFIX_FORWARD`` does not enter), once for
+    both forwards below."""
+    return _run(_kept_case(), gmpo_jax.GMPO(), MosaicGpuBackend(interpret=True, save_min_hidden=0, row_buckets=1))
+
+
 @pytest.mark.parametrize("row_prefix_forward", [False, True], ids=["per-bucket-forward", "one-forward-kernel"])
-def test_skipping_mosaic_interpret_keeps_logits(monkeypatch, row_prefix_forward):
+def test_skipping_mosaic_interpret_keeps_logits(monkeypatch, kept_without_skipping, row_prefix_forward):
     """The Mosaic backend in the interpreter, a single chunk whose logits are kept for the gradient pass
     (forward and backward on one prefix; the forward per prefix size, or once on a runtime row prefix:
     ``tuning.ROW_PREFIX_FORWARD``), bf16: as without skipping."""
     monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", row_prefix_forward)
-    case = _batch(4, B=4, T=64, H=64, V=200, dtype=jnp.bfloat16, zero_adv=(1,))
-    be = MosaicGpuBackend(interpret=True, save_min_hidden=0)
-    want = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=1))
-    got = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=2))
-    _assert_same(got, want)
+    got = _run(_kept_case(), gmpo_jax.GMPO(), MosaicGpuBackend(interpret=True, save_min_hidden=0, row_buckets=2))
+    _assert_same(got, kept_without_skipping)
 
 
 def test_skipping_mosaic_interpret_row_prefix_recomputes(monkeypatch):
     """The Mosaic backend in the interpreter recomputing the logits (nothing kept), two chunks: the forward on one
-    compiled kernel for every number of live rows (``tuning.ROW_PREFIX_FORWARD``), as without skipping."""
+    compiled kernel for every number of live rows (``tuning.ROW_PREFIX_FORWARD``), as without skipping. One ragged
+    vocabulary tile: the kernels' grids are one CTA a row block (several tiles and splits on a row prefix:
+    ``test_row_prefix_grid.py``)."""
     monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)
-    case = _batch(6, B=4, T=64, H=64, V=200, dtype=jnp.bfloat16, zero_adv=(1,), empty_rows=(3,))
+    case = _batch(6, B=4, T=64, H=64, V=100, dtype=jnp.bfloat16, zero_adv=(1,), empty_rows=(3,))
     be = MosaicGpuBackend(interpret=True, save_logits=False)
     want = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=1), chunk_size=2)
     got = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=2), chunk_size=2)

@@ -27,6 +27,7 @@ from gmpo_jax import tuning
 from gmpo_jax.lm_head import vjp
 from gmpo_jax.lm_head.backend import with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+from gmpo_jax.lm_head.mosaic_gpu.grad_filter import _filter_sizes
 from gmpo_jax.objectives import PolicyInputs, evaluate
 
 H, V, WINDOW = 64, 1000, 256  # four windows, the last one 232 columns
@@ -98,28 +99,42 @@ def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None, budget=None):
     return mass, grads
 
 
+def _prefixes(kept, tail=None):
+    """The row prefix (whole 128-row blocks; 0: skipped) that each head window and then the tail run on: the live
+    rows of each (``kept`` of :func:`_reference`), rounded up."""
+    live = kept[:, ::WINDOW]  # [R, n_windows]
+    n_head = min(V // WINDOW, live.shape[1] if tail is None else tail // WINDOW)
+    counts = [*live[:, :n_head].sum(0), live[:, n_head:].any(1).sum()]
+    return tuple(-(-int(c) // 128) * 128 for c in counts)
+
+
 @pytest.mark.parametrize(
-    "layout, with_bias, tau, t, levels, tail, keep",
+    "R, layout, with_bias, tau, t, tail, keep, prefixes",
     [
-        ("hv", False, 0.02, 1.0, None, None, None),
-        ("vh", True, 0.01, 0.8, None, 256, None),
-        ("hv", False, 0.0, 1.0, None, None, None),
-        ("hv", True, 0.02, 1.0, 1, 512, None),
-        ("hv", False, 0.02, 1.0, None, None, 8),
-        ("hv", False, 0.02, 1.0, None, None, 3),
-        ("vh", True, 0.01, 0.8, None, 256, 5),
-        ("hv", True, 0.02, 1.0, None, 512, 5),
+        pytest.param(256, "hv", True, 0.02, 1.0, None, 8, (256, 128, 128, 0), id="hv-bias-keep-all-two-prefixes"),
+        pytest.param(256, "vh", True, 0.01, 0.8, 256, 5, (256, 128), id="vh-bias-t0.8-tail256-keep5-two-prefixes"),
+        pytest.param(128, "hv", False, 0.02, 1.0, None, 3, (128, 128, 128, 0), id="hv-keep3-straddles"),
+        pytest.param(128, "hv", False, 0.0, 1.0, None, None, (128, 128, 128, 128), id="hv-tau0-recomputed"),
     ],
 )
-def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, tail, keep, monkeypatch):
-    """``levels=1``: one row prefix (all rows), so every window runs in place with its dropped rows' cotangent zeroed.
-    ``tail``: the windows from that column on (1-3 or 2-3; the last is partial) are the tail, kept together and run
-    in one step. ``keep``: that many of the 8 logits tiles (128 columns) kept by the forward, the kept windows' dz read
-    from them: all 8; 3 (head window 0 read, window 1 straddles the kept range: recomputed); 5 with the tail from
-    window 1 (its tiles 2-4 read, 5-7 recomputed) or from window 2 (head windows 0-1 read, the tail's tile 4 too)."""
-    if levels is not None:
-        monkeypatch.setattr(tuning, "GRAD_FILTER_LEVELS", levels)
-    R = 256
+def test_filtered_gradient_against_float64(R, layout, with_bias, tau, t, tail, keep, prefixes):
+    """Each case runs the branches it names (``prefixes``: the row prefix each head window, then the tail, runs on,
+    checked first; 0: skipped). ``keep``: that many of the 8 logits tiles (128 columns) kept by the forward, the
+    kept windows' dz read from them, the others recomputed; None: nothing kept (``logprobs``, ``saved=None``).
+
+    * ``hv-bias-keep-all-two-prefixes``: 256 rows, so the prefixes are 128 and 256 rows (``_filter_sizes``): window 0
+      in place, windows 1-2 on their rows gathered into a 128-row prefix, all three read from the kept tiles (at those
+      rows); the last, partial window (the tail) skipped (no live row).
+    * ``vh-bias-t0.8-tail256-keep5-two-prefixes``: the weight ``[V, H]``, a bias, temperature 0.8; the tail from
+      window 1 (windows 1-3, run in one step, on its rows gathered into a 128-row prefix): its tiles 2-4 read from
+      the kept logits, 5-7 recomputed.
+    * ``hv-keep3-straddles``: window 0 read from the kept tiles, window 1 straddles the kept range (tile 2 of 2-3):
+      recomputed, as window 2; the tail skipped.
+    * ``hv-tau0-recomputed``: ``tau = 0`` keeps every window with any mass: the exact gradient; nothing kept, every
+      window recomputed.
+
+    The 128-row cases have one prefix (``GRAD_FILTER_LEVELS = 1`` gives the same at any size): every window runs
+    in place, with the cotangent of its dropped rows zeroed."""
     h, w, ids, bias = _peaked(1, R, layout=layout)
     bias = bias if with_bias else None
     rng = np.random.default_rng(2)
@@ -127,6 +142,7 @@ def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, ta
     dlogp[rng.random(R) < 0.3] = 0.0  # rows without a cotangent: no window kept
     w_hv = w if layout == "hv" else w.T
     off, kept, dh_ref, dw_ref, db_ref = _reference(h, w_hv, ids, dlogp, tau, t, bias, tail)
+    assert _prefixes(kept, tail) == prefixes
     be = with_settings(
         MosaicGpuBackend(interpret=True, filter_window=WINDOW, filter_tail=tail or 65536, save_min_hidden=0),
         grad_filter=tau,
@@ -153,6 +169,15 @@ def test_filtered_gradient_against_float64(layout, with_bias, tau, t, levels, ta
         assert rel_err(dh_ref, dh_exact) < 1e-12
 
 
+def test_filter_prefix_sizes(monkeypatch):
+    """A window's rows run on the smallest of the prefixes ``Rp / 2**k``, ``k < GRAD_FILTER_LEVELS``, in whole
+    128-row blocks: 128 and 256 rows for the 256-row case above, one prefix (every window in place) for 128 rows
+    or with one level."""
+    assert _filter_sizes(256) == (128, 256) and _filter_sizes(128) == (128,) and _filter_sizes(1024)[0] == 128
+    monkeypatch.setattr(tuning, "GRAD_FILTER_LEVELS", 1)
+    assert _filter_sizes(256) == (256,) and _filter_sizes(1024) == (1024,)
+
+
 def _loss(h, w, ids, mask, adv, impl, grad_filter):
     return gmpo_jax.fused_linear_policy_loss(
         h,
@@ -167,7 +192,7 @@ def _loss(h, w, ids, mask, adv, impl, grad_filter):
 def batch():
     B, T = 4, 64
     h, w, ids, _ = _peaked(3, B * T)
-    mask = np.arange(T)[None] < np.array([[64], [40], [64], [20]])
+    mask = np.arange(T)[None] < np.array([[56], [40], [16], [16]])  # 128 rows: the row-skipping forward's prefix
     adv = np.array([1.0, -0.5, 0.0, 0.8], np.float32)  # a zero-advantage sequence: no window at all
     return jnp.asarray(h.reshape(B, T, H)), jnp.asarray(w), jnp.asarray(ids.reshape(B, T)), jnp.asarray(mask), adv
 
@@ -178,12 +203,19 @@ def _grads(batch, impl, grad_filter):
     return loss, aux, g
 
 
-@pytest.mark.parametrize("row_buckets, keep", [(1, False), (4, True)])  # each value of both once
-def test_policy_loss_with_filter(batch, row_buckets, keep):
+@pytest.mark.parametrize(
+    "row_buckets, keep, seqs", [(1, False, [0, 2]), (4, True, [0, 1, 2, 3])], ids=["1-recomputed", "4-kept"]
+)
+def test_policy_loss_with_filter(batch, row_buckets, keep, seqs):
     """Through the fused loss (both chunk paths, with and without kept logits): the loss and metrics are the exact
     path's; at ``tau = 0`` (the kept-logits case; the seam's ``tau = 0`` case covers the other) the gradients are;
     at ``tau = 0.02`` they differ but stay within the documented bound. (Bitwise reruns: the GPU test below; the
-    interpreter runs one sequential program.)"""
+    interpreter runs one sequential program.) Without row skipping on sequences 0 and 2 (the zero-advantage one):
+    128 rows, one row block, so the filter runs every window in place (its gathered row prefixes: the seam test's
+    256-row cases); with four buckets on all four sequences, whose 128 unmasked rows are the forward's prefix of
+    the 256."""
+    batch = tuple(x if i == 1 else x[np.asarray(seqs)] for i, x in enumerate(batch))  # (h, w, ids, mask, adv)
+    assert row_buckets == 1 or int(np.sum(batch[3])) == 128  # the skipping forward: one row block of two
     impl = lambda: MosaicGpuBackend(  # noqa: E731  (4 buckets: windows 1-3 are the tail)
         interpret=True,
         filter_window=WINDOW,

@@ -3,8 +3,9 @@ every number of live rows, against the same kernel compiled for those rows.
 
 In the interpreter with uninitialised memory read as NaN (so an output the grid did not write, read by mistake,
 shows), three row blocks and a ragged vocabulary, no live row and a partial second block: the log-sum-exp
-statistics (with the entropy) merge to the full grid's within float32 rounding (the split boundaries differ), the
-rest of the rows are an empty split's (``lse = -inf``); kept logits rebuild the same logits. The kernel on the
+statistics (with the entropy) merge to the full grid's within float32 rounding (the split boundaries differ: one
+split there, two here), the rest of the rows are an empty split's (``lse = -inf``); kept logits rebuild the same
+logits (one kernel run per row count, with the entropy and kept tiles, serves both checks). The kernel on the
 grid, and the backend's passes around it, also lower to Mosaic GPU for CUDA (``jax.export`` on the CPU) with a
 traced row count.
 """
@@ -21,12 +22,13 @@ from gmpo_jax.kernels import _lm_head_pipeline as P
 from gmpo_jax.kernels._compat import _interpret_params_cls
 from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
-R, H, V = 384, 64, 600  # three CTA row blocks of 128 rows; 5 tiles of 128 columns, the last ragged
+R, H, V = 384, 64, 300  # three CTA row blocks of 128 rows; 3 tiles of 128 columns, the last ragged (44)
 CFG = P.LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)
 NAN_MEMORY = _interpret_params_cls()(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
 N_ROWS = [0, 129]  # none; a partial block past the first (two of three blocks live)
 LIVE = 256  # rows of the blocks that hold the first 129: the full grid runs on these only
-SMS = 4  # a small GPU: prefixes of one, two and three blocks take 3, 2 and 3 splits
+SAVE = 2  # kept logits tiles (of 3)
+SMS = 4  # a small GPU: prefixes of one, two and three blocks take 3, 2 and 1 splits: a grid of 4 CTAs
 
 
 def _inputs(seed=0):
@@ -49,28 +51,35 @@ def test_grid_deals_every_live_block_and_split_once():
     assert set(fixed.splits) == {19} and set(fixed.tiles) == {32}
 
 
-def test_interpret_lse_on_a_row_prefix():
+@pytest.fixture(scope="module")
+def runs():
+    """The kernel's outputs (the statistics with the entropy's, then ``SAVE`` kept tiles) on the full grid of the
+    first ``LIVE`` rows, and per row count of ``N_ROWS`` on the row-prefix grid (one compiled kernel); the two tests
+    below read one run each of a count."""
     h, w, ids, scale = _inputs(1)
-    kw = dict(weight_layout="hv", vocab_size=V, cfg=CFG, with_entropy=True, interpret=NAN_MEMORY)
-    full = lm_head_merge_splits(*lm_head_lse_partials(h[:LIVE], w, None, ids[:LIVE], scale[:LIVE], num_splits=2, **kw))
+    kw = dict(weight_layout="hv", vocab_size=V, cfg=CFG, with_entropy=True, save_tiles=SAVE, interpret=NAN_MEMORY)
+    full = lm_head_lse_partials(h[:LIVE], w, None, ids[:LIVE], scale[:LIVE], num_splits=1, **kw)
     grid = P.RowPrefixGrid.balanced(128, R // 128, C.cdiv(V, 128), SMS, min_tiles=1)
-    run = jax.jit(lambda n: lm_head_merge_splits(*lm_head_lse_partials(h, w, None, ids, scale, num_splits=0,
-                                                                         row_grid=grid, n_rows=n, **kw)))  # fmt: skip
+    assert grid.splits == (3, 3, 2, 1) and grid.num_ctas == 4  # 129 rows: two splits, of tiles 0-1 and 2
+    run = jax.jit(lambda n: lm_head_lse_partials(h, w, None, ids, scale, num_splits=0, row_grid=grid, n_rows=n, **kw))
+    return full, {n: run(jnp.int32(n)) for n in N_ROWS}
+
+
+def test_interpret_lse_on_a_row_prefix(runs):
+    full, got = runs
+    full = lm_head_merge_splits(*full[:-2])
     for n in N_ROWS:
-        got = run(jnp.int32(n))
+        stats = lm_head_merge_splits(*got[n][:-2])
         live = C.cdiv(n, 128) * 128
         assert live <= LIVE
-        for x, y in zip(got, full):
+        for x, y in zip(stats, full):
             np.testing.assert_allclose(np.asarray(x)[:live], np.asarray(y)[:live], rtol=2e-6, atol=2e-6)
-        assert np.all(np.asarray(got[1])[live:] == -np.inf)
+        assert np.all(np.asarray(stats[1])[live:] == -np.inf)
 
 
-def test_interpret_kept_logits_on_a_row_prefix():
+def test_interpret_kept_logits_on_a_row_prefix(runs):
     """Kept tiles are relative to the split's running maximum (``d = z2 - m``), so other split boundaries give
     other ``d`` and ``m``; the logits they rebuild (``d + m``) agree to float16's precision of ``d``."""
-    h, w, ids, scale = _inputs(2)
-    kw = dict(weight_layout="hv", vocab_size=V, cfg=CFG, save_tiles=4, interpret=NAN_MEMORY)
-    grid = P.RowPrefixGrid.balanced(128, R // 128, C.cdiv(V, 128), SMS, min_tiles=1)
     n = 129
     live = C.cdiv(n, 128) * 128
 
@@ -78,10 +87,9 @@ def test_interpret_kept_logits_on_a_row_prefix():
         d, m = np.asarray(d, np.float64)[:live], np.asarray(m, np.float64)[:, :live]
         return d + np.repeat(m.T, 128, axis=1), np.abs(d)
 
-    full, d_full = rebuilt(*lm_head_lse_partials(h[:LIVE], w, None, ids[:LIVE], scale[:LIVE], num_splits=2, **kw)[-2:])
-    got, d_got = rebuilt(
-        *lm_head_lse_partials(h, w, None, ids, scale, num_splits=0, row_grid=grid, n_rows=jnp.int32(n), **kw)[-2:]
-    )
+    full, d_full = rebuilt(*runs[0][-2:])
+    got, d_got = rebuilt(*runs[1][n][-2:])
+    assert got.shape == (live, SAVE * 128)
     assert np.all(np.abs(got - full) <= (d_full + d_got) * 2.0**-11 + 1e-6 * (1 + np.abs(full)))
 
 
