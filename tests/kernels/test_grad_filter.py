@@ -123,30 +123,29 @@ def _prefixes(kept, tail=None):
 @pytest.mark.parametrize(
     "R, layout, with_bias, tau, t, tail, keep, prefixes",
     [
-        pytest.param(256, "hv", True, 0.02, 1.0, None, 8, (256, 128, 128, 0), id="hv-bias-keep-all-two-prefixes"),
-        pytest.param(256, "vh", True, 0.01, 0.8, 256, 5, (256, 128), id="vh-bias-t0.8-tail256-keep5-two-prefixes"),
-        pytest.param(120, "hv", False, 0.02, 1.0, None, 3, (128, 128, 128, 0), id="hv-keep3-straddles-120-rows"),
-        pytest.param(128, "hv", False, 0.0, 1.0, None, None, (128, 128, 128, 128), id="hv-tau0-recomputed"),
+        pytest.param(256, "vh", True, 0.02, 1.0, 512, 5, (256, 128, 128), id="vh-bias-tail512-keep5-two-prefixes"),
+        pytest.param(120, "hv", False, 0.0, 0.8, None, 3, (128, 128, 128, 128), id="hv-tau0-t0.8-keep3-120-rows"),
+        pytest.param(128, "hv", True, 0.01, 0.8, None, 8, (128, 128, 0, 0), id="hv-bias-t0.8-keep-all"),
     ],
 )
 def test_filtered_gradient_against_float64(one_sm, R, layout, with_bias, tau, t, tail, keep, prefixes):
     """Each case runs the branches it names (``prefixes``: the row prefix each head window, then the tail, runs on,
-    checked first; 0: skipped). ``keep``: that many of the 8 logits tiles (128 columns) kept by the forward, the
-    kept windows' dz read from them, the others recomputed; None: nothing kept (``logprobs``, ``saved=None``).
+    checked first; 0: skipped). ``keep``: that many of the 8 logits tiles (128 columns) kept by the forward
+    (``logprobs_for_grads``), the kept windows' dz read from them, the others recomputed by the gradient kernel.
 
-    * ``hv-bias-keep-all-two-prefixes``: 256 rows, so the prefixes are 128 and 256 rows (``_filter_sizes``): window 0
-      in place, windows 1-2 on their rows gathered into a 128-row prefix, all three read from the kept tiles (at those
-      rows); the last, partial window (the tail) skipped (no live row).
-    * ``vh-bias-t0.8-tail256-keep5-two-prefixes``: the weight ``[V, H]``, a bias, temperature 0.8; the tail from
-      window 1 (windows 1-3, run in one step, on its rows gathered into a 128-row prefix): its tiles 2-4 read from
-      the kept logits, 5-7 recomputed.
-    * ``hv-keep3-straddles-120-rows``: window 0 read from the kept tiles, window 1 straddles the kept range (tile 2
-      of 2-3): recomputed, as window 2; the tail skipped; 8 padding rows in the row block (no mass, no cotangent).
-    * ``hv-tau0-recomputed``: ``tau = 0`` keeps every window with any mass: the exact gradient; nothing kept, every
-      window recomputed.
+    * ``vh-bias-tail512-keep5-two-prefixes``: the weight ``[V, H]``, a bias; 256 rows, so the prefixes are 128 and
+      256 rows (``_filter_sizes``): window 0 in place, window 1 on its rows gathered into a 128-row prefix, both read
+      from the kept tiles (at those rows); the tail from window 2 (windows 2-3, run in one step, on its rows
+      gathered): its tile 4 read from the kept logits, 5-7 recomputed.
+    * ``hv-tau0-t0.8-keep3-120-rows``: ``tau = 0`` keeps every window with any mass: the exact gradient;
+      temperature 0.8; window 0 read from the kept tiles, window 1 straddles the kept range (tile 2 of 2-3):
+      recomputed, as window 2 and the tail; 8 padding rows in the row block (no mass, no cotangent).
+    * ``hv-bias-t0.8-keep-all``: a bias, temperature 0.8, all 8 tiles kept; window 2 and the tail skipped (no live
+      row).
 
     The cases of one row block have one prefix (``GRAD_FILTER_LEVELS = 1`` gives the same at any size): every window
-    runs in place, with the cotangent of its dropped rows zeroed."""
+    runs in place, with the cotangent of its dropped rows zeroed. Without kept logits (``logprobs``, ``saved=None``):
+    ``test_policy_loss_with_filter[1-recomputed]`` and ``test_grad_filter_family.py``."""
     h, w, ids, bias = _peaked(1, R, layout=layout)
     bias = bias if with_bias else None
     rng = np.random.default_rng(2)
