@@ -23,7 +23,7 @@ from conftest import assert_grad_close, rel_err
 from test_logits_loss import needs_hopper
 
 import gmpo_jax
-from gmpo_jax import tuning
+from gmpo_jax import _device, tuning
 from gmpo_jax.lm_head import vjp
 from gmpo_jax.lm_head.backend import with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
@@ -77,26 +77,38 @@ def _reference(h, w_hv, ids, dlogp, tau, t, bias=None, tail=None, correct=True):
 
 
 def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None, budget=None):
-    """The filter through the seam; ``budget``: bytes of kept logits (``logprobs_for_grads``), None: recomputed."""
+    """The filter through the seam, under one ``jax.jit``; ``budget``: bytes of kept logits (``logprobs_for_grads``),
+    None: recomputed."""
+
+    def run(h, w, b, ids, dlogp):
+        kw = {}
+        if budget is None:
+            logp, lse, mass = backend.logprobs(h, w, b, ids, t, weight_layout=layout, with_window_mass=True)
+        else:
+            logp, lse, saved, mass = backend.logprobs_for_grads(
+                h, w, b, ids, t, weight_layout=layout, budget_bytes=budget, with_window_mass=True
+            )
+            assert saved is not None and saved.m.shape[0] == backend.save_plan(
+                rows=h.shape[0], H=H, V=V, budget_bytes=budget
+            )
+            kw["saved"] = saved
+        grads = backend.grads(
+            h, w, b, ids, dlogp, lse, t, weight_layout=layout, dw_acc=None,
+            db_acc=None if b is None else jnp.zeros((V,), jnp.float32), window_mass=mass, **kw,
+        )  # fmt: skip
+        return mass, grads
+
     b = None if bias is None else jnp.asarray(bias)
-    args = jnp.asarray(h), jnp.asarray(w), b, jnp.asarray(ids), t
-    kw = {}
-    if budget is None:
-        logp, lse, mass = backend.logprobs(*args, weight_layout=layout, with_window_mass=True)
-    else:
-        logp, lse, saved, mass = backend.logprobs_for_grads(
-            *args, weight_layout=layout, budget_bytes=budget, with_window_mass=True
-        )
-        assert saved is not None and saved.m.shape[0] == backend.save_plan(
-            rows=h.shape[0], H=H, V=V, budget_bytes=budget
-        )
-        kw["saved"] = saved
-    grads = backend.grads(
-        jnp.asarray(h), jnp.asarray(w), b, jnp.asarray(ids), jnp.asarray(dlogp), lse, t,
-        weight_layout=layout, dw_acc=None, db_acc=None if b is None else jnp.zeros((V,), jnp.float32),
-        window_mass=mass, **kw,
-    )  # fmt: skip
-    return mass, grads
+    return jax.jit(run)(jnp.asarray(h), jnp.asarray(w), b, jnp.asarray(ids), jnp.asarray(dlogp))
+
+
+@pytest.fixture
+def one_sm(monkeypatch):
+    """The interpreter as a GPU of one SM (``_device.DEFAULT_SMS``): the kernels that size their vocabulary splits to
+    the SM count (the gradient kernel, the exact forward) take one per row block, a fraction of the interpreter's
+    CTAs (its time goes by CTA). The filter's forward keeps its one split per window; several splits of those
+    kernels: ``test_kernels.py``."""
+    monkeypatch.setattr(_device, "DEFAULT_SMS", 1)
 
 
 def _prefixes(kept, tail=None):
@@ -111,30 +123,29 @@ def _prefixes(kept, tail=None):
 @pytest.mark.parametrize(
     "R, layout, with_bias, tau, t, tail, keep, prefixes",
     [
-        pytest.param(256, "hv", True, 0.02, 1.0, None, 8, (256, 128, 128, 0), id="hv-bias-keep-all-two-prefixes"),
-        pytest.param(256, "vh", True, 0.01, 0.8, 256, 5, (256, 128), id="vh-bias-t0.8-tail256-keep5-two-prefixes"),
-        pytest.param(128, "hv", False, 0.02, 1.0, None, 3, (128, 128, 128, 0), id="hv-keep3-straddles"),
-        pytest.param(128, "hv", False, 0.0, 1.0, None, None, (128, 128, 128, 128), id="hv-tau0-recomputed"),
+        pytest.param(256, "vh", True, 0.02, 1.0, 512, 5, (256, 128, 128), id="vh-bias-tail512-keep5-two-prefixes"),
+        pytest.param(120, "hv", False, 0.0, 0.8, None, 3, (128, 128, 128, 128), id="hv-tau0-t0.8-keep3-120-rows"),
+        pytest.param(128, "hv", True, 0.01, 0.8, None, 8, (128, 128, 0, 0), id="hv-bias-t0.8-keep-all"),
     ],
 )
-def test_filtered_gradient_against_float64(R, layout, with_bias, tau, t, tail, keep, prefixes):
+def test_filtered_gradient_against_float64(one_sm, R, layout, with_bias, tau, t, tail, keep, prefixes):
     """Each case runs the branches it names (``prefixes``: the row prefix each head window, then the tail, runs on,
-    checked first; 0: skipped). ``keep``: that many of the 8 logits tiles (128 columns) kept by the forward, the
-    kept windows' dz read from them, the others recomputed; None: nothing kept (``logprobs``, ``saved=None``).
+    checked first; 0: skipped). ``keep``: that many of the 8 logits tiles (128 columns) kept by the forward
+    (``logprobs_for_grads``), the kept windows' dz read from them, the others recomputed by the gradient kernel.
 
-    * ``hv-bias-keep-all-two-prefixes``: 256 rows, so the prefixes are 128 and 256 rows (``_filter_sizes``): window 0
-      in place, windows 1-2 on their rows gathered into a 128-row prefix, all three read from the kept tiles (at those
-      rows); the last, partial window (the tail) skipped (no live row).
-    * ``vh-bias-t0.8-tail256-keep5-two-prefixes``: the weight ``[V, H]``, a bias, temperature 0.8; the tail from
-      window 1 (windows 1-3, run in one step, on its rows gathered into a 128-row prefix): its tiles 2-4 read from
-      the kept logits, 5-7 recomputed.
-    * ``hv-keep3-straddles``: window 0 read from the kept tiles, window 1 straddles the kept range (tile 2 of 2-3):
-      recomputed, as window 2; the tail skipped.
-    * ``hv-tau0-recomputed``: ``tau = 0`` keeps every window with any mass: the exact gradient; nothing kept, every
-      window recomputed.
+    * ``vh-bias-tail512-keep5-two-prefixes``: the weight ``[V, H]``, a bias; 256 rows, so the prefixes are 128 and
+      256 rows (``_filter_sizes``): window 0 in place, window 1 on its rows gathered into a 128-row prefix, both read
+      from the kept tiles (at those rows); the tail from window 2 (windows 2-3, run in one step, on its rows
+      gathered): its tile 4 read from the kept logits, 5-7 recomputed.
+    * ``hv-tau0-t0.8-keep3-120-rows``: ``tau = 0`` keeps every window with any mass: the exact gradient;
+      temperature 0.8; window 0 read from the kept tiles, window 1 straddles the kept range (tile 2 of 2-3):
+      recomputed, as window 2 and the tail; 8 padding rows in the row block (no mass, no cotangent).
+    * ``hv-bias-t0.8-keep-all``: a bias, temperature 0.8, all 8 tiles kept; window 2 and the tail skipped (no live
+      row).
 
-    The 128-row cases have one prefix (``GRAD_FILTER_LEVELS = 1`` gives the same at any size): every window runs
-    in place, with the cotangent of its dropped rows zeroed."""
+    The cases of one row block have one prefix (``GRAD_FILTER_LEVELS = 1`` gives the same at any size): every window
+    runs in place, with the cotangent of its dropped rows zeroed. Without kept logits (``logprobs``, ``saved=None``):
+    ``test_policy_loss_with_filter[1-recomputed]`` and ``test_grad_filter_family.py``."""
     h, w, ids, bias = _peaked(1, R, layout=layout)
     bias = bias if with_bias else None
     rng = np.random.default_rng(2)
@@ -198,15 +209,17 @@ def batch():
 
 
 def _grads(batch, impl, grad_filter):
+    """``(loss, aux, (dh, dW))`` of the fused loss, under one ``jax.jit``."""
     h, w, ids, mask, adv = batch
-    (loss, aux), g = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)(h, w, ids, mask, adv, impl, grad_filter)
+    f = lambda h, w, ids, mask, adv: _loss(h, w, ids, mask, adv, impl, grad_filter)  # noqa: E731
+    (loss, aux), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w, ids, mask, jnp.asarray(adv))
     return loss, aux, g
 
 
 @pytest.mark.parametrize(
     "row_buckets, keep, seqs", [(1, False, [0, 2]), (4, True, [0, 1, 2, 3])], ids=["1-recomputed", "4-kept"]
 )
-def test_policy_loss_with_filter(batch, row_buckets, keep, seqs):
+def test_policy_loss_with_filter(one_sm, batch, row_buckets, keep, seqs):
     """Through the fused loss (both chunk paths, with and without kept logits): the loss and metrics are the exact
     path's; at ``tau = 0`` (the kept-logits case; the seam's ``tau = 0`` case covers the other) the gradients are;
     at ``tau = 0.02`` they differ but stay within the documented bound. (Bitwise reruns: the GPU test below; the
