@@ -71,7 +71,7 @@ def filtered():
     h = np.zeros((n * R, n * H), hs[0].dtype)
     for k, x in enumerate(hs):
         h[k * R : (k + 1) * R, k * H : (k + 1) * H] = x
-    dh, dw = _filtered(h, np.concatenate(ws, axis=0), np.concatenate(ids), np.concatenate(cs))
+    dh, dw = _f64(_filtered_grads, h, np.concatenate(ws, axis=0), np.concatenate(ids), np.concatenate(cs))
     return {m: (dh[k * R : (k + 1) * R, k * H : (k + 1) * H], dw[k * H : (k + 1) * H]) for k, m in enumerate(MEMBERS)}
 
 
@@ -87,7 +87,7 @@ def member(request, filtered):
     dz = (c.astype(f64) / TEMP)[:, None] * (onehot - p)
     off = (p * (1 - onehot)).reshape(B * T, V // WINDOW, WINDOW).sum(-1)
     ref = dz @ w.astype(f64).T, h.astype(f64).T @ dz
-    return request.param, h, w, ids, c, off, ref, _exact(h, w, ids, c), filtered[request.param]
+    return request.param, h, w, ids, c, off, ref, _f64(_exact_grads, h, w, ids, c), filtered[request.param]
 
 
 @jax.jit
@@ -105,15 +105,10 @@ def _filtered_grads(h, w, ids, c):
     return be.grads(h, w, None, ids, c, lse, TEMP, weight_layout="hv", dw_acc=None, db_acc=None, window_mass=mass)[:2]
 
 
-def _exact(h, w, ids, c):
-    """The exact gradients ``(dh, dW)`` (float64 arrays of the bf16 results) on ``xla_chunked`` (module docstring)."""
-    return tuple(np.asarray(x, f64) for x in _exact_grads(*(jnp.asarray(x) for x in (h, w, ids, c))))
-
-
-def _filtered(h, w, ids, c):
-    """The filtered gradients ``(dh, dW)`` (float64 arrays of the bf16 results) on the Mosaic kernels in the
-    interpreter."""
-    return tuple(np.asarray(x, f64) for x in _filtered_grads(*(jnp.asarray(x) for x in (h, w, ids, c))))
+def _f64(grads, h, w, ids, c):
+    """``(dh, dW)`` of ``grads`` (``_exact_grads``: ``xla_chunked``, the module docstring; ``_filtered_grads``: the
+    Mosaic kernels in the interpreter) as float64 arrays of the bf16 results."""
+    return tuple(np.asarray(x, f64) for x in grads(*(jnp.asarray(x) for x in (h, w, ids, c))))
 
 
 def test_filter_error_within_1_5x_of_the_exact_path(member):

@@ -52,8 +52,10 @@ def _logp_tol(precision, hidden, weight, layout):
     return 4 * per * s + LOGP_TOL
 
 
-def _case(seed, layout="hv", with_bias=False, dtype=np.float32):
-    return make_case(seed, B=B, T=T, H=H, V=V, dtype=dtype, layout=layout, with_bias=with_bias, logit_scale=3.0)
+def _case(seed, layout="hv", with_bias=False, dtype=np.float32, **shape):
+    """``shape``: overrides of the module's ``B, T, H, V``."""
+    shape = dict(B=B, T=T, H=H, V=V) | shape
+    return make_case(seed, **shape, dtype=dtype, layout=layout, with_bias=with_bias, logit_scale=3.0)
 
 
 def _grads(case, obj, implementation, precision, softcap=None, chunk_size=None, **shaping):
@@ -243,7 +245,7 @@ def test_bf16_inputs_float32_dz():
     rounding: the bfloat16 gradients come back within bfloat16's own rounding of float64 (relative 2**-8), and
     closer than the default path's."""
     # two chunks of one sequence; one vocabulary tile (one CTA per kernel: the accumulation is over the chunks)
-    case = make_case(21, B=2, T=T, H=H, V=120, dtype=jnp.bfloat16, logit_scale=3.0)
+    case = _case(21, dtype=jnp.bfloat16, B=2, V=120)
     obj = Obj("grpo")
     want = _spec(case, obj)
     be = MosaicGpuBackend(interpret=True)

@@ -268,7 +268,7 @@ def test_mosaic_lm_head_kernel_interpret(V, margin, pos, at_zero):
 
 @jax.jit  # one compiled program per shape (see _logits_aux)
 def _vocab_parallel(h, shards, ids):
-    n, _, Vn = shards.shape
+    Vn = shards.shape[-1]
     be = VocabParallelBackend(XlaChunkedBackend(), ("model",), Vn)
 
     def local(ws):
