@@ -14,6 +14,8 @@ than that tolerance, so a filter that drops nothing (or everything) fails.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -27,7 +29,7 @@ from gmpo_jax import _device, tuning
 from gmpo_jax.lm_head import vjp
 from gmpo_jax.lm_head.backend import with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
-from gmpo_jax.lm_head.mosaic_gpu.grad_filter import _filter_sizes
+from gmpo_jax.lm_head.mosaic_gpu.grad_filter import _dropped_mass, _filter_live, _filter_sizes
 from gmpo_jax.objectives import PolicyInputs, evaluate
 
 H, V, WINDOW = 64, 1000, 256  # four windows, the last one 232 columns
@@ -187,6 +189,33 @@ def test_filter_prefix_sizes(monkeypatch):
     assert _filter_sizes(256) == (128, 256) and _filter_sizes(128) == (128,) and _filter_sizes(1024)[0] == 128
     monkeypatch.setattr(tuning, "GRAD_FILTER_LEVELS", 1)
     assert _filter_sizes(256) == (256,) and _filter_sizes(1024) == (1024,)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["loss", "entropy-term"])
+def test_kept_blocks_follow_the_rule(with_entropy):
+    """``plan``'s ``live`` (``[n_windows, Rp]``) and ``_dropped_mass`` against the rule in NumPy, bit for bit: a row
+    is kept in a window when it has a cotangent and the window's mass off its target exceeds ``tau`` or holds its
+    target; a row with an entropy term's cotangent in every window; the tail windows (from ``n_head`` on) all where
+    any one is. The seam tests above cannot see a change of the tail rule in ``dh``: a dropped tail window moves
+    it by ``c_r D_rk (mean_k(W) - W_v)``, within their tolerance."""
+    rng = np.random.default_rng(7)
+    Rp, n_w, n_head, tau = 64, 6, 3, 1e-3
+    mass = (10.0 ** rng.uniform(-5, -1, (Rp, n_w))).astype(np.float32)
+    ids = rng.integers(0, n_w * WINDOW, Rp).astype(np.int32)
+    coef = np.where(rng.random(Rp) < 0.25, 0.0, rng.normal(0.0, 1.0, Rp)).astype(np.float32)
+    ent = np.where(rng.random(Rp) < 0.2, 1.0, 0.0).astype(np.float32) if with_entropy else np.zeros(Rp, np.float32)
+    gp = SimpleNamespace(coef=jnp.asarray(coef), ids_p=jnp.asarray(ids), entropy=None)
+    if with_entropy:
+        gp.entropy = (jnp.asarray(ent), jnp.ones((Rp,), jnp.float32))
+    live = np.asarray(_filter_live(jnp.asarray(mass), gp, tau, WINDOW, n_head)).T  # [Rp, n_w]
+
+    own = np.arange(n_w)[None] == (ids // WINDOW)[:, None]
+    ref = ((coef != 0) | (ent != 0))[:, None] & ((mass > tau) | own | (ent != 0)[:, None])
+    ref[:, n_head:] = ref[:, n_head:].any(1, keepdims=True)
+    assert (ref[:, n_head:] != (((mass > tau) | own)[:, n_head:] & (coef != 0)[:, None])).any()  # the rule matters
+    np.testing.assert_array_equal(live, ref)
+    dropped = np.asarray(_dropped_mass(jnp.asarray(mass), jnp.asarray(live.T)))
+    np.testing.assert_array_equal(dropped, np.where(ref, 0.0, mass))
 
 
 def _loss(h, w, ids, mask, adv, impl, grad_filter):
