@@ -72,23 +72,26 @@ def iota(dtype, shape, dimension, layout, interpret):
     return plgpu.broadcasted_iota(dtype, shape, dimension, layout=layout)
 
 
-def wgmma(acc_ref, a, b, *, transpose_b=False, interpret=False):
-    """``plgpu.wgmma(acc, a, b[^T])`` on shared-memory operands."""
+def wgmma(acc_ref, a, b, *, transpose_a=False, transpose_b=False, interpret=False):
+    """``plgpu.wgmma(acc, a[^T], b[^T])`` on shared-memory operands."""
+    if transpose_a:
+        a = a.transpose((1, 0))
     if transpose_b:
         b = b.transpose((1, 0))  # plgpu.transpose_ref is deprecated on 0.11.2; the same transform on 0.10.2
     plgpu.wgmma(acc_ref, a, b)
 
 
-def needs_value_matmul(transpose_b, interpret):
+def needs_value_matmul(transposed, interpret):
     """The interpreter (0.10.2) ignores the transposed view of wgmma operands and cannot
     store into an accumulator; there a transposed product is computed from the loaded tiles with
     a float32 ``jnp.dot`` (16-bit operands, float32 accumulation: the same arithmetic)."""
-    return bool(interpret) and transpose_b
+    return bool(interpret) and transposed
 
 
-def value_matmul(a, b, *, transpose_b):
-    """``a @ b[^T]`` of two loaded 16-bit shared-memory tiles in float32 (the interpreter's wgmma, see
+def value_matmul(a, b, *, transpose_a=False, transpose_b=False):
+    """``a[^T] @ b[^T]`` of two loaded 16-bit shared-memory tiles in float32 (the interpreter's wgmma, see
     :func:`needs_value_matmul`)."""
     av = a[...].astype(jax.numpy.float32)
     bv = b[...].astype(jax.numpy.float32)
-    return jax.numpy.dot(av, bv.T if transpose_b else bv, precision=jax.lax.Precision.HIGHEST)
+    av, bv = av.T if transpose_a else av, bv.T if transpose_b else bv
+    return jax.numpy.dot(av, bv, precision=jax.lax.Precision.HIGHEST)

@@ -13,7 +13,7 @@ the logits) is the kernel's epilogue.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -83,29 +83,34 @@ class LMHeadBlocks:
 
 def logits_tile_loop(
     *,
-    hidden_ref,  # GMEM [Rp, H]
+    hidden_ref,  # GMEM [Rp, H] (with transpose_a: [H, Rp])
     weight_ref,  # GMEM [H, V] ("hv") or [V, H] ("vh")
     weight_layout: str,
-    a_smem,  # SMEM [stages, 2*bm, bk]
+    a_smem,  # SMEM [stages, 2*bm, bk] (with transpose_a: [stages, 2, bk, bm])
     b_smem,  # SMEM [stages, bk, bn] or [stages, bn, bk]
-    loaded,  # Barrier(num_arrivals=2, num_barriers=stages)
+    loaded,  # Barrier(num_arrivals=2 (3 with transpose_a), num_barriers=stages)
     consumed,  # Barrier(num_arrivals=2, num_barriers=stages)
     row0,  # first row of this CTA
     tile0,  # first vocabulary tile of this CTA
     num_tiles,  # vocabulary tiles of this CTA (traced int32)
-    k_iters: int,
+    k_iters,  # pipeline steps along the contraction (a static int, or traced int32 with one term)
     cfg: LMHeadBlocks,
     init_carry,  # () -> carry (compute warpgroups)
     epilogue,  # (tile_index, z f32[bm, bn] WGMMA layout, carry) -> carry
     finish,  # (carry) -> None
     interpret=None,
     terms: tuple[tuple[int, int], ...] = ((0, 0),),
+    transpose_a: bool = False,
 ):
     """Runs the warp-specialised logits-tile pipeline inside a 3-warpgroup kernel.
 
     ``terms``: the products summed into each logits tile, ``(i, j)`` = hidden part ``i`` times weight part
     ``j``, each part ``k_iters * block_k`` wide along the contraction, side by side in ``hidden_ref`` and
-    ``weight_ref`` (split-bfloat16 operands, :func:`split_terms`); ``((0, 0),)``: the plain product."""
+    ``weight_ref`` (split-bfloat16 operands, :func:`split_terms`); ``((0, 0),)``: the plain product.
+
+    ``transpose_a``: ``hidden_ref`` holds the left operand transposed (``[K, M]``: the contraction runs over its
+    rows, the CTA's ``2 * block_m`` "rows" are its columns ``[row0, row0 + 2 block_m)``), each warpgroup's
+    ``[block_k, block_m]`` half staged by its own bulk copy (the weight-gradient GEMM, ``lm_head_dweight``)."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
     wg = lax.axis_index("wg")
     steps = len(terms) * k_iters  # pipeline steps per vocabulary tile
@@ -130,9 +135,13 @@ def logits_tile_loop(
             def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
-            plgpu.copy_gmem_to_smem(
-                hidden_ref.at[pl.ds(row0, 2 * bm), pl.ds(hk * bk, bk)], a_smem.at[slot], loaded.at[slot]
-            )
+            if transpose_a:
+                for half in range(2):
+                    a_src = hidden_ref.at[pl.ds(hk * bk, bk), pl.ds(row0 + half * bm, bm)]
+                    plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot, half], loaded.at[slot])
+            else:
+                a_src = hidden_ref.at[pl.ds(row0, 2 * bm), pl.ds(hk * bk, bk)]
+                plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], loaded.at[slot])
             if weight_layout == "hv":
                 w_src = weight_ref.at[pl.ds(wk * bk, bk), pl.ds(n * bn, bn)]
             else:
@@ -151,6 +160,9 @@ def logits_tile_loop(
         plgpu.set_max_registers(232, action="increase")
         a_rows = pl.ds(wg * bm, bm)
 
+        def a_tile(slot):  # this warpgroup's [block_m, block_k] (transposed: [block_k, block_m]) operand
+            return a_smem.at[slot].at[wg] if transpose_a else a_smem.at[slot].at[a_rows]
+
         def tile_body(t, carry):
             transpose_b = weight_layout == "vh"
 
@@ -160,8 +172,9 @@ def logits_tile_loop(
                     plgpu.barrier_wait(loaded.at[slot])
                     wgmma(
                         acc_ref,
-                        a_smem.at[slot].at[a_rows],
+                        a_tile(slot),
                         b_smem.at[slot],
+                        transpose_a=transpose_a,
                         transpose_b=transpose_b,
                         interpret=interpret,
                     )
@@ -176,13 +189,15 @@ def logits_tile_loop(
                 def k_body(k, acc):
                     slot = rem(t * steps + k, stages)
                     plgpu.barrier_wait(loaded.at[slot])
-                    acc = acc + value_matmul(a_smem.at[slot].at[a_rows], b_smem.at[slot], transpose_b=transpose_b)
+                    acc = acc + value_matmul(
+                        a_tile(slot), b_smem.at[slot], transpose_a=transpose_a, transpose_b=transpose_b
+                    )
                     plgpu.barrier_arrive(consumed.at[slot])
                     return acc
 
                 return lax.fori_loop(0, i32(steps), k_body, jnp.zeros((bm, bn), jnp.float32))
 
-            if needs_value_matmul(transpose_b, interpret):
+            if needs_value_matmul(transpose_a or transpose_b, interpret):
                 z = value_mm()
             else:
                 z = pl.run_scoped(matmul, plgpu.ACC((bm, bn), jnp.float32))
@@ -228,6 +243,11 @@ class CtaBlock(NamedTuple):
     tile0: jax.Array  # the split's first vocabulary tile (of ``num_tiles``)
     n_tiles: jax.Array  # the split's vocabulary tiles (the last split may have fewer)
     wg: jax.Array  # this warpgroup (grid axis ``"wg"``)
+    info: Any = None  # the launch's runtime int32 vector in shared memory, ``[3, INFO_WORDS]`` (a row per warpgroup)
+
+    def word(self, i: int):
+        """Word ``i`` of the launch's runtime ``info`` vector (as this warpgroup staged it)."""
+        return self.info[self.wg, i]
 
 
 def cta_block(block_m: int, tiles_per_split: int, num_tiles: int) -> CtaBlock:
@@ -239,8 +259,10 @@ def cta_block(block_m: int, tiles_per_split: int, num_tiles: int) -> CtaBlock:
     return CtaBlock(split, row0, my_rows, tile0, jnp.minimum(tiles_per_split, num_tiles - tile0), lax.axis_index("wg"))
 
 
-# A bulk copy moves a multiple of a warpgroup's 128 threads' bytes: the row-prefix info is 32 int32 (3 used).
+# A bulk copy moves a multiple of a warpgroup's 128 threads' bytes: a launch's runtime info is 32 int32 (words 0-2:
+# RowPrefixGrid's; word CONTRACTION_WORD: the weight-gradient GEMM's contraction steps).
 INFO_WORDS = 32
+CONTRACTION_WORD = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +330,7 @@ def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem) -> tuple[CtaBloc
     row0 = block * (2 * block_m)
     tile0 = split * tps
     n_tiles = jnp.clip(num_tiles - tile0, 0, tps)
-    return CtaBlock(split, row0, row0 + wg * block_m, tile0, n_tiles, wg), block < nb
+    return CtaBlock(split, row0, row0 + wg * block_m, tile0, n_tiles, wg, info_smem), block < nb
 
 
 def launch(
@@ -327,12 +349,16 @@ def launch(
     num_tiles: int,
     row_grid: RowPrefixGrid | None = None,
     info=None,
+    transpose_a: bool = False,
     interpret=None,
 ):
     """Runs an LM-head kernel with three warpgroups (two consumers, one memory warpgroup:
     ``logits_tile_loop``) on the grid ``(num_splits, rows / (2 block_m))`` (split ``s`` walks tiles
     ``[s * tiles_per_split, ...)`` of ``num_tiles``), or, with ``row_grid`` and its ``info`` (:class:`RowPrefixGrid`),
-    on the grid that serves a runtime row prefix (``num_splits`` then ``row_grid.max_splits``).
+    on the grid that serves a runtime row prefix (``num_splits`` then ``row_grid.max_splits``). ``info`` without
+    ``row_grid``: a runtime int32 vector of ``INFO_WORDS`` staged for the body (``CtaBlock.word``) on the static grid.
+    ``transpose_a``: ``hidden`` is the left operand transposed, ``[K, M]`` (``logits_tile_loop``); the grid's rows
+    are then its ``M`` columns.
 
     ``body(h_ref, w_ref, b_ref, row_refs, out_refs, smem, cta)`` gets the references of ``hidden``, ``weight``,
     ``bias`` (None without one), the per-row inputs ``row_inputs`` and the outputs ``out_type`` (a tuple,
@@ -348,35 +374,44 @@ def launch(
     has_bias = bias is not None
     n_rows = len(row_inputs)
     dynamic = row_grid is not None
+    staged = info is not None
+    assert staged or not dynamic, "a RowPrefixGrid needs its info"
 
     def kernel(h_ref, w_ref, *refs):
         b_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
         row_refs, refs = refs[:n_rows], refs[n_rows:]
-        info_ref, refs = (refs[0], refs[1:]) if dynamic else (None, refs)
+        info_ref, refs = (refs[0], refs[1:]) if staged else (None, refs)
         outs, smem = refs[:-1], refs[-1]
-        if not dynamic:
+        if not staged:
             body(h_ref, w_ref, b_ref, row_refs, outs, smem, cta_block(bm, tiles_per_split, num_tiles))
             return
         *smem, info_smem, info_bar = smem
         wg = lax.axis_index("wg")  # each warpgroup stages its own copy of the info
         plgpu.copy_gmem_to_smem(info_ref, info_smem.at[wg], info_bar.at[wg])
         plgpu.barrier_wait(info_bar.at[wg])
+        if not dynamic:
+            cta = cta_block(bm, tiles_per_split, num_tiles)._replace(info=info_smem)
+            body(h_ref, w_ref, b_ref, row_refs, outs, tuple(smem), cta)
+            return
         cta, live = _dynamic_cta_block(bm, num_tiles, info_smem)
         pl.when(live)(lambda: body(h_ref, w_ref, b_ref, row_refs, outs, tuple(smem), cta))
 
+    a_shape = (stages, 2, bk, bm) if transpose_a else (stages, 2 * bm, bk)
     scratch = [
-        plgpu.SMEM((stages, 2 * bm, bk), dtype, transforms=transforms),
+        plgpu.SMEM(a_shape, dtype, transforms=transforms),
         plgpu.SMEM(b_shape, dtype, transforms=transforms),
         epilogue_smem,
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=3 if transpose_a else 2, num_barriers=stages),  # one per bulk copy of a stage
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
-    if dynamic:
-        assert row_grid.rows_per_cta == 2 * bm and row_grid.num_row_ctas * 2 * bm == hidden.shape[0]
+    if staged:
         scratch += [plgpu.SMEM((3, INFO_WORDS), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=3)]
+    m = hidden.shape[1] if transpose_a else hidden.shape[0]
+    if dynamic:
+        assert row_grid.rows_per_cta == 2 * bm and row_grid.num_row_ctas * 2 * bm == m
         grid = (1, row_grid.num_ctas)
     else:
-        grid = (num_splits, hidden.shape[0] // (2 * bm))
+        grid = (num_splits, m // (2 * bm))
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -388,4 +423,4 @@ def launch(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs, *((info,) if dynamic else ()))
+    return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs, *((info,) if staged else ()))

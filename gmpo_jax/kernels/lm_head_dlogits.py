@@ -95,7 +95,7 @@ def lm_head_dlogits_window(
         ids_ref, scale_ref, lse_ref, coef_ref, *ent_refs = row_refs
         dz_out, rowsum_out = outs
         a_smem, b_smem, (out_smem, sum_smem), loaded, consumed = smem
-        split, row0, my_rows, local0, n_tiles, wg = cta
+        split, row0, my_rows, local0, n_tiles, wg, _ = cta
 
         def init_carry():
             lse2_v = C.row_vector(lse_ref, my_rows, bm, interpret)

@@ -112,7 +112,7 @@ def lm_head_lse_partials(
         a_smem, b_smem, epi_smem, loaded, consumed = smem
         stat_smem, tile_smem = epi_smem if save_logits else (epi_smem, None)
         outs, saved = (outs[:n_stats], outs[n_stats:]) if save_logits else (outs, ())
-        split, row0, my_rows, tile0, n_tiles, wg = cta
+        split, row0, my_rows, tile0, n_tiles, wg, _ = cta
 
         def init_carry():
             ids_v = C.row_vector(ids_ref, my_rows, bm, interpret)

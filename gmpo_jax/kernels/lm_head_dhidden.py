@@ -1,0 +1,117 @@
+"""The LM-head hidden-gradient kernel (Hopper, Pallas Mosaic GPU): ``dh = dz W^T`` of a vocabulary window on a
+runtime row prefix.
+
+Kernel file ``lm_head_dhidden.py`` (``<input>_<stage>``, see ``_common``): reads a window's ``dz`` (written by
+``lm_head_dlogits``) and the window's weight columns, writes the window's float32 ``dh``; entry point
+:func:`lm_head_dhidden_window`. With :func:`~gmpo_jax.kernels.lm_head_dweight.lm_head_dweight_window` it replaces the
+two XLA GEMMs of the gradient pass when the live rows are a prefix of a runtime length (``tuning.ROW_PREFIX_GRADIENT``).
+
+.. math::
+   \\partial h_{r,:} = \\sum_{v \\in \\text{window}} \\partial z_{r,v}\\, W_{:,v}, \\qquad r < n_\\text{rows}.
+
+The product runs on the LM-head pipeline (``_lm_head_pipeline.logits_tile_loop``) with the roles renamed: the
+"hidden" operand is ``dz`` (``[Rp, Kw]``, the contraction over the window's ``Kw`` columns), the "weight" is the
+window's columns in the other layout (``[H, Kw]`` read as ``Kw x H`` transposed tiles, or ``[Kw, H]`` as is), and the
+"vocabulary tiles" are ``block_n``-column tiles of ``H``. The grid is a :class:`~gmpo_jax.kernels.RowPrefixGrid`: one
+compiled kernel serves every prefix length; the row blocks past it are not computed and their rows not written.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.numpy as jnp
+
+from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels import _lm_head_pipeline as P
+from gmpo_jax.kernels._compat import plgpu
+
+
+def gemm_blocks(H: int) -> P.LMHeadBlocks:
+    """Block sizes of the gradient GEMMs (``lm_head_dhidden``, ``lm_head_dweight``): 128 x ``block_n`` output tiles
+    (two warpgroups of 64 rows), ``block_n`` 128 where ``H`` allows it (else 64), a 4-deep operand ring; with the
+    float32 output tile staged per warpgroup, 192 KiB of shared memory."""
+    return P.LMHeadBlocks(block_m=64, block_n=128 if H % 128 == 0 else 64, block_k=64, num_stages=4)
+
+
+def lm_head_dhidden_window(
+    dz, weight, *, weight_layout: str, row_grid: P.RowPrefixGrid, n_rows, cfg: P.LMHeadBlocks, interpret=None
+):
+    """``dz W^T`` on the first ``n_rows`` rows: ``out[r] = sum_v dz[r, v] W[:, v]`` for the row blocks of
+    ``row_grid.rows_per_cta`` rows that hold them.
+
+    Args:
+      dz: ``[Rp, Kw]`` bf16/f16, ``Kw`` a multiple of ``cfg.block_k`` (a window's columns, zero past the
+        vocabulary), ``Rp = row_grid.num_row_ctas * row_grid.rows_per_cta``.
+      weight: the window's columns, ``[H, Kw]`` (``weight_layout="hv"``) or ``[Kw, H]`` (``"vh"``), same dtype, ``H``
+        a multiple of ``cfg.block_n``.
+      row_grid: a :class:`~gmpo_jax.kernels.RowPrefixGrid` of ``Rp`` rows in blocks of ``2 * cfg.block_m`` over the
+        ``H / cfg.block_n`` output tiles (:func:`dhidden_grid`).
+      n_rows: int32 scalar (traced or not), the rows with work, ``0 <= n_rows <= Rp``.
+      cfg: :func:`gemm_blocks`.
+
+    Returns:
+      ``[Rp, H]`` float32: rows ``[0, ceil(n_rows / rows_per_cta) * rows_per_cta)`` hold the product, the others are
+      not written (their contents are undefined).
+    """
+    Rp, Kw = dz.shape
+    H = weight.shape[0] if weight_layout == "hv" else weight.shape[1]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    assert Kw % bk == 0 and H % bn == 0, (dz.shape, weight.shape, cfg)
+    assert (weight.shape[1] if weight_layout == "hv" else weight.shape[0]) == Kw, (dz.shape, weight.shape)
+    gemm_layout = "vh" if weight_layout == "hv" else "hv"  # the weight as the pipeline's [N = H, K = Kw] operand
+
+    def body(a_ref, w_ref, b_ref, row_refs, outs, smem, cta):
+        del b_ref, row_refs
+        (out,) = outs
+        a_smem, b_smem, out_smem, loaded, consumed = smem
+
+        def epilogue(tile, acc, carry):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
+            out_smem[cta.wg] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn, bn)])
+            return carry
+
+        P.logits_tile_loop(
+            hidden_ref=a_ref,
+            weight_ref=w_ref,
+            weight_layout=gemm_layout,
+            a_smem=a_smem,
+            b_smem=b_smem,
+            loaded=loaded,
+            consumed=consumed,
+            row0=cta.row0,
+            tile0=cta.tile0,
+            num_tiles=cta.n_tiles,
+            k_iters=Kw // bk,
+            cfg=cfg,
+            init_carry=lambda: (),
+            epilogue=epilogue,
+            finish=lambda carry: plgpu.wait_smem_to_gmem(0),
+            interpret=interpret,
+        )
+
+    return P.launch(
+        body,
+        hidden=dz,
+        weight=weight,
+        bias=None,
+        row_inputs=(),
+        out_type=jax.ShapeDtypeStruct((Rp, H), jnp.float32),
+        epilogue_smem=plgpu.SMEM((2, bm, bn), jnp.float32, transforms=C.smem_transforms(4)),
+        weight_layout=gemm_layout,
+        cfg=cfg,
+        num_splits=row_grid.max_splits,
+        tiles_per_split=0,
+        num_tiles=H // bn,
+        row_grid=row_grid,
+        info=row_grid.info(n_rows),
+        interpret=interpret,
+    )
+
+
+def dhidden_grid(Rp: int, H: int, cfg: P.LMHeadBlocks, num_sms: int) -> P.RowPrefixGrid:
+    """The :class:`~gmpo_jax.kernels.RowPrefixGrid` of :func:`lm_head_dhidden_window` for ``Rp`` rows: per prefix
+    length as many splits of the ``H / block_n`` output tiles as fill the GPU (one tile per split at least)."""
+    return P.RowPrefixGrid.balanced(cfg.rows_per_cta, Rp // cfg.rows_per_cta, H // cfg.block_n, num_sms, min_tiles=1)

@@ -1,0 +1,106 @@
+"""The LM-head weight-gradient kernel (Hopper, Pallas Mosaic GPU): ``dW = h^T dz`` of a vocabulary window over a
+runtime number of rows.
+
+Kernel file ``lm_head_dweight.py`` (``<input>_<stage>``, see ``_common``): reads the hidden states and a window's
+``dz`` (``lm_head_dlogits``), writes the window's weight-gradient block; entry point :func:`lm_head_dweight_window`.
+With :func:`~gmpo_jax.kernels.lm_head_dhidden.lm_head_dhidden_window` it replaces the two XLA GEMMs of the gradient
+pass when the live rows are a prefix of a runtime length (``tuning.ROW_PREFIX_GRADIENT``).
+
+.. math::
+   \\partial W_{:,v} = \\sum_{r < K} h_{r,:}\\, \\partial z_{r,v}, \\qquad
+   K = \\lceil n_\\text{rows} / \\text{block\\_k} \\rceil\\, \\text{block\\_k}.
+
+One kernel for both layouts: ``out[M, N] = lhs[:K]^T rhs[:K]`` with ``(lhs, rhs) = (h, dz)`` for a ``[H, V]`` weight
+(the block ``[H, Kw]``) and ``(dz, h)`` for a ``[V, H]`` one (``[Kw, H]``). It runs on the LM-head pipeline
+(``_lm_head_pipeline.logits_tile_loop``) with a transposed left operand: the CTA's "rows" are ``2 * block_m`` columns
+of ``lhs``, its "vocabulary tiles" ``block_n``-column tiles of ``rhs``, and the contraction is over the first ``K``
+rows of both, ``K`` read at run time (``CtaBlock.word``), so one compiled kernel serves every number of rows. The
+rows from ``n_rows`` to ``K`` must hold finite values whose products vanish (``dz`` rows of zero cotangent, as the
+dlogits kernel writes them on the same prefix); rows past ``K`` are not read.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.numpy as jnp
+
+from gmpo_jax.kernels import _common as C
+from gmpo_jax.kernels import _lm_head_pipeline as P
+from gmpo_jax.kernels._compat import plgpu
+
+
+def lm_head_dweight_window(lhs, rhs, *, n_rows, cfg: P.LMHeadBlocks, num_sms: int, out_dtype, interpret=None):
+    """``lhs[:K]^T rhs[:K]``, ``K`` = ``n_rows`` rounded up to ``cfg.block_k`` (the module docstring).
+
+    Args:
+      lhs: ``[Rp, M]`` bf16/f16, ``M`` a multiple of ``2 * cfg.block_m``.
+      rhs: ``[Rp, N]``, same dtype, ``N`` a multiple of ``cfg.block_n``.
+      n_rows: int32 scalar (traced or not), ``0 <= n_rows <= Rp``, ``Rp`` a multiple of ``cfg.block_k``.
+      cfg: ``lm_head_dhidden.gemm_blocks``.
+      num_sms: the device's SM count (the grid's splits of the ``N / block_n`` output tiles).
+      out_dtype: the result's dtype (float32, or the weight's 16-bit dtype: the float32 sums rounded once).
+
+    Returns:
+      ``[M, N]`` in ``out_dtype`` (zeros when ``n_rows == 0``).
+    """
+    Rp, M = lhs.shape
+    N = rhs.shape[1]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    assert rhs.shape[0] == Rp and Rp % bk == 0 and M % (2 * bm) == 0 and N % bn == 0, (lhs.shape, rhs.shape, cfg)
+    num_tiles = N // bn
+    splits = P.lm_head_num_splits(M // (2 * bm), num_tiles, num_sms, min_tiles=1)
+    tiles_per_split = C.cdiv(num_tiles, splits)
+    out_dtype = jnp.dtype(out_dtype)
+    steps = jnp.clip(C.cdiv(jnp.asarray(n_rows, jnp.int32), bk), 0, Rp // bk)
+    info = jnp.zeros((P.INFO_WORDS,), jnp.int32).at[P.CONTRACTION_WORD].set(steps)
+
+    def body(a_ref, b_ref_, bias_ref, row_refs, outs, smem, cta):
+        del bias_ref, row_refs
+        (out,) = outs
+        a_smem, b_smem, out_smem, loaded, consumed = smem
+
+        def epilogue(tile, acc, carry):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
+            out_smem[cta.wg] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn, bn)])
+            return carry
+
+        P.logits_tile_loop(
+            hidden_ref=a_ref,
+            weight_ref=b_ref_,
+            weight_layout="hv",
+            a_smem=a_smem,
+            b_smem=b_smem,
+            loaded=loaded,
+            consumed=consumed,
+            row0=cta.row0,
+            tile0=cta.tile0,
+            num_tiles=cta.n_tiles,
+            k_iters=cta.word(P.CONTRACTION_WORD),
+            cfg=cfg,
+            init_carry=lambda: (),
+            epilogue=epilogue,
+            finish=lambda carry: plgpu.wait_smem_to_gmem(0),
+            interpret=interpret,
+            transpose_a=True,
+        )
+
+    return P.launch(
+        body,
+        hidden=lhs,
+        weight=rhs,
+        bias=None,
+        row_inputs=(),
+        out_type=jax.ShapeDtypeStruct((M, N), out_dtype),
+        epilogue_smem=plgpu.SMEM((2, bm, bn), out_dtype, transforms=C.smem_transforms(out_dtype.itemsize)),
+        weight_layout="hv",
+        cfg=cfg,
+        num_splits=splits,
+        tiles_per_split=tiles_per_split,
+        num_tiles=num_tiles,
+        info=info,
+        transpose_a=True,
+        interpret=interpret,
+    )
