@@ -53,6 +53,8 @@ def lm_head_dlogits_window(
     softcap: float | None = None,
     terms: tuple[tuple[int, int], ...] = ((0, 0),),
     dz_dtype=None,
+    row_grid: P.RowPrefixGrid | None = None,
+    n_rows=None,
     interpret=None,
 ):
     """``dz = row_coef (onehot(ids) - exp2(z * row_scale - row_lse2))`` for the vocabulary columns
@@ -75,17 +77,25 @@ def lm_head_dlogits_window(
       window_start: first column, a multiple of ``block_n``.
       terms: the split operands' products (``_lm_head_pipeline.split_terms``); ``((0, 0),)``: plain operands.
       dz_dtype: the stored ``dz``'s dtype: None (``hidden.dtype``) or float32 (twice the staging memory).
+      row_grid, n_rows: a :class:`~gmpo_jax.kernels._lm_head_pipeline.RowPrefixGrid` of ``Rp`` rows over the
+        window's tiles and the runtime number of rows with work (an int32 scalar, traced or not): only the row
+        blocks holding the first ``n_rows`` rows are computed (``num_splits`` is then ignored). Their ``dz`` rows
+        are written; the others' are not (undefined).
 
     Returns:
       ``(dz, rowsum)``: ``dz`` ``[Rp, window_tiles * block_n]`` in ``dz_dtype`` (columns past ``V`` are
-      0); ``rowsum`` ``[num_splits, Rp]`` float32, each split's sum of its stored ``dz`` entries.
+      0); ``rowsum`` ``[num_splits, Rp]`` float32, each split's sum of its stored ``dz`` entries (0 where a
+      ``row_grid`` computed nothing; ``row_grid.max_splits`` split rows).
     """
     rows = hidden.shape[0]
     bm, bn = cfg.block_m, cfg.block_n
     assert window_start % bn == 0
     first_tile = window_start // bn
-    tiles_per_split = C.cdiv(window_tiles, num_splits)
-    assert C.cdiv(window_tiles, tiles_per_split) == num_splits
+    if row_grid is not None:
+        num_splits, tiles_per_split = row_grid.max_splits, 0
+    else:
+        tiles_per_split = C.cdiv(window_tiles, num_splits)
+        assert C.cdiv(window_tiles, tiles_per_split) == num_splits
     k_iters = P.part_k_iters(hidden, weight, weight_layout, terms, cfg.block_k)
     dtype = jnp.dtype(hidden.dtype if dz_dtype is None else dz_dtype)
     has_bias = bias is not None
@@ -165,7 +175,8 @@ def lm_head_dlogits_window(
             terms=terms,
         )
 
-    return P.launch(
+    info = None if row_grid is None else row_grid.info(n_rows)
+    dz, rowsum = P.launch(
         body,
         hidden=hidden,
         weight=weight,
@@ -184,5 +195,11 @@ def lm_head_dlogits_window(
         num_splits=num_splits,
         tiles_per_split=tiles_per_split,
         num_tiles=window_tiles,
+        row_grid=row_grid,
+        info=info,
         interpret=interpret,
     )
+    if row_grid is None:
+        return dz, rowsum
+    written = row_grid.live_splits(info)[:, None] & (jnp.arange(rows) < info[0] * row_grid.rows_per_cta)[None, :]
+    return dz, jnp.where(written, rowsum, 0.0)

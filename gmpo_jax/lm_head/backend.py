@@ -99,6 +99,9 @@ class Capabilities:
         their kept logits unspecified) and serve every ``n_rows`` with one compiled program (the forward's exact
         row skipping without a program per prefix size); its ``grads`` then reads ``saved`` of more rows than it
         is given (their first rows).
+      row_prefix_grads: its ``grads`` takes ``n_rows=`` (an int32 scalar, traced: only the first ``n_rows`` rows
+        have a cotangent; the others' ``dh`` is 0) and serves every ``n_rows`` with one compiled program where it
+        can (else it runs every row: the same result).
     """
 
     keeps_logits: bool = False
@@ -107,6 +110,7 @@ class Capabilities:
     softcap: bool = False
     logits_precision: bool = False
     row_prefix: bool = False
+    row_prefix_grads: bool = False
 
 
 def capabilities(backend) -> Capabilities:
@@ -253,10 +257,14 @@ def backward(
     db_acc,
     fwd=None,
     entropy=None,
+    n_rows=None,
 ):
     """The seam's ``grads`` given what the forward kept (``fwd``, a :class:`Forward` or None): ``(dhidden, dw_acc,
-    db_acc)``; ``entropy``: ``(gamma, H)`` of an entropy term."""
+    db_acc)``; ``entropy``: ``(gamma, H)`` of an entropy term; ``n_rows``: the rows with work are the first ``n_rows``
+    (``Capabilities.row_prefix_grads``)."""
     kw = {}
+    if n_rows is not None:
+        kw["n_rows"] = n_rows
     if fwd is not None and fwd.window_mass is not None:
         kw["window_mass"] = fwd.window_mass
     if fwd is not None and fwd.saved is not None:

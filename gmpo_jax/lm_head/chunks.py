@@ -83,12 +83,15 @@ def _chunk_rows(cfg: LMHeadConfig, hidden, inputs: PolicyInputs, locate, i):
     return start, fresh, h, jnp.where(chunk.mask, chunk.ids, 0).reshape(-1), chunk
 
 
-def _backward(cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, fwd: Forward | None, entropy=None):
+def _backward(
+    cfg: LMHeadConfig, head: Head, h, ids, dlogp, lse, t, dw, db, fwd: Forward | None, entropy=None, n_rows=None
+):
     """``(dh [R, H], dw, db)`` of rows ``h``: the backend's ``grads`` into the accumulators ``dw`` / ``db``
-    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``fwd``: what :func:`_forward` kept)."""
+    (``entropy``: ``(gamma, H)`` of an entropy term, see the seam; ``fwd``: what :func:`_forward` kept; ``n_rows``:
+    only the first ``n_rows`` rows have work, :func:`_row_prefix_grads`)."""
     return backend_lib.backward(
         cfg.backend, h, head.weight, head.bias, ids, dlogp, lse, t,
-        weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, fwd=fwd, entropy=entropy,
+        weight_layout=cfg.weight_layout, dw_acc=dw, db_acc=db, fwd=fwd, entropy=entropy, n_rows=n_rows,
     )  # fmt: skip
 
 
@@ -96,6 +99,12 @@ def _row_prefix(cfg: LMHeadConfig) -> bool:
     """Whether the forward runs on a runtime row prefix with one program: the backend serves one
     (``Capabilities.row_prefix``) and ``tuning.ROW_PREFIX_FORWARD`` is on."""
     return tuning.ROW_PREFIX_FORWARD and backend_lib.capabilities(cfg.backend).row_prefix
+
+
+def _row_prefix_grads(cfg: LMHeadConfig) -> bool:
+    """Whether the backward runs on a runtime row prefix with one program: the backend serves one
+    (``Capabilities.row_prefix_grads``) and ``tuning.ROW_PREFIX_GRADIENT`` is on."""
+    return tuning.ROW_PREFIX_GRADIENT and backend_lib.capabilities(cfg.backend).row_prefix_grads
 
 
 def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:

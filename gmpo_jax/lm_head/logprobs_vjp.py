@@ -26,6 +26,7 @@ from gmpo_jax.lm_head.chunks import (
     _chunk_rows,
     _merge_rows,
     _row_prefix,
+    _row_prefix_grads,
     _scaled,
 )
 from gmpo_jax.objectives import PolicyInputs
@@ -75,11 +76,12 @@ def _scan_logprob_grads(cfg: LMHeadConfig, head: Head, inputs: PolicyInputs, lse
         dh_c, dw, db = rows.on_live_rows(
             cfg.row_buckets,
             dlogp != 0,
-            lambda hs, ids_s, dlogp_s, lse_s: _backward(
-                cfg, head, hs, ids_s, dlogp_s, lse_s, inputs.temperature, dw, db, None
+            lambda hs, ids_s, dlogp_s, lse_s, n_rows=None: _backward(
+                cfg, head, hs, ids_s, dlogp_s, lse_s, inputs.temperature, dw, db, None, n_rows=n_rows
             ),
             (h, ids, dlogp, cut(lse).reshape(-1)),
             accumulators=(dw, db),
+            row_prefix=_row_prefix_grads(cfg),
         )
         return (_merge_rows(dh, start, fresh, dh_c.reshape(c, *hidden.shape[1:])), dw, db), None
 

@@ -119,9 +119,9 @@ def on_live_rows(
 ):
     """``fn(*arrays)`` (each ``[R, ...]``) on every row when ``buckets <= 1``, else on the rows reordered live first
     (``live``: ``R`` bools in any shape), its per-row outputs scattered back (zeros elsewhere): on the static
-    prefix that holds every live row (one ``lax.switch`` branch per prefix size), or, for a forward with
-    ``row_prefix`` (a backend that serves a runtime prefix, ``Capabilities.row_prefix``), on all of them as
-    ``fn(*arrays, n_rows=number of live rows)`` (one program).
+    prefix that holds every live row (one ``lax.switch`` branch per prefix size), or, with ``row_prefix`` (a
+    backend that serves a runtime prefix: ``Capabilities.row_prefix`` for a forward, ``row_prefix_grads`` for a
+    backward), on all of them as ``fn(*arrays, n_rows=number of live rows)`` (one program).
 
     ``accumulators``: None for a forward (every output per-row); else ``fn`` returns ``(dh, *accumulators)``
     (the weight / bias gradients it accumulated into), and when no row is live they pass through unchanged."""
@@ -130,8 +130,9 @@ def on_live_rows(
     order_ = order(live)
     R = order_.perm.size
     if row_prefix:
-        assert accumulators is None, "row_prefix serves a forward (per-row outputs only)"
         out = fn(*(take(x, order_, R) for x in arrays), n_rows=order_.n_live)
+        if accumulators is not None:
+            return scatter_back(out[0], order_), *out[1:]
         return jax.tree.map(lambda x: scatter_back(x, order_), out)
 
     def run(S):

@@ -29,6 +29,7 @@ from gmpo_jax.lm_head.chunks import (
     _chunk_rows,
     _merge_rows,
     _row_prefix,
+    _row_prefix_grads,
     _scaled,
 )
 from gmpo_jax.lm_head.logprobs_vjp import fused_logprobs
@@ -183,10 +184,10 @@ def _chunk_step_skipping(
     if with_ent:  # a row with an entropy cotangent has work even where d loss / d logp is 0
         live = live | (extra[0] != 0)
 
-    def backward(hs, ids_s, dlogp_s, lse_s, *rest):
+    def backward(hs, ids_s, dlogp_s, lse_s, *rest, n_rows=None):
         mass_s, e_s = (rest[-1], rest[:-1]) if filters else (None, rest)
         fwd_s = None if mass_s is None else Forward(None, None, window_mass=mass_s)
-        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, fwd_s, tuple(e_s) or None)
+        return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, fwd_s, tuple(e_s) or None, n_rows)
 
     grads = rows.on_live_rows(
         1 if filters else buckets,  # the filter picks each vocabulary window's rows itself
@@ -194,6 +195,7 @@ def _chunk_step_skipping(
         backward,
         (h, ids, dlogp, lse, *extra) + ((mass,) if filters else ()),
         accumulators=(jnp.zeros_like(head.weight) if dw is None else dw, db),  # None: the chunk's own, any dtype
+        row_prefix=_row_prefix_grads(cfg) and not filters,
     )
     return (num, sums, *grads)
 

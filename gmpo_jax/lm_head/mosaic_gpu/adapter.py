@@ -74,8 +74,9 @@ class MosaicGpuBackend(WithHeadSettings):
     filter_tail: int = tuning.GRAD_FILTER_TAIL  # its windows from this column on are kept together
     name: str = "mosaic_gpu"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        keeps_logits=True, grad_filter=True, cancel_rounding=True, softcap=True, logits_precision=True, row_prefix=True
-    )
+        keeps_logits=True, grad_filter=True, cancel_rounding=True, softcap=True, logits_precision=True, row_prefix=True,
+        row_prefix_grads=True,
+    )  # fmt: skip
 
     def __post_init__(self):
         for name in ("filter_window", "filter_tail"):
@@ -322,6 +323,7 @@ class MosaicGpuBackend(WithHeadSettings):
         saved=None,
         entropy=None,
         window_mass=None,
+        n_rows=None,
     ):
         """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
         the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
@@ -335,7 +337,11 @@ class MosaicGpuBackend(WithHeadSettings):
         rounded once: what the caller's final cast would give, without a float32 weight-sized buffer).
 
         ``saved`` may hold more rows than ``hidden`` (kept by a forward on a row prefix, ``Capabilities.row_prefix``):
-        the first ones are read."""
+        the first ones are read.
+
+        ``n_rows`` (``Capabilities.row_prefix_grads``): only the first ``n_rows`` rows have a cotangent; recomputing the
+        logits (no ``saved``), without the filter or ``logits_precision`` and with ``H`` a multiple of 128, the pass
+        runs on that prefix with one program (``_GradPass.prefix_gemms``); otherwise on every row."""
         from gmpo_jax.kernels import _common as C
 
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
@@ -367,6 +373,7 @@ class MosaicGpuBackend(WithHeadSettings):
                 f16 = saved is None and weight.dtype == jnp.float16  # (kept logits: only ever for 16-bit results)
                 dw_acc = jnp.zeros(weight.shape, jnp.float32 if f16 else weight.dtype)
             ops = operands(hp, weight, weight_layout, self.logits_precision)
+            on_prefix = saved is None and window_mass is None and not precise and H % 128 == 0
             gp = _GradPass(
                 backend=self,
                 cfg=cfg,
@@ -382,6 +389,7 @@ class MosaicGpuBackend(WithHeadSettings):
                 lse2=jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, Rp - R)),
                 saved=saved,
                 fresh=fresh,
+                n_rows=n_rows if on_prefix else None,
                 entropy=None
                 if entropy is None
                 else tuple(jnp.pad(x.astype(jnp.float32), (0, Rp - R)) for x in (entropy[0] / t, entropy[1])),

@@ -6,7 +6,10 @@ the kept logits); ``dh += dz W^T`` and ``dW[:, window] += h^T dz`` are XLA GEMMs
 ``db += sum_rows dz``. Nothing is accumulated with atomics: bitwise deterministic. The full windows run in a
 ``lax.scan`` (each step copies its weight columns and shifts the ids), so one window's buffers are alive at a
 time and the accumulators are updated in place; the last, partial window runs after it. With the gradient
-filter, :meth:`_GradPass.filtered_windows` executes a :class:`~.grad_filter.FilterPlan`.
+filter, :meth:`_GradPass.filtered_windows` executes a :class:`~.grad_filter.FilterPlan`. On a runtime row prefix
+(``n_rows``: the rows with work are the first ``n_rows``), the dz kernel runs on a ``RowPrefixGrid`` and the two
+GEMMs are Pallas kernels that take the row count at run time (``kernels.lm_head_dhidden``, ``lm_head_dweight``):
+one program serves every number of live rows.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _GradPass:
     fresh: bool  # dW blocks are written, not accumulated (a single chunk)
     entropy: Any = None  # ([Rp] gamma / temperature, [Rp] entropy) of an entropy term, or None
     saved_rows: Any = None  # [S] the rows of ``saved`` this pass reads (``subset``), or None: all of them
+    n_rows: Any = None  # int32 scalar: only the first n_rows rows have work (the row-prefix kernels), or None
 
     @property
     def axis(self) -> int:
@@ -81,9 +85,11 @@ class _GradPass:
             rowsum = stored_rowsum(dz)  # not dz.astype(f32).sum(): XLA folds the conversions
             return dz, rowsum if exact is None else rowsum - exact
         cfg = self.cfg
-        splits = P.lm_head_num_splits(
-            self.hp.shape[0] // cfg.rows_per_cta, wt, num_sms(self.backend.interpret), min_tiles=1
-        )
+        Rp, sms = self.hp.shape[0], num_sms(self.backend.interpret)
+        splits = P.lm_head_num_splits(Rp // cfg.rows_per_cta, wt, sms, min_tiles=1)
+        grid = None
+        if self.n_rows is not None:
+            grid = P.RowPrefixGrid.balanced(cfg.rows_per_cta, Rp // cfg.rows_per_cta, wt, sms, min_tiles=1)
         dz, rowsum = lm_head_dlogits_window(
             self.ops.hidden,
             w_blk,
@@ -102,6 +108,8 @@ class _GradPass:
             softcap=self.backend.softcap,
             terms=self.ops.terms,
             dz_dtype=None if self.ops.order is None else jnp.float32,
+            row_grid=grid,
+            n_rows=self.n_rows,
             interpret=self.backend._interpret_params(),
         )
         return dz, jnp.sum(rowsum, axis=0)
@@ -120,6 +128,8 @@ class _GradPass:
             w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
             b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
         dz, rowsum = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
+        if self.n_rows is not None:
+            return self.prefix_gemms(dz, w_blk, width, rowsum)
         if dz.shape[1] != width:
             dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns
@@ -135,6 +145,32 @@ class _GradPass:
         dw_blk = _split_dot(a, b, (((0,), (0,)), ((), ())), ops.order or 0)
         db_blk = None if self.bias_p is None else jnp.sum(dz.astype(jnp.float32), axis=0)
         return dh, dw_blk, db_blk, rowsum
+
+    def prefix_gemms(self, dz, w_blk, width, rowsum):
+        """:meth:`window_grads` on the first ``n_rows`` rows by the row-prefix GEMM kernels: ``dz`` ``[Rp, Kw]`` (the
+        window's tiles, zero past ``V``), ``w_blk`` its weight columns (the partial window's fewer: zero-padded)."""
+        from gmpo_jax.kernels.lm_head_dhidden import dhidden_grid, gemm_blocks, lm_head_dhidden_window
+        from gmpo_jax.kernels.lm_head_dweight import lm_head_dweight_window
+
+        axis, (Rp, Kw), H = self.axis, dz.shape, self.hp.shape[1]
+        if w_blk.shape[axis] != Kw:
+            w_blk = jnp.pad(w_blk, [(0, Kw - w_blk.shape[axis]) if a == axis else (0, 0) for a in range(2)])
+        cfg, sms, interpret = gemm_blocks(H), num_sms(self.backend.interpret), self.backend._interpret_params()
+        live = jnp.arange(Rp) < self.n_rows  # the rows past the prefix: undefined in the kernels' outputs
+        dh = lm_head_dhidden_window(
+            dz, w_blk, weight_layout=self.layout, row_grid=dhidden_grid(Rp, H, cfg, sms), n_rows=self.n_rows,
+            cfg=cfg, interpret=interpret,
+        )  # fmt: skip
+        lhs, rhs = (self.hp, dz) if axis == 1 else (dz, self.hp)
+        dw_blk = lm_head_dweight_window(
+            lhs, rhs, n_rows=self.n_rows, cfg=cfg, num_sms=sms, out_dtype=jnp.float32, interpret=interpret
+        )
+        if Kw != width:
+            dw_blk = lax.slice_in_dim(dw_blk, 0, width, axis=axis)
+        db_blk = None
+        if self.bias_p is not None:
+            db_blk = jnp.sum(jnp.where(live[:, None], dz[:, :width].astype(jnp.float32), 0.0), axis=0)
+        return jnp.where(live[:, None], dh, 0.0), dw_blk, db_blk, rowsum
 
     def accumulate(self, dw_acc, db_acc, v0, width, dw_blk, db_blk):
         """``dW[:, window] += dw_blk`` (written once when the accumulator is fresh), ``db[window] += db_blk``."""
