@@ -169,6 +169,33 @@ def test_skipping_mosaic_interpret_row_prefix_recomputes(monkeypatch):
     _assert_same(got, want)
 
 
+def test_skipping_mosaic_interpret_one_program(monkeypatch):
+    """Forward and gradient pass each on one program for every number of live rows (``tuning.ROW_PREFIX_FORWARD``
+    and ``ROW_PREFIX_GRADIENT``: the dz kernel on a row-prefix grid, the Pallas GEMMs ``dz W^T`` and ``h^T dz`` with
+    the row count at run time), bf16 with a bias, uninitialised memory read as NaN (an undefined row read by mistake
+    shows): as without skipping. One chunk of two 128-row blocks of which only the first has live rows (75 of 256),
+    ``H = 128`` (the GEMMs' smallest hidden size), a ragged vocabulary of three tiles; the gradient GEMMs ran."""
+    from gmpo_jax import _device
+    from gmpo_jax.kernels import _compat
+    from gmpo_jax.lm_head.mosaic_gpu.grad_pass import _GradPass
+
+    monkeypatch.setattr(_device, "DEFAULT_SMS", 1)  # the fewest CTAs: the interpreter's time goes by CTA
+    nan = _compat._interpret_params_cls()(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+    monkeypatch.setattr(_compat, "interpret_params", lambda: nan)
+    calls, gemms = [], _GradPass.prefix_gemms
+    monkeypatch.setattr(_GradPass, "prefix_gemms", lambda self, *a: calls.append(1) or gemms(self, *a))
+    case = _batch(6, B=4, T=64, H=128, V=300, dtype=jnp.bfloat16, zero_adv=(1,), empty_rows=(3,))
+    assert case.mask.sum() - case.mask[1].sum() < 128
+    be = MosaicGpuBackend(interpret=True, save_logits=False)
+    want = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=1))
+    assert not calls
+    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)
+    monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", True)
+    got = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=2))
+    assert calls
+    _assert_same(got, want)
+
+
 def test_default_buckets():
     assert tuning.row_buckets(XlaChunkedBackend()) == (tuning.ROW_BUCKETS if jax.default_backend() == "gpu" else 1)
     assert tuning.row_buckets(MosaicGpuBackend(interpret=True)) == 1
@@ -209,17 +236,20 @@ def test_logprobs_skipping(entropy):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("row_prefix_forward", [False, True], ids=["per-bucket-forward", "one-forward-kernel"])
+@pytest.mark.parametrize(
+    "row_prefix", [(False, False), (True, False), (True, True)], ids=["per-bucket", "one-forward-kernel", "one-program"]
+)
 @pytest.mark.parametrize(
     "B, T, H, V, layout, chunk_size",
     [(8, 2048, 896, 151936, "hv", None), (4, 2048, 4096, 128256, "vh", None), (8, 1024, 896, 151936, "hv", 3)],
     ids=["qwen-one-chunk", "llama-kept-logits", "qwen-three-chunks"],
 )
-def test_gpu_skipping_matches_all_rows(monkeypatch, B, T, H, V, layout, chunk_size, row_prefix_forward):
-    """On the GPU at real heads: eight row buckets (the forward per prefix size, or on one kernel for every number
-    of live rows: ``tuning.ROW_PREFIX_FORWARD``) give the loss, metrics and gradients of no skipping (ragged masks,
-    zero-advantage and empty sequences)."""
-    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", row_prefix_forward)
+def test_gpu_skipping_matches_all_rows(monkeypatch, B, T, H, V, layout, chunk_size, row_prefix):
+    """On the GPU at real heads: eight row buckets (each pass per prefix size; the forward on one kernel for every
+    number of live rows: ``tuning.ROW_PREFIX_FORWARD``; and the gradient pass too: ``ROW_PREFIX_GRADIENT``) give the
+    loss, metrics and gradients of no skipping (ragged masks, zero-advantage and empty sequences)."""
+    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", row_prefix[0])
+    monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", row_prefix[1])
     rng = np.random.default_rng(7)
     mask = np.arange(T)[None] < rng.integers(T // 5, T + 1, B)[:, None]
     mask[1] = False
