@@ -131,7 +131,8 @@ def _chunk_step_skipping(
     """:func:`_chunk_step` on static prefixes of the reordered rows (``gmpo_jax.lm_head.rows``): the forward
     on the unmasked rows, the backward on the rows with a non-zero ``d loss / d logp``. With ``keep`` both
     passes share the forward's prefix (the kept logits hold those rows); with ``tuning.ROW_PREFIX_FORWARD`` the
-    forward runs once, outside the prefix switch, on that prefix's rows (``_row_prefix``)."""
+    forward runs once, outside the prefix switch, on that prefix's rows (``_row_prefix``), and with
+    ``tuning.ROW_PREFIX_GRADIENT`` too (``_row_prefix_grads``) both passes run once on the runtime prefix."""
     t, buckets = chunk.temperature, cfg.row_buckets
     with_ent = chunk.entropy_coef is not None
     prefix, filters = _row_prefix(cfg), backend_lib.filters(cfg.backend)
@@ -139,15 +140,16 @@ def _chunk_step_skipping(
         order = rows.order(chunk.mask)
         sizes = rows.prefix_sizes(ids.size, buckets)
         once = None
-        if prefix and not filters:  # one forward program, on the bucket of the unmasked rows, keeping their logits
+        one_program = prefix and not filters and _row_prefix_grads(cfg)
+        if prefix and not filters and not one_program:  # one forward program, on the unmasked rows' bucket, kept
             R = order.perm.size
             once = _forward(cfg, head, rows.take(h, order, R), rows.take(ids, order, R), t, keep=True,
                             with_entropy=with_ent, n_rows=rows.prefix_rows(order.n_live, sizes))  # fmt: skip
 
-        def run(S):
+        def run(S, n_rows=None):  # n_rows: both passes on the first n_rows of all S rows, one program
             hs, ids_s = rows.take(h, order, S), rows.take(ids, order, S)
             if once is None:
-                fwd = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent)
+                fwd = _forward(cfg, head, hs, ids_s, t, keep=True, with_entropy=with_ent, n_rows=n_rows)
             else:  # its first S rows; the backend reads the first S rows of the kept logits
                 ent_s = None if once.entropy is None else once.entropy[:S]
                 fwd = once._replace(logp=once.logp[:S], lse=once.lse[:S], entropy=ent_s)
@@ -160,8 +162,11 @@ def _chunk_step_skipping(
                 num, entropy = num + ent_num, (rows.take(gamma, order, S), fwd.entropy)
                 sums = sums.with_entropy(ent, chunk.mask)
             dlogp_s = rows.take(dlogp.reshape(-1), order, S)
-            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, fwd.lse, t, None, db, fwd, entropy)
+            dh_s, dw_, db_ = _backward(cfg, head, hs, ids_s, dlogp_s, fwd.lse, t, None, db, fwd, entropy, n_rows)
             return num, sums, rows.scatter_back(dh_s, order), dw_, db_
+
+        if one_program:
+            return run(order.perm.size, n_rows=order.n_live)
 
         def empty():
             num, sums, _ = evaluate(objective, jnp.zeros(chunk.mask.shape), chunk, denominator, with_grads=False)

@@ -169,12 +169,14 @@ def test_skipping_mosaic_interpret_row_prefix_recomputes(monkeypatch):
     _assert_same(got, want)
 
 
-def test_skipping_mosaic_interpret_one_program(monkeypatch):
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "kept-logits"])
+def test_skipping_mosaic_interpret_one_program(monkeypatch, keep):
     """Forward and gradient pass each on one program for every number of live rows (``tuning.ROW_PREFIX_FORWARD``
-    and ``ROW_PREFIX_GRADIENT``: the dz kernel on a row-prefix grid, the Pallas GEMMs ``dz W^T`` and ``h^T dz`` with
-    the row count at run time), bf16 with a bias, uninitialised memory read as NaN (an undefined row read by mistake
-    shows): as without skipping. One chunk of two 128-row blocks of which only the first has live rows (75 of 256),
-    ``H = 128`` (the GEMMs' smallest hidden size), a ragged vocabulary of three tiles; the gradient GEMMs ran."""
+    and ``ROW_PREFIX_GRADIENT``: the Pallas GEMMs ``dz W^T`` and ``h^T dz`` with the row count at run time, ``dz``
+    from the dz kernel on a row-prefix grid or from the kept logits on every row), bf16 with a bias, uninitialised
+    memory read as NaN (an undefined row read by mistake shows): as without skipping. One chunk of two 128-row
+    blocks of which only the first has live rows (75 of 256), ``H = 128`` (the GEMMs' smallest hidden size), a
+    ragged vocabulary of three tiles; the gradient GEMMs ran."""
     from gmpo_jax import _device
     from gmpo_jax.kernels import _compat
     from gmpo_jax.lm_head.mosaic_gpu.grad_pass import _GradPass
@@ -183,16 +185,22 @@ def test_skipping_mosaic_interpret_one_program(monkeypatch):
     nan = _compat._interpret_params_cls()(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
     monkeypatch.setattr(_compat, "interpret_params", lambda: nan)
     calls, gemms = [], _GradPass.prefix_gemms
-    monkeypatch.setattr(_GradPass, "prefix_gemms", lambda self, *a: calls.append(1) or gemms(self, *a))
+    monkeypatch.setattr(
+        _GradPass, "prefix_gemms", lambda self, *a: calls.append(self.saved is not None) or gemms(self, *a)
+    )
     case = _batch(6, B=4, T=64, H=128, V=300, dtype=jnp.bfloat16, zero_adv=(1,), empty_rows=(3,))
     assert case.mask.sum() - case.mask[1].sum() < 128
-    be = MosaicGpuBackend(interpret=True, save_logits=False)
+    be = (
+        MosaicGpuBackend(interpret=True, save_min_hidden=0)
+        if keep
+        else MosaicGpuBackend(interpret=True, save_logits=False)
+    )
     want = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=1))
     assert not calls
     monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)
     monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", True)
     got = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=2))
-    assert calls
+    assert calls and set(calls) == {keep}  # the GEMMs ran, on dz from the kept logits or recomputed
     _assert_same(got, want)
 
 

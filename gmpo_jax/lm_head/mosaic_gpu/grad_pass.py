@@ -170,7 +170,7 @@ class _GradPass:
         db_blk = None
         if self.bias_p is not None:
             db_blk = jnp.sum(jnp.where(live[:, None], dz[:, :width].astype(jnp.float32), 0.0), axis=0)
-        return jnp.where(live[:, None], dh, 0.0), dw_blk, db_blk, rowsum
+        return jnp.where(live[:, None], dh, 0.0), dw_blk, db_blk, jnp.where(live, rowsum, 0.0)
 
     def accumulate(self, dw_acc, db_acc, v0, width, dw_blk, db_blk):
         """``dW[:, window] += dw_blk`` (written once when the accumulator is fresh), ``db[window] += db_blk``."""
