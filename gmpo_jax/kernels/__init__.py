@@ -2,6 +2,8 @@
 
 * ``lm_head_lse.py``: log-sum-exp statistics of ``hidden @ W`` (logits recomputed with wgmma, never stored);
 * ``lm_head_dlogits.py``: ``dlogits`` of a vocabulary window of ``hidden @ W``;
+* ``lm_head_dhidden.py`` / ``lm_head_dweight.py``: the gradient GEMMs ``dz W^T`` / ``h^T dz`` of a window on a
+  runtime row prefix (``tuning.ROW_PREFIX_GRADIENT``);
 * ``logits_lse.py``: log-sum-exp statistics of logits that already exist;
 * ``logits_dlogits.py``: ``dlogits`` of logits that already exist;
 * ``logits_fused.py``: both passes over each row of existing logits, with the token loss, in one kernel;

@@ -111,7 +111,11 @@ def lm_head_dhidden_window(
     )
 
 
-def dhidden_grid(Rp: int, H: int, cfg: P.LMHeadBlocks, num_sms: int) -> P.RowPrefixGrid:
-    """The :class:`~gmpo_jax.kernels.RowPrefixGrid` of :func:`lm_head_dhidden_window` for ``Rp`` rows: per prefix
-    length as many splits of the ``H / block_n`` output tiles as fill the GPU (one tile per split at least)."""
-    return P.RowPrefixGrid.balanced(cfg.rows_per_cta, Rp // cfg.rows_per_cta, H // cfg.block_n, num_sms, min_tiles=1)
+def dhidden_grid(Rp: int, H: int, cfg: P.LMHeadBlocks) -> P.RowPrefixGrid:
+    """The :class:`~gmpo_jax.kernels.RowPrefixGrid` of :func:`lm_head_dhidden_window` for ``Rp`` rows: one CTA per
+    (row block, ``block_n`` columns of ``H``). The ``H / block_n`` CTAs of a row block are adjacent in the grid, so
+    they run together and read that block's ``dz`` from HBM once between them (L2); a CTA that looped over several
+    output tiles would stream its ``[rows_per_cta, Kw]`` ``dz`` once per tile, ``H / block_n`` times the bytes (at
+    ``Kw`` of thousands of columns, more than the GEMM's own time)."""
+    tiles = H // cfg.block_n
+    return P.RowPrefixGrid.fixed(cfg.rows_per_cta, Rp // cfg.rows_per_cta, tiles, 1)

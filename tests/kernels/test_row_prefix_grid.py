@@ -167,7 +167,7 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout):
     h = jnp.asarray(rng.standard_normal((rows, hd)), jnp.bfloat16)
     w_hv = jnp.asarray(rng.standard_normal((hd, kw)), jnp.bfloat16)
     cfg = gemm_blocks(hd)
-    grid = dhidden_grid(rows, hd, cfg, SMS)
+    grid = dhidden_grid(rows, hd, cfg)
     w = w_hv if layout == "hv" else w_hv.T
     lhs, rhs = (h, dz_w) if layout == "hv" else (dz_w, h)
 
@@ -193,7 +193,7 @@ def test_gradient_gemms_lower_for_cuda():
     S = jax.ShapeDtypeStruct
     for rows, hd, kw, layout in [(16384, 896, 8192, "hv"), (8192, 4096, 4096, "vh")]:
         cfg = gemm_blocks(hd)
-        grid = dhidden_grid(rows, hd, cfg, 132)
+        grid = dhidden_grid(rows, hd, cfg)
         dz, h, n = S((rows, kw), jnp.bfloat16), S((rows, hd), jnp.bfloat16), S((), jnp.int32)
         w = S((hd, kw) if layout == "hv" else (kw, hd), jnp.bfloat16)
 
@@ -203,3 +203,37 @@ def test_gradient_gemms_lower_for_cuda():
             return dh, lm_head_dweight_window(lhs, rhs, n_rows=n, cfg=cfg, num_sms=132, out_dtype=jnp.bfloat16)
 
         jax.export.export(jax.jit(grads), platforms=["cuda"])(dz, h, w, n)
+
+
+@pytest.mark.parametrize(
+    "B, T, H, V, layout, sites",
+    [(8, 2048, 896, 151936, "hv", 7), (4, 2048, 4096, 128256, "vh", 5)],
+    ids=["qwen-recompute", "llama-kept-logits"],
+)
+def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, sites):
+    """GMPO's value and gradient with eight row buckets, ``ROW_PREFIX_FORWARD`` and ``ROW_PREFIX_GRADIENT``, lowered
+    for CUDA at real heads: one program for every number of live rows, i.e. no conditional, no XLA GEMM (the gradient
+    GEMMs are the Pallas ones) and few Mosaic call sites (the forward, then dz, dh and dW of the full and the partial
+    vocabulary window; the kept-logits head forms dz in XLA). Per bucket it is 24 and 9 sites in 8 branches."""
+    import re
+
+    import gmpo_jax
+    from gmpo_jax import tuning
+    from gmpo_jax.lm_head import mosaic_gpu
+    from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
+
+    monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
+    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)
+    monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", True)
+
+    def loss(h, w, ids, mask, adv):
+        head = gmpo_jax.HeadOptions(weight_layout=layout, implementation=MosaicGpuBackend(row_buckets=8))
+        batch = gmpo_jax.PolicyBatch(ids, mask, adv)
+        return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=gmpo_jax.GMPO(), head=head)[0]
+
+    S = jax.ShapeDtypeStruct
+    args = (S((B, T, H), jnp.bfloat16), S((H, V) if layout == "hv" else (V, H), jnp.bfloat16),
+            S((B, T), jnp.int32), S((B, T), jnp.bool_), S((B,), jnp.float32))  # fmt: skip
+    text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"])(*args).mlir_module()
+    assert "stablehlo.case" not in text and "stablehlo.dot_general" not in text
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == sites

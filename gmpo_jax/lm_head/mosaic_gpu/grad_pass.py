@@ -158,7 +158,7 @@ class _GradPass:
         cfg, sms, interpret = gemm_blocks(H), num_sms(self.backend.interpret), self.backend._interpret_params()
         live = jnp.arange(Rp) < self.n_rows  # the rows past the prefix: undefined in the kernels' outputs
         dh = lm_head_dhidden_window(
-            dz, w_blk, weight_layout=self.layout, row_grid=dhidden_grid(Rp, H, cfg, sms), n_rows=self.n_rows,
+            dz, w_blk, weight_layout=self.layout, row_grid=dhidden_grid(Rp, H, cfg), n_rows=self.n_rows,
             cfg=cfg, interpret=interpret,
         )  # fmt: skip
         lhs, rhs = (self.hp, dz) if axis == 1 else (dz, self.hp)
