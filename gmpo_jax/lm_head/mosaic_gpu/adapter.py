@@ -390,6 +390,7 @@ class MosaicGpuBackend(WithHeadSettings):
                 lse2=jnp.pad(lse.astype(jnp.float32) * C.LOG2E, (0, Rp - R)),
                 saved=saved,
                 fresh=fresh,
+                dw_dtype=dw_acc.dtype,
                 n_rows=n_rows if on_prefix else None,
                 entropy=None
                 if entropy is None

@@ -59,6 +59,7 @@ class _GradPass:
     lse2: jax.Array  # [Rp] log-sum-exp in base 2
     saved: Any  # SavedLogits or None
     fresh: bool  # dW blocks are written, not accumulated (a single chunk)
+    dw_dtype: Any  # the weight-gradient accumulator's dtype (a fresh one's blocks are written in it)
     entropy: Any = None  # ([Rp] gamma / temperature, [Rp] entropy) of an entropy term, or None
     saved_rows: Any = None  # [S] the rows of ``saved`` this pass reads (``subset``), or None: all of them
     n_rows: Any = None  # int32 scalar: only the first n_rows rows have work (the row-prefix kernels), or None
@@ -163,8 +164,9 @@ class _GradPass:
         )  # fmt: skip
         lhs, rhs = (self.hp, dz) if axis == 1 else (dz, self.hp)
         dw_blk = lm_head_dweight_window(
-            lhs, rhs, n_rows=self.n_rows, cfg=cfg, num_sms=sms, out_dtype=jnp.float32, interpret=interpret
-        )
+            lhs, rhs, n_rows=self.n_rows, cfg=cfg, num_sms=sms, interpret=interpret,
+            out_dtype=self.dw_dtype if self.fresh else jnp.float32,  # written once: rounded once, in the kernel
+        )  # fmt: skip
         if Kw != width:
             dw_blk = lax.slice_in_dim(dw_blk, 0, width, axis=axis)
         db_blk = None
