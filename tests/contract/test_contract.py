@@ -15,8 +15,9 @@ interpreted, ``TestContractGpu`` (marked ``gpu``) reruns the same cases with the
 Hopper GPU. The kernels' code does not depend on the objective (the LM-head kernels and the three-pass
 logits kernels take per-row coefficients computed outside; the fused kernel's per-objective code is
 ``test_logits_loss.test_fused_interpret``'s), so on CPU the interpreter runs on a covering subset of the
-cases (``Contract.interpret``: each pair of dtype x layout x mask values of the kernels' cases once, the
-fused kernel on bf16 and f32, ragged and full masks); the portable paths and the GPU class run every case.
+cases (``Contract.interpret``: every pair of dtype x layout x mask values that the kernels' cases hold, the
+fused kernel's cases included, at least once; ``test_interpreted_cases_cover_every_pair`` checks it); the
+portable paths and the GPU class run every case.
 Tolerances: the one table of ``conftest.TOLERANCES`` (with its reasons); the logits of the
 logits-op cases are the LM-head case's logits rounded to the case's dtype, and its oracle is float64 on
 those rounded logits (``test_logits_loss.oracle``).
