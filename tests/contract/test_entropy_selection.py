@@ -80,8 +80,10 @@ def test_lm_head(obj, implementation):
     _check_threshold(aux, want, case)
 
 
-@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo", beta=0.04)], ids=str)
-def test_kernels_in_the_interpreter(obj):
+def test_kernels_in_the_interpreter():
+    """The LM-head kernels' entropy output selects the tokens (GMPO; the kernels see per-row coefficients
+    only, every objective runs on the portable paths above)."""
+    obj = Obj("gmpo")
     case = make_case(9, B=B, T=T, H=H, V=V, dtype=DTYPES["bfloat16"])
     want = _spec(case, obj)
     (loss, aux), grads = _lm_head(case, obj, MosaicGpuBackend(interpret=True))

@@ -466,21 +466,23 @@ def test_kernels_skip_flagged_blocks_interpret(inplace):
 
 
 @pytest.mark.parametrize(
-    "backend",
+    "backend, beta",
     [
-        INTERPRET_SKIP,
-        dataclasses.replace(INTERPRET_SKIP, fwd=INTERPRET_LEAN.fwd),
-        dataclasses.replace(INTERPRET_SKIP, inplace=True),
+        (INTERPRET_SKIP, 0.04),
+        (dataclasses.replace(INTERPRET_SKIP, fwd=INTERPRET_LEAN.fwd), 0.0),
+        (dataclasses.replace(INTERPRET_SKIP, inplace=True), 0.0),
     ],
-    ids=["pick", "lean", "inplace"],
+    ids=["pick-0.04", "lean-0.0", "inplace-0.0"],
 )
-@pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_skip_masked_rows_three_pass_interpret(backend, beta):
     """``skip_masked_rows`` on the three-pass path (GMPO) against float64 and against the same call without
     skipping (equal loss and dlogits): 4 x 50 rows of the kernels' view = four 64-row blocks, the
     second all masked (sequence 1 after 10 tokens, sequence 2 empty: not read forward or backward), the third
     and the slid-back fourth ([136, 200)) hold sequence 3, of zero advantage (read forward; without a KL term
-    its gradient is exactly 0: not read backward)."""
+    its gradient is exactly 0: not read backward). beta only changes the backward's flags (the forward reads
+    the zero-advantage blocks either way): the out-of-place backward runs with that block skipped (lean, 0.0)
+    and read (pick, 0.04), the in-place one with it skipped (zeros stored in place); the forward picks the
+    target (pick, inplace) and gathers it outside (lean)."""
     B, T, V = 4, 49, 320
     case = make_inputs(21, B=B, T=T, V=V, dtype="bfloat16", lengths=[T, 10, 0, T], adv=[0.8, -1.1, 0.5, 0.0])
     obj = Obj("gmpo", beta=beta)

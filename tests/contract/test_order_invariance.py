@@ -309,9 +309,16 @@ def test_lm_head_xla_chunked_permutation_invariant(data, obj, dtype, layout, V, 
 
 # Interpreter kernels: seconds per call, so a curated subset (fixed examples, both orders of the
 # dominant logit: first and last column of the vocabulary).
-@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo", beta=0.05)], ids=str)
-@pytest.mark.parametrize("implementation", [MOSAIC_LOGITS, MOSAIC_LOGITS_FUSED], ids=["mosaic", "mosaic_fused"])
+@pytest.mark.parametrize(
+    "implementation, obj",
+    [(MOSAIC_LOGITS, Obj("gmpo")), (MOSAIC_LOGITS_FUSED, Obj("grpo", beta=0.05))],
+    ids=["mosaic-gmpo", "mosaic_fused-grpo-beta0.05"],
+)
 def test_logits_mosaic_interpret_permutation_invariant(implementation, obj):
+    """Each backend once, each objective once. Both take the three-pass kernels here (V = 320 float32 does not
+    view as the fused kernel's slabs: ``_fused`` is False for either backend), ``MOSAIC_LOGITS`` with two
+    tiles per CTA in the backward, ``MOSAIC_LOGITS_FUSED`` with the default backward blocks; the three-pass
+    kernels take one coefficient per row, the same kernel code for every objective."""
     B, T, V = 2, 31, 320  # 64 rows (one row block of the kernels), 2.5 blocks of 128 columns
     rng = np.random.default_rng(1)
     case = _logits_case(rng, B=B, T=T, V=V, dtype=np.float32, dominant_at=np.zeros((B, T + 1), int), margin=17.0)

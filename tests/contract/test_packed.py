@@ -126,9 +126,11 @@ def test_lm_head_against_spec(obj, implementation):
     check_against_spec(loss, aux, (*grads, None), want, case, obj)
 
 
-@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo", level="sequence", beta=0.04), Obj("sapo")], ids=str)
+@pytest.mark.parametrize("obj", [Obj("gmpo"), Obj("grpo", level="sequence", beta=0.04)], ids=str)
 def test_lm_head_kernels_against_spec(obj):
-    """The Mosaic kernels (interpreter) with row skipping on: padding and zero-advantage rows skipped."""
+    """The Mosaic kernels (interpreter) with row skipping on: padding and zero-advantage rows skipped (GMPO, no
+    KL term), or padding only (the KL term keeps zero-advantage rows live). The kernels see per-row
+    coefficients only; every objective runs packed on the portable paths (``test_lm_head_against_spec``)."""
     case, seg = packed_case(10 + len(str(obj)), "bfloat16", V_LM_HEAD, layout="vh")
     want = spec_packed(case, seg, obj)
     (loss, aux), grads = lm_head_call(case, seg, obj, MosaicGpuBackend(interpret=True, row_buckets=4))
@@ -187,11 +189,12 @@ LOGITS_IMPLS = {
 
 @pytest.mark.parametrize(
     "obj,impl",
-    [(o, "xla") for o in OBJECTIVES]
-    + [(Obj("gmpo", beta=0.04), "mosaic_gpu"), (Obj("grpo"), "mosaic_gpu_fused"), (Obj("sapo"), "mosaic_gpu_fused")],
+    [(o, "xla") for o in OBJECTIVES] + [(Obj("gmpo", beta=0.04), "mosaic_gpu"), (Obj("grpo"), "mosaic_gpu_fused")],
     ids=str,
 )
 def test_logits_against_spec(obj, impl):
+    """Every objective on the portable path; the three-pass kernels (GMPO) and the fused kernel (GRPO; each
+    token-local objective's fused kernel: ``test_logits_loss.test_fused_interpret``) on the packed batch."""
     case, seg = packed_case(20 + OBJECTIVES.index(obj) if obj in OBJECTIVES else 30, "float32", V_LOGITS)
     dtype = "float32" if impl == "xla" else "bfloat16"
     logits = logits_of(case, dtype)

@@ -44,7 +44,7 @@ def _spec(case, rollout, obj: Obj, mode, *, ris=None):
     )  # fmt: skip
 
 
-def _lm_head(case, rollout, obj: Obj, mode, implementation, *, ris=None):
+def _lm_head(case, rollout, obj: Obj, mode, implementation, *, ris=None, chunk_size=2):
     def f(h, w):
         return gmpo_jax.fused_linear_policy_loss(
             h,
@@ -59,7 +59,7 @@ def _lm_head(case, rollout, obj: Obj, mode, implementation, *, ris=None):
                 rollout_is_ratio=ris,
             ),
             objective=obj.lib(rollout_is_mode=mode, rollout_is_cap=CAP),
-            head=gmpo_jax.HeadOptions(chunk_size=2, implementation=implementation),
+            head=gmpo_jax.HeadOptions(chunk_size=chunk_size, implementation=implementation),
         )
 
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
@@ -102,10 +102,11 @@ def test_on_policy_and_with_a_precomputed_ratio(obj, mode):
 def test_kernels_in_the_interpreter(obj, mode):
     """The kernels see only the cotangents: one token-level mode (masked tokens: rows the backward skips) with the
     sequence-level objective, one sequence-level mode with the token-level objective and its KL term (the mode x
-    objective grid runs on ``xla_chunked`` above)."""
+    objective grid runs on ``xla_chunked`` above). One chunk: the interpreter runs the kernels once per chunk
+    (the Mosaic kernels under the chunk scan: ``test_kernels``, ``test_row_skipping``, ``test_logits_precision``)."""
     case, rollout = _case(3, dtype="bfloat16")
     want = _spec(case, rollout, obj, mode)
-    (loss, aux), grads = _lm_head(case, rollout, obj, mode, MosaicGpuBackend(interpret=True))
+    (loss, aux), grads = _lm_head(case, rollout, obj, mode, MosaicGpuBackend(interpret=True), chunk_size=None)
     check_against_spec(loss, aux, (*grads, None), want, case, obj)
 
 
