@@ -424,3 +424,81 @@ def launch(
         interpret=interpret,
     )
     return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs, *((info,) if staged else ()))
+
+
+def tile_gemm(
+    lhs,
+    rhs,
+    *,
+    out_shape: tuple[int, int],
+    out_dtype,
+    rhs_layout: str,
+    cfg: LMHeadBlocks,
+    k_iters: int | None,
+    num_splits: int,
+    tiles_per_split: int,
+    num_tiles: int,
+    row_grid: RowPrefixGrid | None = None,
+    info=None,
+    transpose_a: bool = False,
+    interpret=None,
+):
+    """A GEMM on the LM-head pipeline (the gradient GEMMs ``lm_head_dhidden``, ``lm_head_dweight``): each CTA's
+    ``2 * block_m`` rows of ``out = lhs rhs`` (``lhs`` ``[M, K]``, or ``[K, M]`` with ``transpose_a``; ``rhs`` as the
+    pipeline's weight in ``rhs_layout``), its ``block_n``-column tiles accumulated in float32 by wgmma and written
+    once in ``out_dtype`` (each warpgroup's tile staged in shared memory, stored by a bulk copy while the next one
+    is computed). ``k_iters``: the contraction's ``block_k`` steps, or None: read at run time from ``info``'s word
+    ``CONTRACTION_WORD``. The grid, splits and ``info`` as :func:`launch`'s."""
+    bm, bn = cfg.block_m, cfg.block_n
+    out_dtype = jnp.dtype(out_dtype)
+
+    def body(a_ref, b_ref, bias_ref, row_refs, outs, smem, cta):
+        del bias_ref, row_refs
+        (out,) = outs
+        a_smem, b_smem, out_smem, loaded, consumed = smem
+
+        def epilogue(tile, acc, carry):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
+            out_smem[cta.wg] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn, bn)])
+            return carry
+
+        logits_tile_loop(
+            hidden_ref=a_ref,
+            weight_ref=b_ref,
+            weight_layout=rhs_layout,
+            a_smem=a_smem,
+            b_smem=b_smem,
+            loaded=loaded,
+            consumed=consumed,
+            row0=cta.row0,
+            tile0=cta.tile0,
+            num_tiles=cta.n_tiles,
+            k_iters=cta.word(CONTRACTION_WORD) if k_iters is None else k_iters,
+            cfg=cfg,
+            init_carry=lambda: (),
+            epilogue=epilogue,
+            finish=lambda carry: plgpu.wait_smem_to_gmem(0),
+            interpret=interpret,
+            transpose_a=transpose_a,
+        )
+
+    return launch(
+        body,
+        hidden=lhs,
+        weight=rhs,
+        bias=None,
+        row_inputs=(),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        epilogue_smem=plgpu.SMEM((2, bm, bn), out_dtype, transforms=smem_transforms(out_dtype.itemsize)),
+        weight_layout=rhs_layout,
+        cfg=cfg,
+        num_splits=num_splits,
+        tiles_per_split=tiles_per_split,
+        num_tiles=num_tiles,
+        row_grid=row_grid,
+        info=info,
+        transpose_a=transpose_a,
+        interpret=interpret,
+    )

@@ -18,13 +18,9 @@ compiled kernel serves every prefix length; the row blocks past it are not compu
 
 from __future__ import annotations
 
-import jax
-import jax.experimental.pallas as pl
 import jax.numpy as jnp
 
-from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels import _lm_head_pipeline as P
-from gmpo_jax.kernels._compat import plgpu
 
 
 def gemm_blocks(H: int) -> P.LMHeadBlocks:
@@ -56,52 +52,18 @@ def lm_head_dhidden_window(
     """
     Rp, Kw = dz.shape
     H = weight.shape[0] if weight_layout == "hv" else weight.shape[1]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bn, bk = cfg.block_n, cfg.block_k
     assert Kw % bk == 0 and H % bn == 0, (dz.shape, weight.shape, cfg)
     assert (weight.shape[1] if weight_layout == "hv" else weight.shape[0]) == Kw, (dz.shape, weight.shape)
     gemm_layout = "vh" if weight_layout == "hv" else "hv"  # the weight as the pipeline's [N = H, K = Kw] operand
-
-    def body(a_ref, w_ref, b_ref, row_refs, outs, smem, cta):
-        del b_ref, row_refs
-        (out,) = outs
-        a_smem, b_smem, out_smem, loaded, consumed = smem
-
-        def epilogue(tile, acc, carry):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
-            out_smem[cta.wg] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn, bn)])
-            return carry
-
-        P.logits_tile_loop(
-            hidden_ref=a_ref,
-            weight_ref=w_ref,
-            weight_layout=gemm_layout,
-            a_smem=a_smem,
-            b_smem=b_smem,
-            loaded=loaded,
-            consumed=consumed,
-            row0=cta.row0,
-            tile0=cta.tile0,
-            num_tiles=cta.n_tiles,
-            k_iters=Kw // bk,
-            cfg=cfg,
-            init_carry=lambda: (),
-            epilogue=epilogue,
-            finish=lambda carry: plgpu.wait_smem_to_gmem(0),
-            interpret=interpret,
-        )
-
-    return P.launch(
-        body,
-        hidden=dz,
-        weight=weight,
-        bias=None,
-        row_inputs=(),
-        out_type=jax.ShapeDtypeStruct((Rp, H), jnp.float32),
-        epilogue_smem=plgpu.SMEM((2, bm, bn), jnp.float32, transforms=C.smem_transforms(4)),
-        weight_layout=gemm_layout,
+    return P.tile_gemm(
+        dz,
+        weight,
+        out_shape=(Rp, H),
+        out_dtype=jnp.float32,
+        rhs_layout=gemm_layout,
         cfg=cfg,
+        k_iters=Kw // bk,
         num_splits=row_grid.max_splits,
         tiles_per_split=0,
         num_tiles=H // bn,

@@ -21,13 +21,10 @@ dlogits kernel writes them on the same prefix); rows past ``K`` are not read.
 
 from __future__ import annotations
 
-import jax
-import jax.experimental.pallas as pl
 import jax.numpy as jnp
 
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels import _lm_head_pipeline as P
-from gmpo_jax.kernels._compat import plgpu
 
 
 def lm_head_dweight_window(lhs, rhs, *, n_rows, cfg: P.LMHeadBlocks, num_sms: int, out_dtype, interpret=None):
@@ -50,55 +47,18 @@ def lm_head_dweight_window(lhs, rhs, *, n_rows, cfg: P.LMHeadBlocks, num_sms: in
     assert rhs.shape[0] == Rp and Rp % bk == 0 and M % (2 * bm) == 0 and N % bn == 0, (lhs.shape, rhs.shape, cfg)
     num_tiles = N // bn
     splits = P.lm_head_num_splits(M // (2 * bm), num_tiles, num_sms, min_tiles=1)
-    tiles_per_split = C.cdiv(num_tiles, splits)
-    out_dtype = jnp.dtype(out_dtype)
     steps = jnp.clip(C.cdiv(jnp.asarray(n_rows, jnp.int32), bk), 0, Rp // bk)
     info = jnp.zeros((P.INFO_WORDS,), jnp.int32).at[P.CONTRACTION_WORD].set(steps)
-
-    def body(a_ref, b_ref_, bias_ref, row_refs, outs, smem, cta):
-        del bias_ref, row_refs
-        (out,) = outs
-        a_smem, b_smem, out_smem, loaded, consumed = smem
-
-        def epilogue(tile, acc, carry):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
-            out_smem[cta.wg] = acc.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn, bn)])
-            return carry
-
-        P.logits_tile_loop(
-            hidden_ref=a_ref,
-            weight_ref=b_ref_,
-            weight_layout="hv",
-            a_smem=a_smem,
-            b_smem=b_smem,
-            loaded=loaded,
-            consumed=consumed,
-            row0=cta.row0,
-            tile0=cta.tile0,
-            num_tiles=cta.n_tiles,
-            k_iters=cta.word(P.CONTRACTION_WORD),
-            cfg=cfg,
-            init_carry=lambda: (),
-            epilogue=epilogue,
-            finish=lambda carry: plgpu.wait_smem_to_gmem(0),
-            interpret=interpret,
-            transpose_a=True,
-        )
-
-    return P.launch(
-        body,
-        hidden=lhs,
-        weight=rhs,
-        bias=None,
-        row_inputs=(),
-        out_type=jax.ShapeDtypeStruct((M, N), out_dtype),
-        epilogue_smem=plgpu.SMEM((2, bm, bn), out_dtype, transforms=C.smem_transforms(out_dtype.itemsize)),
-        weight_layout="hv",
+    return P.tile_gemm(
+        lhs,
+        rhs,
+        out_shape=(M, N),
+        out_dtype=out_dtype,
+        rhs_layout="hv",
         cfg=cfg,
+        k_iters=None,  # the info vector's CONTRACTION_WORD
         num_splits=splits,
-        tiles_per_split=tiles_per_split,
+        tiles_per_split=C.cdiv(num_tiles, splits),
         num_tiles=num_tiles,
         info=info,
         transpose_a=True,
