@@ -310,18 +310,21 @@ def test_lm_head_xla_chunked_permutation_invariant(data, obj, dtype, layout, V, 
 # Interpreter kernels: seconds per call, so a curated subset (fixed examples, both orders of the
 # dominant logit: first and last column of the vocabulary).
 @pytest.mark.parametrize(
-    "implementation, obj",
-    [(MOSAIC_LOGITS, Obj("gmpo")), (MOSAIC_LOGITS_FUSED, Obj("grpo", beta=0.05))],
-    ids=["mosaic-gmpo", "mosaic_fused-grpo-beta0.05"],
+    "implementation, obj, V, fused",
+    [(MOSAIC_LOGITS, Obj("gmpo"), 320, False), (MOSAIC_LOGITS_FUSED, Obj("grpo", beta=0.05), 2048, True)],
+    ids=["mosaic-gmpo-three-pass", "mosaic_fused-grpo-beta0.05"],
 )
-def test_logits_mosaic_interpret_permutation_invariant(implementation, obj):
-    """Each backend once, each objective once. Both take the three-pass kernels here (V = 320 float32 does not
-    view as the fused kernel's slabs: ``_fused`` is False for either backend), ``MOSAIC_LOGITS`` with two
-    tiles per CTA in the backward, ``MOSAIC_LOGITS_FUSED`` with the default backward blocks; the three-pass
-    kernels take one coefficient per row, the same kernel code for every objective."""
-    B, T, V = 2, 31, 320  # 64 rows (one row block of the kernels), 2.5 blocks of 128 columns
+def test_logits_mosaic_interpret_permutation_invariant(implementation, obj, V, fused):
+    """Each backend once, each objective once, each kernel once: ``MOSAIC_LOGITS`` (GMPO: the three passes, two tiles
+    per CTA in the backward) at V = 320, 2.5 blocks of 128 columns; ``MOSAIC_LOGITS_FUSED`` (GRPO, token-local) at
+    V = 2048 float32, the smallest vocabulary that views as the fused kernel's slabs, so its one kernel runs (checked:
+    ``_fused``). 64 rows (one row block of the kernels)."""
+    from gmpo_jax.logits.vjp import LogitsConfig, _fused
+
+    B, T = 2, 31
     rng = np.random.default_rng(1)
     case = _logits_case(rng, B=B, T=T, V=V, dtype=np.float32, dominant_at=np.zeros((B, T + 1), int), margin=17.0)
+    assert _fused(LogitsConfig(implementation, T), obj.lib(), jnp.asarray(case["logits"])) == fused
     perm = np.roll(np.arange(V), -1)[::-1].copy()  # the dominant column 0 moves to the last position
     a = _run_logits(implementation, obj, case)
     b = _run_logits(implementation, obj, _permute_logits_case(case, perm))
