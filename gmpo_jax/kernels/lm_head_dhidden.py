@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from gmpo_jax.kernels import _lm_head_pipeline as P
 
 
-def gemm_blocks(H: int) -> P.LMHeadBlocks:
-    """Block sizes of the gradient GEMMs (``lm_head_dhidden``, ``lm_head_dweight``): 128 x ``block_n`` output tiles
-    (two warpgroups of 64 rows), ``block_n`` 128 where ``H`` allows it (else 64), a 4-deep operand ring; with the
-    float32 output tile staged per warpgroup, 192 KiB of shared memory."""
+def dhidden_blocks(H: int) -> P.LMHeadBlocks:
+    """Block sizes of :func:`lm_head_dhidden_window`: 128 x ``block_n`` output tiles (two warpgroups of 64 rows),
+    ``block_n`` 128 where ``H`` allows it (else 64), a 4-deep operand ring; with the float32 output tile staged per
+    warpgroup, 192 KiB of shared memory."""
     return P.LMHeadBlocks(block_m=64, block_n=128 if H % 128 == 0 else 64, block_k=64, num_stages=4)
 
 
@@ -44,7 +44,7 @@ def lm_head_dhidden_window(
       row_grid: a :class:`~gmpo_jax.kernels.RowPrefixGrid` of ``Rp`` rows in blocks of ``2 * cfg.block_m`` over the
         ``H / cfg.block_n`` output tiles (:func:`dhidden_grid`).
       n_rows: int32 scalar (traced or not), the rows with work, ``0 <= n_rows <= Rp``.
-      cfg: :func:`gemm_blocks`.
+      cfg: :func:`dhidden_blocks`.
 
     Returns:
       ``[Rp, H]`` float32: rows ``[0, ceil(n_rows / rows_per_cta) * rows_per_cta)`` hold the product, the others are

@@ -27,6 +27,16 @@ from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels import _lm_head_pipeline as P
 
 
+def dweight_blocks(N: int, out_dtype) -> P.LMHeadBlocks:
+    """Block sizes of :func:`lm_head_dweight_window` for ``N`` output columns: a 16-bit result (a single chunk's
+    weight gradient) in 128 x 256 tiles with a 3-deep ring (the dlogits kernel's tuned shape: 208 KiB of shared
+    memory with the staged output tiles), where ``N`` is a multiple of 256; else, and for a float32 result, 128 x
+    128 tiles (``block_n`` 64 where ``N`` is not a multiple of 128) with a 4-deep ring."""
+    if jnp.dtype(out_dtype).itemsize == 2 and N % 256 == 0:
+        return P.LMHeadBlocks(block_m=64, block_n=256, block_k=64, num_stages=3)
+    return P.LMHeadBlocks(block_m=64, block_n=128 if N % 128 == 0 else 64, block_k=64, num_stages=4)
+
+
 def lm_head_dweight_window(lhs, rhs, *, n_rows, cfg: P.LMHeadBlocks, num_sms: int, out_dtype, interpret=None):
     """``lhs[:K]^T rhs[:K]``, ``K`` = ``n_rows`` rounded up to ``cfg.block_k`` (the module docstring).
 
@@ -34,7 +44,7 @@ def lm_head_dweight_window(lhs, rhs, *, n_rows, cfg: P.LMHeadBlocks, num_sms: in
       lhs: ``[Rp, M]`` bf16/f16, ``M`` a multiple of ``2 * cfg.block_m``.
       rhs: ``[Rp, N]``, same dtype, ``N`` a multiple of ``cfg.block_n``.
       n_rows: int32 scalar (traced or not), ``0 <= n_rows <= Rp``, ``Rp`` a multiple of ``cfg.block_k``.
-      cfg: ``lm_head_dhidden.gemm_blocks``.
+      cfg: :func:`dweight_blocks`.
       num_sms: the device's SM count (the grid's splits of the ``N / block_n`` output tiles).
       out_dtype: the result's dtype (float32, or the weight's 16-bit dtype: the float32 sums rounded once).
 

@@ -21,8 +21,8 @@ import pytest
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels import _lm_head_pipeline as P
 from gmpo_jax.kernels._compat import _interpret_params_cls
-from gmpo_jax.kernels.lm_head_dhidden import dhidden_grid, gemm_blocks, lm_head_dhidden_window
-from gmpo_jax.kernels.lm_head_dweight import lm_head_dweight_window
+from gmpo_jax.kernels.lm_head_dhidden import dhidden_blocks, dhidden_grid, lm_head_dhidden_window
+from gmpo_jax.kernels.lm_head_dweight import dweight_blocks, lm_head_dweight_window
 from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
 R, H, V = 384, 64, 300  # three CTA row blocks of 128 rows; 3 tiles of 128 columns, the last ragged (44)
@@ -149,14 +149,15 @@ def test_backend_on_a_row_prefix_lowers_for_cuda(monkeypatch, layout, keep):
     jax.export.export(jax.jit(step), platforms=["cuda"])(h, w, i, f, n)
 
 
-@pytest.mark.parametrize("layout", ["hv", "vh"])
-def test_interpret_gradient_gemms_on_a_row_prefix(layout):
+@pytest.mark.parametrize("layout, dw_dtype", [("hv", jnp.bfloat16), ("vh", jnp.float32)])
+def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
     """``dz W^T`` and ``h^T dz`` of a 256-column window on the first 129 of 384 rows, one compiled kernel each for a
     traced count: ``dh`` matches float64 on the two row blocks holding them (the rows of ``dz`` after them hold NaN,
     and the third block is not written: NaN here); ``dW`` sums exactly the first 129 rows (its ``dz`` holds NaN from
     row 192 on, the count rounded up to the 64-row contraction step, and must not read them; rows 129-191 are zero,
-    as the dlogits kernel writes rows without a cotangent). ``H = 128``: one output tile of ``dh`` (two for the
-    ``[H, 256]`` block of ``dW``, on one split each)."""
+    as the dlogits kernel writes rows without a cotangent). ``H = 128``: one output tile of ``dh``; ``dW`` written in
+    bfloat16 as a single chunk's (``[H, 256]``: one 256-column tile, ``dweight_blocks``) or in float32 (``[256,
+    H]``: two row blocks of one 128-column tile)."""
     rng = np.random.default_rng(3)
     rows, hd, kw, n = 384, 128, 256, 129
     dz = rng.standard_normal((rows, kw))
@@ -166,15 +167,15 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout):
     dz = jnp.asarray(dz, jnp.bfloat16)
     h = jnp.asarray(rng.standard_normal((rows, hd)), jnp.bfloat16)
     w_hv = jnp.asarray(rng.standard_normal((hd, kw)), jnp.bfloat16)
-    cfg = gemm_blocks(hd)
+    cfg = dhidden_blocks(hd)
     grid = dhidden_grid(rows, hd, cfg)
     w = w_hv if layout == "hv" else w_hv.T
     lhs, rhs = (h, dz_w) if layout == "hv" else (dz_w, h)
 
     def run(n):
         dh = lm_head_dhidden_window(dz, w, weight_layout=layout, row_grid=grid, n_rows=n, cfg=cfg, interpret=NAN_MEMORY)
-        dw = lm_head_dweight_window(lhs, rhs, n_rows=n, cfg=cfg, num_sms=SMS, out_dtype=jnp.float32,
-                                    interpret=NAN_MEMORY)  # fmt: skip
+        dw = lm_head_dweight_window(lhs, rhs, n_rows=n, cfg=dweight_blocks(rhs.shape[1], dw_dtype), num_sms=SMS,
+                                    out_dtype=dw_dtype, interpret=NAN_MEMORY)  # fmt: skip
         return dh, dw
 
     dh, dw = (np.asarray(x, np.float64) for x in jax.jit(run)(jnp.int32(n)))
@@ -184,7 +185,8 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout):
     np.testing.assert_allclose(dh[:live], want_dh, rtol=1e-5, atol=1e-5 * np.abs(want_dh).max())
     assert np.isnan(dh[live:]).all()  # not written
     want_dw = f64(lhs)[:n].T @ f64(rhs)[:n]
-    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5 * np.abs(want_dw).max())
+    rtol = 2.0**-8 if dw_dtype == jnp.bfloat16 else 1e-5  # the float32 sums rounded once to the output's dtype
+    np.testing.assert_allclose(dw, want_dw, rtol=rtol, atol=1e-5 * np.abs(want_dw).max())
 
 
 def test_gradient_gemms_lower_for_cuda():
@@ -192,7 +194,7 @@ def test_gradient_gemms_lower_for_cuda():
     transposed left operand of ``h^T dz`` included, which the interpreter multiplies in float32 instead)."""
     S = jax.ShapeDtypeStruct
     for rows, hd, kw, layout in [(16384, 896, 8192, "hv"), (8192, 4096, 4096, "vh")]:
-        cfg = gemm_blocks(hd)
+        cfg = dhidden_blocks(hd)
         grid = dhidden_grid(rows, hd, cfg)
         dz, h, n = S((rows, kw), jnp.bfloat16), S((rows, hd), jnp.bfloat16), S((), jnp.int32)
         w = S((hd, kw) if layout == "hv" else (kw, hd), jnp.bfloat16)
@@ -200,7 +202,13 @@ def test_gradient_gemms_lower_for_cuda():
         def grads(dz, h, w, n, layout=layout, cfg=cfg, grid=grid):
             dh = lm_head_dhidden_window(dz, w, weight_layout=layout, row_grid=grid, n_rows=n, cfg=cfg)
             lhs, rhs = (h, dz) if layout == "hv" else (dz, h)
-            return dh, lm_head_dweight_window(lhs, rhs, n_rows=n, cfg=cfg, num_sms=132, out_dtype=jnp.bfloat16)
+            dws = [
+                lm_head_dweight_window(
+                    lhs, rhs, n_rows=n, cfg=dweight_blocks(rhs.shape[1], d), num_sms=132, out_dtype=d
+                )
+                for d in (jnp.bfloat16, jnp.float32)  # 128 x 256 and 128 x 128 tiles
+            ]
+            return dh, *dws
 
         jax.export.export(jax.jit(grads), platforms=["cuda"])(dz, h, w, n)
 
