@@ -54,7 +54,7 @@ def fused_linear_policy_loss(
 
     Args:
       hidden: ``[B, T, H]`` bf16 / f16 / f32 final hidden states of the completion positions, already shifted
-        (position ``t`` predicts ``batch.completion_ids[:, t]``). Finite at masked positions too.
+        (position ``t`` predicts ``batch.completion_ids[:, t]``); any value at masked positions (ignored).
       weight: the LM head, ``[H, V]`` or ``[V, H]`` as ``head.weight_layout`` declares; never copied.
       batch: the per-token inputs, a :class:`~gmpo_jax.PolicyBatch` (its fields are documented there).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters and
@@ -74,7 +74,7 @@ def fused_linear_policy_loss(
       gradient). The gradients w.r.t. ``hidden``, ``weight`` and ``bias`` come in those arrays' dtypes; reverse
       mode only (``jax.grad`` / ``vjp``, not ``jvp``); everything else (``temperature``, the batch, the
       objective) is data with a zero cotangent (``gmpo_jax.reference`` differentiates them too). Hidden states at
-      masked positions must be finite (their ids are ignored, but ``0 * NaN`` in the weight gradient is NaN).
+      masked positions are ignored, whatever they hold (NaN included), as their ids are; their gradient is 0.
       With ``sharding``, take gradients under ``jax.jit`` or inside ``jax.set_mesh(mesh)`` (JAX builds the
       cotangent of a mesh-sharded scalar only there; an eager ``jax.grad`` fails inside JAX).
 
@@ -164,7 +164,7 @@ def fused_linear_logprobs(
       completion_ids: ``[B, T]`` integer target ids. Without a mask, an id outside ``[0, V)`` raises ValueError
         when concrete and gives NaN when traced.
       completion_mask: optional ``[B, T]`` bool / {0, 1}; masked positions return 0, receive no gradient and
-        may hold any id.
+        may hold any id and any hidden state.
       bias: optional ``[V]`` LM-head bias.
       temperature: ``> 0`` logits temperature (float or traced scalar).
       return_entropy: also return the per-token entropy of the (temperature-scaled) softmax,

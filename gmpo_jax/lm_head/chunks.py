@@ -75,11 +75,13 @@ def _merge_rows(full, start, fresh, new):
 
 
 def _chunk_rows(cfg: LMHeadConfig, hidden, inputs: PolicyInputs, locate, i):
-    """Chunk ``i``: ``(start, fresh, h [c T, H], ids [c T], the chunk's inputs)``."""
+    """Chunk ``i``: ``(start, fresh, h [c T, H], ids [c T], the chunk's inputs)``; masked rows of ``h`` and ``ids``
+    are 0 (whatever they held, NaN included: their zero cotangent times a NaN would poison ``dW``)."""
     c = cfg.chunk_size
     start, fresh = locate(i)
     chunk = inputs.rows(start, c, fresh)
     h = lax.dynamic_slice_in_dim(hidden, start, c, axis=0).reshape(-1, hidden.shape[-1])
+    h = jnp.where(chunk.mask.reshape(-1, 1), h, jnp.zeros((), h.dtype))
     return start, fresh, h, jnp.where(chunk.mask, chunk.ids, 0).reshape(-1), chunk
 
 

@@ -149,3 +149,36 @@ def test_dr_grpo_normaliser_below_a_completion_raises(op):
         _loss(op, gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=longest - 1))
     loss, _ = _loss(op, gmpo_jax.GRPO(loss_type="dr_grpo", max_completion_length=longest))
     assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("op", ["policy_loss", "logprobs"])
+def test_non_finite_hidden_at_masked_positions_is_ignored(op):
+    """A hidden state at a masked position may hold anything (NaN, inf): loss, log-probs and every gradient are
+    those of the same call with zeros there (the LM-head ops zero the masked rows; a NaN times their zero cotangent
+    would otherwise fill the weight gradient with NaN)."""
+    rng = np.random.default_rng(0)
+    B, T, H, V = 2, 5, 8, 33
+    h = rng.normal(size=(B, T, H)).astype(np.float32)
+    w = (rng.normal(size=(H, V)) / np.sqrt(H)).astype(np.float32)
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    mask = np.ones((B, T), bool)
+    mask[0, 3:] = False
+    mask[1, 0] = False
+    bad = h.copy()
+    bad[0, 3] = np.nan
+    bad[0, 4] = np.inf
+    bad[1, 0] = -np.inf
+    adv = jnp.asarray([0.7, -1.2], jnp.float32)
+
+    def f(h, w):
+        if op == "logprobs":
+            logp = gmpo_jax.fused_linear_logprobs(h, w, ids, completion_mask=mask)
+            return jnp.sum(logp * jnp.arange(1.0, B * T + 1).reshape(B, T)), logp
+        return gmpo_jax.fused_linear_policy_loss(h, w, gmpo_jax.PolicyBatch(ids, mask, adv), objective=gmpo_jax.GMPO())
+
+    run = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    (v0, a0), g0 = run(jnp.asarray(np.where(mask[..., None], h, 0.0)), jnp.asarray(w))
+    (v1, a1), g1 = run(jnp.asarray(bad), jnp.asarray(w))
+    for x, y in zip(jax.tree.leaves((v1, a1, g1)), jax.tree.leaves((v0, a0, g0))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert np.isfinite(np.asarray(g1[1])).all() and not np.asarray(g1[0])[~mask].any()
