@@ -277,8 +277,8 @@ class RowPrefixGrid:
     ``(nb, s, tiles)`` from a small int32 vector (:meth:`info`) staged through shared memory, so one compiled
     kernel serves every prefix length (one ``lax.switch`` branch per length would compile one kernel each).
 
-    Outputs of the blocks past ``nb`` and of splits ``>= s`` are not written: :meth:`live_splits` says which
-    split rows hold statistics; callers read only the first ``nb * rows_per_cta`` rows.
+    Outputs of the blocks past ``nb`` and of splits ``>= s`` are not written: :meth:`written` says which entries
+    of a per-split output hold values; callers read only the first ``nb * rows_per_cta`` rows.
     """
 
     rows_per_cta: int
@@ -315,9 +315,12 @@ class RowPrefixGrid:
         t = jnp.asarray(self.tiles, jnp.int32)[nb]
         return jnp.zeros((INFO_WORDS,), jnp.int32).at[:3].set(jnp.stack([nb, s, t]).astype(jnp.int32))
 
-    def live_splits(self, info) -> jax.Array:
-        """``[max_splits]`` bool: which rows of a per-split output were written."""
-        return jnp.arange(self.max_splits, dtype=jnp.int32) < info[1]
+    def written(self, info) -> jax.Array:
+        """``[max_splits, rows]`` bool: which entries of a per-split, per-row output the kernel wrote (its splits
+        below ``s``, its rows in the first ``nb`` blocks)."""
+        splits = jnp.arange(self.max_splits, dtype=jnp.int32) < info[1]
+        rows = jnp.arange(self.num_row_ctas * self.rows_per_cta, dtype=jnp.int32) < info[0] * self.rows_per_cta
+        return splits[:, None] & rows[None, :]
 
 
 def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem) -> tuple[CtaBlock, jax.Array]:

@@ -201,5 +201,4 @@ def lm_head_dlogits_window(
     )
     if row_grid is None:
         return dz, rowsum
-    written = row_grid.live_splits(info)[:, None] & (jnp.arange(rows) < info[0] * row_grid.rows_per_cta)[None, :]
-    return dz, jnp.where(written, rowsum, 0.0)
+    return dz, jnp.where(row_grid.written(info), rowsum, 0.0)

@@ -227,7 +227,7 @@ def lm_head_lse_partials(
     if row_grid is None:
         return out
     # what the grid did not compute is an empty split's statistics: (m2, l, t2, e2) = (-inf, -1, 0, 0)
-    written = row_grid.live_splits(info)[:, None] & (jnp.arange(rows) < info[0] * cfg.rows_per_cta)[None, :]
+    written = row_grid.written(info)
     empty = (-jnp.inf, -1.0, 0.0, 0.0)
     stats = tuple(jnp.where(written, x, jnp.float32(e)) for x, e in zip(out[:n_stats], empty))
     return stats + tuple(out[n_stats:])
