@@ -13,7 +13,11 @@ The product runs on the LM-head pipeline (``_lm_head_pipeline.logits_tile_loop``
 "hidden" operand is ``dz`` (``[Rp, Kw]``, the contraction over the window's ``Kw`` columns), the "weight" is the
 window's columns in the other layout (``[H, Kw]`` read as ``Kw x H`` transposed tiles, or ``[Kw, H]`` as is), and the
 "vocabulary tiles" are ``block_n``-column tiles of ``H``. The grid is a :class:`~gmpo_jax.kernels.RowPrefixGrid`: one
-compiled kernel serves every prefix length; the row blocks past it are not computed and their rows not written.
+compiled kernel serves every prefix length; the row blocks past it are not computed and their rows not written. It
+has one CTA per (row block, ``block_n`` columns of ``H``), the ``H / block_n`` CTAs of a row block adjacent, so they
+run together and read that block's ``dz`` from HBM once between them (L2); a CTA that looped over several output
+tiles would stream its ``[rows_per_cta, Kw]`` ``dz`` once per tile, ``H / block_n`` times the bytes (at ``Kw`` of
+thousands of columns, more than the GEMM's own time).
 """
 
 from __future__ import annotations
@@ -30,19 +34,15 @@ def dhidden_blocks(H: int) -> P.LMHeadBlocks:
     return P.LMHeadBlocks(block_m=64, block_n=128 if H % 128 == 0 else 64, block_k=64, num_stages=4)
 
 
-def lm_head_dhidden_window(
-    dz, weight, *, weight_layout: str, row_grid: P.RowPrefixGrid, n_rows, cfg: P.LMHeadBlocks, interpret=None
-):
+def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMHeadBlocks, interpret=None):
     """``dz W^T`` on the first ``n_rows`` rows: ``out[r] = sum_v dz[r, v] W[:, v]`` for the row blocks of
-    ``row_grid.rows_per_cta`` rows that hold them.
+    ``cfg.rows_per_cta`` rows that hold them.
 
     Args:
       dz: ``[Rp, Kw]`` bf16/f16, ``Kw`` a multiple of ``cfg.block_k`` (a window's columns, zero past the
-        vocabulary), ``Rp = row_grid.num_row_ctas * row_grid.rows_per_cta``.
+        vocabulary), ``Rp`` a multiple of ``cfg.rows_per_cta``.
       weight: the window's columns, ``[H, Kw]`` (``weight_layout="hv"``) or ``[Kw, H]`` (``"vh"``), same dtype, ``H``
         a multiple of ``cfg.block_n``.
-      row_grid: a :class:`~gmpo_jax.kernels.RowPrefixGrid` of ``Rp`` rows in blocks of ``2 * cfg.block_m`` over the
-        ``H / cfg.block_n`` output tiles (:func:`dhidden_grid`).
       n_rows: int32 scalar (traced or not), the rows with work, ``0 <= n_rows <= Rp``.
       cfg: :func:`dhidden_blocks`.
 
@@ -53,9 +53,10 @@ def lm_head_dhidden_window(
     Rp, Kw = dz.shape
     H = weight.shape[0] if weight_layout == "hv" else weight.shape[1]
     bn, bk = cfg.block_n, cfg.block_k
-    assert Kw % bk == 0 and H % bn == 0, (dz.shape, weight.shape, cfg)
+    assert Kw % bk == 0 and H % bn == 0 and Rp % cfg.rows_per_cta == 0, (dz.shape, weight.shape, cfg)
     assert (weight.shape[1] if weight_layout == "hv" else weight.shape[0]) == Kw, (dz.shape, weight.shape)
     gemm_layout = "vh" if weight_layout == "hv" else "hv"  # the weight as the pipeline's [N = H, K = Kw] operand
+    row_grid = P.RowPrefixGrid.fixed(cfg.rows_per_cta, Rp // cfg.rows_per_cta, H // bn, 1)  # a CTA per output tile
     return P.tile_gemm(
         dz,
         weight,
@@ -71,13 +72,3 @@ def lm_head_dhidden_window(
         info=row_grid.info(n_rows),
         interpret=interpret,
     )
-
-
-def dhidden_grid(Rp: int, H: int, cfg: P.LMHeadBlocks) -> P.RowPrefixGrid:
-    """The :class:`~gmpo_jax.kernels.RowPrefixGrid` of :func:`lm_head_dhidden_window` for ``Rp`` rows: one CTA per
-    (row block, ``block_n`` columns of ``H``). The ``H / block_n`` CTAs of a row block are adjacent in the grid, so
-    they run together and read that block's ``dz`` from HBM once between them (L2); a CTA that looped over several
-    output tiles would stream its ``[rows_per_cta, Kw]`` ``dz`` once per tile, ``H / block_n`` times the bytes (at
-    ``Kw`` of thousands of columns, more than the GEMM's own time)."""
-    tiles = H // cfg.block_n
-    return P.RowPrefixGrid.fixed(cfg.rows_per_cta, Rp // cfg.rows_per_cta, tiles, 1)

@@ -21,7 +21,7 @@ import pytest
 from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels import _lm_head_pipeline as P
 from gmpo_jax.kernels._compat import _interpret_params_cls
-from gmpo_jax.kernels.lm_head_dhidden import dhidden_blocks, dhidden_grid, lm_head_dhidden_window
+from gmpo_jax.kernels.lm_head_dhidden import dhidden_blocks, lm_head_dhidden_window
 from gmpo_jax.kernels.lm_head_dweight import dweight_blocks, lm_head_dweight_window
 from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
 
@@ -168,12 +168,11 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
     h = jnp.asarray(rng.standard_normal((rows, hd)), jnp.bfloat16)
     w_hv = jnp.asarray(rng.standard_normal((hd, kw)), jnp.bfloat16)
     cfg = dhidden_blocks(hd)
-    grid = dhidden_grid(rows, hd, cfg)
     w = w_hv if layout == "hv" else w_hv.T
     lhs, rhs = (h, dz_w) if layout == "hv" else (dz_w, h)
 
     def run(n):
-        dh = lm_head_dhidden_window(dz, w, weight_layout=layout, row_grid=grid, n_rows=n, cfg=cfg, interpret=NAN_MEMORY)
+        dh = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg, interpret=NAN_MEMORY)
         dw = lm_head_dweight_window(lhs, rhs, n_rows=n, cfg=dweight_blocks(rhs.shape[1], dw_dtype), num_sms=SMS,
                                     out_dtype=dw_dtype, interpret=NAN_MEMORY)  # fmt: skip
         return dh, dw
@@ -195,12 +194,11 @@ def test_gradient_gemms_lower_for_cuda():
     S = jax.ShapeDtypeStruct
     for rows, hd, kw, layout in [(16384, 896, 8192, "hv"), (8192, 4096, 4096, "vh")]:
         cfg = dhidden_blocks(hd)
-        grid = dhidden_grid(rows, hd, cfg)
         dz, h, n = S((rows, kw), jnp.bfloat16), S((rows, hd), jnp.bfloat16), S((), jnp.int32)
         w = S((hd, kw) if layout == "hv" else (kw, hd), jnp.bfloat16)
 
-        def grads(dz, h, w, n, layout=layout, cfg=cfg, grid=grid):
-            dh = lm_head_dhidden_window(dz, w, weight_layout=layout, row_grid=grid, n_rows=n, cfg=cfg)
+        def grads(dz, h, w, n, layout=layout, cfg=cfg):
+            dh = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg)
             lhs, rhs = (h, dz) if layout == "hv" else (dz, h)
             dws = [
                 lm_head_dweight_window(

@@ -150,7 +150,7 @@ class _GradPass:
     def prefix_gemms(self, dz, w_blk, width, rowsum):
         """:meth:`window_grads` on the first ``n_rows`` rows by the row-prefix GEMM kernels: ``dz`` ``[Rp, Kw]`` (the
         window's tiles, zero past ``V``), ``w_blk`` its weight columns (the partial window's fewer: zero-padded)."""
-        from gmpo_jax.kernels.lm_head_dhidden import dhidden_blocks, dhidden_grid, lm_head_dhidden_window
+        from gmpo_jax.kernels.lm_head_dhidden import dhidden_blocks, lm_head_dhidden_window
         from gmpo_jax.kernels.lm_head_dweight import dweight_blocks, lm_head_dweight_window
 
         axis, (Rp, Kw), H = self.axis, dz.shape, self.hp.shape[1]
@@ -158,11 +158,9 @@ class _GradPass:
             w_blk = jnp.pad(w_blk, [(0, Kw - w_blk.shape[axis]) if a == axis else (0, 0) for a in range(2)])
         sms, interpret = num_sms(self.backend.interpret), self.backend._interpret_params()
         live = jnp.arange(Rp) < self.n_rows  # the rows past the prefix: undefined in the kernels' outputs
-        cfg = dhidden_blocks(H)
         dh = lm_head_dhidden_window(
-            dz, w_blk, weight_layout=self.layout, row_grid=dhidden_grid(Rp, H, cfg), n_rows=self.n_rows,
-            cfg=cfg, interpret=interpret,
-        )  # fmt: skip
+            dz, w_blk, weight_layout=self.layout, n_rows=self.n_rows, cfg=dhidden_blocks(H), interpret=interpret
+        )
         lhs, rhs = (self.hp, dz) if axis == 1 else (dz, self.hp)
         out_dtype = self.dw_dtype if self.fresh else jnp.float32  # a fresh block is written once: rounded once
         dw_blk = lm_head_dweight_window(
