@@ -3,6 +3,7 @@
 # "no slower" check: issue 33 asks for within 3 %). The earlier tree is an ignored folder that the call carries:
 #   git archive <commit> | tar -x -C .old && cp benchmarks/compile_probe.py .old/benchmarks/   (once, here)
 #   bash benchmarks/headline_ab.sh .old          # on the GPU; JSON lines in $OUT/{new,old}.jsonl
+#   ROWS="0 1" bash benchmarks/headline_ab.sh .old   # a subset of the rows (to fit one call's time limit)
 # Each row is a benchmarks.compile_probe process per tree (compile, first call, then the median of 30 steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ rows=(
   "--shape qwen2.5-0.5b --B 2 --T 32768 --data peaked"
   "--shape qwen2.5-0.5b --B 2 --T 32768 --grad-filter 0.001 --data peaked"
 )
-for i in "${!rows[@]}"; do  # the order alternates, so a drift in the lease does not favour one tree
+for i in ${ROWS:-${!rows[@]}}; do  # the order alternates, so a drift in the lease does not favour one tree
   if (( i % 2 )); then probe "$OLD" old ${rows[$i]}; probe . new ${rows[$i]}
   else probe . new ${rows[$i]}; probe "$OLD" old ${rows[$i]}; fi
 done
