@@ -31,12 +31,22 @@ def check_objective(objective) -> None:
         raise TypeError(f"objective must be a GMPO, GRPO, CISPO or SAPO instance, got objective={objective!r}")
 
 
+_REQUIRED_FIELDS = {
+    "completion_ids": "a [B, T] integer array",
+    "completion_mask": "a [B, T] bool or {0, 1} array; jnp.ones((B, T), bool) counts every token",
+    "advantages": "a [B] or [B, T] float array",
+}
+
+
 def require_batch(batch) -> None:
     if not isinstance(batch, PolicyBatch):
         raise TypeError(
             "batch must be a gmpo_jax.PolicyBatch(completion_ids, completion_mask, advantages, ...), "
             f"got {type(batch).__name__}: {batch!r:.80}"
         )
+    for name, expected in _REQUIRED_FIELDS.items():
+        if getattr(batch, name) is None:
+            raise TypeError(f"batch.{name} is required ({expected}), got None")
 
 
 def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:

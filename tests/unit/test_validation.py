@@ -141,6 +141,14 @@ def test_batch_must_be_a_policy_batch():
         gmpo_jax.policy_loss_from_logits(f32(B, T + 1, V), dict(enumerate(fields)), objective=gmpo_jax.GMPO())
 
 
+@pytest.mark.parametrize("field", ["completion_ids", "completion_mask", "advantages"])
+@pytest.mark.parametrize("fn", [gmpo_jax.fused_linear_policy_loss, gmpo_jax.reference.policy_loss])
+def test_required_batch_fields_are_named_when_none(fn, field):
+    """``PolicyBatch(ids, None, adv)`` names the missing field (not a shape error about ``shape=()``)."""
+    with pytest.raises(TypeError, match=rf"batch\.{field} is required .*got None"):
+        call(fn, **{field: None})
+
+
 def test_num_items_in_batch_vector_is_a_type_error():
     """A vector is not a real scalar: TypeError, like a bool or a string (tests/unit/test_edge_arguments.py)."""
     with pytest.raises(TypeError, match=r"batch\.num_items_in_batch must be a real scalar"):
@@ -261,6 +269,7 @@ OBJECTIVE_ERRORS = [
     ("epsilon_low", lambda: gmpo_jax.GMPO(epsilon_low=-0.1)),
     ("epsilon_high", lambda: gmpo_jax.GMPO(epsilon_high=-0.1)),
     ("epsilon_low", lambda: gmpo_jax.GRPO(epsilon_low=-0.01)),
+    ("epsilon_low", lambda: gmpo_jax.GRPO(epsilon_low=1.5)),  # a lower clip below 0 (a GMPO log-space value)
     ("epsilon_high", lambda: gmpo_jax.GRPO(epsilon_high=-1.0)),
     ("epsilon_high", lambda: gmpo_jax.CISPO(epsilon_high=-0.2)),
     ("beta", lambda: gmpo_jax.GMPO(beta=-0.1)),
