@@ -9,15 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmpo_jax.objectives.params import (
-    _DERIVED,
-    Scalar,
-    _check_at_most_one,
-    _check_flag,
-    _check_nonneg,
-    _check_pos,
-    _register,
-)
+from gmpo_jax.objectives.params import _DERIVED, Scalar, _check_flag, _check_nonneg, _check_pos, _register
 from gmpo_jax.objectives.per_token import PerTokenObjective
 from gmpo_jax.objectives.sequences import _sequence_log_weight
 
@@ -42,7 +34,7 @@ class GRPO(PerTokenObjective):
 
     Args:
       loss_type: one of ``"dapo"`` (default, as TRL), ``"grpo"``, ``"bnpo"``, ``"dr_grpo"`` (static).
-      epsilon_low: in ``[0, 1]``; lower clip ``1 - epsilon_low`` of the ratio (1: no lower clip). Default 0.2.
+      epsilon_low: ``>= 0``; lower clip ``1 - epsilon_low`` of the ratio (``>= 1``: no lower clip). Default 0.2.
       epsilon_high: ``>= 0``; upper clip ``1 + epsilon_high``. Default 0.2 (DAPO's clip-higher: 0.28).
       beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
         (:attr:`Objective.has_kl`, static), which needs a reference at call time.
@@ -55,7 +47,6 @@ class GRPO(PerTokenObjective):
 
     Raises:
       ValueError: unknown ``loss_type`` / ``importance_sampling_level``, negative epsilon or beta,
-        ``epsilon_low > 1`` (a lower clip below 0: likely a log-space GMPO value given to GRPO),
         ``delta <= 0``, a ``max_completion_length`` that is not a positive int (``dr_grpo``
         requires one).
 
@@ -85,9 +76,7 @@ class GRPO(PerTokenObjective):
                 f"importance_sampling_level must be one of {_IS_LEVELS}, "
                 f"got importance_sampling_level={self.importance_sampling_level!r}"
             )
-        _check_at_most_one(
-            "epsilon_low", self.epsilon_low, "the ratio is positive: 1 - epsilon_low <= 0 already clips nothing"
-        )
+        _check_nonneg("epsilon_low", self.epsilon_low)
         _check_nonneg("epsilon_high", self.epsilon_high)
         _check_nonneg("beta", self.beta)
         if self.delta is not None:

@@ -46,14 +46,6 @@ def _check_nonneg(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= 0, got {name}={value!r}")
 
 
-def _check_at_most_one(name: str, value: Any, why: str) -> None:
-    """A real scalar in ``[0, 1]`` (concrete values checked; ``why`` says what a value above 1 would mean)."""
-    _check_nonneg(name, value)
-    v = _concrete_value(value)
-    if v is not None and not v <= 1:
-        raise ValueError(f"{name} must be in [0, 1] ({why}), got {name}={value!r}")
-
-
 def _check_pos(name: str, value: Any) -> None:
     _check_type(name, value)
     v = _concrete_value(value)

@@ -269,7 +269,6 @@ OBJECTIVE_ERRORS = [
     ("epsilon_low", lambda: gmpo_jax.GMPO(epsilon_low=-0.1)),
     ("epsilon_high", lambda: gmpo_jax.GMPO(epsilon_high=-0.1)),
     ("epsilon_low", lambda: gmpo_jax.GRPO(epsilon_low=-0.01)),
-    ("epsilon_low", lambda: gmpo_jax.GRPO(epsilon_low=1.5)),  # a lower clip below 0 (a GMPO log-space value)
     ("epsilon_high", lambda: gmpo_jax.GRPO(epsilon_high=-1.0)),
     ("epsilon_high", lambda: gmpo_jax.CISPO(epsilon_high=-0.2)),
     ("beta", lambda: gmpo_jax.GMPO(beta=-0.1)),
