@@ -105,7 +105,8 @@ ROW_PREFIX_FORWARD = False
 # The gradient pass on one program for every number of rows with a cotangent (``Capabilities.row_prefix_grads``): the
 # dz kernel on a row-prefix grid and Pallas GEMMs that take the row count at run time (``kernels.lm_head_dhidden``,
 # ``lm_head_dweight``) instead of XLA's GEMMs on a static prefix per bucket (whose slices cost 17-29 % in the version
-# above). Off until measured on the GPU (step time beside the per-bucket pass, first call): not run on one yet.
+# above); the gradient filter's windows each on the runtime prefix of their rows. Off until measured on the GPU (step
+# time beside the per-bucket pass, first call): not run on one yet.
 ROW_PREFIX_GRADIENT = False
 
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of

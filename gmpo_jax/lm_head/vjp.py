@@ -132,7 +132,9 @@ def _chunk_step_skipping(
     on the unmasked rows, the backward on the rows with a non-zero ``d loss / d logp``. With ``keep`` both
     passes share the forward's prefix (the kept logits hold those rows); with ``tuning.ROW_PREFIX_FORWARD`` the
     forward runs once, outside the prefix switch, on that prefix's rows (``_row_prefix``), and with
-    ``tuning.ROW_PREFIX_GRADIENT`` too (``_row_prefix_grads``) both passes run once on the runtime prefix."""
+    ``tuning.ROW_PREFIX_GRADIENT`` too (``_row_prefix_grads``) both passes run once on the runtime prefix. The
+    gradient filter picks each vocabulary window's rows itself (on the runtime prefix of each window's rows with
+    ``ROW_PREFIX_GRADIENT``)."""
     t, buckets = chunk.temperature, cfg.row_buckets
     with_ent = chunk.entropy_coef is not None
     prefix, filters = _row_prefix(cfg), backend_lib.filters(cfg.backend)
@@ -140,7 +142,7 @@ def _chunk_step_skipping(
         order = rows.order(chunk.mask)
         sizes = rows.prefix_sizes(ids.size, buckets)
         once = None
-        one_program = prefix and not filters and _row_prefix_grads(cfg)
+        one_program = prefix and _row_prefix_grads(cfg)  # (the filter: each window on its rows' runtime prefix)
         if prefix and not filters and not one_program:  # one forward program, on the unmasked rows' bucket, kept
             R = order.perm.size
             once = _forward(cfg, head, rows.take(h, order, R), rows.take(ids, order, R), t, keep=True,
@@ -189,8 +191,12 @@ def _chunk_step_skipping(
     if with_ent:  # a row with an entropy cotangent has work even where d loss / d logp is 0
         live = live | (extra[0] != 0)
 
+    filter_prefix = filters and _row_prefix_grads(cfg)
+
     def backward(hs, ids_s, dlogp_s, lse_s, *rest, n_rows=None):
         mass_s, e_s = (rest[-1], rest[:-1]) if filters else (None, rest)
+        if filter_prefix:  # every row may have work: the filter orders each window's rows, runs their runtime prefix
+            n_rows = hs.shape[0]
         fwd_s = None if mass_s is None else Forward(None, None, window_mass=mass_s)
         return _backward(cfg, head, hs, ids_s, dlogp_s, lse_s, t, dw, db, fwd_s, tuple(e_s) or None, n_rows)
 

@@ -22,6 +22,7 @@ from conftest import Obj, check_against_spec, make_case, needs_hopper, spec_for
 import gmpo_jax
 from gmpo_jax import tuning
 from gmpo_jax.lm_head import rows
+from gmpo_jax.lm_head.backend import with_settings
 from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 from gmpo_jax.lm_head.xla_chunked import XlaChunkedBackend
 
@@ -169,14 +170,18 @@ def test_skipping_mosaic_interpret_row_prefix_recomputes(monkeypatch):
     _assert_same(got, want)
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "kept-logits"])
-def test_skipping_mosaic_interpret_one_program(monkeypatch, keep):
+@pytest.mark.parametrize(
+    "keep, grad_filter", [(False, None), (True, None), (True, 0.02)], ids=["recompute", "kept-logits", "kept-filter"]
+)
+def test_skipping_mosaic_interpret_one_program(monkeypatch, keep, grad_filter):
     """Forward and gradient pass each on one program for every number of live rows (``tuning.ROW_PREFIX_FORWARD``
     and ``ROW_PREFIX_GRADIENT``: the Pallas GEMMs ``dz W^T`` and ``h^T dz`` with the row count at run time, ``dz``
     from the dz kernel on a row-prefix grid or from the kept logits on every row), bf16 with a bias, uninitialised
     memory read as NaN (an undefined row read by mistake shows): as without skipping. One chunk of two 128-row
     blocks of which only the first has live rows (75 of 256), ``H = 128`` (the GEMMs' smallest hidden size), a
-    ragged vocabulary of three tiles; the gradient GEMMs ran."""
+    ragged vocabulary of three tiles; the gradient GEMMs ran. ``kept-filter``: the gradient filter (windows of one
+    tile) on the runtime prefix of each window's rows, against the same filter without skipping (per static prefix:
+    the same kept blocks)."""
     from gmpo_jax import _device
     from gmpo_jax.kernels import _compat
     from gmpo_jax.lm_head.mosaic_gpu.grad_pass import _GradPass
@@ -191,10 +196,11 @@ def test_skipping_mosaic_interpret_one_program(monkeypatch, keep):
     case = _batch(6, B=4, T=64, H=128, V=300, dtype=jnp.bfloat16, zero_adv=(1,), empty_rows=(3,))
     assert case.mask.sum() - case.mask[1].sum() < 128
     be = (
-        MosaicGpuBackend(interpret=True, save_min_hidden=0)
+        MosaicGpuBackend(interpret=True, save_min_hidden=0, filter_window=128)
         if keep
         else MosaicGpuBackend(interpret=True, save_logits=False)
     )
+    be = with_settings(be, grad_filter=grad_filter)
     want = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=1))
     assert not calls
     monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)

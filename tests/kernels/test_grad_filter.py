@@ -432,3 +432,49 @@ def test_gpu_filter_on_the_realistic_workload(H, V, B, T):
     _, (dh2, dw2) = run("auto")
     np.testing.assert_array_equal(np.asarray(dh1), np.asarray(dh2))
     np.testing.assert_array_equal(np.asarray(dw1), np.asarray(dw2))
+
+
+def test_filter_on_runtime_prefixes(one_sm, monkeypatch):
+    """With ``n_rows`` (``tuning.ROW_PREFIX_GRADIENT``'s one program) each head window and the tail run on every row
+    reordered live first, the kernels on the runtime prefix of the live ones (``kernels.RowPrefixGrid``, the gradient
+    GEMMs ``_GradPass.prefix_gemms``) instead of one ``lax.switch`` branch per static prefix: the same kept blocks,
+    so the per-prefix pass's gradients to a bfloat16 ulp, with uninitialised memory read as NaN (a row past a prefix
+    read by mistake shows). 256 rows, the first 100 with work (a third of them without a cotangent); ``H = 128`` (the
+    GEMMs' smallest); the tail from column 512. Five of the eight tiles are kept by a forward on the same runtime
+    prefix, which leaves the second row block unwritten (the windows' GEMMs must not read it either): windows 0-1 read
+    dz from them, the tail (tiles 4-7) from tile 4 and the dz kernel on a row-prefix grid for 5-7."""
+    from gmpo_jax.kernels import _compat
+    from gmpo_jax.lm_head.mosaic_gpu.grad_pass import _GradPass
+
+    nan = _compat._interpret_params_cls()(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+    monkeypatch.setattr(_compat, "interpret_params", lambda: nan)
+    calls, gemms = [], _GradPass.prefix_gemms
+    monkeypatch.setattr(_GradPass, "prefix_gemms", lambda self, *a: calls.append(1) or gemms(self, *a))
+    R, n, hd, layout, t = 256, 100, 128, "vh", 0.9
+    h64, w64, ids, bias = _peaked(5, R, layout="hv")
+    rng = np.random.default_rng(6)  # H = 128: the peaked head's 64 dimensions and 64 of noise
+    h = np.concatenate([h64, rng.normal(0.0, 1.0, (R, hd - H)).astype(h64.dtype)], axis=1)
+    w = np.concatenate([w64, rng.normal(0.0, 0.05, (hd - H, V)).astype(w64.dtype)], axis=0).T  # [V, H]
+    dlogp = np.where((np.arange(R) < n) & (rng.random(R) > 0.3), rng.normal(0.0, 1.0, R), 0.0).astype(np.float32)
+    be = with_settings(
+        MosaicGpuBackend(interpret=True, filter_window=WINDOW, filter_tail=2 * WINDOW, save_min_hidden=0),
+        grad_filter=0.02,
+    )
+    budget = next(b for b in range(0, 1 << 26, 1 << 10) if be.save_plan(rows=R, H=hd, V=V, budget_bytes=b) == 5)
+
+    def run(h, w, b, ids, dlogp, n_rows):
+        kw = dict(weight_layout=layout, with_window_mass=True, n_rows=n_rows)
+        _, lse, saved, mass = be.logprobs_for_grads(h, w, b, ids, t, budget_bytes=budget, **kw)
+        return be.grads(h, w, b, ids, dlogp, lse, t, weight_layout=layout, dw_acc=None,
+                        db_acc=jnp.zeros((V,), jnp.float32), window_mass=mass, saved=saved, n_rows=n_rows)  # fmt: skip
+
+    args = [jnp.asarray(x) for x in (h, w, bias, ids, dlogp)]
+    want = jax.jit(lambda *a: run(*a, None))(*args)
+    assert not calls
+    got = jax.jit(run)(*args, jnp.int32(n))
+    assert calls  # the row-prefix GEMMs ran
+    for name, a, b in zip(("dh", "dW", "db"), got, want):
+        a, b = np.asarray(a, f64), np.asarray(b, f64)
+        assert np.isfinite(a).all(), name
+        rtol = 2.0**-7 if name != "db" else 1e-5  # one bfloat16 ulp: another order of the float32 sums
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-5 * np.abs(b).max(), err_msg=name)

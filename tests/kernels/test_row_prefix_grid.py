@@ -212,15 +212,22 @@ def test_gradient_gemms_lower_for_cuda():
 
 
 @pytest.mark.parametrize(
-    "B, T, H, V, layout, sites",
-    [(8, 2048, 896, 151936, "hv", 7), (4, 2048, 4096, 128256, "vh", 5)],
-    ids=["qwen-recompute", "llama-kept-logits"],
+    "B, T, H, V, layout, grad_filter, sites",
+    [
+        (8, 2048, 896, 151936, "hv", None, 7),
+        (4, 2048, 4096, 128256, "vh", None, 5),
+        (8, 2048, 896, 151936, "hv", 1e-3, 10),
+        (4, 2048, 4096, 128256, "vh", 1e-3, 7),
+    ],
+    ids=["qwen-recompute", "llama-kept-logits", "qwen-filter", "llama-kept-filter"],
 )
-def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, sites):
+def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, grad_filter, sites):
     """GMPO's value and gradient with eight row buckets, ``ROW_PREFIX_FORWARD`` and ``ROW_PREFIX_GRADIENT``, lowered
     for CUDA at real heads: one program for every number of live rows, i.e. no conditional, no XLA GEMM (the gradient
     GEMMs are the Pallas ones) and few Mosaic call sites (the forward, then dz, dh and dW of the full and the partial
-    vocabulary window; the kept-logits head forms dz in XLA). Per bucket it is 24 and 9 sites in 8 branches."""
+    vocabulary window; the kept-logits head forms dz in XLA). Per bucket it is 24 and 9 sites in 8 branches. With the
+    gradient filter each window runs on the runtime prefix of its rows: the head windows and the tail's (one XLA dot:
+    the dropped windows' correction); per static prefix it is 29 and 16 sites in 3 and 17 conditionals."""
     import re
 
     import gmpo_jax
@@ -233,7 +240,9 @@ def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, sites):
     monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", True)
 
     def loss(h, w, ids, mask, adv):
-        head = gmpo_jax.HeadOptions(weight_layout=layout, implementation=MosaicGpuBackend(row_buckets=8))
+        head = gmpo_jax.HeadOptions(
+            weight_layout=layout, grad_filter=grad_filter, implementation=MosaicGpuBackend(row_buckets=8)
+        )
         batch = gmpo_jax.PolicyBatch(ids, mask, adv)
         return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=gmpo_jax.GMPO(), head=head)[0]
 
@@ -241,5 +250,5 @@ def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, sites):
     args = (S((B, T, H), jnp.bfloat16), S((H, V) if layout == "hv" else (V, H), jnp.bfloat16),
             S((B, T), jnp.int32), S((B, T), jnp.bool_), S((B,), jnp.float32))  # fmt: skip
     text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"])(*args).mlir_module()
-    assert "stablehlo.case" not in text and "stablehlo.dot_general" not in text
+    assert "stablehlo.case" not in text and text.count("stablehlo.dot_general") == (grad_filter is not None)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == sites

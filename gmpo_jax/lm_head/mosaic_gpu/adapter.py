@@ -339,10 +339,10 @@ class MosaicGpuBackend(WithHeadSettings):
         ``saved`` may hold more rows than ``hidden`` (kept by a forward on a row prefix, ``Capabilities.row_prefix``):
         the first ones are read.
 
-        ``n_rows`` (``Capabilities.row_prefix_grads``): only the first ``n_rows`` rows have a cotangent; without the
-        filter or ``logits_precision`` and with ``H`` a multiple of 128, the pass runs on that prefix with one program
-        (``_GradPass.prefix_gemms``; ``dz`` from ``saved`` is formed on every row, the rows past the prefix unread);
-        otherwise on every row."""
+        ``n_rows`` (``Capabilities.row_prefix_grads``): only the first ``n_rows`` rows have a cotangent; without
+        ``logits_precision`` and with ``H`` a multiple of 128, the pass runs on that prefix with one program
+        (``_GradPass.prefix_gemms``; ``dz`` from ``saved`` is formed on every row, the rows past the prefix unread),
+        and the gradient filter runs each window on the runtime prefix of its own rows; otherwise on every row."""
         from gmpo_jax.kernels import _common as C
 
         R, H, V = self._check_call(hidden, weight, bias, weight_layout)
@@ -374,7 +374,7 @@ class MosaicGpuBackend(WithHeadSettings):
                 f16 = saved is None and weight.dtype == jnp.float16  # (kept logits: only ever for 16-bit results)
                 dw_acc = jnp.zeros(weight.shape, jnp.float32 if f16 else weight.dtype)
             ops = operands(hp, weight, weight_layout, self.logits_precision)
-            on_prefix = window_mass is None and not precise and H % 128 == 0
+            on_prefix = not precise and H % 128 == 0  # the row-prefix GEMMs' conditions
             gp = _GradPass(
                 backend=self,
                 cfg=cfg,

@@ -9,7 +9,7 @@ time and the accumulators are updated in place; the last, partial window runs af
 filter, :meth:`_GradPass.filtered_windows` executes a :class:`~.grad_filter.FilterPlan`. On a runtime row prefix
 (``n_rows``: the rows with work are the first ``n_rows``), the dz kernel runs on a ``RowPrefixGrid`` and the two
 GEMMs are Pallas kernels that take the row count at run time (``kernels.lm_head_dhidden``, ``lm_head_dweight``):
-one program serves every number of live rows.
+one program serves every number of live rows (with the filter: of each window's live rows).
 """
 
 from __future__ import annotations
@@ -251,20 +251,34 @@ class _GradPass:
         docs/performance.md). The head holds the frequent tokens, where rows differ in which windows
         they need; in the tail few rows need any window and mostly the same rows (docs/performance.md).
         ``save_tiles``: the leading tiles ``saved`` holds; the head windows inside them and the tail's columns
-        inside them take dz from the kept logits (``kept``), the others recompute it."""
+        inside them take dz from the kept logits (``kept``), the others recompute it. On a runtime row prefix
+        (``n_rows`` set: the row-prefix kernels serve this pass) each window and the tail run instead on every row
+        reordered live first, the kernels on the runtime prefix of the live ones: one program, no switch."""
         from gmpo_jax.kernels import _common as C
 
         live, tiles, n_head = fplan.live, fplan.tiles, fplan.n_head
         bn, Rp = self.cfg.block_n, self.hp.shape[0]
         width = tiles * bn
         sizes = _filter_sizes(Rp)
+        one_program = self.n_rows is not None  # each window on the runtime prefix of its rows (the row-prefix GEMMs)
 
         def rows_of(live_w, order, S):  # the pass over the prefix S of a window's rows, and their indices
             idx = None if S == Rp else order.perm[:S]  # every row: in place, no gather or scatter
             return idx, self.subset(idx, live_w if idx is None else jnp.take(live_w, idx))
 
         def put(x, idx, y):  # the prefix's dh / row sums into the whole
-            return x + y if idx is None else x.at[idx].add(y, unique_indices=True)
+            return x + y if idx is None else x.at[idx].add(y, mode="drop", unique_indices=True)
+
+        def on_rows(live_w, order, run, empty):
+            """``run(idx, sub)`` on the window's rows: one program on every row reordered live first, the kernels on
+            the runtime prefix of the live ones (``n_rows``: ``idx`` sends the rows past it out of bounds, dropped
+            by ``put``), or one ``lax.switch`` branch per static prefix size (``empty()`` when no row is live)."""
+            if one_program:
+                sub = self.subset(order.perm, jnp.take(live_w, order.perm))
+                pos = jnp.arange(Rp, dtype=jnp.int32)
+                idx = jnp.where(pos < order.n_live, order.perm, Rp + pos)
+                return run(idx, dataclasses.replace(sub, n_rows=order.n_live))
+            return rows_lib.on_prefix(order.n_live, sizes, lambda S: run(*rows_of(live_w, order, S)), empty)
 
         def head(kept):
             def step(carry, w):  # window w: columns [w width, (w + 1) width)
@@ -275,12 +289,11 @@ class _GradPass:
                 no_db = None if self.bias_p is None else jnp.zeros((width,), jnp.float32)
                 nothing = (dh, rowsum, jnp.zeros(shape, jnp.float32), no_db)
 
-                def run(S):
-                    idx, sub = rows_of(live_w, order, S)
+                def run(idx, sub):
                     dh_s, dw_blk, db_blk, rowsum_s = sub.window_grads(v0, width, tiles, kept)
                     return put(dh, idx, dh_s), put(rowsum, idx, rowsum_s), dw_blk, db_blk
 
-                dh, rowsum, dw_blk, db_blk = rows_lib.on_prefix(order.n_live, sizes, run, lambda: nothing)
+                dh, rowsum, dw_blk, db_blk = on_rows(live_w, order, run, lambda: nothing)
                 dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, width, dw_blk, db_blk)
                 return (dh, dw_acc, db_acc, rowsum), None
 
@@ -302,8 +315,8 @@ class _GradPass:
 
         split = min(max(save_tiles, tile0), n_tiles)  # the tail's tiles [tile0, split) are kept
 
-        def tail(S):  # the accumulators go through the switch: each window adds into them in place
-            idx, sub = rows_of(live_t, order, S)
+        def tail(idx, sub):  # the accumulators go through the switch: each window adds into them in place
+            S = sub.hp.shape[0]
             dh, dw_acc, db_acc, rowsum = carry
             own = (
                 carry if idx is None else (jnp.zeros((S, H), jnp.float32), dw_acc, db_acc, jnp.zeros((S,), jnp.float32))
@@ -317,4 +330,4 @@ class _GradPass:
             dh_s, dw_acc, db_acc, rowsum_s = own
             return put(dh, idx, dh_s), dw_acc, db_acc, put(rowsum, idx, rowsum_s)
 
-        return rows_lib.on_prefix(order.n_live, sizes, tail, lambda: carry)
+        return on_rows(live_t, order, tail, lambda: carry)
