@@ -23,6 +23,14 @@ __all__ = ["HeadOptions", "MeshAxes", "as_head_options", "as_mesh_axes"]
 AxisName = Union[str, tuple[str, ...]]
 
 
+# The fused LM head's backends by name (``HeadOptions.implementation``), in the order the default dispatch tries
+# them: "module.path:ClassName", built with its defaults (``gmpo_jax.lm_head.backend.resolve``).
+LM_HEAD_IMPLEMENTATIONS: dict[str, str] = {
+    "mosaic_gpu": "gmpo_jax.lm_head.mosaic_gpu:MosaicGpuBackend",
+    "xla_chunked": "gmpo_jax.lm_head.xla_chunked:XlaChunkedBackend",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadOptions:
     """How the fused LM head computes: its weight's layout, its logits, its gradient and its implementation.
@@ -69,7 +77,8 @@ class HeadOptions:
     Raises:
       TypeError: a field of the wrong type (named), a backend class instead of an instance, an unhashable
         ``implementation``.
-      ValueError: an unknown ``weight_layout`` or ``logits_precision``; ``softcap`` not finite and ``> 0``;
+      ValueError: an unknown ``weight_layout``, ``logits_precision`` or implementation name; ``softcap`` not
+        finite and ``> 0``;
         ``grad_filter`` neither ``"auto"`` nor in ``[0, 1)``; ``chunk_size`` or ``vocab_size`` ``< 1``.
 
     Example:
@@ -108,6 +117,11 @@ class HeadOptions:
                 object.__setattr__(self, name, int(getattr(self, name)))
         impl = self.implementation
         check_implementation(impl)
+        if isinstance(impl, str) and impl not in LM_HEAD_IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be None, one of {tuple(LM_HEAD_IMPLEMENTATIONS)} or a backend instance, "
+                f"got implementation={impl!r}"
+            )
         if impl is not None and not isinstance(impl, str):
             try:
                 hash(impl)

@@ -47,7 +47,7 @@ def logits(hidden, weight, *, bias=None, temperature=1.0, head=None, upcast=True
         z = jnp.where(z == -jnp.inf, -jnp.inf, head.softcap * jnp.tanh(z / head.softcap))
     if head.vocab_size is not None:
         z = jnp.where(jnp.arange(z.shape[-1]) < head.vocab_size, z, -jnp.inf)
-    return z / jnp.asarray(temperature, jnp.float32)
+    return z / V_.as_temperature(temperature)
 
 
 def _target_logprobs(z, ids, V=None):

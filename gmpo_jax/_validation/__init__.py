@@ -23,6 +23,7 @@ from gmpo_jax._validation.arguments import (  # noqa: F401
     _concrete,
     _dtype,
     _shape,
+    as_temperature,
     check_chunk_size,
     check_ids,
     check_lm_head,

@@ -64,6 +64,14 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be finite and > 0, got temperature={float(value)!r}")
 
 
+def as_temperature(temperature):
+    """``temperature`` as a float32 scalar for the ops; a traced one that is not finite and positive (which
+    :func:`check_temperature` cannot see) becomes NaN, so the loss and log-probs are NaN instead of silently those of
+    a negated or infinite temperature."""
+    t = jnp.asarray(temperature, jnp.float32)
+    return jnp.where((t > 0) & jnp.isfinite(t), t, jnp.nan)
+
+
 def check_softcap(softcap) -> None:
     """``softcap``: None or a finite Python real ``> 0`` (static: it is compiled into the kernels)."""
     if softcap is None:
@@ -165,6 +173,8 @@ def check_lm_head(hidden, weight, bias, weight_layout, *, prefix: str = "") -> t
 
 
 def check_ids(ids, B: int, T: int, name: str = "completion_ids") -> None:
+    if ids is None:
+        raise TypeError(f"{name} is required (a [B, T] = {(B, T)} integer array), got None")
     require_shape(name, ids, (B, T), "[B, T]")
     if not jnp.issubdtype(_dtype(ids, name), jnp.integer):
         raise TypeError(f"{name} must have an integer dtype (int32), got {name}.dtype={_dtype(ids)}")

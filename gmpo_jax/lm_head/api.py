@@ -60,7 +60,8 @@ def fused_linear_policy_loss(
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters and
         loss shaping (:class:`~gmpo_jax.objectives.Objective`).
       bias: ``[V]`` LM-head bias or None.
-      temperature: ``> 0`` sampling temperature dividing the logits (float, or a traced scalar: not checked).
+      temperature: ``> 0`` sampling temperature dividing the logits (float, or a traced scalar: one that is not
+        finite and ``> 0`` makes the result NaN).
       reference: a :class:`~gmpo_jax.ReferenceHead` from which the KL term's reference log-probs are computed
         with the same fused path, without gradient; instead of ``batch.ref_logps``. Given to an objective
         without a KL term (``objective.has_kl`` False) it is ignored (nothing computed): a UserWarning once
@@ -166,7 +167,8 @@ def fused_linear_logprobs(
       completion_mask: optional ``[B, T]`` bool / {0, 1}; masked positions return 0, receive no gradient and
         may hold any id and any hidden state.
       bias: optional ``[V]`` LM-head bias.
-      temperature: ``> 0`` logits temperature (float or traced scalar).
+      temperature: ``> 0`` logits temperature (float, or a traced scalar: one that is not
+        finite and ``> 0`` makes the result NaN).
       return_entropy: also return the per-token entropy of the (temperature-scaled) softmax,
         :math:`\mathcal{H}_{b,t} = \log\sum_v e^{z_v} - \sum_v p_v z_v` in nats, in ``[0, \log V]`` (``V`` =
         ``head.vocab_size`` when given): what TRL logs as ``entropy``. A metric: it carries no gradient.
@@ -204,7 +206,7 @@ def fused_linear_logprobs(
     plan = _plan(hidden, weight, axes, B, V, head.weight_layout)
     mask = jnp.ones((B, T), jnp.bool_) if completion_mask is None else V_.as_mask(completion_mask)
     ids = jnp.where(mask, V_.as_ids(completion_ids), 0)
-    inputs = PolicyInputs(mask=mask, advantages=None, ids=ids, temperature=jnp.asarray(temperature, jnp.float32))
+    inputs = PolicyInputs(mask=mask, advantages=None, ids=ids, temperature=V_.as_temperature(temperature))
     out = _logprobs(Head(hidden, weight, bias), inputs, head, plan, with_entropy=bool(return_entropy))
     if return_entropy:
         return out[0], lax.stop_gradient(out[1])

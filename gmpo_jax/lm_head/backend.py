@@ -16,6 +16,7 @@ from jax import lax
 
 from gmpo_jax._dispatch import dispatch
 from gmpo_jax._validation import LOGITS_PRECISIONS  # logits_precision -> split order (a leaf's constant)
+from gmpo_jax.options import LM_HEAD_IMPLEMENTATIONS
 
 __all__ = [
     "LMHeadBackend",
@@ -57,9 +58,10 @@ class HeadSettings(NamedTuple):
 class WithHeadSettings:
     """Base of the backend dataclasses that take :class:`HeadSettings`: a private, keyword-only field read through
     the properties ``softcap``, ``logits_precision`` and ``grad_filter`` (what the backend declares in its
-    :class:`Capabilities`)."""
+    :class:`Capabilities`). Left out of the repr: a call sets them from its ``HeadOptions`` after the backend is
+    chosen (and logged), so an instance's own would mislead."""
 
-    _settings: HeadSettings = dataclasses.field(default=HeadSettings(), kw_only=True)
+    _settings: HeadSettings = dataclasses.field(default=HeadSettings(), kw_only=True, repr=False)
 
     @property
     def softcap(self) -> float | None:
@@ -292,11 +294,7 @@ def filters(backend) -> bool:
     return capabilities(backend).grad_filter and backend.grad_filter is not None
 
 
-# Ordered: the default dispatch tries them in this order; "module.path:ClassName", built with its defaults.
-IMPLEMENTATIONS: dict[str, str] = {
-    "mosaic_gpu": "gmpo_jax.lm_head.mosaic_gpu:MosaicGpuBackend",
-    "xla_chunked": "gmpo_jax.lm_head.xla_chunked:XlaChunkedBackend",
-}
+IMPLEMENTATIONS = LM_HEAD_IMPLEMENTATIONS  # (declared beside HeadOptions, which checks a name against it when built)
 
 
 def resolve(implementation, **config) -> LMHeadBackend:

@@ -56,7 +56,8 @@ def policy_loss_from_logits(
         and SAPO with a zero advantage).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters and
         loss shaping (:class:`~gmpo_jax.objectives.Objective`).
-      temperature: ``> 0`` sampling temperature dividing the logits (float or traced scalar).
+      temperature: ``> 0`` sampling temperature dividing the logits (float, or a traced scalar: one that is not
+        finite and ``> 0`` makes the result NaN).
       implementation: None (``"mosaic_gpu"`` on Hopper-or-newer GPUs when it can serve the call, else
         ``"xla"``), an explicit name (never falls back), or a backend instance such as
         ``gmpo_jax.logits.MosaicGpuLogitsBackend(interpret=True)``; ``MosaicGpuLogitsBackend(inplace=True)``

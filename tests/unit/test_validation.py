@@ -149,6 +149,12 @@ def test_required_batch_fields_are_named_when_none(fn, field):
         call(fn, **{field: None})
 
 
+def test_logprobs_ids_are_named_when_none():
+    a = good_args()
+    with pytest.raises(TypeError, match=r"completion_ids is required .*got None"):
+        gmpo_jax.fused_linear_logprobs(a["hidden"], a["weight"], None)
+
+
 def test_num_items_in_batch_vector_is_a_type_error():
     """A vector is not a real scalar: TypeError, like a bool or a string (tests/unit/test_edge_arguments.py)."""
     with pytest.raises(TypeError, match=r"batch\.num_items_in_batch must be a real scalar"):
@@ -177,8 +183,10 @@ def test_negative_num_items_in_batch(num_items):
 
 
 def test_unknown_implementation():
-    with pytest.raises(ValueError, match="implementation"):
-        call(head=dict(implementation="triton"))
+    """An unknown name raises when the ``HeadOptions`` is built (as its other fields), naming the known ones."""
+    with pytest.raises(ValueError, match=r"implementation must be None, one of \('mosaic_gpu', 'xla_chunked'\)"):
+        gmpo_jax.HeadOptions(implementation="triton")
+    assert gmpo_jax.HeadOptions(implementation="xla_chunked").implementation == "xla_chunked"
 
 
 @pytest.mark.parametrize(
@@ -375,6 +383,26 @@ def test_concrete_array_temperature_must_be_positive(temperature):
         gmpo_jax.fused_linear_policy_loss(
             h, w, gmpo_jax.PolicyBatch(ids, m, adv), objective=gmpo_jax.GMPO(), temperature=temperature
         )
+
+
+@pytest.mark.parametrize("temperature", [-1.0, 0.0, np.inf], ids=["negative", "zero", "inf"])
+def test_traced_bad_temperature_gives_nan(temperature):
+    """A traced temperature cannot be checked: one that is not finite and positive makes every op's result NaN (not
+    the loss of a negated temperature), and its gradients NaN too, whatever the backend."""
+    h, w, ids, m, adv = _tiny()
+    batch, obj = gmpo_jax.PolicyBatch(ids, m, adv), gmpo_jax.GMPO()
+    logits = jnp.ones((*ids.shape, w.shape[1]))
+    ops = {
+        "fused": lambda t: gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj, temperature=t)[0],
+        "reference": lambda t: gmpo_jax.reference.policy_loss(h, w, batch, objective=obj, temperature=t)[0],
+        "logits": lambda t: gmpo_jax.policy_loss_from_logits(logits, batch, objective=obj, temperature=t)[0],
+        "logprobs": lambda t: gmpo_jax.fused_linear_logprobs(h, w, ids, temperature=t).sum(),
+    }
+    for name, f in ops.items():
+        assert np.isnan(float(jax.jit(f)(temperature))), name
+        assert np.isfinite(float(jax.jit(f)(0.7))), name
+    g = jax.jit(jax.grad(lambda h, t: gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj, temperature=t)[0]))
+    assert np.isnan(np.asarray(g(h, temperature))).all()
 
 
 def test_weighted_mask_is_rejected_when_concrete():
