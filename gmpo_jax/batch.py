@@ -88,7 +88,7 @@ class ReferenceHead(NamedTuple):
 
     Attributes:
       hidden: ``[B, T, H_ref]`` float hidden states of the same completion positions (``H_ref`` may differ
-        from the policy's ``H``); concrete values must not be NaN at an unmasked token.
+        from the policy's ``H``); concrete values must be finite at an unmasked token.
       weight: the reference LM head, laid out as the policy's (``HeadOptions.weight_layout``) with the same
         ``V``: ``[H_ref, V]`` or ``[V, H_ref]``.
       bias: ``[V]`` or None.

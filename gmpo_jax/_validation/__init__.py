@@ -51,9 +51,9 @@ from gmpo_jax._validation.inputs import (  # noqa: F401
     require_batch,
 )
 from gmpo_jax._validation.values import (  # noqa: F401
+    check_finite_unmasked,
     check_ids_in_range,
     check_mask,
-    check_not_nan_unmasked,
     check_segment_ids,
 )
 from gmpo_jax.objectives import Objective, PolicyInputs  # noqa: F401

@@ -21,7 +21,7 @@ from gmpo_jax._validation.arguments import (
     require_rank,
     require_shape,
 )
-from gmpo_jax._validation.values import check_ids_in_range, check_mask, check_not_nan_unmasked, check_segment_ids
+from gmpo_jax._validation.values import check_finite_unmasked, check_ids_in_range, check_mask, check_segment_ids
 from gmpo_jax.batch import PolicyBatch, ReferenceHead
 from gmpo_jax.objectives import Objective, PolicyInputs
 from gmpo_jax.objectives.params import _concrete_value
@@ -53,7 +53,7 @@ def require_batch(batch) -> None:
 def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
     """The checks of a :class:`~gmpo_jax.PolicyBatch` both ops share, every error naming the field
     (``batch.old_logps``): ``[B, T]`` / ``[B]`` shapes and dtypes, concrete values (finite advantages, a {0, 1}
-    mask, no NaN log-prob at a counted token, ids in ``[0, V)`` where counted), the normaliser override."""
+    mask, finite log-probs at a counted token, ids in ``[0, V)`` where counted), the normaliser override."""
     require_batch(batch)
     ids, mask, adv = batch.completion_ids, batch.completion_mask, batch.advantages
     check_ids(ids, B, T, "batch.completion_ids")
@@ -83,7 +83,7 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
         if x is not None:
             require_shape(f"batch.{field}", x, (B, T), "[B, T]")
             require_float(f"batch.{field}", x)
-            check_not_nan_unmasked(f"batch.{field}", x, mask)
+            check_finite_unmasked(f"batch.{field}", x, mask)
     ris, name = batch.rollout_is_ratio, "batch.rollout_is_ratio"
     if ris is not None:
         if _shape(ris) not in ((B, T), (B, 1), (B,)):
@@ -109,7 +109,7 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
 
 def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str) -> None:
     """A :class:`~gmpo_jax.ReferenceHead`: its LM head as the policy's (``[B, T, H_ref]`` hidden states, the same
-    ``V`` and layout), no NaN hidden state at a counted token, and not together with ``batch.ref_logps``."""
+    ``V`` and layout), finite hidden states at a counted token, and not together with ``batch.ref_logps``."""
     if not isinstance(reference, ReferenceHead):
         raise TypeError(
             f"reference must be None or a gmpo_jax.ReferenceHead(hidden, weight, bias=None), got {reference!r:.80}"
@@ -131,7 +131,7 @@ def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: 
             f"reference.weight must have the policy's vocabulary size V={V}, got reference.weight.shape="
             f"{_shape(reference.weight)}"
         )
-    check_not_nan_unmasked("reference.hidden", reference.hidden, batch.completion_mask)
+    check_finite_unmasked("reference.hidden", reference.hidden, batch.completion_mask)
 
 
 def check_policy_inputs(

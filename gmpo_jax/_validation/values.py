@@ -1,4 +1,4 @@
-"""Value checks of concrete data at trace time (ids in range, no NaN at a counted token, a {0, 1} mask,
+"""Value checks of concrete data at trace time (ids in range, finite values at a counted token, a {0, 1} mask,
 non-negative segment ids): each runs when the values are known (not traced) and names the first bad position;
 traced values cannot be checked (the public docstrings say what happens then)."""
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from gmpo_jax._validation.arguments import _concrete, _dtype, require_shape
 
-__all__ = ["check_ids_in_range", "check_not_nan_unmasked", "check_mask", "check_segment_ids"]
+__all__ = ["check_ids_in_range", "check_finite_unmasked", "check_mask", "check_segment_ids"]
 
 
 def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids", mask_name: str = "completion_mask") -> None:
@@ -35,21 +35,24 @@ def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids", mask_nam
         )
 
 
-def check_not_nan_unmasked(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:
-    """``x`` (``[B, T]``, or ``[B, T, ...]`` such as hidden states) holds no NaN at a token the mask counts,
-    when both are concrete; the error names the first such position ``(b, t)``. Masked positions may hold
-    NaN (nothing reads them). Traced, it cannot be checked: a NaN there makes the loss NaN."""
+def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:
+    """``x`` (``[B, T]``, or ``[B, T, ...]`` such as hidden states) is finite (no NaN, no ``+-inf``: an infinite
+    log-prob makes a ratio or the KL term infinite) at every token the mask counts, when both are concrete; the
+    error names the first such position ``(b, t)``. Masked positions may hold anything (nothing reads them).
+    Traced, it cannot be checked: a NaN there makes the loss NaN."""
     xv, mv = _concrete(x), _concrete(mask)
     if xv is None or mv is None:
         return
-    nan = np.isnan(xv.astype(np.float32))
-    nan = nan.reshape(nan.shape[:2] + (-1,)).any(axis=-1) & (mv != 0)
-    if nan.any():
-        b, t = (int(i) for i in np.argwhere(nan)[0])
+    xv = xv.astype(np.float32)
+    bad = ~np.isfinite(xv)
+    bad = bad.reshape(bad.shape[:2] + (-1,)).any(axis=-1) & (mv != 0)
+    if bad.any():
+        b, t = (int(i) for i in np.argwhere(bad)[0])
         where = f"{name}[{b}, {t}]" if xv.ndim == 2 else f"{name}[{b}, {t}, :]"
+        value = xv[b, t] if xv.ndim == 2 else xv[b, t][~np.isfinite(xv[b, t])].ravel()[0]
         raise ValueError(
-            f"{name} must not be NaN at an unmasked token ({mask_name} 1), got NaN in {where} "
-            f"({int(nan.sum())} such token(s))"
+            f"{name} must be finite at an unmasked token ({mask_name} 1), got {float(value)!r} in {where} "
+            f"({int(bad.sum())} such token(s))"
         )
 
 

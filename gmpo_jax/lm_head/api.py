@@ -90,7 +90,7 @@ def fused_linear_policy_loss(
         - an objective with a KL term (``objective.has_kl``: static, fixed when it was built and kept by
           ``jax.tree.map``) and neither ``batch.ref_logps`` nor ``reference``; both of them;
         - concrete values the batch's fields rule out (``PolicyBatch``: a mask of other values than 0 / 1, an
-          unmasked id outside ``[0, V)``, non-finite advantages, a NaN log-prob at an unmasked token, ...);
+          unmasked id outside ``[0, V)``, non-finite advantages, a NaN or infinite log-prob at an unmasked token, ...);
         - mesh axes not in the mesh or not dividing ``B`` / ``V``; an unknown implementation name.
       UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
 

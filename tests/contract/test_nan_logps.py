@@ -1,5 +1,5 @@
-"""Concrete NaN in ``batch.old_logps`` / ``batch.ref_logps`` (both ops) or ``reference.hidden`` (LM head) at an
-unmasked token raises ValueError naming the field and the first position ``(b, t)``, like NaN advantages and
+"""Concrete NaN (or an infinity) in ``batch.old_logps`` / ``batch.ref_logps`` (both ops) or ``reference.hidden`` (LM
+head) at an unmasked token raises ValueError naming the field and the first position ``(b, t)``, like NaN advantages and
 ``rollout_logps``; NaN under the mask is allowed and changes nothing (the loss equals the float64 oracle's
 on the clean inputs, ``conftest.TOLERANCES``)."""
 
@@ -66,11 +66,22 @@ def test_unmasked_nan_raises(op, name):
     assert CASE.mask[FIRST] and CASE.mask[later]
     pos = FIRST + ((1,) if name == "ref_hidden" else ())  # one hidden unit of the token
     shown = SHOWN[name]  # the error names the field
-    with pytest.raises(ValueError, match=rf"{shown} must not be NaN at an unmasked token.*{shown}\[1, 0"):
+    with pytest.raises(ValueError, match=rf"{shown} must be finite at an unmasked token.*nan in {shown}\[1, 0"):
         _loss(op, **_kwargs(name, later, pos))
     with pytest.raises(ValueError, match=shown):  # a jax array too
         kw = {k: jnp.asarray(v) for k, v in _kwargs(name, pos).items()}
         _loss(op, **kw)
+
+
+@pytest.mark.parametrize("value", [-np.inf, np.inf])
+@pytest.mark.parametrize("op,name", [c for c in CASES if c[1] != "ref_hidden"])
+def test_unmasked_infinite_logps_raise(op, name, value):
+    """An infinite log-prob at a counted token (a sampled token's is finite) would make a ratio or the KL term
+    infinite: it raises as NaN does, naming the field, the value and the position."""
+    x = np.array(getattr(CASE, name[:3]), np.float32)
+    x[FIRST] = value
+    with pytest.raises(ValueError, match=rf"{SHOWN[name]} must be finite .*got {value!r} in {SHOWN[name]}\[1, 0\]"):
+        _loss(op, **{name[:3]: x})
 
 
 @pytest.mark.parametrize("op,name", CASES)

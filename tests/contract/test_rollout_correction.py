@@ -188,7 +188,7 @@ def test_cap_inf_is_the_plain_ratio_and_cap_is_traced():
             ValueError,
             r"batch\.rollout_is_ratio must be finite",
         ),
-        (dict(rollout_logps=np.full((B, T), np.nan, np.float32)), ValueError, r"batch\.rollout_logps must not be NaN"),
+        (dict(rollout_logps=np.full((B, T), np.nan, np.float32)), ValueError, r"batch\.rollout_logps must be finite"),
     ],
 )
 def test_bad_batch_fields_raise(kwargs, err, match):
