@@ -45,7 +45,8 @@ def _make(registry: dict[str, str], name: str):
 
 def check_implementation(implementation, names: tuple[str, ...] = ()) -> None:
     """TypeError for what can never be an implementation: a backend class instead of an instance, or an object
-    without ``check_supported``. ``names``: the registered names, for the message (None and strings pass)."""
+    without ``check_supported``; ValueError for a name not in ``names`` (the registered names; empty: any name
+    passes)."""
     as_name = f"a name in {names}" if names else "a name"
     if isinstance(implementation, type):
         raise TypeError(
@@ -57,6 +58,10 @@ def check_implementation(implementation, names: tuple[str, ...] = ()) -> None:
             raise TypeError(
                 f"implementation must be None, {as_name} or a backend instance, got implementation={implementation!r}"
             )
+    if isinstance(implementation, str) and names and implementation not in names:
+        raise ValueError(
+            f"implementation must be None, one of {names} or a backend instance, got implementation={implementation!r}"
+        )
 
 
 def dispatch(implementation, registry: dict[str, str], what: str, *, required: tuple[str, ...] = (), **config):
@@ -84,12 +89,7 @@ def dispatch(implementation, registry: dict[str, str], what: str, *, required: t
         implementation.check_supported(**config)
         logger.info("gmpo_jax: %s implementation=%r (explicit instance)", what, implementation)
         return implementation
-    if implementation is not None:
-        if implementation not in registry:
-            raise ValueError(
-                f"implementation must be None, one of {tuple(registry)} or a backend instance, "
-                f"got implementation={implementation!r}"
-            )
+    if implementation is not None:  # a registered name (check_implementation)
         backend = _make(registry, implementation)
         backend.check_supported(**config)
         logger.info("gmpo_jax: %s implementation=%s (explicit)", what, implementation)

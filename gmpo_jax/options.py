@@ -116,12 +116,7 @@ class HeadOptions:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         impl = self.implementation
-        check_implementation(impl)
-        if isinstance(impl, str) and impl not in LM_HEAD_IMPLEMENTATIONS:
-            raise ValueError(
-                f"implementation must be None, one of {tuple(LM_HEAD_IMPLEMENTATIONS)} or a backend instance, "
-                f"got implementation={impl!r}"
-            )
+        check_implementation(impl, tuple(LM_HEAD_IMPLEMENTATIONS))
         if impl is not None and not isinstance(impl, str):
             try:
                 hash(impl)
