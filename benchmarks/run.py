@@ -84,8 +84,8 @@ CHOICES = {
     "objective": ("gmpo", "grpo"),
     # benchmarks.workloads.DATA (this driver does not import JAX; tests/kernels/test_grad_filter_family.py keeps them equal)
     "data": tuple(
-        ["light", "peaked", "heavy", "heavy-shared", "unsure", "flat"]
-        + [f"{m}-live" for m in ("light", "peaked", "heavy", "heavy-shared", "unsure")]
+        ["light", "peaked", "heavy", "heavy-shared", "heavy-rough", "unsure", "flat"]
+        + [f"{m}-live" for m in ("light", "peaked", "heavy", "heavy-shared", "heavy-rough", "unsure")]
     ),
     "input_dtype": ("bfloat16", "float32"),
     "logits_precision": ("none", "float32", "bf16x3"),
@@ -109,7 +109,7 @@ FILTER_ROW = "0.001"  # the main table's grad_filter column: tuning.GRAD_FILTER_
 # masked tokens and zero-advantage sequences against the same batch fully live; B = 20 in groups of 2
 # gives 30 % zero-advantage sequences, lengths uniform over 20-100 % of T about 40 % masked tokens
 SPARSITY_CONFIGS = [(Q, 20, 768), (G, 20, 768)]  # 20 x 768: one chunk (16384 // 768 = 21 >= 20)
-FAMILY_DATA = ["light", "peaked", "heavy", "heavy-shared", "unsure", "heavy-shared-live"]
+FAMILY_DATA = ["light", "peaked", "heavy", "heavy-shared", "heavy-rough", "unsure", "heavy-shared-live"]
 FAMILY_CONFIGS = [(Q, 8, 2048), (L, 4, 2048)]
 # the family group: shapes, members, implementations (exact = mosaic_gpu, cce = cce_gmpo, filter = mosaic_gpu with
 # grad_filter=FILTER_ROW), gradient accuracy against the dense float32 oracle; --family-* override them
@@ -574,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "objective": "logits path: GMPO() or GRPO(loss_type='grpo') (Liger's)",
                 "data": "workload family member (benchmarks/workloads.py MEMBERS): light, peaked (trained-LM-like, "
                 "ragged masks, zero-advantage groups), heavy (harmonic tail), heavy-shared (+ shared weight "
-                "direction), unsure; flat = N(0,1) data, full mask; NAME-live = NAME, all live",
+                "direction), heavy-rough (+ a tail uneven per token), unsure; flat = N(0,1) data, full mask; NAME-live = NAME, all live",
                 "mask": "flat data only: legacy ragged mask (lengths in [3T/4, T])",
                 "input_dtype": "LM head: dtype of hidden and weight (float32: the bf16 batch with the mantissa "
                 "bits below bf16 filled, so that it rounds back to the bf16 batch)",

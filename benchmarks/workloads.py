@@ -1,5 +1,5 @@
 """Seeded benchmark batches: a workload family (``MEMBERS``: ``light``, ``peaked``, ``heavy``, ``heavy-shared``,
-``unsure``, ``flat``; ``NAME-live`` all live), its knobs in `Workload`.
+``heavy-rough``, ``unsure``, ``flat``; ``NAME-live`` all live), its knobs in `Workload`.
 
     from benchmarks.workloads import make_lm_head_batch, batch_stats
     batch = make_lm_head_batch(B=8, T=2048, H=896, V=151936, data="peaked", seed=0)
@@ -50,7 +50,8 @@ The family (issue 32) varies what the first generator held fixed: the tail (``ta
 ``log((1 + v)^-head_s + rho (1 + v)^-1)`` that the temperature does not scale, ``rho`` and the temperature set
 together by a nested bisection), a weight direction shared by every column (``shared``, units of ``log V``), the
 mix of confident and unsure rows (``confidence``), the entropy, ragged lengths and zero-advantage sequences.
-``heavy-shared`` is the 2026-12-03 trained-LM-like batch on which the gradient filter failed (issue 32).
+``heavy-shared`` is the 2026-12-03 trained-LM-like batch on which the gradient filter failed (issue 32);
+``heavy-rough`` jitters its tail per token (``tail_jitter``), so that no vocabulary window holds an even share.
 
 ``peaked-live``: the same batch with every token live (full mask) and no all-equal group: the pair
 (peaked, peaked-live) shows what masked tokens and zero-advantage sequences save.
@@ -93,6 +94,11 @@ MEMBERS: dict[str, tuple[str, dict[str, Any]]] = {
         "heavy plus a weight direction of size log V shared by every column (the 2026-12-03 batch)",
         dict(tail="harmonic", tail_mass=0.12, entropy=2.4, shared=1.0),
     ),
+    "heavy-rough": (
+        "heavy-shared with each token's prior logit jittered by N(0, 1.5^2) nats: a tail uneven inside every "
+        "vocabulary window, as BPE ids follow frequency only roughly",
+        dict(tail="harmonic", tail_mass=0.12, entropy=2.4, shared=1.0, tail_jitter=1.5),
+    ),
     "unsure": (
         "mostly unsure rows, 20 % harmonic tail, shared direction log V; entropy 3 nats, half the sequences at "
         "advantage 0",
@@ -101,9 +107,17 @@ MEMBERS: dict[str, tuple[str, dict[str, Any]]] = {
     "flat": ("hidden N(0, 1), weight N(0, 1 / H): nearly uniform rows (entropy ~ log V), full mask", {}),
 }
 DATA = tuple(MEMBERS) + tuple(f"{m}-live" for m in MEMBERS if m != "flat")
-HEAVY = ("heavy", "heavy-shared", "unsure")  # the heavy-tailed members (the gradient filter's hard cases)
+# the heavy-tailed members (the gradient filter's hard cases)
+HEAVY = ("heavy", "heavy-shared", "heavy-rough", "unsure")
 _FAMILY_DEFAULTS: dict[str, Any] = dict(
-    entropy=2.0, tail="tempered", tail_mass=0.0, shared=0.0, confidence=1.0, min_len_frac=0.2, zero_adv_frac=0.3
+    entropy=2.0,
+    tail="tempered",
+    tail_mass=0.0,
+    tail_jitter=0.0,
+    shared=0.0,
+    confidence=1.0,
+    min_len_frac=0.2,
+    zero_adv_frac=0.3,
 )
 
 
@@ -125,6 +139,9 @@ class Workload:
       ``log((1 + v)^-head_s + rho (1 + v)^-1)``, not tempered, a steep head plus a harmonic (``1 / rank``) tail
       over the whole vocabulary, ``rho`` set by bisection so that the mean tail mass (each row's softmax mass
       attributed to the harmonic part, ``batch_stats``' ``tail_mass``) is ``tail_mass`` (0.001-0.2).
+    * ``tail_jitter``: harmonic only: each token's prior logit plus ``N(0, tail_jitter^2)`` nats, fixed per token (0:
+      a smooth tail, each window's mass nearly even over its columns; 1-2: uneven, as real vocabularies' ids
+      follow frequency only roughly).
     * ``shared``: strength of a weight direction shared by every column, in units of ``log V``: each column gets
       ``+ shared log(V) u`` for one unit hidden direction ``u``, along which every hidden state has component 1
       (a per-row logit shift: the softmax is unchanged, the gradient's dropped ``sum_v p_v W_v`` is not).
@@ -139,6 +156,7 @@ class Workload:
     entropy: float | None = None  # target mean softmax entropy, nats
     tail: str | None = None  # "tempered" or "harmonic"
     tail_mass: float | None = None  # harmonic: mean softmax mass in the harmonic tail
+    tail_jitter: float | None = None  # harmonic: per-token N(0, tail_jitter^2) nats on the prior logit
     shared: float | None = None  # shared weight direction, units of log V
     confidence: float | None = None  # a = U^confidence
     min_len_frac: float | None = None  # completion lengths uniform over [min_len_frac * T, T]
@@ -168,6 +186,8 @@ class Workload:
             raise ValueError(f"{self.tail=} must be 'tempered' or 'harmonic'")
         if self.tail == "harmonic" and not 0.0 < self.tail_mass < 0.5:
             raise ValueError(f"{self.tail_mass=} must be in (0, 0.5) with a harmonic tail")
+        if not self.tail_jitter >= 0.0 or (self.tail_jitter and self.tail != "harmonic"):
+            raise ValueError(f"{self.tail_jitter=} must be >= 0, and 0 without a harmonic tail")
         if not self.shared >= 0.0 or not self.confidence > 0.0:
             raise ValueError(f"{self.shared=} must be >= 0 and {self.confidence=} > 0")
 
@@ -331,11 +351,12 @@ def _family_weight(q, E, prior, u, *, seed: int, shared_s: float):
     return (w + noise).astype(jnp.bfloat16)
 
 
-def _harmonic_prior(V: int, head_s: float, log_rho):
-    """(prior logit ``log((1 + v)^-head_s + rho (1 + v)^-1)``, the harmonic part's share of each column) [V]."""
+def _harmonic_prior(V: int, head_s: float, log_rho, jitter=None):
+    """(prior logit ``log((1 + v)^-head_s + rho (1 + v)^-1)`` [+ ``jitter`` [V]], the harmonic part's share of each
+    column) [V]. The jitter scales a column's two parts alike: their shares stay."""
     lv = jnp.log1p(jnp.arange(V, dtype=jnp.float32))
     prior = jnp.logaddexp(-head_s * lv, log_rho - lv)
-    return prior, jax.nn.sigmoid(log_rho + (head_s - 1.0) * lv)
+    return prior if jitter is None else prior + jitter, jax.nn.sigmoid(log_rho + (head_s - 1.0) * lv)
 
 
 @functools.partial(jax.jit, static_argnames=("N", "margin", "zipf_s", "confidence"))
@@ -384,14 +405,14 @@ def _sample_rows(N: int, V: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("head_s", "iters"))
-def _bisect_harmonic(A, entropy, tail_mass, *, head_s: float, iters: int = 20):
+def _bisect_harmonic(A, entropy, tail_mass, jitter=None, *, head_s: float, iters: int = 20):
     """``(tau, log_rho)``: logits ``tau A + prior(rho)`` (``_harmonic_prior``) of the sample ``A [S, V]`` with mean
     entropy ``entropy`` and mean harmonic-tail mass ``tail_mass``: bisection on ``log rho`` (the tail mass grows
     with it), each step with a bisection on ``log tau`` for the entropy (which falls with ``tau``)."""
     V = A.shape[1]
 
     def stats(log_tau, log_rho):
-        prior, share = _harmonic_prior(V, head_s, log_rho)
+        prior, share = _harmonic_prior(V, head_s, log_rho, jitter)
         z = jnp.exp(log_tau) * A + prior[None]
         lse = jax.nn.logsumexp(z, axis=-1)
         p = jnp.exp(z - lse[:, None])
@@ -489,9 +510,13 @@ def make_lm_head_batch(
         t_scaled, t_prior = tau, tau
     else:  # the prior direction (1) is not: its head's exponent and its harmonic tail stay as built
         A = (h_unit[:sample] @ q[:, 1:]) @ E  # the sample's tempered logits before the temperature (float32)
-        tau, log_rho = _bisect_harmonic(A, jnp.float32(wl.entropy), jnp.float32(wl.tail_mass), head_s=wl.head_s)
+        jitter = None
+        if wl.tail_jitter > 0:
+            jitter = jax.jit(lambda: hashed_normal(wl.seed, 10, (V,), jnp.float32, wl.tail_jitter))()
+        tail_mass = jnp.float32(wl.tail_mass)
+        tau, log_rho = _bisect_harmonic(A, jnp.float32(wl.entropy), tail_mass, jitter, head_s=wl.head_s)
         del A
-        prior, share = _harmonic_prior(V, wl.head_s, log_rho)
+        prior, share = _harmonic_prior(V, wl.head_s, log_rho, jitter)
         weight = _family_weight(q, E, prior, u, seed=wl.seed, shared_s=wl.shared * math.log(V))
         t_scaled, t_prior = tau, jnp.float32(1.0)
 

@@ -54,15 +54,17 @@ class HeadOptions:
         computes it like ``"float32"``. How and what it costs: docs/DESIGN.md, docs/performance.md.
       grad_filter: None (default: the exact gradient), ``"auto"`` (the threshold ``tuning.GRAD_FILTER_AUTO``)
         or a real ``tau`` in ``[0, 1)``: the LM head's gradient may skip, per token row, each vocabulary window
-        of ``tuning.GRAD_FILTER_WINDOW`` columns whose softmax mass off the row's target is ``<= tau`` (the
-        target's own window is always kept), and corrects the hidden-state gradient by the dropped windows'
-        mean weight column. A row with cotangent ``c_r = d loss / d logp_r`` and dropped mass ``D_rk`` in
-        window ``k`` has its hidden-state gradient moved by at most
-        ``|c_r| sum_k D_rk max_(v in k) |W_v - mean_k(W)| / temperature``, each weight column ``v`` by at most
-        ``sum_r |c_r| p_(r,v) |h_r| / temperature`` over the rows that dropped it. Only the ``mosaic_gpu``
-        implementation skips work; the others, vocabulary-parallel calls, calls with a ``softcap`` and rows
-        with an entropy term compute the exact gradient. No effect on the loss, the metrics or evaluation
-        without gradients. docs/DESIGN.md "The gradient filter"; docs/performance.md "Gradient filter".
+        of ``tuning.GRAD_FILTER_WINDOW`` columns whose score ``s = D sqrt(2 ln(n / n_eff))`` is ``<= tau`` (``D``
+        the row's softmax mass off its target in the window, ``n`` the window's columns, ``n_eff`` its mass over its
+        largest probability: ``s`` is 0 for a mass spread evenly, ``D sqrt(2 ln n)`` for a mass on one column; the
+        target's own window is always kept), and corrects the hidden-state gradient by the dropped windows' mass
+        times their mean weight column. A row with cotangent ``c_r = d loss / d logp_r`` has its hidden-state
+        gradient moved by at most ``|c_r| sum_k min(D_rk, s_rk) max_(v in k) |W_v - mean_k(W)| / temperature``
+        over its dropped windows ``k`` (each term at most ``tau max_(v in k) |W_v - mean_k(W)|``), each weight
+        column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature`` over the rows that dropped it. Only the
+        ``mosaic_gpu`` implementation skips work; the others, vocabulary-parallel calls, calls with a ``softcap``
+        and rows with an entropy term compute the exact gradient. No effect on the loss, the metrics or evaluation
+        without gradients. docs/SPEC.md states it exactly; docs/DESIGN.md "The gradient filter".
       chunk_size: sequences per chunk of the scan (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
       vocab_size: the real vocabulary when the LM head is padded to ``V`` (e.g. to a multiple of the

@@ -645,3 +645,19 @@ def jaxpr_ops(closed, keep):
 
     walk(closed.jaxpr)
     return found
+
+
+def filter_window_stats(p, ids, window: int):
+    """The gradient filter's per-window statistics in float64 (docs/SPEC.md "LM-head gradient filter"), from the
+    softmax ``p [R, V]`` and the targets ``ids [R]``: ``(D, s)``, each ``[R, n_windows]``: ``D`` the row's mass off
+    its target in each window of ``window`` columns (the last one partial), ``s = D sqrt(2 ln(n / n_eff))`` its
+    score (``n`` the window's columns, ``n_eff`` its mass over its largest probability)."""
+    R, V = p.shape
+    n_w = -(-V // window)
+    pad = np.pad(np.asarray(p, np.float64), ((0, 0), (0, n_w * window - V))).reshape(R, n_w, window)
+    onehot = np.zeros((R, n_w * window))
+    onehot[np.arange(R), ids] = 1.0
+    D = (pad * (1.0 - onehot.reshape(R, n_w, window))).sum(-1)
+    width = np.minimum(window, V - window * np.arange(n_w))[None]
+    n_eff = pad.sum(-1) / np.maximum(pad.max(-1), 1e-300)
+    return D, D * np.sqrt(2.0 * np.log(np.maximum(width / np.maximum(n_eff, 1.0), 1.0)))

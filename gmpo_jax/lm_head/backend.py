@@ -198,8 +198,8 @@ class LMHeadBackend(Protocol):
 class Forward(NamedTuple):
     """What the forward of one chunk's rows hands its backward (:func:`forward`): ``logp`` and ``lse`` ``[R]``
     float32, the softmax ``entropy`` ``[R]`` float32 (None without an entropy term), what the backend kept for
-    its gradient pass (``saved``; None: recomputed) and the gradient filter's ``window_mass`` ``[R, n_windows]``
-    (None without the filter)."""
+    its gradient pass (``saved``; None: recomputed) and the gradient filter's ``window_mass`` (the backend's
+    per-window statistics, ``[R, n_windows, 2]`` for ``mosaic_gpu``; None without the filter)."""
 
     logp: Any
     lse: Any

@@ -1,8 +1,10 @@
 """The LM head's gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): per token row, the vocabulary
-windows whose softmax mass off the row's target is ``<= tau`` are left out of the gradient pass.
+windows whose score (the softmax mass ``D`` off the row's target, times ``sqrt(2 ln(n / n_eff))``: how unevenly the
+window's ``n`` columns hold it) is ``<= tau`` are left out of the gradient pass.
 
-Against an independent float64 NumPy implementation of what the filter computes: the forward's window masses,
-which (row, window) blocks are kept (rows with a cotangent; their target's window; windows above ``tau``), and
+Against an independent float64 NumPy implementation of what the filter computes (``conftest.filter_window_stats``):
+the forward's window masses and scores, which (row, window) blocks are kept (rows with a cotangent; their target's
+window; windows scoring above ``tau``), and
 the gradients of the kept entries (``dh = sum_kept dz_v W_v`` less ``c_r sum_k D_rk mean_k(W)``, the dropped windows'
 correction, ``D_rk`` the dropped mass of window ``k``; the exact path's rounding cancellation,
 ``backend.cancel_rounding``, removes the rounding of the stored ``dz`` only, not the dropped mass). The kernels run in the Pallas interpreter on peaked
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_grad_close, rel_err
+from conftest import assert_grad_close, filter_window_stats, rel_err
 from test_logits_loss import needs_hopper
 
 import gmpo_jax
@@ -54,8 +56,8 @@ def _peaked(seed, R, V=V, layout="hv"):
 
 
 def _reference(h, w_hv, ids, dlogp, tau, t, bias=None, tail=None, correct=True):
-    """float64: (window mass [R, n_w], kept [R, V], dh, dW [H, V], db) of the filtered gradient; the windows from
-    column ``tail`` on (and the last, partial one) kept together (all where any one is)."""
+    """float64: (window mass and score [R, n_w, 2], kept [R, V], dh, dW [H, V], db) of the filtered gradient; the
+    windows from column ``tail`` on (and the last, partial one) kept together (all where any one is)."""
     hh, ww = h.astype(f64), w_hv.astype(f64)
     z = hh @ ww + (0.0 if bias is None else bias.astype(f64))
     z = z / t
@@ -65,8 +67,8 @@ def _reference(h, w_hv, ids, dlogp, tau, t, bias=None, tail=None, correct=True):
     onehot = np.zeros((R, V))
     onehot[np.arange(R), ids] = 1.0
     n_w = -(-V // WINDOW)
-    off = np.pad(p * (1 - onehot), ((0, 0), (0, n_w * WINDOW - V))).reshape(R, n_w, WINDOW).sum(-1)
-    live = (off > tau) | (np.arange(n_w)[None] == (ids // WINDOW)[:, None])
+    off, score = filter_window_stats(p, ids, WINDOW)
+    live = (score > tau) | (np.arange(n_w)[None] == (ids // WINDOW)[:, None])
     n_head = min(V // WINDOW, n_w if tail is None else tail // WINDOW)
     live[:, n_head:] = live[:, n_head:].any(1, keepdims=True)
     live &= (dlogp != 0)[:, None]
@@ -75,7 +77,7 @@ def _reference(h, w_hv, ids, dlogp, tau, t, bias=None, tail=None, correct=True):
     # the dropped windows' correction: -c_r sum_k D_rk mean_k(W), D_rk the row's dropped mass in window k
     means = np.stack([ww[:, k * WINDOW : (k + 1) * WINDOW].mean(1) for k in range(n_w)])
     dh = dz @ ww.T - correct * (dlogp / t)[:, None] * (np.where(live, 0.0, off) @ means)
-    return off, kept, dh, hh.T @ dz, dz.sum(0)
+    return np.stack([off, score], axis=-1), kept, dh, hh.T @ dz, dz.sum(0)
 
 
 def _seam(backend, h, w, ids, dlogp, t, layout="hv", bias=None, budget=None):
@@ -125,9 +127,9 @@ def _prefixes(kept, tail=None):
 @pytest.mark.parametrize(
     "R, layout, with_bias, tau, t, tail, keep, prefixes",
     [
-        pytest.param(256, "vh", True, 0.02, 1.0, 512, 5, (256, 128, 128), id="vh-bias-tail512-keep5-two-prefixes"),
+        pytest.param(256, "vh", True, 0.05, 1.0, 512, 5, (256, 128, 128), id="vh-bias-tail512-keep5-two-prefixes"),
         pytest.param(120, "hv", False, 0.0, 0.8, None, 3, (128, 128, 128, 128), id="hv-tau0-t0.8-keep3-120-rows"),
-        pytest.param(128, "hv", True, 0.01, 0.8, None, 8, (128, 128, 0, 0), id="hv-bias-t0.8-keep-all"),
+        pytest.param(128, "hv", True, 0.03, 0.8, None, 8, (128, 128, 0, 0), id="hv-bias-t0.8-keep-all"),
     ],
 )
 def test_filtered_gradient_against_float64(one_sm, R, layout, with_bias, tau, t, tail, keep, prefixes):
@@ -139,7 +141,8 @@ def test_filtered_gradient_against_float64(one_sm, R, layout, with_bias, tau, t,
       256 rows (``_filter_sizes``): window 0 in place, window 1 on its rows gathered into a 128-row prefix, both read
       from the kept tiles (at those rows); the tail from window 2 (windows 2-3, run in one step, on its rows
       gathered): its tile 4 read from the kept logits, 5-7 recomputed.
-    * ``hv-tau0-t0.8-keep3-120-rows``: ``tau = 0`` keeps every window with any mass: the exact gradient;
+    * ``hv-tau0-t0.8-keep3-120-rows``: ``tau = 0`` keeps every window with any mass not spread exactly evenly: the
+      exact gradient;
       temperature 0.8; window 0 read from the kept tiles, window 1 straddles the kept range (tile 2 of 2-3):
       recomputed, as window 2 and the tail; 8 padding rows in the row block (no mass, no cotangent).
     * ``hv-bias-t0.8-keep-all``: a bias, temperature 0.8, all 8 tiles kept; window 2 and the tail skipped (no live
@@ -164,7 +167,8 @@ def test_filtered_gradient_against_float64(one_sm, R, layout, with_bias, tau, t,
     if keep is not None:  # the smallest budget that keeps `keep` tiles
         budget = next(b for b in range(0, 1 << 26, 1 << 10) if be.save_plan(rows=R, H=H, V=V, budget_bytes=b) == keep)
     mass, (dh, dw, db) = _seam(be, h, w, ids, dlogp, t, layout, bias, budget)
-    np.testing.assert_allclose(np.asarray(mass), off, atol=2e-6, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(mass)[..., 0], off[..., 0], atol=2e-6, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(mass)[..., 1], off[..., 1], atol=1e-5, rtol=1e-4)
     dw = np.asarray(dw) if layout == "hv" else np.asarray(dw).T
     assert_grad_close(np.asarray(dh, np.float32), dh_ref, np.float32, "dh", grad_rtol=1e-2)
     assert_grad_close(dw.astype(np.float32), dw_ref, np.float32, "dW", grad_rtol=1e-2)
@@ -178,7 +182,7 @@ def test_filtered_gradient_against_float64(one_sm, R, layout, with_bias, tau, t,
         assert frac < 0.9, f"the filter kept {frac:.0%} of the live rows' columns"
         gap = rel_err(dh_ref, _reference(h, w_hv, ids, dlogp, tau, t, bias, tail, correct=False)[2])
         assert gap > 1e-2 and rel_err(np.asarray(dh, np.float32), dh_ref) < gap / 3
-    else:  # tau = 0 keeps every window with any mass: the exact gradient
+    else:  # tau = 0 keeps every window with any mass (none is spread exactly evenly here): the exact gradient
         assert rel_err(dh_ref, dh_exact) < 1e-12
 
 
@@ -194,25 +198,27 @@ def test_filter_prefix_sizes(monkeypatch):
 @pytest.mark.parametrize("with_entropy", [False, True], ids=["loss", "entropy-term"])
 def test_kept_blocks_follow_the_rule(with_entropy):
     """``plan``'s ``live`` (``[n_windows, Rp]``) and ``_dropped_mass`` against the rule in NumPy, bit for bit: a row
-    is kept in a window when it has a cotangent and the window's mass off its target exceeds ``tau`` or holds its
-    target; a row with an entropy term's cotangent in every window; the tail windows (from ``n_head`` on) all where
+    is kept in a window when it has a cotangent and the window's score exceeds ``tau`` or holds its target; a row with an entropy term's cotangent in every window; the tail windows (from ``n_head`` on) all where
     any one is. The seam tests above cannot see a change of the tail rule in ``dh``: a dropped tail window moves
     it by ``c_r D_rk (mean_k(W) - W_v)``, within their tolerance."""
     rng = np.random.default_rng(7)
     Rp, n_w, n_head, tau = 64, 6, 3, 1e-3
     mass = (10.0 ** rng.uniform(-5, -1, (Rp, n_w))).astype(np.float32)
+    score = (mass * rng.uniform(0.0, 4.0, (Rp, n_w))).astype(np.float32)  # D sqrt(2 ln(n / n_eff)): 0 .. 4.2 D
     ids = rng.integers(0, n_w * WINDOW, Rp).astype(np.int32)
     coef = np.where(rng.random(Rp) < 0.25, 0.0, rng.normal(0.0, 1.0, Rp)).astype(np.float32)
     ent = np.where(rng.random(Rp) < 0.2, 1.0, 0.0).astype(np.float32) if with_entropy else np.zeros(Rp, np.float32)
     gp = SimpleNamespace(coef=jnp.asarray(coef), ids_p=jnp.asarray(ids), entropy=None)
     if with_entropy:
         gp.entropy = (jnp.asarray(ent), jnp.ones((Rp,), jnp.float32))
-    live = np.asarray(_filter_live(jnp.asarray(mass), gp, tau, WINDOW, n_head)).T  # [Rp, n_w]
+    live = np.asarray(_filter_live(jnp.asarray(score), gp, tau, WINDOW, n_head)).T  # [Rp, n_w]
 
     own = np.arange(n_w)[None] == (ids // WINDOW)[:, None]
-    ref = ((coef != 0) | (ent != 0))[:, None] & ((mass > tau) | own | (ent != 0)[:, None])
+    ref = ((coef != 0) | (ent != 0))[:, None] & ((score > tau) | own | (ent != 0)[:, None])
     ref[:, n_head:] = ref[:, n_head:].any(1, keepdims=True)
-    assert (ref[:, n_head:] != (((mass > tau) | own)[:, n_head:] & (coef != 0)[:, None])).any()  # the rule matters
+    untailed = ((score > tau) | own) & (coef != 0)[:, None]
+    assert (ref[:, n_head:] != untailed[:, n_head:]).any()  # the tail rule matters
+    assert ((score > tau) != (mass > tau)).any()  # the score, not the mass, decides
     np.testing.assert_array_equal(live, ref)
     dropped = np.asarray(_dropped_mass(jnp.asarray(mass), jnp.asarray(live.T)))
     np.testing.assert_array_equal(dropped, np.where(ref, 0.0, mass))
@@ -293,13 +299,13 @@ def test_policy_loss_with_filter(one_sm, batch, row_buckets, keep, seqs):
     p = np.exp(z - z.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
     flat_ids = np.asarray(ids).reshape(R)
-    p[np.arange(R), flat_ids] = 0.0
     n_w = -(-V // WINDOW)
-    off = np.pad(p, ((0, 0), (0, n_w * WINDOW - V))).reshape(R, n_w, WINDOW).sum(-1)
-    dropped = np.where(np.arange(n_w)[None] == (flat_ids // WINDOW)[:, None], 0.0, np.where(off <= 0.02, off, 0.0))
-    wins = [wh[:, k * WINDOW : (k + 1) * WINDOW] for k in range(n_w)]  # |c_r| sum_k D_rk max_(v in k) |W_v - mean_k|
+    D, score = filter_window_stats(p, flat_ids, WINDOW)
+    dropped = np.where((np.arange(n_w)[None] == (flat_ids // WINDOW)[:, None]) | (score > 0.02), 0.0, 1.0)
+    # |c_r| sum_k min(D, s)_rk max_(v in k) |W_v - mean_k(W)| over the dropped windows
+    wins = [wh[:, k * WINDOW : (k + 1) * WINDOW] for k in range(n_w)]
     spread = np.array([np.linalg.norm(x - x.mean(1, keepdims=True), axis=0).max() for x in wins])
-    bound = np.abs(np.asarray(c, f64).reshape(R)) * (dropped @ spread)
+    bound = np.abs(np.asarray(c, f64).reshape(R)) * ((dropped * np.minimum(D, score)) @ spread)
     moved = np.linalg.norm(np.asarray(dh1, f64).reshape(R, H) - np.asarray(dh0, f64).reshape(R, H), axis=1)
     slack = 2e-2 * np.linalg.norm(np.asarray(dh0, f64).reshape(R, H), axis=1) + 1e-6  # bf16 rounding of both
     assert np.all(moved <= bound + slack), np.max(moved - bound - slack)
@@ -313,14 +319,14 @@ def test_xla_chunked_ignores_the_filter(batch):
     np.testing.assert_array_equal(np.asarray(dw0), np.asarray(dw1))
 
 
-@pytest.mark.parametrize("shape", [(256, 3), (128, 4)])
+@pytest.mark.parametrize("shape", [(256, 3, 2), (128, 4, 2), (256, 4)])
 def test_window_mass_of_the_wrong_shape_raises(shape):
-    """``grads(window_mass=...)`` must be ``[rows, n_windows]`` (4 windows here): a wrong one raises at trace time
+    """``grads(window_mass=...)`` must be ``[rows, n_windows, 2]`` (4 windows here): a wrong one raises at trace time
     (a missing window would be read past the array, clamped: a wrong gradient)."""
     h, w, ids, _ = _peaked(4, 256)
     be = with_settings(MosaicGpuBackend(interpret=True, filter_window=WINDOW), grad_filter=0.01)
     args = jnp.asarray(h), jnp.asarray(w), None, jnp.asarray(ids), jnp.zeros((256,)), jnp.zeros((256,)), 1.0
-    with pytest.raises(ValueError, match=r"window_mass must be \[rows, n_windows\] = \[256, 4\]"):
+    with pytest.raises(ValueError, match=r"window_mass must be \[rows, n_windows, 2\] = \[256, 4, 2\]"):
         be.grads(*args, weight_layout="hv", dw_acc=None, db_acc=None, window_mass=jnp.zeros(shape))
 
 

@@ -147,8 +147,9 @@ class MosaicGpuBackend(WithHeadSettings):
         n_rows=None,
     ):
         """The seam's ``logprobs``; ``with_window_mass`` (the gradient filter, ``grad_filter`` set) appends each
-        row's softmax mass off its target per vocabulary window, ``[R, cdiv(V, filter_window)]`` float32, for
-        :meth:`grads`' ``window_mass``; ``n_rows`` (``Capabilities.row_prefix``): only the first ``n_rows`` rows are
+        row's softmax mass off its target per vocabulary window and the window's score (how unevenly it spreads that
+        mass), ``[R, cdiv(V, filter_window), 2]`` float32 (``grad_filter._window_mass``), for :meth:`grads`'
+        ``window_mass``; ``n_rows`` (``Capabilities.row_prefix``): only the first ``n_rows`` rows are
         computed (one compiled kernel for every ``n_rows``), the others' outputs are 0."""
         R, H, V = self._check_call(hidden, weight, bias, weight_layout, with_entropy=with_entropy)
         with jax.named_scope("gmpo_jax/mosaic_gpu/logprobs"):
@@ -245,8 +246,8 @@ class MosaicGpuBackend(WithHeadSettings):
         n_rows=None,
     ):
         """``((logp, lse[, entropy]), saved, mass)``: ``saved`` the kept tiles (``SavedLogits``, or None without
-        ``save_tiles``), ``mass`` the gradient filter's ``[R, n_windows]`` window mass with ``window_mass`` (one
-        split per window), else None. ``n_rows``: the kernel on a row-prefix grid (``kernels.RowPrefixGrid``),
+        ``save_tiles``), ``mass`` the gradient filter's ``[R, n_windows, 2]`` window masses and scores with
+        ``window_mass`` (one split per window; ``grad_filter._window_mass``), else None. ``n_rows``: the kernel on a row-prefix grid (``kernels.RowPrefixGrid``),
         every output 0 past the first ``n_rows`` rows (kept tiles there not written)."""
         from gmpo_jax.kernels import _common as C
         from gmpo_jax.kernels import _lm_head_pipeline as P
@@ -294,7 +295,7 @@ class MosaicGpuBackend(WithHeadSettings):
         stats, saved = (out[:-2], SavedLogits(*out[-2:])) if save_tiles else (out, None)
         logp, lse, *ent = (x[:R] for x in lm_head_merge_splits(*stats))
         mass = (
-            filter_lib._window_mass(*(x[:, :R] for x in stats[:3]), lse, ids, self.filter_window)
+            filter_lib._window_mass(*(x[:, :R] for x in stats[:3]), lse, ids, self.filter_window, V)
             if window_mass
             else None
         )
@@ -304,7 +305,7 @@ class MosaicGpuBackend(WithHeadSettings):
         if n_rows is not None:  # the rows past the prefix: 0, as the rows a prefix of a static size leaves out
             live = jnp.arange(R) < n_rows
             out = tuple(jnp.where(live, x, 0.0) for x in out)
-            mass = None if mass is None else jnp.where(live[:, None], mass, 0.0)
+            mass = None if mass is None else jnp.where(live[:, None, None], mass, 0.0)
         return out, saved, mass
 
     def grads(
@@ -328,7 +329,7 @@ class MosaicGpuBackend(WithHeadSettings):
         """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
         the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
 
-        ``window_mass`` (``[R, n_windows]``, from ``logprobs`` or ``logprobs_for_grads`` ``(with_window_mass=True)``;
+        ``window_mass`` (``[R, n_windows, 2]``, from ``logprobs`` or ``logprobs_for_grads`` ``(with_window_mass=True)``;
         only with ``grad_filter``): the gradient filter (module docstring): each vocabulary window runs on the rows
         that need it, reading dz from ``saved`` in the head windows it holds whole and in the tail's tiles it holds.
 
@@ -363,10 +364,10 @@ class MosaicGpuBackend(WithHeadSettings):
             if window_mass is not None and self.grad_filter is None:
                 raise ValueError("window_mass needs grad_filter set (HeadOptions(grad_filter=...))")
             n_windows = C.cdiv(V, self.filter_window)
-            if window_mass is not None and tuple(window_mass.shape) != (R, n_windows):
+            if window_mass is not None and tuple(window_mass.shape) != (R, n_windows, 2):
                 raise ValueError(
-                    f"window_mass must be [rows, n_windows] = [{R}, {n_windows}] (logprobs(with_window_mass=True) "
-                    f"of the same rows), got shape {tuple(window_mass.shape)}"
+                    f"window_mass must be [rows, n_windows, 2] = [{R}, {n_windows}, 2] (logprobs(with_window_mass="
+                    f"True) of the same rows), got shape {tuple(window_mass.shape)}"
                 )
             t = jnp.asarray(temperature, jnp.float32)
             fresh = dw_acc is None

@@ -1,11 +1,12 @@
 """The gradient filter (``grad_filter``; docs/DESIGN.md, docs/SPEC.md) as a plan that the gradient pass executes.
 
 Forward: the log-prob kernel runs one vocabulary split per ``filter_window``, so that its statistics give each
-row's softmax mass off its target per window (:func:`_window_mass`). Backward: :func:`plan` decides which
-(row, window) blocks are kept (:class:`FilterPlan`); ``_GradPass.filtered_windows`` runs each window of the head
-(the columns before ``filter_tail``) on the static prefix of its rows reordered live first, and the tail (the
-rest, its windows kept together) in one step on the prefix of the union of its rows; :func:`correct` then adds
-the dropped windows' correction to ``dh`` and to the row sums that the rounding cancellation subtracts.
+row's softmax mass off its target per window and how unevenly the window spreads it (:func:`_window_mass`).
+Backward: :func:`plan` decides which (row, window) blocks are kept (:class:`FilterPlan`); ``_GradPass.filtered_windows``
+runs each window of the head (the columns before ``filter_tail``) on the static prefix of its rows reordered live
+first, and the tail (the rest, its windows kept together) in one step on the prefix of the union of its rows;
+:func:`correct` then adds the dropped windows' correction to ``dh`` and to the row sums that the rounding
+cancellation subtracts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = ["FilterPlan", "plan", "correct", "filter_tiles", "filter_head"]
 
 class FilterPlan(NamedTuple):
     """What the gradient pass runs with the filter: ``live`` ``[n_windows, Rp]`` bool (the kept (row, window)
-    blocks), ``mass`` ``[Rp, n_windows]`` (each row's mass off its target per window, padding rows 0), ``tiles``
+    blocks), ``mass`` ``[Rp, n_windows]`` (each row's mass off its target per window, padding rows 0: ``D``), ``tiles``
     (vocabulary tiles per window) and ``n_head`` (the full windows before the tail)."""
 
     live: jax.Array
@@ -64,13 +65,15 @@ def filter_head(backend, block_n: int, V: int) -> int:
 
 
 def plan(backend, window_mass, gp, block_n: int, V: int) -> FilterPlan:
-    """The filter's plan for the gradient pass ``gp`` (row-padded to ``Rp``) from ``window_mass`` ``[R, n_windows]``
-    (``logprobs(with_window_mass=True)`` of the same rows) at ``backend.grad_filter``."""
+    """The filter's plan for the gradient pass ``gp`` (row-padded to ``Rp``) from ``window_mass``
+    ``[R, n_windows, 2]`` (``logprobs(with_window_mass=True)`` of the same rows: :func:`_window_mass`) at
+    ``backend.grad_filter``."""
     Rp = gp.hp.shape[0]
-    mass = jnp.pad(window_mass, ((0, Rp - window_mass.shape[0]), (0, 0)))  # padding rows: no mass, no cotangent
+    pad = ((0, Rp - window_mass.shape[0]), (0, 0), (0, 0))
+    stats = jnp.pad(window_mass, pad)  # padding rows: no mass, no cotangent
     n_head = filter_head(backend, block_n, V)
-    live = _filter_live(mass, gp, backend.grad_filter, backend.filter_window, n_head)
-    return FilterPlan(live=live, mass=mass, tiles=filter_tiles(backend, block_n), n_head=n_head)
+    live = _filter_live(stats[..., 1], gp, backend.grad_filter, backend.filter_window, n_head)
+    return FilterPlan(live=live, mass=stats[..., 0], tiles=filter_tiles(backend, block_n), n_head=n_head)
 
 
 def correct(carry, fplan: FilterPlan, coef, weight, bias, weight_layout: str, window: int):
@@ -84,30 +87,37 @@ def correct(carry, fplan: FilterPlan, coef, weight, bias, weight_layout: str, wi
     return dh, dw_acc, db_acc, rowsum - coef * jnp.sum(dropped, axis=1)
 
 
-def _window_mass(m2, l, t2, lse, ids, window: int):
-    """Each row's softmax mass off its target per vocabulary window, ``[R, n_windows]`` float32, from the log-prob
-    kernel's per-split statistics (one split per window, ``[n_windows, R]``): ``(l + 1) 2^(m2 - lse2)`` less the
-    target's ``2^(t2 - lse2)`` in its own window (float32 rounding: about ``1e-7`` of the row's largest
-    probability)."""
+def _window_mass(m2, l, t2, lse, ids, window: int, V: int):
+    """``[R, n_windows, 2]`` float32 from the log-prob kernel's per-split statistics (one split per window,
+    ``[n_windows, R]``): each row's softmax mass off its target per vocabulary window, ``D = (l + 1) 2^(m2 - lse2)``
+    less the target's ``2^(t2 - lse2)`` in its own window (float32 rounding: about ``1e-7`` of the row's largest
+    probability), and beside it the window's score ``s = D sqrt(2 ln(n / n_eff))``: ``n`` the window's columns,
+    ``n_eff = l + 1 = D / p_max`` (``p_max`` its largest probability). ``s`` bounds what dropping the window moves
+    beyond the mean-column correction (:func:`_dropped_mass`; docs/DESIGN.md "The gradient filter"): an evenly spread
+    mass scores 0, a mass on one column ``D sqrt(2 ln n)``. In a target's own window ``s`` is not used (kept)."""
     from gmpo_jax.kernels import _common as C
 
     lse2 = (lse * C.LOG2E)[None]
     total = jnp.where(l >= 0, (l + 1.0) * jnp.exp2(m2 - lse2), 0.0)  # l: one instance of the max excluded
-    own = jnp.arange(m2.shape[0], dtype=jnp.int32)[:, None] == (ids.astype(jnp.int32) // window)[None]
+    n_w = m2.shape[0]
+    own = jnp.arange(n_w, dtype=jnp.int32)[:, None] == (ids.astype(jnp.int32) // window)[None]
     target = jnp.where(own, jnp.exp2(t2 - lse2), 0.0)
-    return jnp.maximum(total - target, 0.0).T
+    mass = jnp.maximum(total - target, 0.0)
+    width = jnp.minimum(window, V - window * jnp.arange(n_w, dtype=jnp.float32))[:, None]  # the last one partial
+    spread = jnp.sqrt(2.0 * jnp.log(jnp.maximum(width / jnp.maximum(l + 1.0, 1.0), 1.0)))
+    return jnp.stack([mass, mass * spread], axis=-1).swapaxes(0, 1)
 
 
-def _filter_live(mass, gp, tau: float, window: int, n_head: int):
-    """``[n_windows, Rp]`` bool from ``mass`` ``[Rp, n_windows]``: the (row, window) blocks the filter keeps:
-    rows with a cotangent, in their target's window, in every window whose mass off the target exceeds
+def _filter_live(score, gp, tau: float, window: int, n_head: int):
+    """``[n_windows, Rp]`` bool from ``score`` ``[Rp, n_windows]`` (:func:`_window_mass`' ``s``): the (row, window)
+    blocks the filter keeps: rows with a cotangent, in their target's window, in every window whose score exceeds
     ``tau``, and in every window when the row has an entropy term's cotangent (kept exact); the windows from
     ``n_head`` on (the tail) are kept together: all of them where any one is."""
-    Rp, n_w = mass.shape
+    Rp, n_w = score.shape
     has_coef = gp.coef != 0
     ent = jnp.zeros((Rp,), bool) if gp.entropy is None else gp.entropy[0] != 0
     own = jnp.arange(n_w, dtype=jnp.int32)[:, None] == (gp.ids_p // window)[None]
-    live = (has_coef | ent)[None] & ((mass.T > tau) | own | ent[None])
+    live = (has_coef | ent)[None] & ((score.T > tau) | own | ent[None])
     if n_head < n_w:
         live = live.at[n_head:].set(jnp.any(live[n_head:], axis=0))
     return live
@@ -119,7 +129,10 @@ def _dropped_mass(mass, live):
     ``-c_r sum_(v dropped) p_v W_v`` to its ``dh`` (``c_r``: its cotangent over the temperature); ``grads`` adds
     ``-c_r sum_k D_rk mean_k(W)`` instead (``_window_means``), exact for what every column of a window shares (a
     direction shared by all columns, as trained heads have, adds up coherently over thousands of dropped columns:
-    left out, it dominated the error on heavy-tailed rows, docs/performance.md). And the kept ``dz`` of a row then
+    left out, it dominated the error on heavy-tailed rows, docs/performance.md). What remains of window ``k`` is
+    ``-c_r sum_(v in k) (p_v - D_rk / n_k) (W_v - mean_k(W))``, at most ``|c_r| min(D_rk, s_rk) max_(v in k) |W_v -
+    mean_k(W)|`` (``s_rk`` the window's score, :func:`_window_mass`; Pinsker's inequality): the filter drops a window
+    only where ``s_rk <= tau``. And the kept ``dz`` of a row then
     sums to ``c_r sum_k D_rk`` instead of 0 (its target is kept), so the rounding that ``cancel_rounding`` removes is
     the stored row sum less that: cancelling the stored sum alone would also move ``dh`` by ``c_r D_r W[:, id]``,
     which on a trained head (large target columns) is many times the dropped entries' own ``sum_v dz_v W_v``."""
