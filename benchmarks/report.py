@@ -787,7 +787,7 @@ def _data_label(r: dict[str, Any] | None, data: str) -> str:
 
 
 def block_lm_head(recs: list[dict[str, Any]]) -> str:
-    from benchmarks.run import FILTER_ROW, REALISTIC_CONFIGS
+    from benchmarks.run import FILTER_LABEL, FILTER_ROW, REALISTIC_CONFIGS
 
     rows = [
         f"| workload | data | gmpo_jax `mosaic_gpu` | gmpo_jax `grad_filter={FILTER_ROW}` | CCE default "
@@ -798,7 +798,7 @@ def block_lm_head(recs: list[dict[str, Any]]) -> str:
     for shape, B, T in REALISTIC_CONFIGS:
         for data in ("peaked", "flat"):
             ours = _get(recs, "mosaic_gpu", shape, B, T, data)
-            filt = _get(recs, "mosaic_gpu", shape, B, T, data, f"grad_filter={FILTER_ROW}")
+            filt = _get(recs, "mosaic_gpu", shape, B, T, data, FILTER_LABEL)
             cce = _get(recs, "cce_gmpo", shape, B, T, data)
             exact = _get(recs, "cce_gmpo", shape, B, T, data, "filter_eps=None")
             used += [ours, filt, cce, exact]
@@ -928,9 +928,9 @@ def block_headline(recs: list[dict[str, Any]]) -> str:
     """The README's one table: per family shape the member where the exact path is slowest against CCE's
     default (with the family's range of that ratio), the realistic long-sequence shape, and flat data with
     every peer. No dates or commits (docs/performance.md has them)."""
-    from benchmarks.run import FAMILY_CONFIGS, FAMILY_DATA, FILTER_ROW, REALISTIC_CONFIGS
+    from benchmarks.run import FAMILY_CONFIGS, FAMILY_DATA, FILTER_LABEL, FILTER_ROW, REALISTIC_CONFIGS
 
-    filt = f"grad_filter={FILTER_ROW}"
+    filt = FILTER_LABEL
     rows = [
         f"| workload: GMPO loss + hidden and weight gradients, bf16 | gmpo_jax exact (default) "
         f"| gmpo_jax `grad_filter={FILTER_ROW}` | Cut Cross-Entropy (default) | exact / CCE | Liger fused GRPO |",

@@ -95,8 +95,10 @@ CHOICES = {
 
 def labelled(opts: dict[str, Any]) -> str:
     """The variant label of the options in ``opts`` that are away from their defaults, e.g.
-    ``"input_dtype=float32,logits_precision=bf16x3"``."""
-    return ",".join(f"{k}={opts[k]}" for k in LABELLED_OPTS if k in opts and opts[k] != DEFAULT_OPTS[k])
+    ``"input_dtype=float32,logits_precision=bf16x3"``; a ``grad_filter`` is followed by the filter's rule
+    (``FILTER_RULE``), so that records of another rule do not fill the same cells."""
+    parts = [f"{k}={opts[k]}" for k in LABELLED_OPTS if k in opts and opts[k] != DEFAULT_OPTS[k]]
+    return ",".join(p + (f",filter_rule={FILTER_RULE}" if p.startswith("grad_filter=") else "") for p in parts)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -106,6 +108,10 @@ Q, L, G = "qwen2.5-0.5b", "llama3-8b", "logits-llama3"
 # the main table (docs/performance.md): peaked then flat, ours against CCE (default and exact), with gradient accuracy
 REALISTIC_CONFIGS = [(Q, 8, 2048), (L, 4, 2048), (Q, 2, 32768)]
 FILTER_ROW = "0.001"  # the main table's grad_filter column: tuning.GRAD_FILTER_AUTO (a test keeps them equal)
+# The gradient filter's keep rule (docs/SPEC.md): "score" thresholds each window's score D sqrt(2 ln(n / n_eff));
+# the records labelled "grad_filter=..." alone were of the rule before it, which thresholded the window's mass D.
+FILTER_RULE = "score"
+FILTER_LABEL = f"grad_filter={FILTER_ROW},filter_rule={FILTER_RULE}"  # the filtered cells' variant
 # masked tokens and zero-advantage sequences against the same batch fully live; B = 20 in groups of 2
 # gives 30 % zero-advantage sequences, lengths uniform over 20-100 % of T about 40 % masked tokens
 SPARSITY_CONFIGS = [(Q, 20, 768), (G, 20, 768)]  # 20 x 768: one chunk (16384 // 768 = 21 >= 20)

@@ -111,15 +111,12 @@ ROW_PREFIX_GRADIENT = False
 
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of
 # GRAD_FILTER_WINDOW columns (a multiple of every kernel's tile width), each window's rows on the smallest of
-# the prefixes Rp / 2**k, k < GRAD_FILTER_LEVELS; "auto" is the threshold GRAD_FILTER_AUTO (a window's
-# softmax mass off the target). Peaked workload (docs/performance.md "Gradient filter"): at 1e-3, 4096-column
-# windows keep 8.5 % of the (row, window) blocks of the rows with a gradient (CPU, Qwen2.5-0.5B head). Each
-# window costs a fixed overhead (switch, gathers, small ops): H200, 2026-12-02 (dbe89cd profile), Qwen 8 x 2048
-# peaked 10.5 ms at 4096 columns, 9.2 ms at 8192; 8cfd05a: hidden / weight-gradient error 0.20 / 0.23 % (Qwen;
-# exact path 0.19 / 0.24 %) and 0.20 / 0.24 % (Llama-3-8B 4 x 2048), within 1.5x of the exact path's own.
-# Issue 32 (docs/performance.md "Gradient filter on the workload family"): with the dropped windows' correction
-# the float64 model keeps every member within 1.02x of the exact path's error at 1e-3; at 1e-2 the weight gradient
-# is 1.2-1.7x (no correction helps it), so 1e-3 stays.
+# the prefixes Rp / 2**k, k < GRAD_FILTER_LEVELS; "auto" is the threshold GRAD_FILTER_AUTO of a window's score
+# D sqrt(2 ln(n / n_eff)) (docs/SPEC.md). Each window costs a fixed overhead (switch, gathers, small ops): H200,
+# 2026-12-02 (dbe89cd profile), Qwen 8 x 2048 peaked 10.5 ms at 4096 columns, 9.2 ms at 8192. The threshold is
+# the worst member's (docs/performance.md "A score instead of the mass", float64 model at the Qwen head): at 1e-3
+# every member is within 1.10x of the exact path's hidden-gradient error (heavy-rough, a tail uneven per token, the
+# worst; 2e-3 gives it 1.65x, against the rule's 1.5x), keeping 7-78 % of the (row, window) blocks.
 GRAD_FILTER_WINDOW = 8192
 GRAD_FILTER_LEVELS = 7
 # From column GRAD_FILTER_TAIL on, the windows are one tail (kept together per row, run in one step on the union

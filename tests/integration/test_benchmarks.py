@@ -167,7 +167,7 @@ def test_report_readme_blocks(tmp_path):
         grad_rel_err_weight=0.002,
         variant=None,
     )
-    filtered = dict(rec, variant=f"grad_filter={run.FILTER_ROW}", median_ms=24.0, grad_rel_err_hidden=0.0035)
+    filtered = dict(rec, variant=run.FILTER_LABEL, median_ms=24.0, grad_rel_err_hidden=0.0035)
     found = report.update_readme(str(readme), {"nvidia-h200": [rec, filtered]})
     text = readme.read_text()
     assert found == ["lm_head"] and text.startswith("intro\n") and text.endswith("outro\n")
@@ -183,7 +183,7 @@ def test_filter_suite_times_the_filter_at_auto():
     assert float(run.FILTER_ROW) == tuning.GRAD_FILTER_AUTO
     assert not [j for j in run.suite_jobs("gpu", ["realistic"]) if "grad_filter" in j.get("opts", {})]
     jobs = run.suite_jobs("gpu", ["filter"])
-    filtered = [j for j in jobs if j.get("variant") == f"grad_filter={run.FILTER_ROW}"]
+    filtered = [j for j in jobs if j.get("variant") == run.FILTER_LABEL]
     assert len(filtered) == len(run.REALISTIC_CONFIGS)
     assert all(j["opts"]["grad_filter"] == run.FILTER_ROW and j["impl"] == "mosaic_gpu" for j in filtered)
 
