@@ -6,7 +6,8 @@ shape (42 rows, H 64, V 1024, ``tau = 3e-3``), the filter's kernels in the Palla
 run (``filtered``): the heavy-tailed ones with a shared weight direction, where the filter's error was largest
 (``benchmarks/filter_error.py`` measures every member at larger shapes in float64), ``heavy-rough`` (its tail
 uneven inside every window) the hardest: there thresholding the mass instead of the score at the same ``tau`` gave
-2.1x the exact path's hidden-gradient error at this shape (float64 model; the score 1.1x). Against the float64 gradient of the same bf16 inputs:
+2.1x the exact path's hidden-gradient error at this shape (float64 model; the score 1.1x). Against the float64
+gradient of the same bf16 inputs:
 
 * the rule (issue 32): the filtered hidden- and weight-gradient relative L2 errors within 1.5x of the exact
   path's own (plus 2e-5 for float32 rounding) on every member, with the filter dropping blocks (so a filter that

@@ -247,8 +247,9 @@ class MosaicGpuBackend(WithHeadSettings):
     ):
         """``((logp, lse[, entropy]), saved, mass)``: ``saved`` the kept tiles (``SavedLogits``, or None without
         ``save_tiles``), ``mass`` the gradient filter's ``[R, n_windows, 2]`` window masses and scores with
-        ``window_mass`` (one split per window; ``grad_filter._window_mass``), else None. ``n_rows``: the kernel on a row-prefix grid (``kernels.RowPrefixGrid``),
-        every output 0 past the first ``n_rows`` rows (kept tiles there not written)."""
+        ``window_mass`` (one split per window; ``grad_filter._window_mass``), else None. ``n_rows``: the kernel on
+        a row-prefix grid (``kernels.RowPrefixGrid``), every output 0 past the first ``n_rows`` rows (kept tiles
+        there not written)."""
         from gmpo_jax.kernels import _common as C
         from gmpo_jax.kernels import _lm_head_pipeline as P
         from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials, lm_head_merge_splits
@@ -329,9 +330,10 @@ class MosaicGpuBackend(WithHeadSettings):
         """The seam's ``grads``; ``saved`` (from :meth:`logprobs_for_grads`) replaces the logits recompute for
         the vocabulary tiles it holds (the leading ones); the rest are recomputed, after it.
 
-        ``window_mass`` (``[R, n_windows, 2]``, from ``logprobs`` or ``logprobs_for_grads`` ``(with_window_mass=True)``;
-        only with ``grad_filter``): the gradient filter (module docstring): each vocabulary window runs on the rows
-        that need it, reading dz from ``saved`` in the head windows it holds whole and in the tail's tiles it holds.
+        ``window_mass`` (``[R, n_windows, 2]``, from ``logprobs`` or ``logprobs_for_grads``
+        ``(with_window_mass=True)``; only with ``grad_filter``): the gradient filter (module docstring): each
+        vocabulary window runs on the rows that need it, reading dz from ``saved`` in the head windows it holds
+        whole and in the tail's tiles it holds.
 
         ``dw_acc=None``: no accumulator, the chunk's own weight gradient is returned in the weight's dtype
         (float32 for a float16 weight without ``saved``: its range), each window's block written once (a float32 GEMM result

@@ -2,11 +2,11 @@
 
 Forward: the log-prob kernel runs one vocabulary split per ``filter_window``, so that its statistics give each
 row's softmax mass off its target per window and how unevenly the window spreads it (:func:`_window_mass`).
-Backward: :func:`plan` decides which (row, window) blocks are kept (:class:`FilterPlan`); ``_GradPass.filtered_windows``
-runs each window of the head (the columns before ``filter_tail``) on the static prefix of its rows reordered live
-first, and the tail (the rest, its windows kept together) in one step on the prefix of the union of its rows;
-:func:`correct` then adds the dropped windows' correction to ``dh`` and to the row sums that the rounding
-cancellation subtracts.
+Backward: :func:`plan` decides which (row, window) blocks are kept (:class:`FilterPlan`);
+``_GradPass.filtered_windows`` runs each window of the head (the columns before ``filter_tail``) on the static
+prefix of its rows reordered live first, and the tail (the rest, its windows kept together) in one step on the
+prefix of the union of its rows; :func:`correct` then adds the dropped windows' correction to ``dh`` and to the row
+sums that the rounding cancellation subtracts.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ __all__ = ["FilterPlan", "plan", "correct", "filter_tiles", "filter_head"]
 
 class FilterPlan(NamedTuple):
     """What the gradient pass runs with the filter: ``live`` ``[n_windows, Rp]`` bool (the kept (row, window)
-    blocks), ``mass`` ``[Rp, n_windows]`` (each row's mass off its target per window, padding rows 0: ``D``), ``tiles``
-    (vocabulary tiles per window) and ``n_head`` (the full windows before the tail)."""
+    blocks), ``mass`` ``[Rp, n_windows]`` (``D``: each row's mass off its target per window, padding rows 0),
+    ``tiles`` (vocabulary tiles per window) and ``n_head`` (the full windows before the tail)."""
 
     live: jax.Array
     mass: jax.Array
