@@ -10,12 +10,14 @@ hidden-state and weight gradients against the float64 gradient of the same bf16 
 * ``exact``: every window, ``dz = c (onehot - p)`` rounded to bfloat16 as the kernels store it, with the
   rounding cancellation of the exact path (``backend.cancel_rounding``: ``dh -= (sum_v dz_v) W_id``);
 * ``mass tau`` (``--mass-taus``): the windows whose mass off the target ``D`` is ``<= tau`` dropped (the rule
-  before the score), with the dropped windows' hidden-gradient correction ``-c_r sum_k D_rk mean_k(W)`` (``D_rk``:
-  row ``r``'s dropped mass in window ``k``; ``mean_k(W)``: the window's mean weight column), and the same rule
-  without it (``mass-uncorrected``, ``--uncorrected``);
-* ``score tau`` (``--score-taus``): what ``mosaic_gpu`` does: the windows whose score
-  ``s = D sqrt(2 ln(n / n_eff))`` is ``<= tau`` dropped (``n`` the window's columns, ``n_eff = D / p_max``), with the
-  same correction.
+  before the score);
+* ``score tau`` (``--score-taus``): the windows whose score ``s = D sqrt(2 ln(n / n_eff))`` is ``<= tau`` dropped
+  (``n`` the window's columns, ``n_eff = D / p_max``);
+
+each with the dropped windows' hidden-gradient correction ``-c_r sum_k D_rk m_k`` (``D_rk``: row ``r``'s dropped mass
+in window ``k``) of each ``--corrections``: ``even`` (``m_k`` the window's mean weight column), ``tilted`` (its
+columns weighted by ``softmax(h_mean W)`` over the window, ``h_mean`` the rows' mean hidden state: what
+``mosaic_gpu`` does), ``none``.
 
 Every rule keeps the target's window, keeps the windows from ``--tail`` on together (all where any one is) and
 cancels the kept entries' rounding only (``mosaic_gpu.grad_filter._dropped_mass``).
@@ -42,10 +44,23 @@ def _windows(V: int, window: int, tail: int):
     return [(k * window, min((k + 1) * window, V)) for k in range(n_w)], min(tail // window, V // window)
 
 
+def window_means(w, wins, h_mean=None):
+    """``[n_windows, H]``: each window's mean weight column, evenly or (``h_mean``) weighted by
+    ``softmax(h_mean W)`` over the window's columns."""
+    if h_mean is None:
+        return np.stack([w[:, a:b].mean(1) for a, b in wins])
+    z = h_mean @ w
+    out = []
+    for a, b in wins:
+        pi = np.exp(z[a:b] - z[a:b].max())
+        out.append((w[:, a:b] * pi).sum(1) / pi.sum())
+    return np.stack(out)
+
+
 def measure(h, w, ids, c, rules, *, window: int, tail: int, chunk: int = 128):
     """``{rule: (hidden error, weight error, kept fraction)}`` and the exact path's ``(hidden, weight)`` errors;
-    ``rules``: ``(kind, tau, corrected)`` triples, ``kind`` ``"mass"`` or ``"score"``. Float64 throughout, ``h
-    [N, H]`` and ``w [H, V]`` the bf16 values as float64."""
+    ``rules``: ``(kind, tau, correction)`` triples, ``kind`` ``"mass"`` or ``"score"``, ``correction`` ``"even"``,
+    ``"tilted"`` or ``"none"``. Float64 throughout, ``h [N, H]`` and ``w [H, V]`` the bf16 values as float64."""
     N, H = h.shape
     V = w.shape[1]
     wins, n_head = _windows(V, window, tail)
@@ -53,7 +68,7 @@ def measure(h, w, ids, c, rules, *, window: int, tail: int, chunk: int = 128):
     starts = np.array([a for a, _ in wins])
     widths = np.array([b - a for a, b in wins], np.float64)
     col_w = np.repeat(np.arange(n_w), widths.astype(int))  # window of each column
-    means = np.stack([w[:, a:b].mean(1) for a, b in wins])  # [n_w, H]
+    means = {"even": window_means(w, wins), "tilted": window_means(w, wins, h.mean(0)), "none": 0.0 * w[:, :n_w].T}
     dh = {r: np.zeros((N, H)) for r in rules}
     dw = {r: np.zeros((H, V)) for r in rules}
     kept = dict.fromkeys(rules, 0.0)
@@ -78,7 +93,7 @@ def measure(h, w, ids, c, rules, *, window: int, tail: int, chunk: int = 128):
         score = off * np.sqrt(2.0 * np.log(np.maximum(widths[None] / np.maximum(n_eff, 1.0), 1.0)))
         own = np.arange(n_w)[None] == (ic // window)[:, None]
         for rule in rules:
-            kind, tau, corrected = rule
+            kind, tau, correction = rule
             live = ((off if kind == "mass" else score) > tau) | own
             if n_head < n_w:
                 live[:, n_head:] = live[:, n_head:].any(1, keepdims=True)
@@ -86,8 +101,7 @@ def measure(h, w, ids, c, rules, *, window: int, tail: int, chunk: int = 128):
             D = np.where(live, 0.0, off)  # dropped mass per (row, window)
             dzk = np.where(live[:, col_w], dzb, 0.0)
             dh[rule][r0 : r0 + R] = dzk @ w.T - (dzk.sum(1) - cc * D.sum(1))[:, None] * w_id
-            if corrected:
-                dh[rule][r0 : r0 + R] -= cc[:, None] * (D @ means)
+            dh[rule][r0 : r0 + R] -= cc[:, None] * (D @ means[correction])
             dw[rule] += hc.T @ dzk
     rel = lambda x, y: float(np.linalg.norm(x - y) / np.linalg.norm(y))  # noqa: E731
     out = {r: (rel(dh[r], dh_ref), rel(dw[r], dw_ref), kept[r] / (N * n_w)) for r in rules}
@@ -105,15 +119,14 @@ def main(argv=None) -> int:
     p.add_argument("--members", default=",".join(MEMBERS))
     p.add_argument("--mass-taus", default="1e-3,1e-2", help="thresholds of the mass rule (empty: none)")
     p.add_argument("--score-taus", default="3e-3,7e-3,1e-2,2e-2", help="thresholds of the score rule")
-    p.add_argument("--uncorrected", action="store_true", help="also the mass rule without the correction")
+    p.add_argument("--corrections", default="tilted", help="even, tilted and / or none, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from benchmarks import workloads
 
     taus = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
-    rules = [("mass", t, True) for t in taus(args.mass_taus)]
-    rules += [("mass", t, False) for t in taus(args.mass_taus)] if args.uncorrected else []
-    rules += [("score", t, True) for t in taus(args.score_taus)]
+    corr = args.corrections.split(",")
+    rules = [(k, t, c) for k in ("mass", "score") for t in taus(getattr(args, f"{k}_taus")) for c in corr]
     N = args.B * args.T
     print(
         f"N {N}, H {args.H}, V {args.V}, windows of {args.window} (tail from {min(args.tail, args.V)}), seed {args.seed}"
@@ -132,8 +145,8 @@ def main(argv=None) -> int:
             f"{m} (entropy {s['mean_entropy']}, tail {s['tail_mass']}, off_top16 {s['off_top16']}, "
             f"shared/logV {s['shared_over_logV']}; {time.time() - t0:.0f} s): exact {100 * eh:.4f} / {100 * ew:.4f}"
         )
-        for (kind, tau, corrected), (a, b_, k) in out.items():
-            name = f"{kind}{'' if corrected else '-uncorrected'} {tau:.0e}"
+        for (kind, tau, correction), (a, b_, k) in out.items():
+            name = f"{kind} {tau:.0e} {correction}"
             print(
                 f"  {name:24s} kept {100 * k:5.1f} %  {100 * a:.4f} ({a / eh:.2f}x) / {100 * b_:.4f} ({b_ / ew:.2f}x)"
             )

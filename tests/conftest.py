@@ -661,3 +661,21 @@ def filter_window_stats(p, ids, window: int):
     width = np.minimum(window, V - window * np.arange(n_w))[None]
     n_eff = pad.sum(-1) / np.maximum(pad.max(-1), 1e-300)
     return D, D * np.sqrt(2.0 * np.log(np.maximum(width / np.maximum(n_eff, 1.0), 1.0)))
+
+
+def filter_window_means(w_hv, window: int, h_mean=None, bias=None, temperature=1.0):
+    """``[n_windows, H]`` float64: each window's mean weight column (``w_hv`` ``[H, V]``), evenly or, with
+    ``h_mean``, weighted by ``softmax((h_mean W + b) / temperature)`` over the window's columns (the gradient filter's
+    tilted correction, docs/SPEC.md); columns with a ``-inf`` bias left out."""
+    w = np.asarray(w_hv, np.float64)
+    H, V = w.shape
+    z = np.zeros(V) if h_mean is None else np.asarray(h_mean, np.float64) @ w
+    b = np.zeros(V) if bias is None else np.asarray(bias, np.float64)
+    z = np.where(np.isfinite(b), (z + np.where(np.isfinite(b), b, 0.0)) / temperature, -np.inf)
+    out = []
+    for a in range(0, V, window):
+        zk = z[a : a + window]
+        pi = np.exp(zk - zk[np.isfinite(zk)].max()) if np.isfinite(zk).any() else np.zeros_like(zk)
+        pi = np.where(np.isfinite(zk), pi, 0.0) if h_mean is not None else np.isfinite(zk).astype(np.float64)
+        out.append(w[:, a : a + window] @ pi / pi.sum() if pi.sum() > 0 else np.zeros(H))
+    return np.stack(out)

@@ -5,8 +5,8 @@ window's ``n`` columns hold it) is ``<= tau`` are left out of the gradient pass.
 Against an independent float64 NumPy implementation of what the filter computes (``conftest.filter_window_stats``):
 the forward's window masses and scores, which (row, window) blocks are kept (rows with a cotangent; their target's
 window; windows scoring above ``tau``), and
-the gradients of the kept entries (``dh = sum_kept dz_v W_v`` less ``c_r sum_k D_rk mean_k(W)``, the dropped windows'
-correction, ``D_rk`` the dropped mass of window ``k``; the exact path's rounding cancellation,
+the gradients of the kept entries (``dh = sum_kept dz_v W_v`` less ``c_r sum_k D_rk m_k``, the dropped windows'
+correction, ``D_rk`` the dropped mass of window ``k``, ``m_k`` its columns' mean tilted by the rows' mean hidden state; the exact path's rounding cancellation,
 ``backend.cancel_rounding``, removes the rounding of the stored ``dz`` only, not the dropped mass). The kernels run in the Pallas interpreter on peaked
 rows (a Zipf-like prior direction, as trained heads have), windows of two 128-column tiles, a partial last
 window. Tolerances: bfloat16 inputs and a bfloat16 ``dz`` (``conftest.TOLERANCES["bfloat16"]``: cosine and
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_grad_close, filter_window_stats, rel_err
+from conftest import assert_grad_close, filter_window_means, filter_window_stats, rel_err
 from test_logits_loss import needs_hopper
 
 import gmpo_jax
@@ -74,8 +74,9 @@ def _reference(h, w_hv, ids, dlogp, tau, t, bias=None, tail=None, correct=True):
     live &= (dlogp != 0)[:, None]
     kept = np.repeat(live, WINDOW, axis=1)[:, :V]
     dz = np.where(kept, (dlogp / t)[:, None] * (onehot - p), 0.0)
-    # the dropped windows' correction: -c_r sum_k D_rk mean_k(W), D_rk the row's dropped mass in window k
-    means = np.stack([ww[:, k * WINDOW : (k + 1) * WINDOW].mean(1) for k in range(n_w)])
+    # the dropped windows' correction: -c_r sum_k D_rk m_k, D_rk the row's dropped mass in window k, m_k the window's
+    # columns weighted by softmax((h_mean W + b) / t), h_mean the mean hidden state of the rows with a cotangent
+    means = filter_window_means(ww, WINDOW, hh[dlogp != 0].mean(0), bias, t)
     dh = dz @ ww.T - correct * (dlogp / t)[:, None] * (np.where(live, 0.0, off) @ means)
     return np.stack([off, score], axis=-1), kept, dh, hh.T @ dz, dz.sum(0)
 
@@ -302,10 +303,13 @@ def test_policy_loss_with_filter(one_sm, batch, row_buckets, keep, seqs):
     n_w = -(-V // WINDOW)
     D, score = filter_window_stats(p, flat_ids, WINDOW)
     dropped = np.where((np.arange(n_w)[None] == (flat_ids // WINDOW)[:, None]) | (score > 0.02), 0.0, 1.0)
-    # |c_r| sum_k min(D, s)_rk max_(v in k) |W_v - mean_k(W)| over the dropped windows
+    # |c_r| sum_k (min(D, s)_rk max_(v in k) |W_v - mean_k(W)| + D_rk |m_k - mean_k(W)|) over the dropped windows
     wins = [wh[:, k * WINDOW : (k + 1) * WINDOW] for k in range(n_w)]
     spread = np.array([np.linalg.norm(x - x.mean(1, keepdims=True), axis=0).max() for x in wins])
-    bound = np.abs(np.asarray(c, f64).reshape(R)) * ((dropped * np.minimum(D, score)) @ spread)
+    cr = np.asarray(c, f64).reshape(R)
+    tilted = filter_window_means(wh, WINDOW, np.asarray(h, f64).reshape(R, H)[cr != 0].mean(0))
+    shift = np.linalg.norm(tilted - filter_window_means(wh, WINDOW), axis=1)
+    bound = np.abs(cr) * ((dropped * (np.minimum(D, score) * spread[None] + D * shift[None])).sum(1))
     moved = np.linalg.norm(np.asarray(dh1, f64).reshape(R, H) - np.asarray(dh0, f64).reshape(R, H), axis=1)
     slack = 2e-2 * np.linalg.norm(np.asarray(dh0, f64).reshape(R, H), axis=1) + 1e-6  # bf16 rounding of both
     assert np.all(moved <= bound + slack), np.max(moved - bound - slack)

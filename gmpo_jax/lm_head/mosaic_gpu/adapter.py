@@ -405,7 +405,9 @@ class MosaicGpuBackend(WithHeadSettings):
             if window_mass is not None:  # the filter's plan, executed by the pass, then its correction
                 fplan = filter_lib.plan(self, window_mass, gp, bn, V)
                 carry = gp.filtered_windows(carry, fplan, save_tiles)
-                carry = filter_lib.correct(carry, fplan, gp.coef, weight, bias, weight_layout, self.filter_window)
+                carry = filter_lib.correct(
+                    carry, fplan, gp.coef, hp, weight, bias, t, weight_layout, self.filter_window
+                )
             if window_mass is None and save_tiles:
                 carry = gp.windows(
                     carry,
