@@ -58,9 +58,10 @@ class HeadOptions:
         the row's softmax mass off its target in the window, ``n`` the window's columns, ``n_eff`` its mass over its
         largest probability: ``s`` is 0 for a mass spread evenly, ``D sqrt(2 ln n)`` for a mass on one column; the
         target's own window is always kept), and corrects the hidden-state gradient by the dropped windows' mass
-        times their mean weight column. A row with cotangent ``c_r = d loss / d logp_r`` has its hidden-state
-        gradient moved by at most ``|c_r| sum_k min(D_rk, s_rk) max_(v in k) |W_v - mean_k(W)| / temperature``
-        over its dropped windows ``k`` (each term at most ``tau max_(v in k) |W_v - mean_k(W)|``), each weight
+        times their mean weight column ``m_k``, its columns weighted by the softmax of the call's mean hidden state
+        (over the rows with a cotangent). A row with cotangent ``c_r = d loss / d logp_r`` has its hidden-state
+        gradient moved by at most ``|c_r| sum_k (min(D_rk, s_rk) max_(v in k) |W_v - mean_k(W)| + D_rk |m_k -
+        mean_k(W)|) / temperature`` over its dropped windows ``k`` (``mean_k(W)`` the even mean), each weight
         column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature`` over the rows that dropped it. Only the
         ``mosaic_gpu`` implementation skips work; the others, vocabulary-parallel calls, calls with a ``softcap``
         and rows with an entropy term compute the exact gradient. No effect on the loss, the metrics or evaluation
