@@ -55,8 +55,9 @@ def require_rank(name: str, x, rank: int, what: str) -> None:
 
 
 def check_temperature(temperature) -> None:
-    if isinstance(temperature, bool) or not (isinstance(temperature, numbers.Real) or hasattr(temperature, "shape")):
-        raise TypeError(f"temperature must be a positive float or a float scalar array, got {temperature!r}")
+    is_bool = isinstance(temperature, (bool, np.bool_)) or getattr(temperature, "dtype", None) == np.bool_
+    if is_bool or not (isinstance(temperature, numbers.Real) or hasattr(temperature, "shape")):
+        raise TypeError(f"temperature must be a positive float or a real scalar array (not bool), got {temperature!r}")
     if hasattr(temperature, "shape") and _shape(temperature) != ():
         raise ValueError(f"temperature must be a scalar, got temperature.shape={_shape(temperature)}")
     value = _concrete(temperature)

@@ -376,6 +376,15 @@ def test_concrete_array_beta_without_reference_raises(beta):
         gmpo_jax.fused_linear_policy_loss(h, w, gmpo_jax.PolicyBatch(ids, m, adv), objective=gmpo_jax.GRPO(beta=beta))
 
 
+@pytest.mark.parametrize("temperature", [True, np.bool_(True), jnp.array(True)], ids=str)
+def test_bool_temperature_raises(temperature):
+    """A bool (Python, NumPy or a bool array, traced too: its dtype is static) is not a temperature."""
+    with pytest.raises(TypeError, match="temperature"):
+        call(temperature=temperature)
+    with pytest.raises(TypeError, match="temperature"):
+        jax.jit(lambda t: call(temperature=t))(jnp.array(True))
+
+
 @pytest.mark.parametrize("temperature", [jnp.array(-1.0), jnp.array(0.0), np.float32(np.nan)], ids=str)
 def test_concrete_array_temperature_must_be_positive(temperature):
     h, w, ids, m, adv = _tiny()

@@ -70,7 +70,7 @@ class MosaicGpuBackend(WithHeadSettings):
     save_min_hidden: int = tuning.SAVED_LOGITS_MIN_H
     row_buckets: int | None = None  # exact work skipping (gmpo_jax.lm_head.rows); None: tuning.row_buckets
     cancel_rounding: bool = True  # backend.cancel_rounding on dh (off under vocabulary parallelism)
-    filter_window: int = tuning.GRAD_FILTER_WINDOW  # its vocabulary windows, columns (a multiple of 256)
+    filter_window: int = tuning.GRAD_FILTER_WINDOW  # its vocabulary windows, columns (a multiple of the tiles)
     filter_tail: int = tuning.GRAD_FILTER_TAIL  # its windows from this column on are kept together
     name: str = "mosaic_gpu"
     capabilities: ClassVar[Capabilities] = Capabilities(
