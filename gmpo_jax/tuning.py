@@ -117,7 +117,7 @@ ROW_PREFIX_GRADIENT = False
 # the worst member's (docs/performance.md "A score instead of the mass", float64 model at the Qwen head, with the
 # tilted correction): at 1e-2 every member is within 1.21x of the exact path's hidden-gradient error (heavy-rough, a
 # tail uneven per token, the worst; the rule is 1.5x) and 1.04x of its weight-gradient error, keeping 6-17 % of the
-# (row, window) blocks; 5e-3 keeps up to 36 % at 1.04x.
+# (row, window) blocks; 5e-3 keeps up to 36 % within 1.07x.
 GRAD_FILTER_WINDOW = 8192
 GRAD_FILTER_LEVELS = 7
 # From column GRAD_FILTER_TAIL on, the windows are one tail (kept together per row, run in one step on the union
