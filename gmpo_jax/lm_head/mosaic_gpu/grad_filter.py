@@ -83,9 +83,9 @@ def correct(carry, fplan: FilterPlan, coef, hidden, weight, bias, temperature, w
     rows: their mean over the rows with a cotangent tilts the means)."""
     dh, dw_acc, db_acc, rowsum = carry
     dropped = _dropped_mass(fplan.mass, fplan.live)  # [Rp, n_windows]
-    has = (coef != 0).astype(jnp.float32)
+    has = coef != 0
     h_sum = jnp.dot(has.astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)  # 0 / 1: exact
-    h_mean = h_sum / jnp.maximum(jnp.sum(has), 1.0)
+    h_mean = h_sum / jnp.maximum(jnp.sum(has), 1).astype(jnp.float32)
     means = _window_means(weight, bias, weight_layout, window, h_mean, temperature)
     dh = dh - coef[:, None] * jnp.dot(dropped, means, precision=lax.Precision.HIGHEST)
     return dh, dw_acc, db_acc, rowsum - coef * jnp.sum(dropped, axis=1)
@@ -143,12 +143,11 @@ def _dropped_mass(mass, live):
     return jnp.where(live.T, 0.0, mass)
 
 
-def _window_means(weight, bias, weight_layout: str, window: int, h_mean=None, temperature=1.0):
-    """Each vocabulary window's mean weight column, ``[n_windows, H]`` float32: with ``h_mean`` (``[H]``) tilted,
-    the columns weighted by ``softmax((h_mean W + b) / temperature)`` over the window, else evenly; over the columns
-    that can hold softmax mass either way (a bias of ``-inf``, as ``vocab_size`` padding sets, leaves a column out;
-    a window with none gets 0). One read of the weight for the weights (a GEMV of ``h_mean`` rounded to the weight's
-    dtype, float32 results) and one for the sums (float32).
+def _window_means(weight, bias, weight_layout: str, window: int, h_mean, temperature):
+    """Each vocabulary window's tilted mean weight column, ``[n_windows, H]`` float32: the columns weighted by
+    ``softmax((h_mean W + b) / temperature)`` over the window (``h_mean`` ``[H]``), so a bias of ``-inf``, as
+    ``vocab_size`` padding sets, leaves a column out (a window with none gets 0). One read of the weight for the
+    weights (a GEMV of ``h_mean`` rounded to the weight's dtype, float32 results) and one for the sums (float32).
 
     Why tilted: a dropped window's mass sits on its columns unevenly, the same way for every row where the
     unevenness comes from what the rows share (a frequency direction, as trained heads have: each token's prior
@@ -158,20 +157,15 @@ def _window_means(weight, bias, weight_layout: str, window: int, h_mean=None, te
     V = _vocab(weight, weight_layout)
     w = weight if weight_layout == "vh" else weight.T  # [V, H] (a transposed read inside the reduction)
     t = jnp.asarray(temperature, jnp.float32)
-    logit = None
-    if h_mean is not None:
-        hm = h_mean.astype(weight.dtype)
-        dims = (((0,), (0,)), ((), ())) if weight_layout == "hv" else (((0,), (1,)), ((), ()))
-        logit = lax.dot_general(hm, weight, dims, preferred_element_type=jnp.float32) / t  # [V]
+    hm = h_mean.astype(weight.dtype)
+    dims = (((0,), (0,)), ((), ())) if weight_layout == "hv" else (((0,), (1,)), ((), ()))
+    logit = lax.dot_general(hm, weight, dims, preferred_element_type=jnp.float32) / t  # [V]
     if bias is not None:
-        b = bias.astype(jnp.float32) / t
-        logit = jnp.where(jnp.isfinite(b), 0.0, -jnp.inf) if logit is None else logit + b
+        logit = logit + bias.astype(jnp.float32) / t
     n_full, rest = divmod(V, window)
 
     def sums(lo: int, hi: int, n: int):  # [n, H] weighted column sums and [n] total weights of the windows
         blk = lax.slice_in_dim(w, lo, hi, axis=0).astype(jnp.float32).reshape(n, (hi - lo) // n, -1)
-        if logit is None:
-            return jnp.sum(blk, axis=1), jnp.full((n,), (hi - lo) // n, jnp.float32)
         z = logit[lo:hi].reshape(n, -1)
         top = jnp.max(z, axis=1, keepdims=True)
         pi = jnp.where(jnp.isfinite(z), jnp.exp(z - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
