@@ -31,6 +31,9 @@ class PolicyBatch(NamedTuple):
         (packed rows). GMPO takes a sequence's advantage as the mean over its unmasked tokens (their common
         value when the advantage is per sequence). Concrete values must be finite.
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = stop_gradient(logp)``).
+        This and the other log-prob fields: concrete values at a counted token must be finite and ``<= 0.5``
+        (log-probs are ``<= 0``; the slack is rounding): a larger one, such as a negated log-prob (an NLL),
+        raises ValueError; traced, they cannot be checked.
       ref_logps: ``[B, T]`` float reference-model log-probs for the KL term (an objective with ``beta != 0``);
         the LM-head op can compute them instead from a :class:`ReferenceHead` (``reference=``), not both. Given
         to an objective without a KL term (``objective.has_kl`` False) they are ignored: a UserWarning once per

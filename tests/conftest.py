@@ -318,9 +318,9 @@ def make_case(
     case = Case(hidden, weight, ids, mask, adv, bias, layout, logp64)
     if off_policy:
         r = rng.choice(R_GRID, size=(B, T))
-        case.old = np.where(mask, logp64 - r, 0.0).astype(np.float32)
+        case.old = np.where(mask, np.minimum(logp64 - r, 0.0), 0.0).astype(np.float32)  # log-probs: <= 0
     if with_ref:
-        case.ref = np.where(mask, logp64 + rng.uniform(-0.7, 0.7, size=(B, T)), 0.0).astype(np.float32)
+        case.ref = np.where(mask, np.minimum(logp64 + rng.uniform(-0.7, 0.7, size=(B, T)), 0.0), 0.0).astype(np.float32)
     if ris == "bt":
         case.ris = rng.uniform(0.5, 1.5, size=(B, T)).astype(np.float32)
     elif ris == "b1":

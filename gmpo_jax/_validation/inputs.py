@@ -21,7 +21,13 @@ from gmpo_jax._validation.arguments import (
     require_rank,
     require_shape,
 )
-from gmpo_jax._validation.values import check_finite_unmasked, check_ids_in_range, check_mask, check_segment_ids
+from gmpo_jax._validation.values import (
+    check_finite_unmasked,
+    check_ids_in_range,
+    check_log_probs,
+    check_mask,
+    check_segment_ids,
+)
 from gmpo_jax.batch import PolicyBatch, ReferenceHead
 from gmpo_jax.objectives import Objective, PolicyInputs
 from gmpo_jax.objectives.params import _concrete_value
@@ -83,7 +89,7 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
         if x is not None:
             require_shape(f"batch.{field}", x, (B, T), "[B, T]")
             require_float(f"batch.{field}", x)
-            check_finite_unmasked(f"batch.{field}", x, mask)
+            check_log_probs(f"batch.{field}", x, mask)
     ris, name = batch.rollout_is_ratio, "batch.rollout_is_ratio"
     if ris is not None:
         if _shape(ris) not in ((B, T), (B, 1), (B,)):

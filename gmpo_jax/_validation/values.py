@@ -9,7 +9,11 @@ import numpy as np
 
 from gmpo_jax._validation.arguments import _concrete, _dtype, require_shape
 
-__all__ = ["check_ids_in_range", "check_finite_unmasked", "check_mask", "check_segment_ids"]
+__all__ = ["check_ids_in_range", "check_finite_unmasked", "check_log_probs", "check_mask", "check_segment_ids"]
+
+# A log-softmax value is <= 0; rounding (a bfloat16 z_y - lse with |lse| < 128 is off by <= 0.25) keeps it below this.
+# A counted value above it is a negated log-prob (an NLL, a per-token loss), which would silently flip every ratio.
+LOG_PROB_MAX = 0.5
 
 
 def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids", mask_name: str = "completion_mask") -> None:
@@ -53,6 +57,24 @@ def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion
         raise ValueError(
             f"{name} must be finite at an unmasked token ({mask_name} 1), got {float(value)!r} in {where} "
             f"({int(bad.sum())} such token(s))"
+        )
+
+
+def check_log_probs(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:
+    """``x`` (``[B, T]`` log-probs) is finite and at most ``LOG_PROB_MAX`` at every token the mask counts, when both
+    are concrete (:func:`check_finite_unmasked` first): a larger value is not a log-probability (a negated one, an
+    NLL, is the usual mistake). Traced, it cannot be checked."""
+    check_finite_unmasked(name, x, mask, mask_name)
+    xv, mv = _concrete(x), _concrete(mask)
+    if xv is None or mv is None:
+        return
+    bad = (xv.astype(np.float32) > LOG_PROB_MAX) & (mv != 0)
+    if bad.any():
+        b, t = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} must be log-probabilities (<= 0; up to {LOG_PROB_MAX} is taken as rounding) at an unmasked "
+            f"token ({mask_name} 1), got {float(xv[b, t])!r} in {name}[{b}, {t}] ({int(bad.sum())} such token(s)): "
+            "a negated log-prob (an NLL) flips every ratio"
         )
 
 

@@ -1,12 +1,13 @@
 """Concrete NaN (or an infinity) in ``batch.old_logps`` / ``batch.ref_logps`` (both ops) or ``reference.hidden`` (LM
 head) at an unmasked token raises ValueError naming the field and the first position ``(b, t)``, like NaN advantages and
 ``rollout_logps``; NaN under the mask is allowed and changes nothing (the loss equals the float64 oracle's
-on the clean inputs, ``conftest.TOLERANCES``)."""
+on the clean inputs, ``conftest.TOLERANCES``). A counted log-prob above 0.5 (a negated log-prob) raises too."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -95,3 +96,24 @@ def test_masked_nan_is_allowed(op, name):
     assert_loss_close(loss, want.loss, want.scale, np.float32)
     kl = want.metrics["kl"]
     assert abs(float(aux.kl) - kl) <= 1e-5 * max(abs(kl), 1e-2), (float(aux.kl), kl)
+
+
+@pytest.mark.parametrize("op,name", [c for c in CASES if c[1] != "ref_hidden"])
+def test_positive_logps_raise(op, name):
+    """A counted log-prob above ``LOG_PROB_MAX`` (0.5: log-probs are <= 0, the slack is a bfloat16 log-softmax's
+    rounding) is not one; the usual mistake, a negated log-prob (an NLL), raises naming the field, the value and
+    the position. At the limit, or above it under the mask, it passes; traced (under jit) it cannot be checked."""
+    from gmpo_jax._validation.values import LOG_PROB_MAX
+
+    x = np.array(getattr(CASE, name[:3]), np.float32)
+    shown = SHOWN[name]
+    with pytest.raises(ValueError, match=rf"{shown} must be log-probabilities .*in {shown}\[0, 0\]"):
+        _loss(op, **{name[:3]: np.where(CASE.mask, -x, 0.0)})  # the NLL
+    x[FIRST] = 0.75
+    with pytest.raises(ValueError, match=rf"{shown} must be log-probabilities .*got 0\.75 in {shown}\[1, 0\]"):
+        _loss(op, **{name[:3]: jnp.asarray(x)})
+    x[FIRST], x[MASKED] = LOG_PROB_MAX, 3.0
+    assert np.isfinite(float(_loss(op, **{name[:3]: x})[0]))
+    x[FIRST] = 0.75
+    traced = jax.jit(lambda v: _loss(op, **{name[:3]: v})[0])(x)
+    assert np.isfinite(float(traced))

@@ -490,3 +490,11 @@ def test_concrete_unmasked_out_of_range_ids_raise():
         )[0]
     )
     assert np.isnan(float(traced(bad)))
+
+
+def test_positive_rollout_logps_raise():
+    """``batch.rollout_logps`` are log-probs too: a counted value above 0.5 (a negated log-prob) raises."""
+    with pytest.raises(
+        ValueError, match=r"batch\.rollout_logps must be log-probabilities .*batch\.rollout_logps\[0, 1\]"
+    ):
+        call(rollout_logps=jnp.asarray([[-1.0, 2.0, -0.1], [-0.3, -0.2, -0.5]], jnp.float32))
