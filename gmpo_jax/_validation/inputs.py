@@ -27,6 +27,7 @@ from gmpo_jax._validation.values import (
     check_log_probs,
     check_mask,
     check_segment_ids,
+    counted_tokens,
 )
 from gmpo_jax.batch import PolicyBatch, ReferenceHead
 from gmpo_jax.objectives import Objective, PolicyInputs
@@ -84,12 +85,15 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
             f"return, but batch.completion_mask counts {longest} tokens in a row: pass the sampler's limit (a traced "
             "mask is not checked)"
         )
+    # the value checks look at the counted tokens only (masked or padding ones may hold anything); traced: none
+    counted = counted_tokens(mask, batch.segment_ids)
     for field in ("old_logps", "ref_logps", "rollout_logps"):
         x = getattr(batch, field)
         if x is not None:
             require_shape(f"batch.{field}", x, (B, T), "[B, T]")
             require_float(f"batch.{field}", x)
-            check_log_probs(f"batch.{field}", x, mask)
+            if counted is not None:
+                check_log_probs(f"batch.{field}", x, counted)
     ris, name = batch.rollout_is_ratio, "batch.rollout_is_ratio"
     if ris is not None:
         if _shape(ris) not in ((B, T), (B, 1), (B,)):
@@ -99,18 +103,25 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
             )
         require_float(name, ris)
         value = _concrete(ris)
-        if value is not None and not np.all(np.isfinite(value.astype(np.float64)) & (value.astype(np.float64) >= 0)):
-            bad = tuple(int(i) for i in np.argwhere(~(np.isfinite(value.astype(np.float64)) & (value >= 0)))[0])
-            raise ValueError(
-                f"{name} must be finite and >= 0 (a weight), got {name}{list(bad)} = {float(value[bad])!r}"
-            )
+        if value is not None and counted is not None:  # at a counted token ([B, T]) or of a row with one
+            v = value.astype(np.float64).reshape(B, -1)
+            where = counted if v.shape[1] == T else counted.any(axis=1, keepdims=True)
+            bad = ~(np.isfinite(v) & (v >= 0)) & where
+            if bad.any():
+                b, t = (int(i) for i in np.argwhere(bad)[0])
+                pos = [b] if value.ndim == 1 else [b, t]
+                raise ValueError(
+                    f"{name} must be finite and >= 0 (a weight) where a token counts, got {name}{pos} = "
+                    f"{float(v[b, t])!r}"
+                )
     from gmpo_jax import _validation  # the warn-once state lives on the package
 
     if batch.num_items_in_batch is not None:
         _validation.check_num_items(batch.num_items_in_batch, objective)
     if batch.ref_logps is not None and not objective.has_kl:
         _validation.warn_ignored_reference("batch.ref_logps", objective)
-    check_ids_in_range(ids, mask, V, "batch.completion_ids", "batch.completion_mask")
+    if counted is not None:
+        check_ids_in_range(ids, counted, V, "batch.completion_ids", "batch.completion_mask")
 
 
 def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str) -> None:
@@ -137,7 +148,9 @@ def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: 
             f"reference.weight must have the policy's vocabulary size V={V}, got reference.weight.shape="
             f"{_shape(reference.weight)}"
         )
-    check_finite_unmasked("reference.hidden", reference.hidden, batch.completion_mask)
+    counted = counted_tokens(batch.completion_mask, batch.segment_ids)
+    if counted is not None:
+        check_finite_unmasked("reference.hidden", reference.hidden, counted)
 
 
 def check_policy_inputs(
@@ -148,6 +161,9 @@ def check_policy_inputs(
     B, T, H, V = check_lm_head(hidden, weight, bias, weight_layout)
     check_vocab_size(vocab_size, V)
     check_batch(batch, B=B, T=T, V=vocab_size or V, objective=objective)
+    counted = counted_tokens(batch.completion_mask, batch.segment_ids)
+    if counted is not None:  # a NaN / inf hidden state at a counted token would make the loss NaN
+        check_finite_unmasked("hidden", hidden, counted)
     check_temperature(temperature)
     if reference is not None:
         check_reference(reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout)

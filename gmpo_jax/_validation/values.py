@@ -9,11 +9,32 @@ import numpy as np
 
 from gmpo_jax._validation.arguments import _concrete, _dtype, require_shape
 
-__all__ = ["check_ids_in_range", "check_finite_unmasked", "check_log_probs", "check_mask", "check_segment_ids"]
+__all__ = [
+    "counted_tokens",
+    "check_ids_in_range",
+    "check_finite_unmasked",
+    "check_log_probs",
+    "check_mask",
+    "check_segment_ids",
+]
 
 # A log-softmax value is <= 0; rounding (a bfloat16 z_y - lse with |lse| < 128 is off by <= 0.25) keeps it below this.
 # A counted value above it is a negated log-prob (an NLL, a per-token loss), which would silently flip every ratio.
 LOG_PROB_MAX = 0.5
+
+
+def counted_tokens(mask, segment_ids=None):
+    """The tokens a loss counts, ``[B, T]`` bool NumPy, when the mask (and ``segment_ids``) are concrete:
+    ``mask != 0``, and with packed rows also ``segment_ids > 0`` (id 0 is padding whatever the mask says).
+    None when either is traced: the value checks then have nothing to check against."""
+    mask_v = _concrete(mask)
+    if mask_v is None:
+        return None
+    counted = mask_v != 0
+    if segment_ids is not None:
+        seg = _concrete(segment_ids)
+        counted = None if seg is None else counted & (seg > 0)
+    return counted
 
 
 def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids", mask_name: str = "completion_mask") -> None:

@@ -37,7 +37,7 @@ class CISPO(PerTokenObjective):
         1 it caps even on-policy weights (``e^r = 1``): every token's gradient is scaled by
         ``epsilon_high``, i.e. the 0.2 default trains at a fifth of the learning rate (the
         ``gmpo-jax train`` CLI uses 5.0).
-      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+      beta: KL coefficient, finite and ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
         (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
@@ -62,7 +62,7 @@ class CISPO(PerTokenObjective):
         _check_token_level("CISPO", self.importance_sampling_level)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_pos("epsilon_high", self.epsilon_high)  # the cap on the ratio itself: 0 would zero every gradient
-        _check_nonneg("beta", self.beta)
+        _check_nonneg("beta", self.beta, finite=True)
 
     @property
     def loss_type(self) -> str:

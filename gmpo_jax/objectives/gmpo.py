@@ -42,7 +42,7 @@ class GMPO(Objective):
     Args:
       epsilon_low: lower clip range in log space, ``>= 0`` (paper: 0.4, i.e. ratio >= e^-0.4).
       epsilon_high: upper clip range in log space, ``>= 0`` (paper: 0.4).
-      beta: KL coefficient, ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+      beta: KL coefficient, finite and ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
         (:attr:`Objective.has_kl`, static), which needs a reference (``batch.ref_logps`` or
         ``reference=``) at call time.
       use_bias_correction_kl: multiply the per-token KL by the unclipped ratio ``exp(r)`` (static).
@@ -70,7 +70,7 @@ class GMPO(Objective):
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_nonneg("epsilon_low", self.epsilon_low)
         _check_nonneg("epsilon_high", self.epsilon_high)
-        _check_nonneg("beta", self.beta)
+        _check_nonneg("beta", self.beta, finite=True)
 
     @property
     def loss_type(self) -> str:

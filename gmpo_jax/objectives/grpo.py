@@ -36,7 +36,7 @@ class GRPO(PerTokenObjective):
       loss_type: one of ``"dapo"`` (default, as TRL), ``"grpo"``, ``"bnpo"``, ``"dr_grpo"`` (static).
       epsilon_low: ``>= 0``; lower clip ``1 - epsilon_low`` of the ratio (``>= 1``: no lower clip). Default 0.2.
       epsilon_high: ``>= 0``; upper clip ``1 + epsilon_high``. Default 0.2 (DAPO's clip-higher: 0.28).
-      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+      beta: KL coefficient, finite and ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
         (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO) (static).
       delta: optional upper bound ``> 0`` on the unclipped ratio (two-sided clipping, TRL ``delta``).
@@ -78,7 +78,7 @@ class GRPO(PerTokenObjective):
             )
         _check_nonneg("epsilon_low", self.epsilon_low)
         _check_nonneg("epsilon_high", self.epsilon_high)
-        _check_nonneg("beta", self.beta)
+        _check_nonneg("beta", self.beta, finite=True)
         if self.delta is not None:
             _check_pos("delta", self.delta)
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)

@@ -39,11 +39,13 @@ def _check_type(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a real scalar (Python float or a JAX / NumPy scalar), got {name}={value!r}")
 
 
-def _check_nonneg(name: str, value: Any) -> None:
+def _check_nonneg(name: str, value: Any, *, finite: bool = False) -> None:
+    """``value >= 0`` when concrete (and finite with ``finite``: a coefficient such as ``beta``; a clipping
+    range may be infinite, no clipping)."""
     _check_type(name, value)
     v = _concrete_value(value)
-    if v is not None and not v >= 0:
-        raise ValueError(f"{name} must be >= 0, got {name}={value!r}")
+    if v is not None and not (v >= 0 and (not finite or np.isfinite(v))):
+        raise ValueError(f"{name} must be {'finite and ' if finite else ''}>= 0, got {name}={value!r}")
 
 
 def _check_pos(name: str, value: Any) -> None:

@@ -37,7 +37,7 @@ class SAPO(PerTokenObjective):
       temperature_pos: ``> 0`` gate temperature for positive advantages (Liger/TRL
         ``sapo_temperature_pos``). Default 1.0.
       temperature_neg: ``> 0`` gate temperature for non-positive advantages. Default 1.05.
-      beta: KL coefficient ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
+      beta: KL coefficient, finite and ``>= 0``; non-zero (or traced) at construction gives the loss a KL term
         (:attr:`Objective.has_kl`, static), which needs a reference at call time.
       use_bias_correction_kl: multiply the KL by :math:`e^{r}` (static).
       importance_sampling_level: ``"token"`` only (static; the field exists for TRL / Liger signature
@@ -64,7 +64,7 @@ class SAPO(PerTokenObjective):
         _check_flag("use_bias_correction_kl", self.use_bias_correction_kl)
         _check_pos("temperature_pos", self.temperature_pos)
         _check_pos("temperature_neg", self.temperature_neg)
-        _check_nonneg("beta", self.beta)
+        _check_nonneg("beta", self.beta, finite=True)
 
     @property
     def loss_type(self) -> str:

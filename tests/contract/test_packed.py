@@ -327,3 +327,35 @@ def test_ids_beyond_int32_keep_their_runs():
     want = lm_head_call(case, small, obj, "xla_chunked")
     assert float(got[0][1].loss_denominator) == 4.0
     np.testing.assert_allclose(float(got[0][0]), float(want[0][0]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["lm_head", "logits"])
+def test_padding_may_hold_anything_eagerly(op):
+    """Padding (segment id 0) counts as masked whatever ``completion_mask`` says, in the value checks too: an eager
+    call whose padding tokens (mask 1 there) hold an out-of-range id, a positive or NaN log-prob, a NaN
+    ``rollout_is_ratio`` or (LM head) a NaN hidden state gives the clean batch's loss and gradients instead of
+    raising about them."""
+    case, seg = packed_case(0, "float32", V_LM_HEAD)
+    pad = (seg == 0) & case.mask
+    assert pad.any()
+    obj = Obj("gmpo", beta=0.04).lib()
+    logits = jnp.asarray(logits_of(case, "float32"))
+
+    def run(garbage: bool):
+        def put(bad, x):
+            return np.where(pad if np.ndim(x) == 2 else pad[..., None], bad, x).astype(np.asarray(x).dtype)
+
+        ids = put(-100 if garbage else 0, case.ids)
+        old, ref = (put(9.0, case.old), put(np.nan, case.ref)) if garbage else (case.old, case.ref)
+        ris = put(np.nan if garbage else 1.0, np.ones_like(case.old))
+        batch = gmpo_jax.PolicyBatch(ids, case.mask, case.adv, old, ref, rollout_is_ratio=ris, segment_ids=seg)
+        if op == "logits":
+            return jax.value_and_grad(lambda z: gmpo_jax.policy_loss_from_logits(z, batch, objective=obj)[0])(logits)
+        hidden = put(np.nan, case.hidden) if garbage else case.hidden
+        f = lambda h, w: gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj)[0]
+        return jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(hidden), jnp.asarray(case.weight))
+
+    (got, g_got), (want, g_want) = run(True), run(False)
+    assert np.isfinite(float(want)) and float(got) == float(want)
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -281,6 +281,8 @@ OBJECTIVE_ERRORS = [
     ("epsilon_high", lambda: gmpo_jax.CISPO(epsilon_high=-0.2)),
     ("beta", lambda: gmpo_jax.GMPO(beta=-0.1)),
     ("beta", lambda: gmpo_jax.GRPO(beta=-0.1)),
+    ("beta", lambda: gmpo_jax.GMPO(beta=float("inf"))),  # an infinite coefficient: an infinite loss
+    ("beta", lambda: gmpo_jax.SAPO(beta=np.float32(np.inf))),
     ("delta", lambda: gmpo_jax.GRPO(delta=0.0)),
     ("delta", lambda: gmpo_jax.GRPO(delta=-1.5)),
     ("temperature_pos", lambda: gmpo_jax.SAPO(temperature_pos=0.0)),
@@ -498,3 +500,28 @@ def test_positive_rollout_logps_raise():
         ValueError, match=r"batch\.rollout_logps must be log-probabilities .*batch\.rollout_logps\[0, 1\]"
     ):
         call(rollout_logps=jnp.asarray([[-1.0, 2.0, -0.1], [-0.3, -0.2, -0.5]], jnp.float32))
+
+
+def test_nonfinite_policy_hidden_raises():
+    """A NaN or infinite policy hidden state at a counted token (concrete) raises naming ``hidden`` and the token;
+    at a masked token it is allowed (nothing reads it)."""
+    h = good_args()["hidden"]
+    with pytest.raises(ValueError, match=r"hidden must be finite at an unmasked token .*hidden\[1, 2, :\]"):
+        call(hidden=h.at[1, 2, 0].set(jnp.inf))
+    mask = jnp.ones((B, T), bool).at[1, 2].set(False)
+    loss, _ = call(hidden=h.at[1, 2, 0].set(jnp.nan), completion_mask=mask)
+    assert np.isfinite(float(loss))
+
+
+def test_rollout_is_ratio_is_checked_where_a_token_counts():
+    """``rollout_is_ratio`` may hold anything at a masked token ([B, T]) or in a row without counted tokens ([B],
+    [B, 1]), as the log-prob fields may; a NaN where a token counts raises naming the position."""
+    mask = jnp.ones((B, T), bool).at[1].set(False)
+    ris = jnp.ones((B, T), jnp.float32).at[1, 0].set(jnp.nan)
+    for r in (ris, ris[:, :1], ris[:, 0]):
+        loss, _ = call(completion_mask=mask, rollout_is_ratio=r)
+        assert np.isfinite(float(loss))
+    with pytest.raises(ValueError, match=r"batch\.rollout_is_ratio must be finite .*rollout_is_ratio\[1, 0\] = nan"):
+        call(rollout_is_ratio=ris)
+    with pytest.raises(ValueError, match=r"batch\.rollout_is_ratio must be finite .*rollout_is_ratio\[1\] = nan"):
+        call(rollout_is_ratio=ris[:, 0])
