@@ -54,7 +54,8 @@ def fused_linear_policy_loss(
 
     Args:
       hidden: ``[B, T, H]`` bf16 / f16 / f32 final hidden states of the completion positions, already shifted
-        (position ``t`` predicts ``batch.completion_ids[:, t]``); any value at masked positions (ignored).
+        (position ``t`` predicts ``batch.completion_ids[:, t]``); any value at masked positions (ignored); a
+        concrete NaN or infinity at a counted token raises ValueError (traced, it makes the loss NaN).
       weight: the LM head, ``[H, V]`` or ``[V, H]`` as ``head.weight_layout`` declares; never copied.
       batch: the per-token inputs, a :class:`~gmpo_jax.PolicyBatch` (its fields are documented there).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters and
@@ -90,7 +91,8 @@ def fused_linear_policy_loss(
         - an objective with a KL term (``objective.has_kl``: static, fixed when it was built and kept by
           ``jax.tree.map``) and neither ``batch.ref_logps`` nor ``reference``; both of them;
         - concrete values the batch's fields rule out (``PolicyBatch``: a mask of other values than 0 / 1, an
-          unmasked id outside ``[0, V)``, non-finite advantages, a NaN or infinite log-prob at an unmasked token, ...);
+          unmasked id outside ``[0, V)``, non-finite advantages, a log-prob that is NaN, infinite or above 0.5
+          at a counted token, ...); a non-finite ``hidden`` at a counted token;
         - mesh axes not in the mesh or not dividing ``B`` / ``V``; an unknown implementation name.
       UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
 
