@@ -60,7 +60,9 @@ def fused_linear_policy_loss(
       batch: the per-token inputs, a :class:`~gmpo_jax.PolicyBatch` (its fields are documented there).
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters and
         loss shaping (:class:`~gmpo_jax.objectives.Objective`).
-      bias: ``[V]`` LM-head bias or None.
+      bias: ``[V]`` LM-head bias or None; ``-inf`` masks a column out (as ``vocab_size`` padding does), but a
+        counted token whose own logit is ``-inf`` has log-prob ``-inf``, which makes the loss NaN (a sampler
+        never draws it; not checked).
       temperature: ``> 0`` sampling temperature dividing the logits (float, or a traced scalar: one that is not
         finite and ``> 0`` makes the result NaN).
       reference: a :class:`~gmpo_jax.ReferenceHead` from which the KL term's reference log-probs are computed

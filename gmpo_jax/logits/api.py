@@ -50,7 +50,8 @@ def policy_loss_from_logits(
       logits: ``[B, T + 1, V]`` (the usual causal-LM output over prompt-end + completion: position ``t``
         predicts ``batch.completion_ids[:, t]`` and the last position is dropped, lazily) or ``[B, T, V]``
         (already aligned); a floating dtype (``"xla"`` computes in float32 from any; the Mosaic kernels take
-        bf16 / f16 / f32).
+        bf16 / f16 / f32). A ``-inf`` logit at a counted token's own id (which a sampler never draws; not
+        checked) gives log-prob ``-inf`` and a NaN loss.
       batch: the per-token inputs, a :class:`~gmpo_jax.PolicyBatch` (its fields are documented there). A
         traced unmasked id out of range may also make that row of the gradient NaN when the loss is not (CISPO
         and SAPO with a zero advantage).
