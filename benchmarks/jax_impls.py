@@ -426,11 +426,20 @@ def apply_tuning(tuning: dict[str, Any] | None) -> dict[str, Any]:
 GRAD_ORACLE_BYTES = 12 * 2**30  # largest logits the dense gradient oracle may form (float32 [N, V]; float64 [T, V])
 
 
+def _oracle_budget() -> int:
+    """``GRAD_ORACLE_BYTES``, or a tenth of the device's memory where that is less: the float32 oracle's value
+    and gradient peak near four times its logits, beside the timed call's buffers (an H100's 80 GB ran out of
+    memory at the Qwen head's 8 x 2048, where an H200's 141 GB does not)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return GRAD_ORACLE_BYTES if not limit else min(GRAD_ORACLE_BYTES, int(limit) // 10)
+
+
 def oracle_T(cfg: Config, budget: int | None = None, *, itemsize: int = 4, sequences: int | None = None) -> int:
     """Tokens per sequence of the gradient-accuracy check: T, or the longest multiple of 128 whose logits
     (``sequences`` rows of T' x V, ``itemsize`` bytes; default all B, float32) fit ``budget`` (the check
     then runs on the first T' positions of every sequence)."""
-    budget = GRAD_ORACLE_BYTES if budget is None else budget
+    budget = _oracle_budget() if budget is None else budget
     rows = cfg.B if sequences is None else sequences
     if rows * cfg.T * cfg.V * itemsize <= budget:
         return cfg.T

@@ -240,19 +240,19 @@ def suite_jobs(suite: str, only: list[str], family: dict[str, Any] | None = None
         for shape, B, T in REALISTIC_CONFIGS:
             job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 150.0, **both, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
-    if suite == "gpu" and "family" in only:  # every member in one process: exact and CCE per shape, then filtered
+    if suite == "gpu" and "family" in only:  # every member in one process; per shape exact, CCE, filtered
         family = dict(FAMILY_DEFAULTS, **{k: v for k, v in (family or {}).items() if v})
         fam = dict(datas=list(family["datas"]), grad_acc=family["grad_acc"])
-        for shape, B, T in family["configs"]:
+        filtered = dict(grad_filter=FILTER_ROW)
+        for shape, B, T in family["configs"]:  # a budget cut keeps whole shapes (one shape's three side by side)
             cfg = select(shape, B=B, T=T)
             if "exact" in family["impls"]:
                 jobs.append(_job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 240.0, save_batch=True, **fam))
             if "cce" in family["impls"]:
                 jobs.append(_job("torch", cfg, "cce_gmpo", ["fwd+bwd"], 240.0, **fam))
-        filtered = dict(grad_filter=FILTER_ROW)
-        for shape, B, T in family["configs"] if "filter" in family["impls"] else ():
-            job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 240.0, **fam, **filtered)
-            jobs.append(dict(job, variant=labelled(filtered)))
+            if "filter" in family["impls"]:
+                job = _job("jax", cfg, "mosaic_gpu", ["fwd+bwd"], 240.0, **fam, **filtered)
+                jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "realistic" in only:
         for shape, B, T in SPARSITY_CONFIGS:
             cfg, pair = select(shape, B=B, T=T), dict(datas=["peaked", "peaked-live"])
