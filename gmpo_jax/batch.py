@@ -29,7 +29,8 @@ class PolicyBatch(NamedTuple):
         (it selects, it does not weight); a traced one is taken as ``!= 0``.
       advantages: ``[B]`` float, one per row (group-normalised by the caller), or ``[B, T]`` one per token
         (packed rows). GMPO takes a sequence's advantage as the mean over its unmasked tokens (their common
-        value when the advantage is per sequence). Concrete values must be finite.
+        value when the advantage is per sequence). Concrete values must be finite where read (at a counted token,
+        or for a row with one; everywhere when the mask is traced).
       old_logps: ``[B, T]`` float behaviour-policy log-probs; None = on-policy (``old = stop_gradient(logp)``).
         This and the other log-prob fields: concrete values at a counted token must be finite and ``<= 0.5``
         (log-probs are ``<= 0``; the slack is rounding): a larger one, such as a negated log-prob (an NLL),
@@ -41,8 +42,9 @@ class PolicyBatch(NamedTuple):
       rollout_logps: ``[B, T]`` float log-probs of the sampler (e.g. vLLM) for the mismatch correction computed
         from ``old_logps`` (or the current log-probs, on-policy) and these, as the objective's
         ``rollout_is_mode`` / ``rollout_is_cap`` say; combines with ``rollout_is_ratio``. None: no correction.
-      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` precomputed importance weights ``>= 0`` (finite when
-        concrete; a traced negative or infinite one cannot be checked and makes the loss NaN) of the trainer vs
+      rollout_is_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` precomputed importance weights ``>= 0`` (concrete ones
+        are checked finite and ``>= 0`` where read, as advantages are; a traced negative or infinite one cannot be
+        checked and makes the loss NaN) of the trainer vs
         the sampler (Liger's ``vllm_is_ratio``), no gradient; multiplies each token's policy term (not the KL). GMPO multiplies each sequence's term by the geometric mean of its
         tokens' weights (SPEC.md "Rollout correction").
       segment_ids: ``[B, T]`` integer ``>= 0`` or None: packed rows, several sequences per row (the layout of

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmpo_jax._validation.arguments import (
-    _concrete,
     _dtype,
     _shape,
     as_temperature,
@@ -26,6 +25,7 @@ from gmpo_jax._validation.values import (
     check_ids_in_range,
     check_log_probs,
     check_mask,
+    check_row_or_token_values,
     check_segment_ids,
     counted_tokens,
 )
@@ -70,29 +70,26 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
     if _shape(adv) not in ((B,), (B, T)):
         raise ValueError(f"{name} must have shape [B] = {(B,)} or [B, T] = {(B, T)}, got {name}.shape={_shape(adv)}")
     require_float(name, adv)
-    value = _concrete(adv)
-    if value is not None and not np.all(np.isfinite(value.astype(np.float64))):
-        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(value.astype(np.float64)))[0])
-        where = bad[0] if len(bad) == 1 else bad
-        raise ValueError(f"{name} must be finite, got {name}[{where}] = {float(value[bad])!r}")
     check_segment_ids(batch.segment_ids, B, T, "batch.segment_ids")
+    # the value checks look at what is read: the counted tokens (masked or padding ones may hold anything)
+    counted = counted_tokens(mask, batch.segment_ids)
+    check_row_or_token_values(name, adv, counted)
     mcl = objective.max_completion_length if objective.loss_type == "dr_grpo" else None
-    counted = None if mcl is None or batch.segment_ids is not None else _concrete(mask)  # packed: several per row
-    longest = None if counted is None else int((counted != 0).sum(axis=1).max())
+    rows = None if mcl is None or batch.segment_ids is not None else counted  # packed: several per row
+    longest = None if rows is None else int(rows.sum(axis=1).max())
     if longest is not None and longest > mcl:
         raise ValueError(
             f"loss_type='dr_grpo' normalises by max_completion_length={mcl}, the longest completion the sampler can "
             f"return, but batch.completion_mask counts {longest} tokens in a row: pass the sampler's limit (a traced "
             "mask is not checked)"
         )
-    # the value checks look at the counted tokens only (masked or padding ones may hold anything); traced: none
-    counted = counted_tokens(mask, batch.segment_ids)
     for field in ("old_logps", "ref_logps", "rollout_logps"):
         x = getattr(batch, field)
         if x is not None:
             require_shape(f"batch.{field}", x, (B, T), "[B, T]")
             require_float(f"batch.{field}", x)
-            if counted is not None:
+            read = field != "ref_logps" or objective.has_kl  # without a KL term ref_logps are ignored (warned)
+            if counted is not None and read:
                 check_log_probs(f"batch.{field}", x, counted)
     ris, name = batch.rollout_is_ratio, "batch.rollout_is_ratio"
     if ris is not None:
@@ -102,18 +99,7 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
                 f"got {name}.shape={_shape(ris)}"
             )
         require_float(name, ris)
-        value = _concrete(ris)
-        if value is not None and counted is not None:  # at a counted token ([B, T]) or of a row with one
-            v = value.astype(np.float64).reshape(B, -1)
-            where = counted if v.shape[1] == T else counted.any(axis=1, keepdims=True)
-            bad = ~(np.isfinite(v) & (v >= 0)) & where
-            if bad.any():
-                b, t = (int(i) for i in np.argwhere(bad)[0])
-                pos = [b] if value.ndim == 1 else [b, t]
-                raise ValueError(
-                    f"{name} must be finite and >= 0 (a weight) where a token counts, got {name}{pos} = "
-                    f"{float(v[b, t])!r}"
-                )
+        check_row_or_token_values(name, ris, counted, nonneg=True, what=" (a weight)")
     from gmpo_jax import _validation  # the warn-once state lives on the package
 
     if batch.num_items_in_batch is not None:
@@ -124,9 +110,10 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
         check_ids_in_range(ids, counted, V, "batch.completion_ids", "batch.completion_mask")
 
 
-def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str) -> None:
+def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str, read: bool = True) -> None:
     """A :class:`~gmpo_jax.ReferenceHead`: its LM head as the policy's (``[B, T, H_ref]`` hidden states, the same
-    ``V`` and layout), finite hidden states at a counted token, and not together with ``batch.ref_logps``."""
+    ``V`` and layout), finite hidden states at a counted token (``read``: an objective without a KL term ignores
+    the reference), and not together with ``batch.ref_logps``."""
     if not isinstance(reference, ReferenceHead):
         raise TypeError(
             f"reference must be None or a gmpo_jax.ReferenceHead(hidden, weight, bias=None), got {reference!r:.80}"
@@ -149,7 +136,7 @@ def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: 
             f"{_shape(reference.weight)}"
         )
     counted = counted_tokens(batch.completion_mask, batch.segment_ids)
-    if counted is not None:
+    if counted is not None and read:
         check_finite_unmasked("reference.hidden", reference.hidden, counted)
 
 
@@ -166,7 +153,7 @@ def check_policy_inputs(
         check_finite_unmasked("hidden", hidden, counted)
     check_temperature(temperature)
     if reference is not None:
-        check_reference(reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout)
+        check_reference(reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout, read=objective.has_kl)
         if not objective.has_kl:
             from gmpo_jax import _validation  # the warn-once state lives on the package
 

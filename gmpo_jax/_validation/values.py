@@ -14,6 +14,7 @@ __all__ = [
     "check_ids_in_range",
     "check_finite_unmasked",
     "check_log_probs",
+    "check_row_or_token_values",
     "check_mask",
     "check_segment_ids",
 ]
@@ -96,6 +97,28 @@ def check_log_probs(name: str, x, mask, mask_name: str = "batch.completion_mask"
             f"{name} must be log-probabilities (<= 0; up to {LOG_PROB_MAX} is taken as rounding) at an unmasked "
             f"token ({mask_name} 1), got {float(xv[b, t])!r} in {name}[{b}, {t}] ({int(bad.sum())} such token(s)): "
             "a negated log-prob (an NLL) flips every ratio"
+        )
+
+
+def check_row_or_token_values(name: str, x, counted, *, nonneg: bool = False, what: str = "") -> None:
+    """``x`` (``[B]``, ``[B, 1]`` or ``[B, T]``: one value per row or per token) is finite (and ``>= 0`` with
+    ``nonneg``) where it is read: at a counted token, or for a row with one (``counted``, from
+    :func:`counted_tokens`); everywhere when ``counted`` is None (a traced mask: which tokens count is unknown).
+    Nothing is checked when ``x`` is traced. The error names the first bad position as ``x[b]`` or ``x[b, t]``."""
+    value = _concrete(x)
+    if value is None:
+        return
+    B = value.shape[0]
+    v = value.astype(np.float64).reshape(B, -1)
+    ok = np.isfinite(v) & (v >= 0) if nonneg else np.isfinite(v)
+    if counted is not None:
+        ok |= ~(counted if v.shape[1] == counted.shape[1] else counted.any(axis=1, keepdims=True))
+    if not ok.all():
+        b, t = (int(i) for i in np.argwhere(~ok)[0])
+        pos = f"[{b}]" if value.ndim == 1 else f"[{b}, {t}]"
+        where = "" if counted is None else " where a token counts"
+        raise ValueError(
+            f"{name} must be finite{' and >= 0' if nonneg else ''}{what}{where}, got {name}{pos} = {float(v[b, t])!r}"
         )
 
 

@@ -44,7 +44,7 @@ def _check_nonneg(name: str, value: Any, *, finite: bool = False) -> None:
     range may be infinite, no clipping)."""
     _check_type(name, value)
     v = _concrete_value(value)
-    if v is not None and not (v >= 0 and (not finite or np.isfinite(v))):
+    if v is not None and not (v >= 0 and (not finite or v <= float(np.finfo(np.float32).max))):  # finite in float32
         raise ValueError(f"{name} must be {'finite and ' if finite else ''}>= 0, got {name}={value!r}")
 
 

@@ -283,6 +283,7 @@ OBJECTIVE_ERRORS = [
     ("beta", lambda: gmpo_jax.GRPO(beta=-0.1)),
     ("beta", lambda: gmpo_jax.GMPO(beta=float("inf"))),  # an infinite coefficient: an infinite loss
     ("beta", lambda: gmpo_jax.SAPO(beta=np.float32(np.inf))),
+    ("beta", lambda: gmpo_jax.GRPO(beta=1e39)),  # finite in float64, infinite in the loss's float32
     ("delta", lambda: gmpo_jax.GRPO(delta=0.0)),
     ("delta", lambda: gmpo_jax.GRPO(delta=-1.5)),
     ("temperature_pos", lambda: gmpo_jax.SAPO(temperature_pos=0.0)),
@@ -525,3 +526,39 @@ def test_rollout_is_ratio_is_checked_where_a_token_counts():
         call(rollout_is_ratio=ris)
     with pytest.raises(ValueError, match=r"batch\.rollout_is_ratio must be finite .*rollout_is_ratio\[1\] = nan"):
         call(rollout_is_ratio=ris[:, 0])
+
+
+def test_rollout_is_ratio_with_a_traced_mask_is_checked_everywhere():
+    """Which tokens count is unknown when the mask is traced: a concrete ratio is then checked at every position."""
+    bad = jnp.ones((B, T), jnp.float32).at[0, 1].set(-1.0)
+    with pytest.raises(ValueError, match=r"batch\.rollout_is_ratio must be finite and >= 0 \(a weight\), got "):
+        jax.jit(lambda m: call(completion_mask=m, rollout_is_ratio=bad)[0])(jnp.ones((B, T), bool))
+
+
+def test_advantages_are_checked_where_read():
+    """Advantages may hold anything at a masked token ([B, T]) or for a row without counted tokens ([B]), as the
+    jitted call ignores them; NaN where read raises naming ``[b, t]`` / ``[b]``."""
+    mask = jnp.ones((B, T), bool).at[0, 2].set(False).at[1].set(False)
+    token = jnp.ones((B, T), jnp.float32).at[0, 2].set(jnp.nan).at[1, 0].set(jnp.nan)
+    row = jnp.asarray([1.0, jnp.nan], jnp.float32)
+    for adv in (token, row):
+        eager = call(completion_mask=mask, advantages=adv)[0]
+        jitted = jax.jit(lambda a: call(completion_mask=mask, advantages=a)[0])(adv)
+        assert np.isfinite(float(eager)) and float(eager) == float(jitted)
+    with pytest.raises(
+        ValueError, match=r"batch\.advantages must be finite where a token counts, got batch\.advantages\[0, 2\] = nan"
+    ):
+        call(advantages=token)
+
+
+def test_ignored_reference_inputs_are_not_value_checked(monkeypatch):
+    """Without a KL term the reference is ignored (warned): NaN in ``batch.ref_logps`` or ``reference.hidden``
+    does not raise, as under jit."""
+    monkeypatch.setattr(_validation, "_warned_ignored_reference", set())
+    nan = jnp.full((B, T), jnp.nan, jnp.float32)
+    with pytest.warns(UserWarning, match="ignored"):
+        assert np.isfinite(float(call(ref_logps=nan)[0]))
+    a = good_args()
+    reference = gmpo_jax.ReferenceHead(jnp.full((B, T, H), jnp.nan), a["weight"])
+    with pytest.warns(UserWarning, match="ignored"):
+        assert np.isfinite(float(call(reference=reference)[0]))
