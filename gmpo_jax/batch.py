@@ -54,7 +54,9 @@ class PolicyBatch(NamedTuple):
         normalisers (gmpo, grpo, sapo, dr_grpo) is the number of sequences, so the same sequences padded one
         per row give the same loss and gradients. Pass ``[B, T]`` advantages (and a ``[B, T]``
         ``rollout_is_ratio``) with it. A concrete negative id raises; a traced one cannot be checked and is not
-        a sequence (its tokens count as padding).
+        a sequence (its tokens count as padding). Ids beyond the int32 range keep their runs in an eager call,
+        but passed into ``jax.jit`` without ``jax_enable_x64`` JAX itself truncates them to int32 at the jit
+        boundary (two runs may merge): relabel them with small positive ids first (0 stays padding).
       num_items_in_batch: scalar, the dapo / cispo normaliser override: the number of active (unmasked)
         completion tokens in ONE optimizer step's accumulation window, i.e. every micro-batch whose gradients
         are accumulated into one update (under data parallelism the global count over all devices, since the
