@@ -57,10 +57,12 @@ def require_batch(batch) -> None:
             raise TypeError(f"batch.{name} is required ({expected}), got None")
 
 
-def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
+def check_batch(batch, *, B: int, T: int, V: int, objective):
     """The checks of a :class:`~gmpo_jax.PolicyBatch` both ops share, every error naming the field
     (``batch.old_logps``): ``[B, T]`` / ``[B]`` shapes and dtypes, concrete values (finite advantages, a {0, 1}
-    mask, finite log-probs at a counted token, ids in ``[0, V)`` where counted), the normaliser override."""
+    mask, finite log-probs at a counted token, ids in ``[0, V)`` where counted), the normaliser override.
+    Returns the counted tokens (:func:`~gmpo_jax._validation.values.counted_tokens`) for the callers' own value
+    checks, or None when they are traced."""
     require_batch(batch)
     ids, mask, adv = batch.completion_ids, batch.completion_mask, batch.advantages
     check_ids(ids, B, T, "batch.completion_ids")
@@ -108,12 +110,14 @@ def check_batch(batch, *, B: int, T: int, V: int, objective) -> None:
         _validation.warn_ignored_reference("batch.ref_logps", objective)
     if counted is not None:
         check_ids_in_range(ids, counted, V, "batch.completion_ids", "batch.completion_mask")
+    return counted
 
 
-def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str, read: bool = True) -> None:
+def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str, counted) -> None:
     """A :class:`~gmpo_jax.ReferenceHead`: its LM head as the policy's (``[B, T, H_ref]`` hidden states, the same
-    ``V`` and layout), finite hidden states at a counted token (``read``: an objective without a KL term ignores
-    the reference), and not together with ``batch.ref_logps``."""
+    ``V`` and layout), finite hidden states at the ``counted`` tokens (``[B, T]`` bool; None: not checked, as for
+    traced data or an objective without a KL term, which ignores the reference), and not together with
+    ``batch.ref_logps``."""
     if not isinstance(reference, ReferenceHead):
         raise TypeError(
             f"reference must be None or a gmpo_jax.ReferenceHead(hidden, weight, bias=None), got {reference!r:.80}"
@@ -135,8 +139,7 @@ def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: 
             f"reference.weight must have the policy's vocabulary size V={V}, got reference.weight.shape="
             f"{_shape(reference.weight)}"
         )
-    counted = counted_tokens(batch.completion_mask, batch.segment_ids)
-    if counted is not None and read:
+    if counted is not None:
         check_finite_unmasked("reference.hidden", reference.hidden, counted)
 
 
@@ -147,13 +150,13 @@ def check_policy_inputs(
     check_objective(objective)
     B, T, H, V = check_lm_head(hidden, weight, bias, weight_layout)
     check_vocab_size(vocab_size, V)
-    check_batch(batch, B=B, T=T, V=vocab_size or V, objective=objective)
-    counted = counted_tokens(batch.completion_mask, batch.segment_ids)
+    counted = check_batch(batch, B=B, T=T, V=vocab_size or V, objective=objective)
     if counted is not None:  # a NaN / inf hidden state at a counted token would make the loss NaN
         check_finite_unmasked("hidden", hidden, counted)
     check_temperature(temperature)
     if reference is not None:
-        check_reference(reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout, read=objective.has_kl)
+        read = counted if objective.has_kl else None  # without a KL term the reference is ignored (warned below)
+        check_reference(reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout, counted=read)
         if not objective.has_kl:
             from gmpo_jax import _validation  # the warn-once state lives on the package
 

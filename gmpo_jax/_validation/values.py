@@ -61,14 +61,15 @@ def check_ids_in_range(ids, mask, V: int, name: str = "completion_ids", mask_nam
         )
 
 
-def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:
+def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion_mask"):
     """``x`` (``[B, T]``, or ``[B, T, ...]`` such as hidden states) is finite (no NaN, no ``+-inf``: an infinite
     log-prob makes a ratio or the KL term infinite) at every token the mask counts, when both are concrete; the
     error names the first such position ``(b, t)``. Masked positions may hold anything (nothing reads them).
-    Traced, it cannot be checked: a NaN there makes the loss NaN."""
+    Traced, it cannot be checked: a NaN there makes the loss NaN. Returns ``x`` as float32 NumPy when it was
+    checked (for further checks of the same values), else None."""
     xv, mv = _concrete(x), _concrete(mask)
     if xv is None or mv is None:
-        return
+        return None
     xv = xv.astype(np.float32)
     bad = ~np.isfinite(xv)
     bad = bad.reshape(bad.shape[:2] + (-1,)).any(axis=-1) & (mv != 0)
@@ -80,17 +81,17 @@ def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion
             f"{name} must be finite at an unmasked token ({mask_name} 1), got {float(value)!r} in {where} "
             f"({int(bad.sum())} such token(s))"
         )
+    return xv
 
 
 def check_log_probs(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:
     """``x`` (``[B, T]`` log-probs) is finite and at most ``LOG_PROB_MAX`` at every token the mask counts, when both
     are concrete (:func:`check_finite_unmasked` first): a larger value is not a log-probability (a negated one, an
     NLL, is the usual mistake). Traced, it cannot be checked."""
-    check_finite_unmasked(name, x, mask, mask_name)
-    xv, mv = _concrete(x), _concrete(mask)
-    if xv is None or mv is None:
+    xv = check_finite_unmasked(name, x, mask, mask_name)  # the values, converted once
+    if xv is None:
         return
-    bad = (xv.astype(np.float32) > LOG_PROB_MAX) & (mv != 0)
+    bad = (xv > LOG_PROB_MAX) & (_concrete(mask) != 0)
     if bad.any():
         b, t = (int(i) for i in np.argwhere(bad)[0])
         raise ValueError(
