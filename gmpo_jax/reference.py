@@ -76,7 +76,7 @@ def _loss(objective: Objective, z, inputs: PolicyInputs, V=None) -> tuple[jax.Ar
     if inputs.entropy_coef is not None:  # -c sum w H, differentiated by autodiff through full logits
         ent = _entropy(z)
         w = objective.entropy_weights(inputs.mask, inputs.segment_ids)
-        num = num - inputs.entropy_coef * jnp.sum(w * ent)
+        num = num - inputs.entropy_coef * jnp.sum(jnp.where(w != 0, w * ent, 0.0))
         entropy = ent if entropy is None else entropy
     loss, aux = loss_and_aux(num, denom, sums, inputs.mask)
     if entropy is not None:

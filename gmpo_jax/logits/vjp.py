@@ -89,7 +89,7 @@ def _entropy_term(objective: Objective, logits, inputs: PolicyInputs, T: int):
     w = objective.entropy_weights(inputs.mask, inputs.segment_ids)
     denom = objective.denominator(inputs.mask, inputs.num_items, inputs.segment_ids).astype(jnp.float32)
     gamma = -inputs.entropy_coef.astype(jnp.float32) * w / denom
-    return jnp.sum(gamma * ent), (gamma, ent, lse)
+    return jnp.sum(jnp.where(w != 0, gamma * ent, 0.0)), (gamma, ent, lse)  # masked logits may hold NaN
 
 
 def _add_entropy_term(objective: Objective, logits, inputs: PolicyInputs, T: int, loss, aux):

@@ -333,13 +333,12 @@ def test_ids_beyond_int32_keep_their_runs():
 def test_padding_may_hold_anything_eagerly(op):
     """Padding (segment id 0) counts as masked whatever ``completion_mask`` says, in the value checks too: an eager
     call whose padding tokens (mask 1 there) hold an out-of-range id, a positive or NaN log-prob, a NaN
-    ``rollout_is_ratio`` or (LM head) a NaN hidden state gives the clean batch's loss and gradients instead of
-    raising about them."""
+    ``rollout_is_ratio`` or a NaN hidden state / logit gives the clean batch's loss and gradients instead of
+    raising about them (or a NaN entropy term: the entropy is weighted 0 there)."""
     case, seg = packed_case(0, "float32", V_LM_HEAD)
     pad = (seg == 0) & case.mask
     assert pad.any()
-    obj = Obj("gmpo", beta=0.04).lib()
-    logits = jnp.asarray(logits_of(case, "float32"))
+    obj = Obj("gmpo", beta=0.04).lib(entropy_coef=0.05)
 
     def run(garbage: bool):
         def put(bad, x):
@@ -350,6 +349,11 @@ def test_padding_may_hold_anything_eagerly(op):
         ris = put(np.nan if garbage else 1.0, np.ones_like(case.old))
         batch = gmpo_jax.PolicyBatch(ids, case.mask, case.adv, old, ref, rollout_is_ratio=ris, segment_ids=seg)
         if op == "logits":
+            logits = logits_of(case, "float32")  # [B, T + 1, V]: position t predicts ids[:, t]
+            if garbage:
+                logits = logits.copy()
+                logits[:, :-1][pad] = np.nan
+            logits = jnp.asarray(logits)
             return jax.value_and_grad(lambda z: gmpo_jax.policy_loss_from_logits(z, batch, objective=obj)[0])(logits)
         hidden = put(np.nan, case.hidden) if garbage else case.hidden
         f = lambda h, w: gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj)[0]
