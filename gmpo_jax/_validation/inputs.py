@@ -24,6 +24,7 @@ from gmpo_jax._validation.values import (
     check_finite_unmasked,
     check_ids_in_range,
     check_log_probs,
+    check_logits_values,
     check_mask,
     check_row_or_token_values,
     check_segment_ids,
@@ -187,7 +188,8 @@ def check_logits_inputs(logits, batch, objective, temperature) -> tuple[int, int
             f"logits must have shape [B, T + 1, V] or [B, T, V] with B, T = {(B, T)} (from "
             f"batch.completion_ids), got logits.shape={_shape(logits)}"
         )
-    check_batch(batch, B=B, T=T, V=V, objective=objective)
+    counted = check_batch(batch, B=B, T=T, V=V, objective=objective)
+    check_logits_values(logits, ids, counted, T)
     check_temperature(temperature)
     if objective.requires_reference and batch.ref_logps is None:
         raise ValueError(reference_error(objective, "batch.ref_logps"))

@@ -4,6 +4,9 @@ traced values cannot be checked (the public docstrings say what happens then).""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -14,6 +17,7 @@ __all__ = [
     "check_ids_in_range",
     "check_finite_unmasked",
     "check_log_probs",
+    "check_logits_values",
     "check_row_or_token_values",
     "check_mask",
     "check_segment_ids",
@@ -82,6 +86,34 @@ def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion
             f"({int(bad.sum())} such token(s))"
         )
     return xv
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _bad_logits(logits, ids, T: int):
+    """``[B, T]`` bool pair: rows of ``logits[:, :T]`` holding NaN / ``+inf``; rows whose own id's logit is ``-inf``
+    (one fused read of the logits: no copy or bool temporary of their size)."""
+    z = logits[:, :T]
+    own = jnp.take_along_axis(z, jnp.clip(ids, 0, z.shape[-1] - 1).astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    return jnp.any(jnp.isnan(z) | (z == jnp.inf), axis=-1), own == -jnp.inf
+
+
+def check_logits_values(logits, ids, counted, T: int) -> None:
+    """At every counted token (``counted`` ``[B, T]`` bool NumPy; None: not checked) the logits row ``logits[b, t]``
+    holds no NaN and no ``+inf`` (its log-softmax would be NaN) and its own id's logit is not ``-inf`` (log-prob
+    ``-inf``); a ``-inf`` elsewhere is a banned token and fine. Eager only (the reduction runs on the logits'
+    device, one ``[B, T]`` result is copied): traced logits or ids cannot be checked."""
+    if counted is None or isinstance(logits, jax.core.Tracer) or isinstance(ids, jax.core.Tracer):
+        return
+    with jax.ensure_compile_time_eval():  # concrete logits inside someone's jit (a closed-over constant) too
+        nan_or_inf, own_neg_inf = (np.asarray(x) & counted for x in _bad_logits(logits, jnp.asarray(ids), T))
+    for bad, what in ((nan_or_inf, "hold NaN or +inf"), (own_neg_inf, "be -inf at the token's own id")):
+        if bad.any():
+            b, t = (int(i) for i in np.argwhere(bad)[0])
+            at = f"{b}, {t}, :" if bad is nan_or_inf else f"{b}, {t}, completion_ids[{b}, {t}]={int(np.asarray(ids)[b, t])}"
+            raise ValueError(
+                f"logits must not {what} at an unmasked token (batch.completion_mask 1), got one in logits[{at}] "
+                f"({int(bad.sum())} such token(s); masked tokens may hold anything)"
+            )
 
 
 def check_log_probs(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:

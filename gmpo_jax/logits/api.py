@@ -50,8 +50,9 @@ def policy_loss_from_logits(
       logits: ``[B, T + 1, V]`` (the usual causal-LM output over prompt-end + completion: position ``t``
         predicts ``batch.completion_ids[:, t]`` and the last position is dropped, lazily) or ``[B, T, V]``
         (already aligned); a floating dtype (``"xla"`` computes in float32 from any; the Mosaic kernels take
-        bf16 / f16 / f32). A ``-inf`` logit at a counted token's own id (which a sampler never draws; not
-        checked) gives log-prob ``-inf`` and a NaN loss.
+        bf16 / f16 / f32). At a counted token the row must hold no NaN or ``+inf`` and the own id's logit
+        must not be ``-inf`` (a sampler never draws it); ``-inf`` elsewhere (a banned token) is fine. Checked
+        when the logits are concrete; traced, such a row makes the loss NaN.
       batch: the per-token inputs, a :class:`~gmpo_jax.PolicyBatch` (its fields are documented there). A
         traced unmasked id out of range may also make that row of the gradient NaN when the loss is not (CISPO
         and SAPO with a zero advantage).
@@ -78,6 +79,7 @@ def policy_loss_from_logits(
         - an objective with a KL term (``objective.has_kl``: static, fixed when it was built and kept by
           ``jax.tree.map``) without ``batch.ref_logps``;
         - concrete values the batch's fields rule out (see ``PolicyBatch``);
+        - concrete logits with a NaN / ``+inf`` in a counted token's row, or ``-inf`` at its own id;
         - an unknown ``implementation`` (this op's are ``"xla"`` and ``"mosaic_gpu"``).
       UnsupportedConfigError / BackendUnavailableError: an explicitly requested implementation cannot serve
         this call (e.g. ``"mosaic_gpu"`` without a Hopper GPU, a dtype other than bf16 / f16 / f32, or rows of

@@ -514,6 +514,32 @@ def test_nonfinite_policy_hidden_raises():
     assert np.isfinite(float(loss))
 
 
+def test_nonfinite_logits_raise_where_a_token_counts():
+    """Concrete logits: a NaN or ``+inf`` anywhere in a counted token's row, or ``-inf`` at its own id, raises naming
+    the position; ``-inf`` at another id (a banned token), anything at a masked token or at the dropped last position
+    is fine and gives the clean loss. Traced logits are not checked (NaN loss)."""
+    a = good_args()
+    ids, adv = a["completion_ids"], a["advantages"]
+    mask = jnp.ones((B, T), bool).at[1, 2].set(False)
+    z = jnp.asarray(np.random.default_rng(1).normal(size=(B, T + 1, V)), jnp.float32)
+    loss = lambda logits: gmpo_jax.policy_loss_from_logits(
+        logits, gmpo_jax.PolicyBatch(ids, mask, adv), objective=gmpo_jax.GMPO(entropy_coef=0.1)
+    )[0]
+    own = int(ids[0, 1])
+    want = float(loss(z))
+    for unread in (z.at[1, 2].set(jnp.nan), z.at[:, T].set(jnp.nan)):
+        assert float(loss(unread)) == want
+    assert np.isfinite(float(loss(z.at[0, 1, (own + 1) % V].set(-jnp.inf))))  # a banned id changes the entropy
+    for bad, msg in (
+        (z.at[0, 1, 3].set(jnp.nan), r"must not hold NaN or \+inf .*logits\[0, 1, :\]"),
+        (z.at[0, 1, 3].set(jnp.inf), r"must not hold NaN or \+inf .*logits\[0, 1, :\]"),
+        (z.at[0, 1, own].set(-jnp.inf), rf"must not be -inf at the token's own id .*completion_ids\[0, 1\]={own}"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            loss(bad)
+        assert np.isnan(float(jax.jit(loss)(bad)))
+
+
 def test_rollout_is_ratio_is_checked_where_a_token_counts():
     """``rollout_is_ratio`` may hold anything at a masked token ([B, T]) or in a row without counted tokens ([B],
     [B, 1]), as the log-prob fields may; a NaN where a token counts raises naming the position."""
