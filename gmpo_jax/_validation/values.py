@@ -109,7 +109,11 @@ def check_logits_values(logits, ids, counted, T: int) -> None:
     for bad, what in ((nan_or_inf, "hold NaN or +inf"), (own_neg_inf, "be -inf at the token's own id")):
         if bad.any():
             b, t = (int(i) for i in np.argwhere(bad)[0])
-            at = f"{b}, {t}, :" if bad is nan_or_inf else f"{b}, {t}, completion_ids[{b}, {t}]={int(np.asarray(ids)[b, t])}"
+            at = (
+                f"{b}, {t}, :"
+                if bad is nan_or_inf
+                else f"{b}, {t}, completion_ids[{b}, {t}]={int(np.asarray(ids)[b, t])}"
+            )
             raise ValueError(
                 f"logits must not {what} at an unmasked token (batch.completion_mask 1), got one in logits[{at}] "
                 f"({int(bad.sum())} such token(s); masked tokens may hold anything)"
