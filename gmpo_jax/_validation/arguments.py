@@ -29,9 +29,23 @@ def _dtype(x, name: str = "argument"):
         raise TypeError(f"{name} must hold numbers, got {name}.dtype={x.dtype}") from None
 
 
+def concrete_array(x):
+    """``x`` itself, or the array behind a tracer whose value is known (an eager ``jax.grad`` / ``value_and_grad``
+    traces its argument with a concrete primal), else None (under ``jit``, ``vmap``, ...)."""
+    if not isinstance(x, jax.core.Tracer):
+        return x
+    try:
+        from jax._src import core  # JAX has no public way to ask a tracer for a known value
+
+        return core.to_concrete_value(x)
+    except Exception:  # noqa: BLE001 - any failure means: not known
+        return None
+
+
 def _concrete(x):
-    """``x`` as a NumPy array if its value is known at trace time (not a tracer), else None."""
-    if isinstance(x, jax.core.Tracer):
+    """``x`` as a NumPy array if its value is known at trace time (:func:`concrete_array`), else None."""
+    x = concrete_array(x)
+    if x is None:
         return None
     try:
         return np.asarray(x)

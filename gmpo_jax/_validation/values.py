@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmpo_jax._validation.arguments import _concrete, _dtype, require_shape
+from gmpo_jax._validation.arguments import _concrete, _dtype, concrete_array, require_shape
 
 __all__ = [
     "counted_tokens",
@@ -90,34 +90,40 @@ def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion
 
 @functools.partial(jax.jit, static_argnums=2)
 def _bad_logits(logits, ids, T: int):
-    """``[B, T]`` bool pair: rows of ``logits[:, :T]`` holding NaN / ``+inf``; rows whose own id's logit is ``-inf``
-    (one fused read of the logits: no copy or bool temporary of their size)."""
-    z = logits[:, :T]
-    own = jnp.take_along_axis(z, jnp.clip(ids, 0, z.shape[-1] - 1).astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    """``[B, T]`` bool pair: rows of ``logits[:, :T]`` (as float32, as the loss computes) holding NaN / ``+inf``; rows
+    whose own id's logit is ``-inf`` (one fused read of the logits: no copy or bool temporary of their size)."""
+    z = logits[:, :T].astype(jnp.float32)
+    own = jnp.take_along_axis(z, jnp.clip(ids.astype(jnp.int32), 0, z.shape[-1] - 1)[..., None], axis=-1)[..., 0]
     return jnp.any(jnp.isnan(z) | (z == jnp.inf), axis=-1), own == -jnp.inf
 
 
 def check_logits_values(logits, ids, counted, T: int) -> None:
     """At every counted token (``counted`` ``[B, T]`` bool NumPy; None: not checked) the logits row ``logits[b, t]``
-    holds no NaN and no ``+inf`` (its log-softmax would be NaN) and its own id's logit is not ``-inf`` (log-prob
-    ``-inf``); a ``-inf`` elsewhere is a banned token and fine. Eager only (the reduction runs on the logits'
-    device, one ``[B, T]`` result is copied): traced logits or ids cannot be checked."""
-    if counted is None or isinstance(logits, jax.core.Tracer) or isinstance(ids, jax.core.Tracer):
+    holds no NaN and no ``+inf`` in float32 (its log-softmax would be NaN) and its own id's logit is not ``-inf``
+    (log-prob ``-inf``); a ``-inf`` elsewhere is a banned token and fine. When the logits and ids are known (not
+    under ``jit``; an eager ``jax.grad`` is): the reduction runs on the logits' device, one ``[B, T]`` result and at
+    most one bad row are copied to the host."""
+    z, ids = concrete_array(logits), concrete_array(ids)
+    if counted is None or z is None or ids is None:
         return
     with jax.ensure_compile_time_eval():  # concrete logits inside someone's jit (a closed-over constant) too
-        nan_or_inf, own_neg_inf = (np.asarray(x) & counted for x in _bad_logits(logits, jnp.asarray(ids), T))
-    for bad, what in ((nan_or_inf, "hold NaN or +inf"), (own_neg_inf, "be -inf at the token's own id")):
-        if bad.any():
-            b, t = (int(i) for i in np.argwhere(bad)[0])
-            at = (
-                f"{b}, {t}, :"
-                if bad is nan_or_inf
-                else f"{b}, {t}, completion_ids[{b}, {t}]={int(np.asarray(ids)[b, t])}"
-            )
+        nan_or_inf, own_neg_inf = (np.asarray(x) & counted for x in _bad_logits(z, jnp.asarray(ids), T))
+        if nan_or_inf.any():
+            b, t = (int(i) for i in np.argwhere(nan_or_inf)[0])
+            row = np.asarray(jnp.asarray(z[b, t], jnp.float32))
+            v = int(np.flatnonzero(np.isnan(row) | (row == np.inf))[0])
             raise ValueError(
-                f"logits must not {what} at an unmasked token (batch.completion_mask 1), got one in logits[{at}] "
-                f"({int(bad.sum())} such token(s); masked tokens may hold anything)"
+                f"logits must be finite or -inf at a counted token (completion_mask 1, segment id > 0), got "
+                f"logits[{b}, {t}, {v}] = {float(row[v])!r} (in float32; {int(nan_or_inf.sum())} such token(s); "
+                "masked tokens may hold anything)"
             )
+    if own_neg_inf.any():
+        b, t = (int(i) for i in np.argwhere(own_neg_inf)[0])
+        y = int(np.asarray(ids)[b, t])
+        raise ValueError(
+            f"logits at a counted token's own id must not be -inf (log-prob -inf), got logits[{b}, {t}, {y}] = -inf "
+            f"with completion_ids[{b}, {t}] = {y} ({int(own_neg_inf.sum())} such token(s))"
+        )
 
 
 def check_log_probs(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:

@@ -515,29 +515,41 @@ def test_nonfinite_policy_hidden_raises():
 
 
 def test_nonfinite_logits_raise_where_a_token_counts():
-    """Concrete logits: a NaN or ``+inf`` anywhere in a counted token's row, or ``-inf`` at its own id, raises naming
-    the position; ``-inf`` at another id (a banned token), anything at a masked token or at the dropped last position
-    is fine and gives the clean loss. Traced logits are not checked (NaN loss)."""
-    a = good_args()
-    ids, adv = a["completion_ids"], a["advantages"]
+    """Known logits (eager, and under an eager ``jax.grad``): a NaN or ``+inf`` in a counted token's row, or ``-inf``
+    at its own id, raises naming the entry; ``-inf`` at another id (a banned token), anything at a masked token or at
+    the dropped last position is fine and gives the clean loss. int8 ids index the right column. Under ``jit`` the
+    logits are not known: such a row gives a NaN loss."""
+    rng = np.random.default_rng(1)
+    V8 = 300  # beyond int8: the own-id lookup must not clip in the ids' dtype
+    ids = jnp.asarray(rng.integers(0, 127, (B, T)), jnp.int8)
     mask = jnp.ones((B, T), bool).at[1, 2].set(False)
-    z = jnp.asarray(np.random.default_rng(1).normal(size=(B, T + 1, V)), jnp.float32)
-    loss = lambda logits: gmpo_jax.policy_loss_from_logits(
-        logits, gmpo_jax.PolicyBatch(ids, mask, adv), objective=gmpo_jax.GMPO(entropy_coef=0.1)
-    )[0]
+    z = jnp.asarray(rng.normal(size=(B, T + 1, V8)), jnp.float32)
+    batch = gmpo_jax.PolicyBatch(ids, mask, good_args()["advantages"])
+    loss = lambda logits: gmpo_jax.policy_loss_from_logits(logits, batch, objective=gmpo_jax.GMPO(entropy_coef=0.1))[0]
     own = int(ids[0, 1])
     want = float(loss(z))
     for unread in (z.at[1, 2].set(jnp.nan), z.at[:, T].set(jnp.nan)):
         assert float(loss(unread)) == want
-    assert np.isfinite(float(loss(z.at[0, 1, (own + 1) % V].set(-jnp.inf))))  # a banned id changes the entropy
+    banned = z.at[0, 1, (own + 1) % V8].set(-jnp.inf).at[0, 1, own % 128 + 128].set(-jnp.inf)
+    assert np.isfinite(float(loss(banned)))  # a banned id changes the entropy
     for bad, msg in (
-        (z.at[0, 1, 3].set(jnp.nan), r"must not hold NaN or \+inf .*logits\[0, 1, :\]"),
-        (z.at[0, 1, 3].set(jnp.inf), r"must not hold NaN or \+inf .*logits\[0, 1, :\]"),
-        (z.at[0, 1, own].set(-jnp.inf), rf"must not be -inf at the token's own id .*completion_ids\[0, 1\]={own}"),
+        (z.at[0, 1, 3].set(jnp.nan), r"logits must be finite or -inf .*got logits\[0, 1, 3\] = nan"),
+        (z.at[0, 1, 299].set(jnp.inf), r"logits must be finite or -inf .*got logits\[0, 1, 299\] = inf"),
+        (z.at[0, 1, own].set(-jnp.inf), rf"own id must not be -inf .*logits\[0, 1, {own}\] = -inf"),
     ):
-        with pytest.raises(ValueError, match=msg):
-            loss(bad)
+        for run in (loss, jax.grad(loss), jax.value_and_grad(loss)):
+            with pytest.raises(ValueError, match=msg):
+                run(bad)
         assert np.isnan(float(jax.jit(loss)(bad)))
+
+
+def test_nonfinite_hidden_raises_under_an_eager_grad():
+    """An eager ``jax.grad`` knows its argument's value: a NaN hidden state at a counted token raises there too."""
+    h = good_args()["hidden"].at[0, 1, 2].set(jnp.nan)
+    for argnums in (0, 1, (0, 1)):
+        f = jax.grad(lambda h, w: call(hidden=h, weight=w)[0], argnums=argnums)
+        with pytest.raises(ValueError, match=r"hidden must be finite at an unmasked token .*hidden\[0, 1, :\]"):
+            f(h, good_args()["weight"])
 
 
 def test_rollout_is_ratio_is_checked_where_a_token_counts():
