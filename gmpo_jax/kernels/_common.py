@@ -21,6 +21,7 @@ in ``_lm_head_pipeline.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -298,3 +299,30 @@ def by_block_flag(flag_smem, live_pass, dead_pass) -> None:
 def tile_start(j, block_v: int, vocab: int):
     """Column of vocabulary tile ``j``: nominally ``j * block_v``, slid back to end at ``vocab``."""
     return jnp.minimum(j * block_v, vocab - block_v)
+
+
+def call_in_place(kernel, scratch, mesh_kwargs: dict, interpret, x, *inputs):
+    """Runs ``kernel(*input_refs, x_ref, *scratch_refs)`` on the mesh ``plgpu.Mesh(**mesh_kwargs)`` with ``x`` passed
+    as a ``jax.Ref`` (aliased in and out: the kernel reads and writes ``x``'s buffer, and XLA reuses it when ``x``
+    is dead afterwards); returns the updated ``x``. ``scratch``: the scratch types, one positional argument each
+    (shared by the mesh's warpgroups when it has several)."""
+    # plgpu.kernel wraps its call in a custom_vmap, which rejects Ref effects (jax 0.10.2), so the mesh
+    # kernel is built directly, as plgpu.kernel does.
+    mesh = plgpu.Mesh(**mesh_kwargs)
+    threads = {} if mesh.thread_name is None else {"collective_axes": mesh.thread_name}
+    call = pl.kernel(
+        lambda *refs: pl.run_scoped(functools.partial(kernel, *refs), *scratch, **threads),
+        out_type=(),
+        mesh=mesh,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+
+    def run(x, *inputs):
+        x_ref = jax.new_ref(x, memory_space=plgpu.GMEM if interpret else None)
+        call(*inputs, x_ref)
+        return jax.freeze(x_ref)
+
+    # The interpreter needs the Ref in GMEM, and a Ref with a memory space exists only under jit (inlined
+    # into an enclosing one); the device path is the plain Ref, measured that way.
+    return (jax.jit(run) if interpret else run)(x, *inputs)

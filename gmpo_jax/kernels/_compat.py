@@ -17,6 +17,7 @@ __all__ = [
     "plgpu",
     "interpret_params",
     "load_vector",
+    "load_tile",
     "layout_cast",
     "iota",
     "wgmma",
@@ -58,6 +59,16 @@ def load_vector(ref, layout, interpret):
     if _LOAD_NEEDS_IDX:
         return plgpu.load(ref, (), layout=layout, optimized=False)
     return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def load_tile(ref, layout, interpret):
+    """A whole shared-memory tile in ``layout`` (the optimised, swizzle-aware load); ``ref[...]`` in the
+    interpreter."""
+    if interpret:
+        return ref[...]
+    if _LOAD_NEEDS_IDX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
 
 
 def layout_cast(x, layout, interpret):

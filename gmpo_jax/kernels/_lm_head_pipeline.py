@@ -20,8 +20,8 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
 
-from gmpo_jax.kernels._common import _even_splits, cdiv, div, i32, rem, smem_transforms
-from gmpo_jax.kernels._compat import needs_value_matmul, plgpu, value_matmul, wgmma
+from gmpo_jax.kernels._common import _even_splits, call_in_place, cdiv, div, i32, rem, smem_transforms
+from gmpo_jax.kernels._compat import load_tile, needs_value_matmul, plgpu, value_matmul, wgmma
 
 
 def lm_head_num_splits(num_row_ctas: int, num_vocab_tiles: int, num_sms: int, min_tiles: int = 4) -> int:
@@ -353,6 +353,7 @@ def launch(
     row_grid: RowPrefixGrid | None = None,
     info=None,
     transpose_a: bool = False,
+    acc=None,
     interpret=None,
 ):
     """Runs an LM-head kernel with three warpgroups (two consumers, one memory warpgroup:
@@ -368,7 +369,8 @@ def launch(
     or one ``ShapeDtypeStruct``), ``smem = (a_smem, b_smem, epilogue, loaded, consumed)``: the
     operand rings of ``logits_tile_loop``, the scratch ``epilogue_smem`` (a ``plgpu.SMEM``) of the
     kernel's own epilogue, and the ring's two barriers; and its :class:`CtaBlock`. Under ``row_grid`` a CTA
-    without work does not run ``body``.
+    without work does not run ``body``. ``acc``: an array the kernel updates in place (``out_type`` None; its one
+    output reference reads and writes ``acc``'s buffer; returns the updated array).
     """
     dtype = hidden.dtype
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
@@ -415,6 +417,11 @@ def launch(
         grid = (1, row_grid.num_ctas)
     else:
         grid = (num_splits, m // (2 * bm))
+    inputs = (hidden, weight, *((bias,) if has_bias else ()), *row_inputs, *((info,) if staged else ()))
+    if acc is not None:
+        assert out_type is None, "an in-place kernel has no other output"
+        mesh = dict(grid=grid, grid_names=("split", "rows"), num_threads=3, thread_name="wg")
+        return call_in_place(kernel, [scratch], mesh, interpret, acc, *inputs)
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -426,7 +433,7 @@ def launch(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    return call(hidden, weight, *((bias,) if has_bias else ()), *row_inputs, *((info,) if staged else ()))
+    return call(*inputs)
 
 
 def tile_gemm(
@@ -444,6 +451,7 @@ def tile_gemm(
     row_grid: RowPrefixGrid | None = None,
     info=None,
     transpose_a: bool = False,
+    acc=None,
     interpret=None,
 ):
     """A GEMM on the LM-head pipeline (the gradient GEMMs ``lm_head_dhidden``, ``lm_head_dweight``): each CTA's
@@ -451,20 +459,40 @@ def tile_gemm(
     pipeline's weight in ``rhs_layout``), its ``block_n``-column tiles accumulated in float32 by wgmma and written
     once in ``out_dtype`` (each warpgroup's tile staged in shared memory, stored by a bulk copy while the next one
     is computed). ``k_iters``: the contraction's ``block_k`` steps, or None: read at run time from ``info``'s word
-    ``CONTRACTION_WORD``. The grid, splits and ``info`` as :func:`launch`'s."""
+    ``CONTRACTION_WORD``. The grid, splits and ``info`` as :func:`launch`'s.
+
+    ``acc``: None, or an ``out_shape`` array in ``out_dtype`` that the product is added to in place (``acc + lhs
+    rhs`` on the tiles the grid computes; the others keep ``acc``'s values), on a ``row_grid`` that gives each CTA
+    one output tile: each warpgroup's tile of ``acc`` is fetched into its staging buffer while the contraction runs
+    and added to the float32 sums before the store (an XLA add of the whole array after the kernel would read it
+    twice and write it once more)."""
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = jnp.dtype(out_dtype)
+    accumulate = acc is not None
 
     def body(a_ref, b_ref, bias_ref, row_refs, outs, smem, cta):
         del bias_ref, row_refs
         (out,) = outs
         a_smem, b_smem, out_smem, loaded, consumed = smem
+        out_smem, fetched = out_smem if accumulate else (out_smem, None)
 
-        def epilogue(tile, acc, carry):
+        def out_tile(tile):
+            return out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn, bn)]
+
+        if accumulate:  # acc's tile into this warpgroup's staging buffer, while the contraction runs
+
+            @pl.when((cta.wg < 2) & (cta.n_tiles > 0))
+            def _():
+                plgpu.copy_gmem_to_smem(out_tile(cta.tile0), out_smem.at[cta.wg], fetched.at[cta.wg])
+
+        def epilogue(tile, z, carry):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
-            out_smem[cta.wg] = acc.astype(out_dtype)
+            if accumulate:  # the CTA's one tile
+                plgpu.barrier_wait(fetched.at[cta.wg])
+                z = z + load_tile(out_smem.at[cta.wg], plgpu.Layout.WGMMA, interpret)
+            out_smem[cta.wg] = z.astype(out_dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn, bn)])
+            plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out_tile(tile))
             return carry
 
         logits_tile_loop(
@@ -487,14 +515,19 @@ def tile_gemm(
             transpose_a=transpose_a,
         )
 
+    epilogue_smem = plgpu.SMEM((2, bm, bn), out_dtype, transforms=smem_transforms(out_dtype.itemsize))
+    if accumulate:
+        assert acc.shape == tuple(out_shape) and acc.dtype == out_dtype, (acc.shape, acc.dtype, out_shape, out_dtype)
+        assert row_grid is not None and set(row_grid.tiles) == {1}, "in place: one output tile per CTA"
+        epilogue_smem = (epilogue_smem, plgpu.Barrier(num_arrivals=1, num_barriers=2))  # a fetch barrier per wg
     return launch(
         body,
         hidden=lhs,
         weight=rhs,
         bias=None,
         row_inputs=(),
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        epilogue_smem=plgpu.SMEM((2, bm, bn), out_dtype, transforms=smem_transforms(out_dtype.itemsize)),
+        out_type=None if accumulate else jax.ShapeDtypeStruct(out_shape, out_dtype),
+        epilogue_smem=epilogue_smem,
         weight_layout=rhs_layout,
         cfg=cfg,
         num_splits=num_splits,
@@ -503,5 +536,6 @@ def tile_gemm(
         row_grid=row_grid,
         info=info,
         transpose_a=transpose_a,
+        acc=acc,
         interpret=interpret,
     )

@@ -34,9 +34,10 @@ def dhidden_blocks(H: int) -> P.LMHeadBlocks:
     return P.LMHeadBlocks(block_m=64, block_n=128 if H % 128 == 0 else 64, block_k=64, num_stages=4)
 
 
-def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMHeadBlocks, interpret=None):
+def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMHeadBlocks, acc=None, interpret=None):
     """``dz W^T`` on the first ``n_rows`` rows: ``out[r] = sum_v dz[r, v] W[:, v]`` for the row blocks of
-    ``cfg.rows_per_cta`` rows that hold them.
+    ``cfg.rows_per_cta`` rows that hold them; with ``acc``, ``out[r] = acc[r] + sum_v dz[r, v] W[:, v]`` there, in
+    ``acc``'s buffer (the hidden gradient summed over the vocabulary windows).
 
     Args:
       dz: ``[Rp, Kw]`` bf16/f16, ``Kw`` a multiple of ``cfg.block_k`` (a window's columns, zero past the
@@ -45,10 +46,11 @@ def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMH
         a multiple of ``cfg.block_n``.
       n_rows: int32 scalar (traced or not), the rows with work, ``0 <= n_rows <= Rp``.
       cfg: :func:`dhidden_blocks`.
+      acc: None, or ``[Rp, H]`` float32 to add the product to (updated in place when it is dead afterwards).
 
     Returns:
-      ``[Rp, H]`` float32: rows ``[0, ceil(n_rows / rows_per_cta) * rows_per_cta)`` hold the product, the others are
-      not written (their contents are undefined).
+      ``[Rp, H]`` float32: rows ``[0, ceil(n_rows / rows_per_cta) * rows_per_cta)`` hold the product (plus ``acc``),
+      the others are not written: undefined without ``acc``, ``acc``'s with it.
     """
     Rp, Kw = dz.shape
     H = weight.shape[0] if weight_layout == "hv" else weight.shape[1]
@@ -70,5 +72,6 @@ def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMH
         num_tiles=H // bn,
         row_grid=row_grid,
         info=row_grid.info(n_rows),
+        acc=acc,
         interpret=interpret,
     )

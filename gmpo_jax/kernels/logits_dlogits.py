@@ -15,8 +15,6 @@ end at ``R`` (resp. ``V``) and rewrites its overlap with bitwise identical value
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.experimental.pallas as pl
 import jax.numpy as jnp
@@ -162,7 +160,7 @@ def logits_dlogits(
     ]
     grid = dict(grid=(num_splits, num_row_blocks), grid_names=("split", "rows"))
     if inplace:
-        return _call_in_place(kernel, scratch, grid, interpret, x, *vectors)
+        return C.call_in_place(kernel, scratch, grid, interpret, x, *vectors)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((R, V), dtype),
@@ -172,25 +170,3 @@ def logits_dlogits(
         **grid,
     )
     return call(x, *vectors)
-
-
-def _call_in_place(kernel, scratch, grid, interpret, x, *row_inputs):
-    """Runs the in-place ``kernel`` on ``x`` passed as a ``jax.Ref`` (aliased in and out); returns it."""
-    # plgpu.kernel wraps its call in a custom_vmap, which rejects Ref effects (jax 0.10.2), so the mesh
-    # kernel is built directly, as plgpu.kernel does.
-    call = pl.kernel(
-        lambda *refs: pl.run_scoped(functools.partial(kernel, *refs), *scratch),
-        out_type=(),
-        mesh=plgpu.Mesh(**grid),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
-    )
-
-    def run(x, *row_inputs):
-        x_ref = jax.new_ref(x, memory_space=plgpu.GMEM if interpret else None)
-        call(*row_inputs, x_ref)
-        return jax.freeze(x_ref)
-
-    # The interpreter needs the Ref in GMEM, and a Ref with a memory space exists only under jit (inlined
-    # into an enclosing one); the device path is the plain Ref, measured that way.
-    return (jax.jit(run) if interpret else run)(x, *row_inputs)

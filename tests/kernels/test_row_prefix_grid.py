@@ -157,7 +157,8 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
     row 192 on, the count rounded up to the 64-row contraction step, and must not read them; rows 129-191 are zero,
     as the dlogits kernel writes rows without a cotangent). ``H = 128``: one output tile of ``dh``; ``dW`` written in
     bfloat16 as a single chunk's (``[H, 256]``: one 256-column tile, ``dweight_blocks``) or in float32 (``[256,
-    H]``: two row blocks of one 128-column tile)."""
+    H]``: two row blocks of one 128-column tile). ``dh`` added in place to a running sum (``acc``): the written rows
+    hold the sum, the others keep the running sum's values."""
     rng = np.random.default_rng(3)
     rows, hd, kw, n = 384, 128, 256, 129
     dz = rng.standard_normal((rows, kw))
@@ -171,18 +172,25 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
     w = w_hv if layout == "hv" else w_hv.T
     lhs, rhs = (h, dz_w) if layout == "hv" else (dz_w, h)
 
-    def run(n):
+    running = jnp.asarray(rng.standard_normal((rows, hd)), jnp.float32)
+
+    def run(n, running):
         dh = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg, interpret=NAN_MEMORY)
+        dh_acc = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg, acc=running,
+                                        interpret=NAN_MEMORY)  # fmt: skip
         dw = lm_head_dweight_window(lhs, rhs, n_rows=n, cfg=dweight_blocks(rhs.shape[1], dw_dtype), num_sms=SMS,
                                     out_dtype=dw_dtype, interpret=NAN_MEMORY)  # fmt: skip
-        return dh, dw
+        return dh, dh_acc, dw
 
-    dh, dw = (np.asarray(x, np.float64) for x in jax.jit(run)(jnp.int32(n)))
+    dh, dh_acc, dw = (np.asarray(x, np.float64) for x in jax.jit(run)(jnp.int32(n), running))
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     live = 256  # the row blocks (128 rows) holding the first 129
     want_dh = np.nan_to_num(f64(dz)[:live]) @ f64(w_hv).T
     np.testing.assert_allclose(dh[:live], want_dh, rtol=1e-5, atol=1e-5 * np.abs(want_dh).max())
     assert np.isnan(dh[live:]).all()  # not written
+    prev = np.asarray(running, np.float64)
+    np.testing.assert_allclose(dh_acc[:live], prev[:live] + want_dh, rtol=1e-5, atol=1e-5 * np.abs(want_dh).max())
+    np.testing.assert_array_equal(dh_acc[live:], prev[live:])  # kept
     want_dw = f64(lhs)[:n].T @ f64(rhs)[:n]
     rtol = 2.0**-8 if dw_dtype == jnp.bfloat16 else 1e-5  # the float32 sums rounded once to the output's dtype
     np.testing.assert_allclose(dw, want_dw, rtol=rtol, atol=1e-5 * np.abs(want_dw).max())
@@ -199,6 +207,7 @@ def test_gradient_gemms_lower_for_cuda():
 
         def grads(dz, h, w, n, layout=layout, cfg=cfg):
             dh = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg)
+            dh = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg, acc=dh)  # in place
             lhs, rhs = (h, dz) if layout == "hv" else (dz, h)
             dws = [
                 lm_head_dweight_window(

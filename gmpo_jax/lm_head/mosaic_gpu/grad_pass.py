@@ -118,19 +118,25 @@ class _GradPass:
     def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
         """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""
         dh, dw_acc, db_acc, rowsum = carry
-        dh_w, dw_blk, db_blk, rowsum_w = self.window_grads(v0, width, wt, kept, w_blk, b_blk)
+        if self.n_rows is not None:  # the row-prefix kernel adds the window's dh into the carry in place
+            dh, dw_blk, db_blk, rowsum_w = self.window_grads(v0, width, wt, kept, w_blk, b_blk, dh=dh)
+        else:
+            dh_w, dw_blk, db_blk, rowsum_w = self.window_grads(v0, width, wt, kept, w_blk, b_blk)
+            dh = dh + dh_w
         dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, width, dw_blk, db_blk)
-        return dh + dh_w, dw_acc, db_acc, rowsum + rowsum_w
+        return dh, dw_acc, db_acc, rowsum + rowsum_w
 
-    def window_grads(self, v0, width, wt, kept, w_blk=None, b_blk=None):
-        """One window's own ``(dh [Rp, H], dW block, db block or None, row sums [Rp])``, float32."""
+    def window_grads(self, v0, width, wt, kept, w_blk=None, b_blk=None, dh=None):
+        """One window's own ``(dh [Rp, H], dW block, db block or None, row sums [Rp])``, float32; with ``dh`` (on a
+        runtime row prefix only) the first is ``dh`` plus the window's."""
         axis, bn = self.axis, self.cfg.block_n
         if w_blk is None:  # a full window inside the loop: dynamic slices of static width
             w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
             b_blk = None if self.bias_p is None else lax.dynamic_slice_in_dim(self.bias_p, v0, wt * bn)
         dz, rowsum = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
         if self.n_rows is not None:
-            return self.prefix_gemms(dz, w_blk, width, rowsum)
+            return self.prefix_gemms(dz, w_blk, width, rowsum, dh)
+        assert dh is None, "only the row-prefix kernel accumulates dh"
         if dz.shape[1] != width:
             dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns
@@ -147,9 +153,11 @@ class _GradPass:
         db_blk = None if self.bias_p is None else jnp.sum(dz.astype(jnp.float32), axis=0)
         return dh, dw_blk, db_blk, rowsum
 
-    def prefix_gemms(self, dz, w_blk, width, rowsum):
+    def prefix_gemms(self, dz, w_blk, width, rowsum, dh=None):
         """:meth:`window_grads` on the first ``n_rows`` rows by the row-prefix GEMM kernels: ``dz`` ``[Rp, Kw]`` (the
-        window's tiles, zero past ``V``), ``w_blk`` its weight columns (the partial window's fewer: zero-padded)."""
+        window's tiles, zero past ``V``), ``w_blk`` its weight columns (the partial window's fewer: zero-padded);
+        ``dh``: None, or the running ``[Rp, H]`` float32 sum the kernel adds the window's into (its rows past the
+        prefix are kept, not written)."""
         from gmpo_jax.kernels.lm_head_dhidden import dhidden_blocks, lm_head_dhidden_window
         from gmpo_jax.kernels.lm_head_dweight import dweight_blocks, lm_head_dweight_window
 
@@ -158,9 +166,10 @@ class _GradPass:
             w_blk = jnp.pad(w_blk, [(0, Kw - w_blk.shape[axis]) if a == axis else (0, 0) for a in range(2)])
         sms, interpret = num_sms(self.backend.interpret), self.backend._interpret_params()
         live = jnp.arange(Rp) < self.n_rows  # the rows past the prefix: undefined in the kernels' outputs
-        dh = lm_head_dhidden_window(
-            dz, w_blk, weight_layout=self.layout, n_rows=self.n_rows, cfg=dhidden_blocks(H), interpret=interpret
+        dh_out = lm_head_dhidden_window(
+            dz, w_blk, weight_layout=self.layout, n_rows=self.n_rows, cfg=dhidden_blocks(H), acc=dh, interpret=interpret
         )
+        dh_out = dh_out if dh is not None else jnp.where(live[:, None], dh_out, 0.0)
         lhs, rhs = (self.hp, dz) if axis == 1 else (dz, self.hp)
         out_dtype = self.dw_dtype if self.fresh else jnp.float32  # a fresh block is written once: rounded once
         dw_blk = lm_head_dweight_window(
@@ -172,7 +181,7 @@ class _GradPass:
         db_blk = None
         if self.bias_p is not None:
             db_blk = jnp.sum(jnp.where(live[:, None], dz[:, :width].astype(jnp.float32), 0.0), axis=0)
-        return jnp.where(live[:, None], dh, 0.0), dw_blk, db_blk, jnp.where(live, rowsum, 0.0)
+        return dh_out, dw_blk, db_blk, jnp.where(live, rowsum, 0.0)
 
     def accumulate(self, dw_acc, db_acc, v0, width, dw_blk, db_blk):
         """``dW[:, window] += dw_blk`` (written once when the accumulator is fresh), ``db[window] += db_blk``."""
