@@ -98,15 +98,15 @@ ROW_BUCKETS = 8
 ROW_ALIGN = 128
 # The forward's skipping on one compiled log-prob kernel for every number of live rows (``Capabilities.row_prefix``,
 # ``kernels.RowPrefixGrid``) instead of one per prefix size: fewer kernels to compile (Qwen2.5-0.5B 8 x 2048: 24 -> 17,
-# Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off until measured on the GPU: the version that also ran the
-# gradient kernel on a row prefix compiled in 12 / 10 s instead of 38 / 33 s but stepped 17-29 % slower (H200,
-# 2026-12-04; docs/performance.md "First-call time"); this forward-only version has not run on a GPU yet.
+# Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off: its first call is 25-45 % shorter, its step up to 8 % slower at
+# Llama-3 (docs/performance.md "The one program on the GPU").
 ROW_PREFIX_FORWARD = False
 # The gradient pass on one program for every number of rows with a cotangent (``Capabilities.row_prefix_grads``): the
 # dz kernel on a row-prefix grid and Pallas GEMMs that take the row count at run time (``kernels.lm_head_dhidden``,
 # ``lm_head_dweight``) instead of XLA's GEMMs on a static prefix per bucket (whose slices cost 17-29 % in the version
-# above); the gradient filter's windows each on the runtime prefix of their rows. Off until measured on the GPU (step
-# time beside the per-bucket pass, first call): not run on one yet.
+# above); the gradient filter's windows each on the runtime prefix of their rows. Off: with ROW_PREFIX_FORWARD the
+# first call is 5-14 s instead of 29-64 s, but the step is slower where rows are live (docs/performance.md "The one
+# program on the GPU"; the per-window dh add it measured is gone since, not yet re-measured).
 ROW_PREFIX_GRADIENT = False
 
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of
