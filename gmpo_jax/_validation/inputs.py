@@ -222,9 +222,10 @@ def as_ids(completion_ids) -> jax.Array:
     """int32 ids; a wider id outside the int32 range becomes -1 (out of range: NaN if unmasked) rather
     than wrapping around onto a valid id."""
     ids = jnp.asarray(completion_ids)
-    if jnp.iinfo(ids.dtype).bits > 32:
+    if jnp.iinfo(ids.dtype).bits > 32:  # (an unsigned id is never below the int32 range: no wrapping compare)
         info = jnp.iinfo(jnp.int32)
-        ids = jnp.where((ids < info.min) | (ids > info.max), -1, ids)
+        low = (ids < info.min) if jnp.issubdtype(ids.dtype, jnp.signedinteger) else False
+        ids = jnp.where(low | (ids > info.max), -1, ids)
     return ids.astype(jnp.int32)
 
 

@@ -312,7 +312,7 @@ def _fused_policy_loss_fwd(cfg, objective, head, inputs):
 
 def _fused_policy_loss_bwd(cfg, grads, cotangents):
     g, _ = cotangents  # the metrics carry no gradient
-    return None, _scaled(cfg, grads, g), None
+    return None, _scaled(cfg, grads, jnp.asarray(g, jnp.float32)), None  # a Python float from jax.vjp too
 
 
 fused_policy_loss.defvjp(_fused_policy_loss_fwd, _fused_policy_loss_bwd)

@@ -68,7 +68,9 @@ def policy_loss_from_logits(
     Returns:
       ``(loss, aux)``: ``loss`` a float32 scalar, ``aux`` a :class:`~gmpo_jax.LossAux` of float32 scalars (no
       gradient). The gradient with respect to ``logits`` has the logits' shape and dtype (zero at the dropped
-      last position). Reverse mode only (a ``jax.custom_vjp``: no ``jax.jvp`` / ``jacfwd``).
+      last position); everything else (the batch, ``temperature``, the objective) is data with a zero cotangent
+      (``gmpo_jax.reference`` differentiates them too). Reverse mode only, first order (a ``jax.custom_vjp``: no
+      ``jax.jvp`` / ``jacfwd``, no gradient of the gradient).
 
     Raises:
       TypeError: a ``batch`` that is not a ``PolicyBatch``, a non-objective; non-floating logits / advantages /

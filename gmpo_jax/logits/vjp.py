@@ -173,7 +173,7 @@ def _logits_policy_loss_fwd(cfg, objective, logits, inputs):
 
 def _logits_policy_loss_bwd(cfg, res, cotangents):
     g, _ = cotangents  # the metrics carry no gradient
-    g = g.astype(jnp.float32)
+    g = jnp.asarray(g, jnp.float32)  # a Python float from jax.vjp too
     stored, inputs, residual, dlogp, ent = res
     if dlogp is None:  # fused: dlogits of a unit cotangent (XLA drops the multiply when g is the constant 1)
         return None, (stored.astype(jnp.float32) * g).astype(stored.dtype), None

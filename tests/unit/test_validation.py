@@ -600,3 +600,34 @@ def test_ignored_reference_inputs_are_not_value_checked(monkeypatch):
     reference = gmpo_jax.ReferenceHead(jnp.full((B, T, H), jnp.nan), a["weight"])
     with pytest.warns(UserWarning, match="ignored"):
         assert np.isfinite(float(call(reference=reference)[0]))
+
+
+def test_vjp_takes_a_python_float_cotangent():
+    """``jax.vjp(f, x)[1](1.0)``, as JAX allows for a float32 scalar output, gives ``jax.grad``'s result (both ops)."""
+    a = good_args()
+    batch = gmpo_jax.PolicyBatch(a["completion_ids"], a["completion_mask"], a["advantages"])
+    z = jnp.asarray(np.random.default_rng(2).normal(size=(B, T + 1, V)), jnp.float32)
+    obj = gmpo_jax.GMPO(beta=0.0)
+    for f, x in (
+        (lambda z: gmpo_jax.policy_loss_from_logits(z, batch, objective=obj)[0], z),
+        (lambda h: gmpo_jax.fused_linear_policy_loss(h, a["weight"], batch, objective=obj)[0], a["hidden"]),
+    ):
+        (got,) = jax.vjp(f, x)[1](1.0)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.grad(f)(x)))
+
+
+@pytest.mark.parametrize("dtype", [np.uint64, np.int64])
+def test_64_bit_ids_under_x64(dtype):
+    """Under ``jax_enable_x64`` 64-bit ids keep their values (an unsigned one was compared with the negative int32
+    minimum, wrapped, and every id became -1: a NaN loss); one beyond the int32 range is out of range."""
+    a = good_args()
+    want = float(call()[0])
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        ids = np.asarray(a["completion_ids"]).astype(dtype)
+        assert float(call(completion_ids=ids)[0]) == pytest.approx(want, rel=1e-6)
+        with pytest.raises(ValueError, match=r"completion_ids"):
+            call(completion_ids=ids + dtype(2**33))
+    finally:
+        jax.config.update("jax_enable_x64", old)
