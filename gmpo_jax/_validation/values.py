@@ -79,8 +79,11 @@ def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion
     bad = bad.reshape(bad.shape[:2] + (-1,)).any(axis=-1) & (mv != 0)
     if bad.any():
         b, t = (int(i) for i in np.argwhere(bad)[0])
-        where = f"{name}[{b}, {t}]" if xv.ndim == 2 else f"{name}[{b}, {t}, :]"
-        value = xv[b, t] if xv.ndim == 2 else xv[b, t][~np.isfinite(xv[b, t])].ravel()[0]
+        if xv.ndim == 2:
+            where, value = f"{name}[{b}, {t}]", xv[b, t]
+        else:  # the token's first non-finite element
+            k = np.unravel_index(int(np.flatnonzero(~np.isfinite(xv[b, t]))[0]), xv.shape[2:])
+            where, value = f"{name}[{', '.join(str(int(i)) for i in (b, t, *k))}]", xv[(b, t, *k)]
         raise ValueError(
             f"{name} must be finite at an unmasked token ({mask_name} 1), got {float(value)!r} in {where} "
             f"({int(bad.sum())} such token(s))"
