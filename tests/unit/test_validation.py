@@ -548,7 +548,9 @@ def test_nonfinite_hidden_raises_under_an_eager_grad():
     h = good_args()["hidden"].at[0, 1, 2].set(jnp.nan)
     for argnums in (0, 1, (0, 1)):
         f = jax.grad(lambda h, w: call(hidden=h, weight=w)[0], argnums=argnums)
-        with pytest.raises(ValueError, match=r"hidden must be finite at an unmasked token .*got nan in hidden\[0, 1, 2\]"):
+        with pytest.raises(
+            ValueError, match=r"hidden must be finite at an unmasked token .*got nan in hidden\[0, 1, 2\]"
+        ):
             f(h, good_args()["weight"])
 
 
