@@ -367,8 +367,8 @@ def launch(
     ``body(h_ref, w_ref, b_ref, row_refs, out_refs, smem, cta)`` gets the references of ``hidden``, ``weight``,
     ``bias`` (None without one), the per-row inputs ``row_inputs`` and the outputs ``out_type`` (a tuple,
     or one ``ShapeDtypeStruct``), ``smem = (a_smem, b_smem, epilogue, loaded, consumed)``: the
-    operand rings of ``logits_tile_loop``, the scratch ``epilogue_smem`` (a ``plgpu.SMEM``) of the
-    kernel's own epilogue, and the ring's two barriers; and its :class:`CtaBlock`. Under ``row_grid`` a CTA
+    operand rings of ``logits_tile_loop``, the scratch ``epilogue_smem`` (a ``plgpu.SMEM``, or a tuple of scratch
+    types) of the kernel's own epilogue, and the ring's two barriers; and its :class:`CtaBlock`. Under ``row_grid`` a CTA
     without work does not run ``body``. ``acc``: an array the kernel updates in place (``out_type`` None; its one
     output reference reads and writes ``acc``'s buffer; returns the updated array).
     """
