@@ -98,7 +98,7 @@ ROW_BUCKETS = 8
 ROW_ALIGN = 128
 # The forward's skipping on one compiled log-prob kernel for every number of live rows (``Capabilities.row_prefix``,
 # ``kernels.RowPrefixGrid``) instead of one per prefix size: fewer kernels to compile (Qwen2.5-0.5B 8 x 2048: 24 -> 17,
-# Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off: its first call is 25-45 % shorter, its step up to 8 % slower at
+# Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off: its first call is 26-46 % shorter, its step up to 8 % slower at
 # Llama-3 (docs/performance.md "The one program on the GPU").
 ROW_PREFIX_FORWARD = False
 # The gradient pass on one program for every number of rows with a cotangent (``Capabilities.row_prefix_grads``): the

@@ -118,17 +118,13 @@ class _GradPass:
     def window(self, carry, v0, width, wt, kept, w_blk=None, b_blk=None):
         """One window (columns ``[v0, v0 + width)``): its dz and the three GEMMs (float32 accumulation)."""
         dh, dw_acc, db_acc, rowsum = carry
-        if self.n_rows is not None:  # the row-prefix kernel adds the window's dh into the carry in place
-            dh, dw_blk, db_blk, rowsum_w = self.window_grads(v0, width, wt, kept, w_blk, b_blk, dh=dh)
-        else:
-            dh_w, dw_blk, db_blk, rowsum_w = self.window_grads(v0, width, wt, kept, w_blk, b_blk)
-            dh = dh + dh_w
+        dh, dw_blk, db_blk, rowsum_w = self.window_grads(v0, width, wt, kept, w_blk, b_blk, dh=dh)
         dw_acc, db_acc = self.accumulate(dw_acc, db_acc, v0, width, dw_blk, db_blk)
         return dh, dw_acc, db_acc, rowsum + rowsum_w
 
     def window_grads(self, v0, width, wt, kept, w_blk=None, b_blk=None, dh=None):
-        """One window's own ``(dh [Rp, H], dW block, db block or None, row sums [Rp])``, float32; with ``dh`` (on a
-        runtime row prefix only) the first is ``dh`` plus the window's."""
+        """One window's own ``(dh [Rp, H], dW block, db block or None, row sums [Rp])``, float32; with ``dh`` (the
+        running sum) the first is ``dh`` plus the window's (on a runtime row prefix added by the kernel in place)."""
         axis, bn = self.axis, self.cfg.block_n
         if w_blk is None:  # a full window inside the loop: dynamic slices of static width
             w_blk = lax.dynamic_slice_in_dim(self.w_kernel, v0, wt * bn, axis=axis)
@@ -136,7 +132,6 @@ class _GradPass:
         dz, rowsum = self.dz(w_blk, b_blk, self.ids_p - v0, v0, width, wt, kept)
         if self.n_rows is not None:
             return self.prefix_gemms(dz, w_blk, width, rowsum, dh)
-        assert dh is None, "only the row-prefix kernel accumulates dh"
         if dz.shape[1] != width:
             dz = dz[:, :width]
         if w_blk.shape[axis] != width:  # the aligned copy's padding columns
@@ -147,7 +142,8 @@ class _GradPass:
         else:  # float32 dz: its parts times the weight's parts (split along H, the other axis)
             dz_parts = bf16_parts(dz, ops.order + 1)
             w_parts = jnp.split(w_blk, ops.weight_parts, axis=1 - axis)
-        dh = _split_dot(dz_parts, w_parts, (((1,), (axis,)), ((), ())), ops.order or 0)
+        dh_w = _split_dot(dz_parts, w_parts, (((1,), (axis,)), ((), ())), ops.order or 0)
+        dh = dh_w if dh is None else dh + dh_w
         a, b = (ops.hidden_parts, dz_parts) if axis == 1 else (dz_parts, ops.hidden_parts)  # dW in the weight's layout
         dw_blk = _split_dot(a, b, (((0,), (0,)), ((), ())), ops.order or 0)
         db_blk = None if self.bias_p is None else jnp.sum(dz.astype(jnp.float32), axis=0)
