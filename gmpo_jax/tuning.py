@@ -62,6 +62,20 @@ MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {
 }
 
 
+# Every LM-head kernel's pipeline (``kernels.LMHeadBlocks.in_flight``): 1 leaves one wgmma product running while the next
+# is issued (its ring slot released a step later), 0 waits for each. 0: the kernels as every table above measured them;
+# 1 not measured yet (built 2026-12-05 for the gradient GEMMs' rate, docs/performance.md "The in-place dh measured").
+WGMMA_IN_FLIGHT = 0
+# The gradient GEMMs on a runtime row prefix (``ROW_PREFIX_GRADIENT``; ``kernels.lm_head_dhidden`` /
+# ``lm_head_dweight``): (block_m, block_n, block_k, num_stages) of ``dz W^T`` (float32 out, added in place), of ``h^T
+# dz`` with a 16-bit result (a single chunk) and with a float32 one. The sizes they were built with; not swept
+# (H100, 2026-12-05: both GEMMs 14 % slower than cuBLAS + Triton at the Llama-3 head, docs/performance.md "The one
+# program on the GPU").
+DHIDDEN_BLOCKS = (64, 128, 64, 4)
+DWEIGHT_BLOCKS_16 = (64, 256, 64, 3)
+DWEIGHT_BLOCKS_32 = (64, 128, 64, 4)
+
+
 # Mosaic GPU LM head: keep a single chunk's logits (float16) for the gradient pass only for hidden sizes
 # this large. The recompute a kept tile saves grows with H, its memory traffic does not; between 896 and
 # 4096 nothing was measured, so the threshold sits at the next real head below 4096 (Qwen2.5-7B's 3584).

@@ -20,7 +20,7 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
 
-from gmpo_jax.kernels._common import _even_splits, call_in_place, cdiv, div, i32, rem, smem_transforms
+from gmpo_jax.kernels._common import SMEM_BYTES, _even_splits, call_in_place, cdiv, div, i32, rem, smem_transforms
 from gmpo_jax.kernels._compat import load_tile, needs_value_matmul, plgpu, value_matmul, wgmma
 
 
@@ -53,12 +53,16 @@ class LMHeadBlocks:
     block_n: vocabulary columns per logits tile; multiple of 64, at most 256.
     block_k: hidden columns per pipeline step; 64 (128-byte swizzle of 16-bit operands).
     num_stages: depth of the shared-memory ring.
+    in_flight: wgmma products a compute warpgroup leaves running when it issues the next: 0 waits for each
+      product before it releases its ring slot; 1 releases the previous step's slot once the next product is
+      issued (the tensor cores never wait for the warpgroup between steps; one slot less of prefetch).
     """
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     num_stages: int = 4
+    in_flight: int = 0
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -69,6 +73,8 @@ class LMHeadBlocks:
             raise ValueError(f"{self.block_k=} must be 64")
         if self.num_stages < 2:
             raise ValueError(f"{self.num_stages=} must be at least 2")
+        if self.in_flight not in (0, 1):
+            raise ValueError(f"{self.in_flight=} must be 0 or 1")
 
     @property
     def rows_per_cta(self) -> int:
@@ -111,7 +117,7 @@ def logits_tile_loop(
     ``transpose_a``: ``hidden_ref`` holds the left operand transposed (``[K, M]``: the contraction runs over its
     rows, the CTA's ``2 * block_m`` "rows" are its columns ``[row0, row0 + 2 block_m)``), each warpgroup's
     ``[block_k, block_m]`` half staged by its own bulk copy (the weight-gradient GEMM, ``lm_head_dweight``)."""
-    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+    bm, bn, bk, stages, in_flight = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.in_flight
     wg = lax.axis_index("wg")
     steps = len(terms) * k_iters  # pipeline steps per vocabulary tile
 
@@ -178,11 +184,21 @@ def logits_tile_loop(
                         transpose_b=transpose_b,
                         interpret=interpret,
                     )
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(consumed.at[slot])
+                    plgpu.wgmma_wait(in_flight)  # the products before the last `in_flight` are done
+                    if in_flight:  # release the previous step's slot (the first step has none)
+                        pl.when(k > 0)(lambda: plgpu.barrier_arrive(consumed.at[rem(t * steps + k - 1, stages)]))
+                    else:
+                        plgpu.barrier_arrive(consumed.at[slot])
                     return ()
 
                 lax.fori_loop(0, i32(steps), k_body, ())
+                if in_flight:  # the last step's product, and its slot (a runtime contraction may have no step)
+                    plgpu.wgmma_wait(0)
+                    release = lambda: plgpu.barrier_arrive(consumed.at[rem(t * steps + steps - 1, stages)])  # noqa: E731
+                    if isinstance(steps, jax.Array):
+                        pl.when(steps > 0)(release)
+                    elif steps:
+                        release()
                 return acc_ref[...]
 
             def value_mm():
@@ -465,10 +481,17 @@ def tile_gemm(
     rhs`` on the tiles the grid computes; the others keep ``acc``'s values), on a ``row_grid`` that gives each CTA
     one output tile: each warpgroup's tile of ``acc`` is fetched into its staging buffer while the contraction runs
     and added to the float32 sums before the store (an XLA add of the whole array after the kernel would read it
-    twice and write it once more)."""
+    twice and write it once more).
+
+    Where the ring and two whole output tiles would not fit shared memory (``SMEM_BYTES``: a float32 128 x 256 tile
+    beside a 3-deep ring), each warpgroup stages its tile in two column halves, one after the other (with ``acc``
+    the second half's fetch waits for the first half's store)."""
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = jnp.dtype(out_dtype)
     accumulate = acc is not None
+    whole = cfg.smem_bytes(jnp.dtype(lhs.dtype).itemsize, 2 * bm * bn * out_dtype.itemsize + 64)
+    pieces = 1 if whole <= SMEM_BYTES else 2
+    pn = bn // pieces  # columns of one staged piece
 
     def body(a_ref, b_ref, bias_ref, row_refs, outs, smem, cta):
         del bias_ref, row_refs
@@ -476,23 +499,27 @@ def tile_gemm(
         a_smem, b_smem, out_smem, loaded, consumed = smem
         out_smem, fetched = out_smem if accumulate else (out_smem, None)
 
-        def out_tile(tile):
-            return out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn, bn)]
+        def out_tile(tile, piece=0):  # this warpgroup's rows of an output tile (a column piece of it)
+            return out.at[pl.ds(cta.my_rows, bm), pl.ds(tile * bn + piece * pn, pn)]
 
-        if accumulate:  # acc's tile into this warpgroup's staging buffer, while the contraction runs
+        def fetch(tile, piece):  # acc's tile (piece) into this warpgroup's staging buffer
+            plgpu.copy_gmem_to_smem(out_tile(tile, piece), out_smem.at[cta.wg], fetched.at[cta.wg])
 
-            @pl.when((cta.wg < 2) & (cta.n_tiles > 0))
-            def _():
-                plgpu.copy_gmem_to_smem(out_tile(cta.tile0), out_smem.at[cta.wg], fetched.at[cta.wg])
+        if accumulate:  # the first piece while the contraction runs
+            pl.when((cta.wg < 2) & (cta.n_tiles > 0))(lambda: fetch(cta.tile0, 0))
 
         def epilogue(tile, z, carry):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left SMEM
-            if accumulate:  # the CTA's one tile
-                plgpu.barrier_wait(fetched.at[cta.wg])
-                z = z + load_tile(out_smem.at[cta.wg], plgpu.Layout.WGMMA, interpret)
-            out_smem[cta.wg] = z.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out_tile(tile))
+            for piece in range(pieces):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store left SMEM
+                zp = z if pieces == 1 else z[:, piece * pn : (piece + 1) * pn]
+                if accumulate:  # the CTA's one tile
+                    if piece:
+                        fetch(tile, piece)
+                    plgpu.barrier_wait(fetched.at[cta.wg])
+                    zp = zp + load_tile(out_smem.at[cta.wg], plgpu.Layout.WGMMA, interpret)
+                out_smem[cta.wg] = zp.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out_tile(tile, piece))
             return carry
 
         logits_tile_loop(
@@ -515,7 +542,7 @@ def tile_gemm(
             transpose_a=transpose_a,
         )
 
-    epilogue_smem = plgpu.SMEM((2, bm, bn), out_dtype, transforms=smem_transforms(out_dtype.itemsize))
+    epilogue_smem = plgpu.SMEM((2, bm, pn), out_dtype, transforms=smem_transforms(out_dtype.itemsize))
     if accumulate:
         assert acc.shape == tuple(out_shape) and acc.dtype == out_dtype, (acc.shape, acc.dtype, out_shape, out_dtype)
         assert row_grid is not None and set(row_grid.tiles) == {1}, "in place: one output tile per CTA"

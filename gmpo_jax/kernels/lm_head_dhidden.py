@@ -27,11 +27,16 @@ import jax.numpy as jnp
 from gmpo_jax.kernels import _lm_head_pipeline as P
 
 
-def dhidden_blocks(H: int) -> P.LMHeadBlocks:
-    """Block sizes of :func:`lm_head_dhidden_window`: 128 x ``block_n`` output tiles (two warpgroups of 64 rows),
-    ``block_n`` 128 where ``H`` allows it (else 64), a 4-deep operand ring; with the float32 output tile staged per
-    warpgroup, 192 KiB of shared memory."""
-    return P.LMHeadBlocks(block_m=64, block_n=128 if H % 128 == 0 else 64, block_k=64, num_stages=4)
+def dhidden_blocks(H: int, blocks: tuple[int, int, int, int] = (64, 128, 64, 4), in_flight: int = 0) -> P.LMHeadBlocks:
+    """Block sizes of :func:`lm_head_dhidden_window`: ``blocks`` = ``(block_m, block_n, block_k, num_stages)``, the
+    output tile ``2 block_m x block_n`` (two warpgroups of ``block_m`` rows); where ``block_n`` does not divide ``H``,
+    128 (else 64) columns with a 4-deep ring. ``in_flight``: :class:`~gmpo_jax.kernels.LMHeadBlocks`'s. The default
+    (128 x 128, 4 stages) stages each float32 output tile whole (192 KiB of shared memory); 128 x 256 with 3 stages
+    stages it in two halves (``tile_gemm``)."""
+    bm, bn, bk, stages = blocks
+    if H % bn:  # the fallback: 128 (64) columns, a 4-deep ring
+        bn, stages = (128 if H % 128 == 0 else 64), 4
+    return P.LMHeadBlocks(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, in_flight=in_flight)
 
 
 def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMHeadBlocks, acc=None, interpret=None):

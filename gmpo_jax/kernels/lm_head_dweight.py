@@ -27,14 +27,22 @@ from gmpo_jax.kernels import _common as C
 from gmpo_jax.kernels import _lm_head_pipeline as P
 
 
-def dweight_blocks(N: int, out_dtype) -> P.LMHeadBlocks:
-    """Block sizes of :func:`lm_head_dweight_window` for ``N`` output columns: a 16-bit result (a single chunk's
-    weight gradient) in 128 x 256 tiles with a 3-deep ring (the dlogits kernel's tuned shape: 208 KiB of shared
-    memory with the staged output tiles), where ``N`` is a multiple of 256; else, and for a float32 result, 128 x
-    128 tiles (``block_n`` 64 where ``N`` is not a multiple of 128) with a 4-deep ring."""
-    if jnp.dtype(out_dtype).itemsize == 2 and N % 256 == 0:
-        return P.LMHeadBlocks(block_m=64, block_n=256, block_k=64, num_stages=3)
-    return P.LMHeadBlocks(block_m=64, block_n=128 if N % 128 == 0 else 64, block_k=64, num_stages=4)
+def dweight_blocks(
+    N: int,
+    out_dtype,
+    blocks16: tuple[int, int, int, int] = (64, 256, 64, 3),
+    blocks32: tuple[int, int, int, int] = (64, 128, 64, 4),
+    in_flight: int = 0,
+) -> P.LMHeadBlocks:
+    """Block sizes of :func:`lm_head_dweight_window` for ``N`` output columns: ``blocks16`` for a 16-bit result (a
+    single chunk's weight gradient; by default 128 x 256 tiles with a 3-deep ring, the dlogits kernel's tuned shape:
+    208 KiB of shared memory with the staged output tiles), ``blocks32`` for a float32 one (by default 128 x 128 tiles,
+    a 4-deep ring), each ``(block_m, block_n, block_k, num_stages)``; where ``block_n`` does not divide ``N``, 128
+    (else 64) columns with a 4-deep ring. ``in_flight``: :class:`~gmpo_jax.kernels.LMHeadBlocks`'s."""
+    bm, bn, bk, stages = blocks16 if jnp.dtype(out_dtype).itemsize == 2 else blocks32
+    if N % bn:  # the fallback: 128 (64) columns, a 4-deep ring
+        bn, stages = (128 if N % 128 == 0 else 64), 4
+    return P.LMHeadBlocks(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, in_flight=in_flight)
 
 
 def lm_head_dweight_window(lhs, rhs, *, n_rows, cfg: P.LMHeadBlocks, num_sms: int, out_dtype, interpret=None):

@@ -192,12 +192,17 @@ WS1 = 128 * 128 * 2  # a workspace of one 128-column tile of 16-bit dz for 128 r
         ),
     ],
 )
-def test_interpret_matches_oracle_and_xla(R, H, V, layout, dtype, bias, T, scale, workspace, saved):
+def test_interpret_matches_oracle_and_xla(monkeypatch, R, H, V, layout, dtype, bias, T, scale, workspace, saved):
     """The log-prob kernel and the gradient pass against the float64 oracle and xla_chunked (``_run_case``);
     then ``logprobs_for_grads`` keeps the logits (float16 relative to the running max, the log-prob kernel's
     ``save_tiles``) and ``grads(saved=...)`` builds dz from them and recomputes the tiles not kept: the float64
     oracle and the recompute path agree (the saved path's dW comes back in the weight's dtype, written once
-    per window; with a one-tile workspace the windows run in the scans, with partial tails)."""
+    per window; with a one-tile workspace the windows run in the scans, with partial tails). The hv case keeps a
+    wgmma product in flight (``tuning.WGMMA_IN_FLIGHT = 1``: each ring slot released a step later; the interpreter
+    runs the vh layout's transposed products as float32 dots, where the setting does nothing)."""
+    from gmpo_jax import tuning
+
+    monkeypatch.setattr(tuning, "WGMMA_IN_FLIGHT", int(layout == "hv"))
     be = KEEP if workspace is None else MosaicGpuBackend(interpret=True, workspace_bytes=workspace, save_min_hidden=0)
     _run_case(be, R, H, V, layout, dtype, bias, T, scale, seed=R + V + 1, bad_ids=(layout == "vh"), saved=saved)
 
@@ -569,13 +574,15 @@ def test_gpu_tiny_temperature_argmax_targets(temperature):
     ids=["qwen-16k-hv", "llama-8k-vh-bias", "llama-1000-vh-bias", "gpt2-8k-hv", "gpt2-4k-vh-bias"],
 )
 def test_lm_head_kernels_lower_for_cuda(monkeypatch, R, H, V, layout, bias, loop):
-    """Both LM-head kernels (the log-prob one also with the entropy), inside the backend (window loop,
-    row padding, tails), lower to Mosaic GPU for
+    """Both LM-head kernels (the log-prob one also with the entropy; with a bias, one wgmma product in flight),
+    inside the backend (window loop, row padding, tails), lower to Mosaic GPU for
     CUDA with jax.export on the CPU (no GPU needed): shared-memory budgets, tiled bulk-copy rules and the
     scan over windows are checked before any device time is spent."""
+    from gmpo_jax import tuning
     from gmpo_jax.lm_head import mosaic_gpu
 
     monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
+    monkeypatch.setattr(tuning, "WGMMA_IN_FLIGHT", int(bias))  # the vh cases keep one wgmma product in flight
     be = MosaicGpuBackend(save_min_hidden=0)
     h = jax.ShapeDtypeStruct((R, H), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((H, V) if layout == "hv" else (V, H), jnp.bfloat16)

@@ -149,8 +149,19 @@ def test_backend_on_a_row_prefix_lowers_for_cuda(monkeypatch, layout, keep):
     jax.export.export(jax.jit(step), platforms=["cuda"])(h, w, i, f, n)
 
 
-@pytest.mark.parametrize("layout, dw_dtype", [("hv", jnp.bfloat16), ("vh", jnp.float32)])
-def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
+WIDE = (64, 256, 64, 3)  # 128 x 256 output tiles, 3 stages: a float32 tile staged in two halves
+
+
+@pytest.mark.parametrize(
+    "layout, dw_dtype, hd, blocks, in_flight",
+    [
+        ("hv", jnp.bfloat16, 128, None, 0),
+        ("vh", jnp.float32, 128, None, 0),
+        ("vh", jnp.float32, 256, WIDE, 1),  # dh and dW in halves, dh's wgmma products one in flight
+    ],
+    ids=["hv-bf16", "vh-f32", "vh-f32-wide-in-flight"],
+)
+def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype, hd, blocks, in_flight):
     """``dz W^T`` and ``h^T dz`` of a 256-column window on the first 129 of 384 rows, one compiled kernel each for a
     traced count: ``dh`` matches float64 on the two row blocks holding them (the rows of ``dz`` after them hold NaN,
     and the third block is not written: NaN here); ``dW`` sums exactly the first 129 rows (its ``dz`` holds NaN from
@@ -158,9 +169,11 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
     as the dlogits kernel writes rows without a cotangent). ``H = 128``: one output tile of ``dh``; ``dW`` written in
     bfloat16 as a single chunk's (``[H, 256]``: one 256-column tile, ``dweight_blocks``) or in float32 (``[256,
     H]``: two row blocks of one 128-column tile). ``dh`` added in place to a running sum (``acc``): the written rows
-    hold the sum, the others keep the running sum's values."""
+    hold the sum, the others keep the running sum's values. The wide case: ``H = 256`` in one 128 x 256 tile of each
+    product, float32, so each warpgroup stages its tile in two column halves (the running sum fetched per half), and
+    the ``dh`` kernel (a non-transposed product, which the interpreter runs as wgmma) keeps one product in flight."""
     rng = np.random.default_rng(3)
-    rows, hd, kw, n = 384, 128, 256, 129
+    rows, kw, n = 384, 256, 129
     dz = rng.standard_normal((rows, kw))
     dz[n:256] = 0.0
     dz[256:] = np.nan
@@ -168,7 +181,10 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
     dz = jnp.asarray(dz, jnp.bfloat16)
     h = jnp.asarray(rng.standard_normal((rows, hd)), jnp.bfloat16)
     w_hv = jnp.asarray(rng.standard_normal((hd, kw)), jnp.bfloat16)
-    cfg = dhidden_blocks(hd)
+    cfg = dhidden_blocks(hd, *(() if blocks is None else (blocks,)), in_flight=in_flight)
+    dw_cfg = dweight_blocks(kw if layout == "hv" else hd, dw_dtype, *(() if blocks is None else (blocks, blocks)))
+    if blocks is not None:
+        assert (cfg.block_n, dw_cfg.block_n, dw_cfg.num_stages) == (256, 256, 3)
     w = w_hv if layout == "hv" else w_hv.T
     lhs, rhs = (h, dz_w) if layout == "hv" else (dz_w, h)
 
@@ -178,8 +194,8 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
         dh = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg, interpret=NAN_MEMORY)
         dh_acc = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg, acc=running,
                                         interpret=NAN_MEMORY)  # fmt: skip
-        dw = lm_head_dweight_window(lhs, rhs, n_rows=n, cfg=dweight_blocks(rhs.shape[1], dw_dtype), num_sms=SMS,
-                                    out_dtype=dw_dtype, interpret=NAN_MEMORY)  # fmt: skip
+        dw = lm_head_dweight_window(lhs, rhs, n_rows=n, cfg=dw_cfg, num_sms=SMS, out_dtype=dw_dtype,
+                                    interpret=NAN_MEMORY)  # fmt: skip
         return dh, dh_acc, dw
 
     dh, dh_acc, dw = (np.asarray(x, np.float64) for x in jax.jit(run)(jnp.int32(n), running))
@@ -198,22 +214,32 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype):
 
 def test_gradient_gemms_lower_for_cuda():
     """The gradient GEMMs lower to Mosaic GPU for CUDA with a traced row count at both heads' windows (the
-    transposed left operand of ``h^T dz`` included, which the interpreter multiplies in float32 instead)."""
+    transposed left operand of ``h^T dz`` included, which the interpreter multiplies in float32 instead); at the
+    Llama-3 head also in 128 x 256 tiles with one wgmma product in flight (float32 tiles staged in halves)."""
     S = jax.ShapeDtypeStruct
-    for rows, hd, kw, layout in [(16384, 896, 8192, "hv"), (8192, 4096, 4096, "vh")]:
-        cfg = dhidden_blocks(hd)
+    for rows, hd, kw, layout, blocks, in_flight in [
+        (16384, 896, 8192, "hv", (), 0),
+        (8192, 4096, 4096, "vh", (), 0),
+        (8192, 4096, 4096, "vh", (WIDE,), 1),
+    ]:
+        cfg = dhidden_blocks(hd, *blocks, in_flight=in_flight)
         dz, h, n = S((rows, kw), jnp.bfloat16), S((rows, hd), jnp.bfloat16), S((), jnp.int32)
         w = S((hd, kw) if layout == "hv" else (kw, hd), jnp.bfloat16)
 
-        def grads(dz, h, w, n, layout=layout, cfg=cfg):
+        def grads(dz, h, w, n, layout=layout, cfg=cfg, blocks=blocks * 2, in_flight=in_flight):
             dh = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg)
             dh = lm_head_dhidden_window(dz, w, weight_layout=layout, n_rows=n, cfg=cfg, acc=dh)  # in place
             lhs, rhs = (h, dz) if layout == "hv" else (dz, h)
             dws = [
                 lm_head_dweight_window(
-                    lhs, rhs, n_rows=n, cfg=dweight_blocks(rhs.shape[1], d), num_sms=132, out_dtype=d
+                    lhs,
+                    rhs,
+                    n_rows=n,
+                    cfg=dweight_blocks(rhs.shape[1], d, *blocks, in_flight=in_flight),
+                    num_sms=132,
+                    out_dtype=d,
                 )
-                for d in (jnp.bfloat16, jnp.float32)  # 128 x 256 and 128 x 128 tiles
+                for d in (jnp.bfloat16, jnp.float32)  # 128 x 256 and 128 x 128 tiles (wide: both 128 x 256)
             ]
             return dh, *dws
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmpo_jax import tuning
 from gmpo_jax._device import num_sms
 from gmpo_jax.lm_head import rows as rows_lib
 from gmpo_jax.lm_head.backend import bf16_parts, stored_rowsum
@@ -163,15 +164,23 @@ class _GradPass:
         sms, interpret = num_sms(self.backend.interpret), self.backend._interpret_params()
         live = jnp.arange(Rp) < self.n_rows  # the rows past the prefix: undefined in the kernels' outputs
         dh_out = lm_head_dhidden_window(
-            dz, w_blk, weight_layout=self.layout, n_rows=self.n_rows, cfg=dhidden_blocks(H), acc=dh, interpret=interpret
+            dz,
+            w_blk,
+            weight_layout=self.layout,
+            n_rows=self.n_rows,
+            cfg=dhidden_blocks(H, tuning.DHIDDEN_BLOCKS, tuning.WGMMA_IN_FLIGHT),
+            acc=dh,
+            interpret=interpret,
         )
         dh_out = dh_out if dh is not None else jnp.where(live[:, None], dh_out, 0.0)
         lhs, rhs = (self.hp, dz) if axis == 1 else (dz, self.hp)
         out_dtype = self.dw_dtype if self.fresh else jnp.float32  # a fresh block is written once: rounded once
+        dw_cfg = dweight_blocks(
+            rhs.shape[1], out_dtype, tuning.DWEIGHT_BLOCKS_16, tuning.DWEIGHT_BLOCKS_32, tuning.WGMMA_IN_FLIGHT
+        )
         dw_blk = lm_head_dweight_window(
-            lhs, rhs, n_rows=self.n_rows, cfg=dweight_blocks(rhs.shape[1], out_dtype), num_sms=sms,
-            out_dtype=out_dtype, interpret=interpret,
-        )  # fmt: skip
+            lhs, rhs, n_rows=self.n_rows, cfg=dw_cfg, num_sms=sms, out_dtype=out_dtype, interpret=interpret
+        )
         if Kw != width:
             dw_blk = lax.slice_in_dim(dw_blk, 0, width, axis=axis)
         db_blk = None

@@ -25,13 +25,13 @@ def block_config(*, rows: int, H: int, V: int, kind: str, interpret: bool = Fals
     from gmpo_jax.kernels._lm_head_pipeline import LMHeadBlocks
 
     if interpret:  # small tiles: the interpreter's cost grows with the tile count and sizes
-        return LMHeadBlocks(block_m=64, block_n=128, block_k=64, num_stages=2)
+        return LMHeadBlocks(64, 128, 64, 2, in_flight=tuning.WGMMA_IN_FLIGHT)
     if device_kind is None:
         device_kind = getattr(jax.devices()[0], "device_kind", "")
     block_m, block_n, block_k, stages = tuning.mosaic_blocks(device_kind, H, V, kind)
     if kind in ("grad", "grad_f32") and rows <= 128:
         block_m = 64
-    return LMHeadBlocks(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages)
+    return LMHeadBlocks(block_m, block_n, block_k, stages, in_flight=tuning.WGMMA_IN_FLIGHT)
 
 
 def epilogue_bytes(kind: str, cfg, itemsize: int) -> int:
