@@ -119,8 +119,9 @@ ROW_PREFIX_FORWARD = False
 # dz kernel on a row-prefix grid and Pallas GEMMs that take the row count at run time (``kernels.lm_head_dhidden``,
 # ``lm_head_dweight``) instead of XLA's GEMMs on a static prefix per bucket (whose slices cost 17-29 % in the version
 # above); the gradient filter's windows each on the runtime prefix of their rows. Off: with ROW_PREFIX_FORWARD the
-# first call is 5-14 s instead of 29-64 s, but the step is slower where rows are live (docs/performance.md "The one
-# program on the GPU"; the per-window dh add it measured is gone since, not yet re-measured).
+# first call is 5-14 s instead of 29-64 s, but the step is slower where rows are live. H100, 2026-12-05, jax 0.11.2,
+# both orders (789188a): Qwen2.5-0.5B 8 x 2048 GRPO-like members 6-13 % faster, full mask 4.2 % slower; Llama-3-8B
+# 4 x 2048 9-12 % slower on every member (docs/performance.md "The in-place dh measured").
 ROW_PREFIX_GRADIENT = False
 
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of
