@@ -6,6 +6,7 @@
 # Each line is a benchmarks.compile_probe process (one configuration per process, as a user's first call); run it
 # twice, the second time with "reverse" (the variants in the other order), so a drift in the lease favours none.
 # "filter": the gradient filter (grad_filter=0.01, "auto") per static prefix beside it on one program, instead.
+# EXTRA="--tuning WGMMA_IN_FLIGHT=1 ...": added to every setting (a kernel variant under all three).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gmpo_row_prefix_ab}"
@@ -20,6 +21,6 @@ order=$(seq 0 $((${#variants[@]} - 1)))
 for shape in "--shape qwen2.5-0.5b --B 8 --T 2048" "--shape llama3-8b --B 4 --T 2048"; do
   for i in $order; do
     PYTHONPATH=. timeout 150 python3 -m benchmarks.compile_probe $shape --data "$DATA" --iters 20 --timeout-s 140 \
-      ${variants[$i]} --results "$OUT/row_prefix.jsonl" 2>&1 | tail -4
+      ${variants[$i]} ${EXTRA:-} --results "$OUT/row_prefix.jsonl" 2>&1 | tail -4
   done
 done
