@@ -354,9 +354,9 @@ class MosaicGpuBackend(WithHeadSettings):
         bn = cfg.block_n
         with jax.named_scope("gmpo_jax/mosaic_gpu/grads"):
             hp, ids_p, scale, bias_p, Rp = _prepare(hidden, ids, bias, temperature, cfg, V)
-            if saved is not None and saved.d.shape[0] > Rp:  # a row prefix's forward kept more rows: the first
-                saved = SavedLogits(saved.d[:Rp], saved.m[:, :Rp])
-            if saved is not None and (saved.block_n != bn or saved.d.shape[0] != Rp):
+            # a row prefix's forward may have kept more rows: the first Rp are read where dz is formed (a slice here
+            # would be a copy of [Rp, V] float16: the window loop takes it as a buffer)
+            if saved is not None and (saved.block_n != bn or saved.d.shape[0] < Rp):
                 raise ValueError(
                     f"saved logits of {saved.block_n}-column tiles over {saved.d.shape[0]} rows do "
                     f"not match the gradient kernel's {bn} / {Rp} (see save_plan)"

@@ -96,8 +96,9 @@ def _saved_bytes(workspace_bytes: int, Rp: int, H: int, n_tiles: int, bn: int, s
 def _dz_from_saved(
     saved: SavedLogits, v0, wt: int, ids_w, lse2, coef, width, dtype, softcap=None, scale=None, entropy=None
 ):
-    """``dz = coef (onehot - exp2(d + m - lse2))`` of the window of ``wt`` saved tiles from column ``v0``
-    (one XLA fusion: the float16 tiles read once, ``dz`` written once), ``[Rp, wt * block_n]``; columns
+    """``dz = coef (onehot - exp2(d + m - lse2))`` of the window of ``wt`` saved tiles from column ``v0`` and of
+    the first ``Rp = lse2.shape[0]`` rows (one XLA fusion: the float16 tiles read once, ``dz`` written once; ``saved``
+    may hold more rows, never copied), ``[Rp, wt * block_n]``; columns
     ``>= width`` and ``-inf`` logits give 0, and ``|z2 - lse2|`` within ``snap_tolerance`` counts as 0
     (``p = 1``) as in the dz kernel. ``entropy``: ``(gamma / T, H)`` ``[Rp]`` of an entropy term, which adds
     ``-(gamma / T) p (ln p + H)`` as the dz kernel does. Returns ``(dz, None)``; with ``softcap``, ``dz``
@@ -106,9 +107,9 @@ def _dz_from_saved(
     from gmpo_jax.kernels import _common as C
 
     bn = saved.block_n
-    Rp = saved.d.shape[0]
-    d = lax.dynamic_slice_in_dim(saved.d, v0, wt * bn, axis=1).reshape(Rp, wt, bn).astype(jnp.float32)
-    m = lax.dynamic_slice_in_dim(saved.m, v0 // bn, wt, axis=0).T  # [Rp, wt]
+    Rp = lse2.shape[0]  # saved's first Rp rows (it may hold more: a row prefix's forward), sliced inside the fusion
+    d = lax.dynamic_slice(saved.d, (0, v0), (Rp, wt * bn)).reshape(Rp, wt, bn).astype(jnp.float32)
+    m = lax.dynamic_slice(saved.m, (v0 // bn, 0), (wt, Rp)).T  # [Rp, wt]
     z = d + (m - lse2[:, None])[:, :, None]
     z = jnp.where(jnp.abs(z) <= C.snap_tolerance(lse2)[:, None, None], 0.0, z).reshape(Rp, wt * bn)
     col = lax.broadcasted_iota(jnp.int32, z.shape, 1)
