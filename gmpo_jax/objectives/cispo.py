@@ -15,6 +15,8 @@ from gmpo_jax.objectives.params import (
     _check_pos,
     _check_token_level,
     _register,
+    poisoned,
+    read,
 )
 from gmpo_jax.objectives.per_token import PerTokenObjective
 
@@ -47,7 +49,7 @@ class CISPO(PerTokenObjective):
 
     Raises:
       ValueError: ``epsilon_high <= 0`` (it caps the ratio itself: 0 would zero every gradient) or a negative
-        ``beta`` (concrete values; traced ones are not checked).
+        ``beta`` (concrete values; a traced one outside its range makes the loss NaN).
 
     References: MiniMax-M1, arXiv 2506.13585; Liger-Kernel ``LigerFusedLinearGRPOLoss(loss_type="cispo")``.
     """
@@ -71,9 +73,9 @@ class CISPO(PerTokenObjective):
     def policy_term(self, logp, log_weight, advantages, mask):
         """``-sg(min(e^r, epsilon_high)) A logp`` (0 where masked or ``A == 0``); only the upper bound clips."""
         coef_v = jnp.exp(jax.lax.stop_gradient(log_weight))
-        eh = jnp.asarray(self.epsilon_high, jnp.float32)
+        eh = read(self.epsilon_high, positive=True)
         high = coef_v > eh
-        weight = jnp.where(high, eh, coef_v)
+        weight = poisoned(jnp.where(high, eh, coef_v), eh)
         a = advantages
         return jnp.where(a != 0, -(weight * a) * jnp.where(mask, logp, 0.0), 0.0), None, high
 

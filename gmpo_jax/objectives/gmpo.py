@@ -16,6 +16,8 @@ from gmpo_jax.objectives.params import (
     _check_nonneg,
     _check_token_level,
     _register,
+    poisoned,
+    read,
 )
 from gmpo_jax.objectives.ratios import _token_log_ratio
 from gmpo_jax.objectives.rollout import _gmpo_rollout
@@ -52,7 +54,8 @@ class GMPO(Objective):
         takes (keyword-only; documented on :class:`~gmpo_jax.objectives.Objective`).
 
     Raises:
-      ValueError: a negative epsilon or beta given as a Python number.
+      ValueError: a concrete negative epsilon or beta, or an infinite beta (a traced one is not checked: outside
+        that range the loss is NaN).
 
     References: Zhao et al., "Geometric-Mean Policy Optimization", arXiv 2507.20673 (ICLR 2026); TRL
     ``GMPOTrainer``; Liger-Kernel PR #1320.
@@ -83,12 +86,12 @@ class GMPO(Objective):
         a = seqs.tokens(adv, m.shape)
         r = _token_log_ratio(logp, data.old_logps, m)
         r_v = jax.lax.stop_gradient(r)
-        eh = jnp.asarray(self.epsilon_high, jnp.float32)
-        el = jnp.asarray(self.epsilon_low, jnp.float32)
+        eh = read(self.epsilon_high)
+        el = read(self.epsilon_low)
         high = r_v > eh
         low = r_v < -el
         # one-sided log-space clip; jnp.where passes the gradient to the selected branch only
-        c = jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r))
+        c = poisoned(jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r)), el, eh)
         if data.token_select is not None:  # unselected tokens count in the geometric mean, without gradient
             c = jnp.where(data.token_select, c, jax.lax.stop_gradient(c))
         keep, weight = _gmpo_rollout(logp, data, seqs)  # tokens of the geometric mean, sequence weights
@@ -103,7 +106,7 @@ class GMPO(Objective):
         kl_sum = kl_term = None
         if kl is not None:
             kl_seq = seqs.mean(kl, m)
-            numerator = numerator + jnp.asarray(self.beta, jnp.float32) * jnp.sum(kl_seq)
+            numerator = numerator + read(self.beta, finite=True) * jnp.sum(kl_seq)
             kl_sum = jax.lax.stop_gradient(_masked_sum(kl, m))
             kl_term = jax.lax.stop_gradient(jnp.sum(kl_seq))
         return numerator, _objective_sums(r, a, m, low, high, kl_sum, kl_term)

@@ -9,7 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmpo_jax.objectives.params import _DERIVED, Scalar, _check_flag, _check_nonneg, _check_pos, _register
+from gmpo_jax.objectives.params import (
+    _DERIVED,
+    Scalar,
+    _check_flag,
+    _check_nonneg,
+    _check_pos,
+    _register,
+    poisoned,
+    read,
+)
 from gmpo_jax.objectives.per_token import PerTokenObjective
 from gmpo_jax.objectives.sequences import _sequence_log_weight
 
@@ -48,7 +57,8 @@ class GRPO(PerTokenObjective):
     Raises:
       ValueError: unknown ``loss_type`` / ``importance_sampling_level``, negative epsilon or beta,
         ``delta <= 0``, a ``max_completion_length`` that is not a positive int (``dr_grpo``
-        requires one).
+        requires one). Numeric values are checked when concrete; a traced one outside its range makes the
+        loss NaN.
 
     References: Shao et al. arXiv 2402.03300 (GRPO); Yu et al. arXiv 2503.14476 (DAPO); Liu et al.
     arXiv 2503.20783 (Dr. GRPO); Zheng et al. arXiv 2507.18071 (GSPO); Liger-Kernel
@@ -110,15 +120,15 @@ class GRPO(PerTokenObjective):
         # branch decisions on values (no gradient)
         w_v = jax.lax.stop_gradient(w)
         coef_v = jnp.exp(w_v)
-        lo = 1.0 - jnp.asarray(self.epsilon_low, jnp.float32)
-        hi = 1.0 + jnp.asarray(self.epsilon_high, jnp.float32)
+        lo = 1.0 - read(self.epsilon_low)
+        hi = 1.0 + read(self.epsilon_high)
         low = coef_v < lo
         high = coef_v > hi
         coef2_v = jnp.where(low, lo, jnp.where(high, hi, coef_v))
         delta_clipped = None
         coef1_v = coef_v
         if self.delta is not None:
-            delta = jnp.asarray(self.delta, jnp.float32)
+            delta = read(self.delta, positive=True)
             delta_clipped = coef_v > delta
             coef1_v = jnp.where(delta_clipped, delta, coef_v)
         t1 = coef1_v * a
@@ -137,7 +147,8 @@ class GRPO(PerTokenObjective):
         active = m & nonzero & passes
         const = jnp.where(nonzero, jnp.where(use_unclipped, t1, t2), 0.0)
         surrogate = jnp.where(active, a * jnp.exp(jnp.where(active, w, 0.0)), const)
-        return -surrogate, low, high
+        bounds = (lo, hi) if self.delta is None else (lo, hi, delta)
+        return -poisoned(surrogate, *bounds), low, high
 
 
 GRPO = _register(

@@ -48,6 +48,38 @@ def _check_nonneg(name: str, value: Any, *, finite: bool = False) -> None:
         raise ValueError(f"{name} must be {'finite and ' if finite else ''}>= 0, got {name}={value!r}")
 
 
+def read(value: Any, *, positive: bool = False, finite: bool = False) -> jax.Array:
+    """A numeric hyper-parameter as the loss reads it, float32. A concrete value passed its check at construction
+    and is returned as it is; a traced one cannot be checked, so it comes back NaN where it breaks the check (``< 0``;
+    ``<= 0`` with ``positive``; infinite with ``finite``): an invalid traced value gives a NaN loss, not a silently
+    different one (with :func:`poisoned` where it only enters comparisons)."""
+    import jax.numpy as jnp
+
+    concrete = _concrete_value(value)
+    if concrete is not None:  # a NumPy scalar: no operation in a traced loss (the fused kernels trace one)
+        return np.float32(concrete)
+    v = jnp.asarray(value, jnp.float32)
+    ok = v > 0 if positive else v >= 0
+    if finite:
+        ok = ok & jnp.isfinite(v)
+    return jnp.where(ok, v, jnp.nan)
+
+
+def poisoned(x: jax.Array, *bounds: jax.Array) -> jax.Array:
+    """``x``, NaN wherever a traced one of ``bounds`` (as :func:`read` gives them) is NaN: an invalid traced bound
+    that only enters comparisons (a clip range) still makes the loss NaN. Concrete bounds add nothing (the kernels
+    that trace a loss take no extra operations); the gradient passes to ``x``."""
+    import jax.numpy as jnp
+
+    traced = [jnp.isnan(b) for b in bounds if isinstance(b, jax.core.Tracer)]
+    if not traced:
+        return x
+    bad = traced[0]
+    for b in traced[1:]:
+        bad = bad | b
+    return jnp.where(bad, jnp.nan, x)
+
+
 def _check_pos(name: str, value: Any) -> None:
     _check_type(name, value)
     v = _concrete_value(value)

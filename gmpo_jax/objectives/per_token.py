@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from gmpo_jax.objectives.base import Objective
 from gmpo_jax.objectives.inputs import PolicyInputs
 from gmpo_jax.objectives.metrics import _objective_sums
+from gmpo_jax.objectives.params import read
 from gmpo_jax.objectives.ratios import _token_log_ratio
 from gmpo_jax.objectives.rollout import _rollout_token_weights
 from gmpo_jax.objectives.sequences import _aggregation_weights, _masked_sum, _reduce
@@ -84,7 +85,7 @@ class PerTokenObjective(Objective):
             term = term * weight.astype(jnp.float32)
         kl = self._kl_values(logp, ref_logps, mask, log_weight)
         if kl is not None:
-            term = term + jnp.asarray(self.beta, jnp.float32) * kl
+            term = term + read(self.beta, finite=True) * kl
         return TokenTerms(term, kl, low, high)
 
     def token_loss(self, logp, old_logps, ref_logps, advantages, rollout_is_ratio, mask=True):

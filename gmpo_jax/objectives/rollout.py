@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from gmpo_jax.objectives.params import Scalar, _check_pos, _register
+from gmpo_jax.objectives.params import Scalar, _check_pos, _register, read
 
 if TYPE_CHECKING:
     from gmpo_jax.objectives.inputs import PolicyInputs
@@ -69,17 +69,10 @@ def _rollout_d(logp, data: PolicyInputs):
     return jax.lax.stop_gradient(jnp.where(data.mask, old - data.rollout_logps, 0.0))
 
 
-def _positive_cap(cap):
-    """The cap as float32; NaN where a traced cap is ``<= 0`` (a concrete one raised already): a NaN loss,
-    never a weight of the wrong sign."""
-    cap = jnp.asarray(cap, jnp.float32)
-    return jnp.where(cap > 0, cap, jnp.nan)
-
-
 def _capped(log_w, cap, mode: str):
     """``min(e^x, cap)`` (truncate) or ``e^x if e^x <= cap else 0`` (mask), elementwise, float32."""
     w = jnp.exp(log_w)
-    cap = _positive_cap(cap)
+    cap = read(cap, positive=True)
     return jnp.minimum(w, cap) if mode.endswith("truncate") else jnp.where(w > cap, 0.0, w)
 
 
@@ -112,7 +105,7 @@ def _gmpo_rollout(logp, data: PolicyInputs, seqs: Sequences):
     if data.rollout_logps is None or corr is None:
         return keep, None if log_w is None else jnp.exp(log_w)
     d = _rollout_d(logp, data)
-    cap = _positive_cap(corr.cap)
+    cap = read(corr.cap, positive=True)
     if corr.mode == "token_truncate":
         u = jnp.exp(seqs.mean(jnp.minimum(d, jnp.log(cap)), m))
     elif corr.mode == "token_mask":

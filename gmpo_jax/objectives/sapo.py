@@ -15,6 +15,7 @@ from gmpo_jax.objectives.params import (
     _check_pos,
     _check_token_level,
     _register,
+    read,
 )
 from gmpo_jax.objectives.per_token import PerTokenObjective
 
@@ -46,7 +47,7 @@ class SAPO(PerTokenObjective):
         takes (keyword-only; documented on :class:`~gmpo_jax.objectives.Objective`).
 
     Raises:
-      ValueError: a temperature ``<= 0`` or a negative ``beta``.
+      ValueError: a concrete temperature ``<= 0`` or a negative ``beta`` (a traced one there makes the loss NaN).
 
     References: Gao et al., "Soft Adaptive Policy Optimization", arXiv 2511.20347; Liger-Kernel
     ``LigerFusedLinearGRPOLoss(loss_type="sapo")``.
@@ -73,9 +74,7 @@ class SAPO(PerTokenObjective):
     def policy_term(self, logp, log_weight, advantages, mask):
         """``-A sigmoid(tau (e^r - 1)) 4 / tau`` (0 where masked or ``A == 0``); nothing clips."""
         a = advantages
-        tau = jnp.where(
-            a > 0, jnp.asarray(self.temperature_pos, jnp.float32), jnp.asarray(self.temperature_neg, jnp.float32)
-        )
+        tau = jnp.where(a > 0, read(self.temperature_pos, positive=True), read(self.temperature_neg, positive=True))
         capped = jax.lax.stop_gradient(log_weight) > _SAPO_LOG_RATIO_CAP
         w = jnp.where(capped, _SAPO_LOG_RATIO_CAP, log_weight)
         gate = jax.nn.sigmoid(tau * (jnp.exp(w) - 1.0)) * (4.0 / tau)

@@ -316,6 +316,46 @@ def test_objective_hyperparameters(name, make):
         make()
 
 
+TRACED_INVALID = [  # (objective, field, an invalid value, a valid one): what a jitted schedule might produce
+    (gmpo_jax.GMPO, "epsilon_low", -0.1, 0.4),
+    (gmpo_jax.GMPO, "epsilon_high", -0.1, 0.4),
+    (gmpo_jax.GMPO, "beta", -0.1, 0.1),
+    (gmpo_jax.GRPO, "epsilon_low", -0.5, 0.2),
+    (gmpo_jax.GRPO, "epsilon_high", -0.5, 0.2),
+    (gmpo_jax.GRPO, "delta", 0.0, 1.5),
+    (gmpo_jax.GRPO, "beta", float("inf"), 0.1),
+    (gmpo_jax.CISPO, "epsilon_high", 0.0, 0.2),
+    (gmpo_jax.SAPO, "temperature_neg", -1.0, 1.05),
+]
+
+
+@pytest.mark.parametrize(
+    "cls, field, bad, good", TRACED_INVALID, ids=[f"{c.__name__}-{f}" for c, f, _, _ in TRACED_INVALID]
+)
+def test_traced_invalid_hyperparameter_gives_nan(cls, field, bad, good):
+    """A traced hyper-parameter cannot raise (its check needs the value): outside its range the loss is NaN, never a
+    finite value computed with a meaningless bound (a negative clip range only enters comparisons); inside it, the
+    traced value gives the eager loss. Ratios on both sides of every bound, advantages of both signs."""
+    rng = np.random.default_rng(0)
+    B, T, H, V = 2, 6, 8, 16
+    h, w = (
+        jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32),
+        jnp.asarray(rng.standard_normal((H, V)), jnp.float32),
+    )
+    ids = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    logp = np.asarray(gmpo_jax.fused_linear_logprobs(h, w, ids))
+    old = jnp.asarray(logp + rng.choice([-1.0, 1.0], (B, T)), jnp.float32)  # ratios e^{+-1}: past every bound
+    ref = jnp.asarray(logp - 0.3, jnp.float32) if field == "beta" else None
+    batch = gmpo_jax.PolicyBatch(ids, jnp.ones((B, T)), jnp.array([1.0, -1.0]), old_logps=old, ref_logps=ref)
+
+    def loss(v):
+        return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=cls(**{field: v}))[0]
+
+    traced = jax.jit(loss)
+    assert np.isnan(float(traced(jnp.float32(bad))))
+    np.testing.assert_allclose(float(traced(jnp.float32(good))), float(loss(good)), rtol=1e-6)
+
+
 def test_objective_defaults_follow_spec():
     """SPEC: GMPO eps_low = eps_high = 0.4 (the paper's (e^-0.4, e^0.4)); the other types 0.2."""
     g = gmpo_jax.GMPO()
