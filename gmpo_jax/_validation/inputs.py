@@ -21,6 +21,7 @@ from gmpo_jax._validation.arguments import (
     require_shape,
 )
 from gmpo_jax._validation.values import (
+    check_finite_parameter,
     check_finite_unmasked,
     check_ids_in_range,
     check_log_probs,
@@ -142,6 +143,15 @@ def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: 
         )
     if counted is not None:
         check_finite_unmasked("reference.hidden", reference.hidden, counted)
+        if counted.any():
+            _check_head_values(reference.weight, reference.bias, prefix="reference.")
+
+
+def _check_head_values(weight, bias, prefix: str = "") -> None:
+    """The head's weight finite, its bias finite or ``-inf`` (a banned token), when they are known."""
+    check_finite_parameter(prefix + "weight", weight)
+    if bias is not None:
+        check_finite_parameter(prefix + "bias", bias, banned_ok=True)
 
 
 def check_policy_inputs(
@@ -154,6 +164,8 @@ def check_policy_inputs(
     counted = check_batch(batch, B=B, T=T, V=vocab_size or V, objective=objective)
     if counted is not None:  # a NaN / inf hidden state at a counted token would make the loss NaN
         check_finite_unmasked("hidden", hidden, counted)
+        if counted.any():  # a non-finite weight entry makes every token's loss NaN
+            _check_head_values(weight, bias)
     check_temperature(temperature)
     if reference is not None:
         read = counted if objective.has_kl else None  # without a KL term the reference is ignored (warned below)

@@ -18,6 +18,7 @@ __all__ = [
     "check_finite_unmasked",
     "check_log_probs",
     "check_logits_values",
+    "check_finite_parameter",
     "check_row_or_token_values",
     "check_mask",
     "check_segment_ids",
@@ -127,6 +128,36 @@ def check_logits_values(logits, ids, counted, T: int) -> None:
             f"logits at a counted token's own id must not be -inf (log-prob -inf), got logits[{b}, {t}, {y}] = -inf "
             f"with completion_ids[{b}, {t}] = {y} ({int(own_neg_inf.sum())} such token(s))"
         )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _bad_entries(x, banned_ok: bool):
+    """``(count, first flat index)`` of the entries of ``x`` that are NaN or ``+inf`` in float32, or ``-inf`` too
+    unless ``banned_ok`` (one fused read: no copy of ``x``)."""
+    z = x.astype(jnp.float32).reshape(-1)
+    bad = jnp.isnan(z) | (z == jnp.inf)
+    if not banned_ok:
+        bad = bad | (z == -jnp.inf)
+    return jnp.sum(bad), jnp.argmax(bad)
+
+
+def check_finite_parameter(name: str, x, *, banned_ok: bool = False) -> None:
+    """The LM head's ``weight`` (or ``bias``) holds no NaN and no infinity in float32 (``banned_ok``: a ``-inf``
+    bias entry bans a token and is allowed) when it is known (not under ``jit``; an eager ``jax.grad`` is): a
+    non-finite weight entry makes every token's log-sum-exp, and so the loss, NaN. The reduction runs on the
+    array's device; two integers come to the host."""
+    z = concrete_array(x)
+    if z is None:
+        return
+    with jax.ensure_compile_time_eval():  # concrete parameters inside someone's jit (a closed-over constant) too
+        count, first = (int(v) for v in _bad_entries(z, banned_ok))
+        if count:
+            pos = np.unravel_index(first, np.shape(z))
+            value = float(np.asarray(jnp.asarray(z[pos], jnp.float32)))
+            raise ValueError(
+                f"{name} must be finite{' or -inf' if banned_ok else ''}, got {name}[{', '.join(map(str, pos))}] = "
+                f"{value!r} ({count} such entr{'y' if count == 1 else 'ies'}; every token's log-sum-exp would be NaN)"
+            )
 
 
 def check_log_probs(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:

@@ -94,7 +94,9 @@ def fused_linear_policy_loss(
           ``jax.tree.map``) and neither ``batch.ref_logps`` nor ``reference``; both of them;
         - concrete values the batch's fields rule out (``PolicyBatch``: a mask of other values than 0 / 1, an
           unmasked id outside ``[0, V)``, non-finite advantages, a log-prob that is NaN, infinite or above 0.5
-          at a counted token, ...); a non-finite ``hidden`` at a counted token;
+          at a counted token, ...); a non-finite ``hidden`` at a counted token; when a token counts, a
+          non-finite ``weight`` entry or a NaN / ``+inf`` ``bias`` entry (``-inf`` bans a token), and the same in
+          ``reference`` with a KL term (concrete values only: under ``jit`` such an entry makes the loss NaN);
         - mesh axes not in the mesh or not dividing ``B`` / ``V``; an unknown implementation name.
       UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
 

@@ -554,6 +554,31 @@ def test_nonfinite_policy_hidden_raises():
     assert np.isfinite(float(loss))
 
 
+def test_nonfinite_head_parameters_raise():
+    """A NaN or infinite weight entry (every token's log-sum-exp NaN), a NaN or ``+inf`` bias entry, and the same in a
+    reference head with a KL term raise naming the entry, eagerly and under an eager ``jax.grad``; a ``-inf`` bias
+    entry (a banned token, not the target here) is fine; with no counted token nothing reads the head; under ``jit``
+    the values are not known and the loss is NaN."""
+    a = good_args()
+    w, ids = a["weight"], np.asarray(a["completion_ids"])
+    banned = next(v for v in range(V) if v not in ids)
+    bias = jnp.zeros((V,), jnp.float32)
+    assert np.isfinite(float(call(bias=bias.at[banned].set(-jnp.inf))[0]))
+    assert float(call(weight=w.at[1, 2].set(jnp.nan), completion_mask=jnp.zeros((B, T), bool))[0]) == 0.0
+    loss = lambda w: call(weight=w)[0]  # noqa: E731
+    for run in (loss, jax.grad(loss)):
+        with pytest.raises(ValueError, match=r"weight must be finite, got weight\[1, 2\] = nan \(1 such entry"):
+            run(w.at[1, 2].set(jnp.nan))
+    with pytest.raises(ValueError, match=r"weight must be finite, got weight\[0, 4\] = -inf"):
+        call(weight=w.at[0, 4].set(-jnp.inf))
+    with pytest.raises(ValueError, match=r"bias must be finite or -inf, got bias\[3\] = inf"):
+        call(bias=bias.at[3].set(jnp.inf))
+    ref = gmpo_jax.ReferenceHead(a["hidden"], w.at[2, 1].set(jnp.nan))
+    with pytest.raises(ValueError, match=r"reference\.weight must be finite, got reference\.weight\[2, 1\] = nan"):
+        call(reference=ref, objective=gmpo_jax.GMPO(beta=0.1))
+    assert np.isnan(float(jax.jit(loss)(w.at[1, 2].set(jnp.nan))))
+
+
 def test_nonfinite_logits_raise_where_a_token_counts():
     """Known logits (eager, and under an eager ``jax.grad``): a NaN or ``+inf`` in a counted token's row, or ``-inf``
     at its own id, raises naming the entry; ``-inf`` at another id (a banned token), anything at a masked token or at
