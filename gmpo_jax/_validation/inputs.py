@@ -21,6 +21,7 @@ from gmpo_jax._validation.arguments import (
     require_shape,
 )
 from gmpo_jax._validation.values import (
+    check_bias_at_targets,
     check_finite_parameter,
     check_finite_unmasked,
     check_ids_in_range,
@@ -115,10 +116,11 @@ def check_batch(batch, *, B: int, T: int, V: int, objective):
     return counted
 
 
-def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str, counted) -> None:
+def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: str, counted, vocab_size=None) -> None:
     """A :class:`~gmpo_jax.ReferenceHead`: its LM head as the policy's (``[B, T, H_ref]`` hidden states, the same
     ``V`` and layout), finite hidden states at the ``counted`` tokens (``[B, T]`` bool; None: not checked, as for
-    traced data or an objective without a KL term, which ignores the reference), and not together with
+    traced data or an objective without a KL term, which ignores the reference), where a token counts its weight
+    finite and its bias finite or ``-inf`` in the first ``vocab_size`` entries (None: all), and not together with
     ``batch.ref_logps``."""
     if not isinstance(reference, ReferenceHead):
         raise TypeError(
@@ -144,14 +146,16 @@ def check_reference(reference, *, batch, B: int, T: int, V: int, weight_layout: 
     if counted is not None:
         check_finite_unmasked("reference.hidden", reference.hidden, counted)
         if counted.any():
-            _check_head_values(reference.weight, reference.bias, prefix="reference.")
+            _check_head_values(reference.weight, reference.bias, vocab_size, prefix="reference.")
 
 
-def _check_head_values(weight, bias, prefix: str = "") -> None:
-    """The head's weight finite, its bias finite or ``-inf`` (a banned token), when they are known."""
+def _check_head_values(weight, bias, vocab_size, prefix: str = "") -> None:
+    """The head's weight finite (every column: a padding column's logit is masked by adding ``-inf``, which keeps a
+    NaN), its bias finite or ``-inf`` (a banned token) in the first ``vocab_size`` entries (None: all; the padding's
+    are replaced), when they are known."""
     check_finite_parameter(prefix + "weight", weight)
     if bias is not None:
-        check_finite_parameter(prefix + "bias", bias, banned_ok=True)
+        check_finite_parameter(prefix + "bias", bias, banned_ok=True, n=vocab_size)
 
 
 def check_policy_inputs(
@@ -165,11 +169,15 @@ def check_policy_inputs(
     if counted is not None:  # a NaN / inf hidden state at a counted token would make the loss NaN
         check_finite_unmasked("hidden", hidden, counted)
         if counted.any():  # a non-finite weight entry makes every token's loss NaN
-            _check_head_values(weight, bias)
+            _check_head_values(weight, bias, vocab_size)
+            if bias is not None:
+                check_bias_at_targets(bias, batch.completion_ids, counted)
     check_temperature(temperature)
     if reference is not None:
         read = counted if objective.has_kl else None  # without a KL term the reference is ignored (warned below)
-        check_reference(reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout, counted=read)
+        check_reference(
+            reference, batch=batch, B=B, T=T, V=V, weight_layout=weight_layout, counted=read, vocab_size=vocab_size
+        )
         if not objective.has_kl:
             from gmpo_jax import _validation  # the warn-once state lives on the package
 

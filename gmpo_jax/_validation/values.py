@@ -19,6 +19,7 @@ __all__ = [
     "check_log_probs",
     "check_logits_values",
     "check_finite_parameter",
+    "check_bias_at_targets",
     "check_row_or_token_values",
     "check_mask",
     "check_segment_ids",
@@ -130,34 +131,62 @@ def check_logits_values(logits, ids, counted, T: int) -> None:
         )
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _bad_entries(x, banned_ok: bool):
-    """``(count, first flat index)`` of the entries of ``x`` that are NaN or ``+inf`` in float32, or ``-inf`` too
-    unless ``banned_ok`` (one fused read: no copy of ``x``)."""
-    z = x.astype(jnp.float32).reshape(-1)
+def _bad(z, banned_ok: bool):
+    z = z.astype(jnp.float32)
     bad = jnp.isnan(z) | (z == jnp.inf)
-    if not banned_ok:
-        bad = bad | (z == -jnp.inf)
+    return bad if banned_ok else bad | (z == -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _any_bad(x, banned_ok: bool, n: int):
+    """Whether the first ``n`` rows of ``x`` hold a NaN or ``+inf`` in float32, or ``-inf`` too unless ``banned_ok``
+    (one fused read: no copy of ``x``)."""
+    return jnp.any(_bad(x[:n], banned_ok))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _first_bad(x, banned_ok: bool, n: int):
+    """``(count, first flat index)`` of :func:`_any_bad`'s entries (run only when there is one)."""
+    bad = _bad(x[:n], banned_ok).reshape(-1)
     return jnp.sum(bad), jnp.argmax(bad)
 
 
-def check_finite_parameter(name: str, x, *, banned_ok: bool = False) -> None:
+def check_finite_parameter(name: str, x, *, banned_ok: bool = False, n: int | None = None) -> None:
     """The LM head's ``weight`` (or ``bias``) holds no NaN and no infinity in float32 (``banned_ok``: a ``-inf``
-    bias entry bans a token and is allowed) when it is known (not under ``jit``; an eager ``jax.grad`` is): a
-    non-finite weight entry makes every token's log-sum-exp, and so the loss, NaN. The reduction runs on the
-    array's device; two integers come to the host."""
+    bias entry bans a token and is allowed) in its first ``n`` rows (a bias past ``vocab_size`` is replaced by
+    ``-inf``; None: all), when it is known (not under ``jit``; an eager
+    ``jax.grad`` is): a non-finite weight entry makes every token's log-sum-exp, and so the loss, NaN. The reduction
+    runs on the array's device; a bool (and, when one is bad, two integers) come to the host."""
     z = concrete_array(x)
     if z is None:
         return
+    n = np.shape(z)[0] if n is None else min(n, np.shape(z)[0])
     with jax.ensure_compile_time_eval():  # concrete parameters inside someone's jit (a closed-over constant) too
-        count, first = (int(v) for v in _bad_entries(z, banned_ok))
-        if count:
-            pos = np.unravel_index(first, np.shape(z))
-            value = float(np.asarray(jnp.asarray(z[pos], jnp.float32)))
-            raise ValueError(
-                f"{name} must be finite{' or -inf' if banned_ok else ''}, got {name}[{', '.join(map(str, pos))}] = "
-                f"{value!r} ({count} such entr{'y' if count == 1 else 'ies'}; every token's log-sum-exp would be NaN)"
-            )
+        if not bool(_any_bad(z, banned_ok, n)):
+            return
+        count, first = (int(v) for v in _first_bad(z, banned_ok, n))
+        pos = np.unravel_index(first, (n, *np.shape(z)[1:]))
+        value = float(np.asarray(jnp.asarray(z[pos], jnp.float32)))
+        raise ValueError(
+            f"{name} must be finite{' or -inf' if banned_ok else ''}, got {name}[{', '.join(map(str, pos))}] = "
+            f"{value!r} ({count} such entr{'y' if count == 1 else 'ies'}; every token's log-sum-exp would be NaN)"
+        )
+
+
+def check_bias_at_targets(bias, ids, counted, name: str = "bias") -> None:
+    """No counted token's own id has a ``-inf`` bias (its log-prob would be ``-inf``: a NaN or meaningless loss; a
+    ``-inf`` elsewhere bans a token), when the bias and ids are known (``counted``: ``[B, T]`` bool NumPy)."""
+    b, y = _concrete(bias), _concrete(ids)
+    if b is None or y is None or counted is None:
+        return
+    yv = np.clip(y.astype(np.int64), 0, b.shape[0] - 1)
+    bad = counted & (b.astype(np.float32)[yv] == -np.inf)
+    if bad.any():
+        i, t = (int(k) for k in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} at a counted token's own id must not be -inf (log-prob -inf), got {name}[{int(yv[i, t])}] = -inf "
+            f"with completion_ids[{i}, {t}] = {int(y[i, t])} ({int(bad.sum())} such token(s))"
+        )
 
 
 def check_log_probs(name: str, x, mask, mask_name: str = "batch.completion_mask") -> None:

@@ -61,8 +61,8 @@ def fused_linear_policy_loss(
       objective: ``GMPO(...)``, ``GRPO(...)``, ``CISPO(...)`` or ``SAPO(...)`` with its hyper-parameters and
         loss shaping (:class:`~gmpo_jax.objectives.Objective`).
       bias: ``[V]`` LM-head bias or None; ``-inf`` masks a column out (as ``vocab_size`` padding does), but a
-        counted token whose own logit is ``-inf`` has log-prob ``-inf``, which makes the loss NaN (a sampler
-        never draws it; not checked).
+        counted token's own id must not have it (log-prob ``-inf``; a sampler never draws it: ValueError when
+        concrete, under ``jit`` a NaN or meaningless loss).
       temperature: ``> 0`` sampling temperature dividing the logits (float, or a traced scalar: one that is not
         finite and ``> 0`` makes the result NaN).
       reference: a :class:`~gmpo_jax.ReferenceHead` from which the KL term's reference log-probs are computed
@@ -95,8 +95,9 @@ def fused_linear_policy_loss(
         - concrete values the batch's fields rule out (``PolicyBatch``: a mask of other values than 0 / 1, an
           unmasked id outside ``[0, V)``, non-finite advantages, a log-prob that is NaN, infinite or above 0.5
           at a counted token, ...); a non-finite ``hidden`` at a counted token; when a token counts, a
-          non-finite ``weight`` entry or a NaN / ``+inf`` ``bias`` entry (``-inf`` bans a token), and the same in
-          ``reference`` with a KL term (concrete values only: under ``jit`` such an entry makes the loss NaN);
+          non-finite ``weight`` entry, a NaN / ``+inf`` ``bias`` entry or ``-inf`` at a counted token's own id
+          (elsewhere ``-inf`` bans a token); the same weight and bias checks in ``reference`` with a KL term
+          (concrete values only: under ``jit`` such an entry makes the loss NaN);
         - mesh axes not in the mesh or not dividing ``B`` / ``V``; an unknown implementation name.
       UnsupportedConfigError: an explicitly requested implementation cannot serve this call.
 

@@ -91,7 +91,7 @@ class GMPO(Objective):
         high = r_v > eh
         low = r_v < -el
         # one-sided log-space clip; jnp.where passes the gradient to the selected branch only
-        c = poisoned(jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r)), el, eh)
+        c = jnp.where(a > 0, jnp.where(high, eh, r), jnp.where(low, -el, r))
         if data.token_select is not None:  # unselected tokens count in the geometric mean, without gradient
             c = jnp.where(data.token_select, c, jax.lax.stop_gradient(c))
         keep, weight = _gmpo_rollout(logp, data, seqs)  # tokens of the geometric mean, sequence weights
@@ -101,7 +101,7 @@ class GMPO(Objective):
         seq_term = jnp.where(live, -adv * jnp.exp(jnp.where(live, s, 0.0)), 0.0)
         if weight is not None:
             seq_term = seq_term * weight
-        numerator = jnp.sum(seq_term)
+        numerator = poisoned(jnp.sum(seq_term), el, eh)  # a traced invalid clip range: NaN
         kl = self._kl_values(logp, data.ref_logps, m, r)
         kl_sum = kl_term = None
         if kl is not None:

@@ -66,9 +66,10 @@ def read(value: Any, *, positive: bool = False, finite: bool = False) -> jax.Arr
 
 
 def poisoned(x: jax.Array, *bounds: jax.Array) -> jax.Array:
-    """``x``, NaN wherever a traced one of ``bounds`` (as :func:`read` gives them) is NaN: an invalid traced bound
-    that only enters comparisons (a clip range) still makes the loss NaN. Concrete bounds add nothing (the kernels
-    that trace a loss take no extra operations); the gradient passes to ``x``."""
+    """``x``, times NaN if a traced one of ``bounds`` (as :func:`read` gives them) is NaN: a traced invalid bound that
+    only enters comparisons (a clip range, a cap) still makes the loss and its gradient NaN (a product, not a select,
+    whose gradient would be a silent 0). Concrete bounds add nothing (the kernels that trace a loss take no extra
+    operation); otherwise ``x`` times 1, exactly."""
     import jax.numpy as jnp
 
     traced = [jnp.isnan(b) for b in bounds if isinstance(b, jax.core.Tracer)]
@@ -77,7 +78,7 @@ def poisoned(x: jax.Array, *bounds: jax.Array) -> jax.Array:
     bad = traced[0]
     for b in traced[1:]:
         bad = bad | b
-    return jnp.where(bad, jnp.nan, x)
+    return x * jnp.where(bad, jnp.nan, 1.0)
 
 
 def _check_pos(name: str, value: Any) -> None:

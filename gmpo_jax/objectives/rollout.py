@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from gmpo_jax.objectives.params import Scalar, _check_pos, _register, read
+from gmpo_jax.objectives.params import Scalar, _check_pos, _register, poisoned, read
 
 if TYPE_CHECKING:
     from gmpo_jax.objectives.inputs import PolicyInputs
@@ -73,7 +73,7 @@ def _capped(log_w, cap, mode: str):
     """``min(e^x, cap)`` (truncate) or ``e^x if e^x <= cap else 0`` (mask), elementwise, float32."""
     w = jnp.exp(log_w)
     cap = read(cap, positive=True)
-    return jnp.minimum(w, cap) if mode.endswith("truncate") else jnp.where(w > cap, 0.0, w)
+    return poisoned(jnp.minimum(w, cap) if mode.endswith("truncate") else jnp.where(w > cap, 0.0, w), cap)
 
 
 def _rollout_token_weights(logp, data: PolicyInputs) -> jax.Array | None:
@@ -113,4 +113,5 @@ def _gmpo_rollout(logp, data: PolicyInputs, seqs: Sequences):
         u = jnp.exp(seqs.mean(d, keep))
     else:
         u = _capped(seqs.sum(d, m), cap, corr.mode)
+    u = poisoned(u, cap)  # a traced cap <= 0 (token_mask compares with it only): NaN
     return keep, u if log_w is None else u * jnp.exp(log_w)

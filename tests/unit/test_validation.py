@@ -348,12 +348,36 @@ def test_traced_invalid_hyperparameter_gives_nan(cls, field, bad, good):
     ref = jnp.asarray(logp - 0.3, jnp.float32) if field == "beta" else None
     batch = gmpo_jax.PolicyBatch(ids, jnp.ones((B, T)), jnp.array([1.0, -1.0]), old_logps=old, ref_logps=ref)
 
-    def loss(v):
+    def loss(h, v):
         return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=cls(**{field: v}))[0]
 
     traced = jax.jit(loss)
-    assert np.isnan(float(traced(jnp.float32(bad))))
-    np.testing.assert_allclose(float(traced(jnp.float32(good))), float(loss(good)), rtol=1e-6)
+    assert np.isnan(float(traced(h, jnp.float32(bad))))
+    np.testing.assert_allclose(float(traced(h, jnp.float32(good))), float(loss(h, good)), rtol=1e-6)
+    value, dh = jax.jit(jax.value_and_grad(loss))(h, jnp.float32(bad))  # a training step: the gradient NaN too
+    assert np.isnan(float(value)) and not np.isfinite(np.asarray(dh)).all()  # (clipped tokens: 0, by selection)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_mask"])
+@pytest.mark.parametrize("cls", [gmpo_jax.GMPO, gmpo_jax.GRPO])
+def test_traced_non_positive_rollout_cap_gives_nan(cls, mode):
+    """A traced ``rollout_is_cap <= 0`` cannot raise: the loss is NaN in every mode, also where the cap only enters a
+    comparison (the mask modes), never the loss of an infinite cap."""
+    rng = np.random.default_rng(1)
+    B, T, H, V = 2, 6, 8, 16
+    h, w = (
+        jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32),
+        jnp.asarray(rng.standard_normal((H, V)), jnp.float32),
+    )
+    ids = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    rollout = jnp.asarray(np.asarray(gmpo_jax.fused_linear_logprobs(h, w, ids)) - 0.5, jnp.float32)
+    batch = gmpo_jax.PolicyBatch(ids, jnp.ones((B, T)), jnp.array([1.0, -1.0]), rollout_logps=rollout)
+    loss = jax.jit(
+        lambda cap: gmpo_jax.fused_linear_policy_loss(
+            h, w, batch, objective=cls(rollout_is_mode=mode, rollout_is_cap=cap)
+        )[0]
+    )
+    assert np.isnan(float(loss(jnp.float32(-1.0)))) and np.isfinite(float(loss(jnp.float32(2.0))))
 
 
 def test_objective_defaults_follow_spec():
@@ -555,8 +579,8 @@ def test_nonfinite_policy_hidden_raises():
 
 
 def test_nonfinite_head_parameters_raise():
-    """A NaN or infinite weight entry (every token's log-sum-exp NaN), a NaN or ``+inf`` bias entry, and the same in a
-    reference head with a KL term raise naming the entry, eagerly and under an eager ``jax.grad``; a ``-inf`` bias
+    """A NaN or infinite weight entry (every token's log-sum-exp NaN), a NaN or ``+inf`` bias entry or ``-inf`` at a
+    counted token's own id, and the same in a reference head with a KL term raise naming the entry, eagerly and under an eager ``jax.grad``; a ``-inf`` bias
     entry (a banned token, not the target here) is fine; with no counted token nothing reads the head; under ``jit``
     the values are not known and the loss is NaN."""
     a = good_args()
@@ -573,10 +597,20 @@ def test_nonfinite_head_parameters_raise():
         call(weight=w.at[0, 4].set(-jnp.inf))
     with pytest.raises(ValueError, match=r"bias must be finite or -inf, got bias\[3\] = inf"):
         call(bias=bias.at[3].set(jnp.inf))
+    own = int(ids[0, 1])  # -inf at a counted token's own id: log-prob -inf
+    with pytest.raises(ValueError, match=rf"own id must not be -inf .*bias\[{own}\] = -inf"):
+        call(bias=bias.at[own].set(-jnp.inf), old_logps=jnp.full((B, T), -1.0))
     ref = gmpo_jax.ReferenceHead(a["hidden"], w.at[2, 1].set(jnp.nan))
     with pytest.raises(ValueError, match=r"reference\.weight must be finite, got reference\.weight\[2, 1\] = nan"):
         call(reference=ref, objective=gmpo_jax.GMPO(beta=0.1))
     assert np.isnan(float(jax.jit(loss)(w.at[1, 2].set(jnp.nan))))
+    # past head.vocab_size the bias is replaced by -inf (anything there is fine); the weight's padding columns are
+    # still multiplied (a NaN there would make every logit of that column, and the loss, NaN): checked
+    pad = {"head": {"vocab_size": V - 2}, "completion_ids": jnp.asarray(ids % (V - 2))}
+    assert float(call(**pad, bias=bias.at[V - 2].set(jnp.nan))[0]) == float(call(**pad)[0])
+    with pytest.raises(ValueError, match=rf"weight must be finite, got weight\[0, {V - 1}\] = nan"):
+        call(**pad, weight=w.at[0, V - 1].set(jnp.nan))
+    assert np.isnan(float(jax.jit(lambda w: call(**pad, weight=w)[0])(w.at[0, V - 1].set(jnp.nan))))
 
 
 def test_nonfinite_logits_raise_where_a_token_counts():
