@@ -329,6 +329,15 @@ TRACED_INVALID = [  # (objective, field, an invalid value, a valid one): what a 
 ]
 
 
+def _tiny_head(seed: int):
+    """``(rng, hidden [2, 6, 8], weight [8, 16], ids, their log-probs as NumPy)`` of a random float32 head."""
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 16, (2, 6)), jnp.int32)
+    return rng, h, w, ids, np.asarray(gmpo_jax.fused_linear_logprobs(h, w, ids))
+
+
 @pytest.mark.parametrize(
     "cls, field, bad, good", TRACED_INVALID, ids=[f"{c.__name__}-{f}" for c, f, _, _ in TRACED_INVALID]
 )
@@ -336,17 +345,10 @@ def test_traced_invalid_hyperparameter_gives_nan(cls, field, bad, good):
     """A traced hyper-parameter cannot raise (its check needs the value): outside its range the loss is NaN, never a
     finite value computed with a meaningless bound (a negative clip range only enters comparisons); inside it, the
     traced value gives the eager loss. Ratios on both sides of every bound, advantages of both signs."""
-    rng = np.random.default_rng(0)
-    B, T, H, V = 2, 6, 8, 16
-    h, w = (
-        jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32),
-        jnp.asarray(rng.standard_normal((H, V)), jnp.float32),
-    )
-    ids = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
-    logp = np.asarray(gmpo_jax.fused_linear_logprobs(h, w, ids))
-    old = jnp.asarray(logp + rng.choice([-1.0, 1.0], (B, T)), jnp.float32)  # ratios e^{+-1}: past every bound
+    rng, h, w, ids, logp = _tiny_head(0)
+    old = jnp.asarray(logp + rng.choice([-1.0, 1.0], logp.shape), jnp.float32)  # ratios e^{+-1}: past every bound
     ref = jnp.asarray(logp - 0.3, jnp.float32) if field == "beta" else None
-    batch = gmpo_jax.PolicyBatch(ids, jnp.ones((B, T)), jnp.array([1.0, -1.0]), old_logps=old, ref_logps=ref)
+    batch = gmpo_jax.PolicyBatch(ids, jnp.ones(ids.shape), jnp.array([1.0, -1.0]), old_logps=old, ref_logps=ref)
 
     def loss(h, v):
         return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=cls(**{field: v}))[0]
@@ -363,15 +365,9 @@ def test_traced_invalid_hyperparameter_gives_nan(cls, field, bad, good):
 def test_traced_non_positive_rollout_cap_gives_nan(cls, mode):
     """A traced ``rollout_is_cap <= 0`` cannot raise: the loss is NaN in every mode, also where the cap only enters a
     comparison (the mask modes), never the loss of an infinite cap."""
-    rng = np.random.default_rng(1)
-    B, T, H, V = 2, 6, 8, 16
-    h, w = (
-        jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32),
-        jnp.asarray(rng.standard_normal((H, V)), jnp.float32),
-    )
-    ids = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
-    rollout = jnp.asarray(np.asarray(gmpo_jax.fused_linear_logprobs(h, w, ids)) - 0.5, jnp.float32)
-    batch = gmpo_jax.PolicyBatch(ids, jnp.ones((B, T)), jnp.array([1.0, -1.0]), rollout_logps=rollout)
+    _, h, w, ids, logp = _tiny_head(1)
+    rollout = jnp.asarray(logp - 0.5, jnp.float32)
+    batch = gmpo_jax.PolicyBatch(ids, jnp.ones(ids.shape), jnp.array([1.0, -1.0]), rollout_logps=rollout)
     loss = jax.jit(
         lambda cap: gmpo_jax.fused_linear_policy_loss(
             h, w, batch, objective=cls(rollout_is_mode=mode, rollout_is_cap=cap)
