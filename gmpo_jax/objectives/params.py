@@ -62,7 +62,7 @@ def read(value: Any, *, positive: bool = False, finite: bool = False) -> jax.Arr
     ok = v > 0 if positive else v >= 0
     if finite:
         ok = ok & jnp.isfinite(v)
-    return jnp.where(ok, v, jnp.nan)
+    return jnp.where(ok, v, jnp.float32(jnp.nan))  # float32 constants: no float64 operation under x64
 
 
 def poisoned(x: jax.Array, *bounds: jax.Array) -> jax.Array:
@@ -78,7 +78,7 @@ def poisoned(x: jax.Array, *bounds: jax.Array) -> jax.Array:
     bad = traced[0]
     for b in traced[1:]:
         bad = bad | b
-    return x * jnp.where(bad, jnp.nan, 1.0)
+    return x * jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(1.0))
 
 
 def _check_pos(name: str, value: Any) -> None:
