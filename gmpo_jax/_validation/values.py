@@ -93,13 +93,20 @@ def check_finite_unmasked(name: str, x, mask, mask_name: str = "batch.completion
     return xv
 
 
+def _bad(z, banned_ok: bool):
+    """Entries of ``z`` that are NaN or ``+inf`` in float32, or ``-inf`` too unless ``banned_ok`` (a banned token)."""
+    z = z.astype(jnp.float32)
+    bad = jnp.isnan(z) | (z == jnp.inf)
+    return bad if banned_ok else bad | (z == -jnp.inf)
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _bad_logits(logits, ids, T: int):
     """``[B, T]`` bool pair: rows of ``logits[:, :T]`` (as float32, as the loss computes) holding NaN / ``+inf``; rows
     whose own id's logit is ``-inf`` (one fused read of the logits: no copy or bool temporary of their size)."""
     z = logits[:, :T].astype(jnp.float32)
     own = jnp.take_along_axis(z, jnp.clip(ids.astype(jnp.int32), 0, z.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-    return jnp.any(jnp.isnan(z) | (z == jnp.inf), axis=-1), own == -jnp.inf
+    return jnp.any(_bad(z, banned_ok=True), axis=-1), own == -jnp.inf
 
 
 def check_logits_values(logits, ids, counted, T: int) -> None:
@@ -129,12 +136,6 @@ def check_logits_values(logits, ids, counted, T: int) -> None:
             f"logits at a counted token's own id must not be -inf (log-prob -inf), got logits[{b}, {t}, {y}] = -inf "
             f"with completion_ids[{b}, {t}] = {y} ({int(own_neg_inf.sum())} such token(s))"
         )
-
-
-def _bad(z, banned_ok: bool):
-    z = z.astype(jnp.float32)
-    bad = jnp.isnan(z) | (z == jnp.inf)
-    return bad if banned_ok else bad | (z == -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

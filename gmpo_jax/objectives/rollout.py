@@ -70,10 +70,10 @@ def _rollout_d(logp, data: PolicyInputs):
 
 
 def _capped(log_w, cap, mode: str):
-    """``min(e^x, cap)`` (truncate) or ``e^x if e^x <= cap else 0`` (mask), elementwise, float32."""
+    """``min(e^x, cap)`` (truncate) or ``e^x if e^x <= cap else 0`` (mask), elementwise, float32; ``cap`` as
+    :func:`~gmpo_jax.objectives.params.read` gives it (the caller poisons the result with it)."""
     w = jnp.exp(log_w)
-    cap = read(cap, positive=True)
-    return poisoned(jnp.minimum(w, cap) if mode.endswith("truncate") else jnp.where(w > cap, 0.0, w), cap)
+    return jnp.minimum(w, cap) if mode.endswith("truncate") else jnp.where(w > cap, 0.0, w)
 
 
 def _rollout_token_weights(logp, data: PolicyInputs) -> jax.Array | None:
@@ -86,7 +86,8 @@ def _rollout_token_weights(logp, data: PolicyInputs) -> jax.Array | None:
         if corr.mode.startswith("sequence"):
             seqs = data.sequences()
             d = seqs.tokens(seqs.sum(d, data.mask), d.shape)
-        u = _capped(d, corr.cap, corr.mode)
+        cap = read(corr.cap, positive=True)
+        u = poisoned(_capped(d, cap, corr.mode), cap)  # a traced cap <= 0 (the mask modes compare only): NaN
         w = u if w is None else w * u
     return w
 
