@@ -63,17 +63,17 @@ MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {
 
 
 # Every LM-head kernel's pipeline (``kernels.LMHeadBlocks.in_flight``): 1 leaves one wgmma product running while the next
-# is issued (its ring slot released a step later), 0 waits for each. 0: the kernels as every table above measured them;
-# 1 not measured yet (built 2026-12-05 for the gradient GEMMs' rate, docs/performance.md "The in-place dh measured").
+# is issued (its ring slot released a step later), 0 waits for each. 0: 1 gained nothing (H100, 2026-12-05: each
+# gradient GEMM within -3 % .. +10 % of 0, the default step +0.2 .. +1.1 %; docs/performance.md "The GEMM levers").
 WGMMA_IN_FLIGHT = 0
 # The gradient GEMMs on a runtime row prefix (``ROW_PREFIX_GRADIENT``; ``kernels.lm_head_dhidden`` /
 # ``lm_head_dweight``): (block_m, block_n, block_k, num_stages) of ``dz W^T`` (float32 out, added in place), of ``h^T
-# dz`` with a 16-bit result (a single chunk) and with a float32 one. The sizes they were built with; not swept
-# (H100, 2026-12-05: both GEMMs 14 % slower than cuBLAS + Triton at the Llama-3 head, docs/performance.md "The one
-# program on the GPU").
-DHIDDEN_BLOCKS = (64, 128, 64, 4)
+# dz`` with a 16-bit result (a single chunk) and with a float32 one. 128 x 256 tiles, a 3-deep ring: the fastest of
+# ``benchmarks/gemm_probe.py``'s sizes at both headline heads (H100, 2026-12-05; where 256 does not divide H, as
+# Qwen's 896, dh falls back to 128 columns; docs/performance.md "The GEMM levers").
+DHIDDEN_BLOCKS = (64, 256, 64, 3)
 DWEIGHT_BLOCKS_16 = (64, 256, 64, 3)
-DWEIGHT_BLOCKS_32 = (64, 128, 64, 4)
+DWEIGHT_BLOCKS_32 = (64, 256, 64, 3)
 
 
 # Mosaic GPU LM head: keep a single chunk's logits (float16) for the gradient pass only for hidden sizes

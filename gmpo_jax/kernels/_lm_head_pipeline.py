@@ -355,6 +355,7 @@ def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem) -> tuple[CtaBloc
 def launch(
     body,
     *,
+    name: str,
     hidden,
     weight,
     bias,
@@ -377,6 +378,7 @@ def launch(
     ``[s * tiles_per_split, ...)`` of ``num_tiles``), or, with ``row_grid`` and its ``info`` (:class:`RowPrefixGrid`),
     on the grid that serves a runtime row prefix (``num_splits`` then ``row_grid.max_splits``). ``info`` without
     ``row_grid``: a runtime int32 vector of ``INFO_WORDS`` staged for the body (``CtaBlock.word``) on the static grid.
+    ``name``: the kernel's name in profiles and HLO (``lm_head_lse``, ...).
     ``transpose_a``: ``hidden`` is the left operand transposed, ``[K, M]`` (``logits_tile_loop``); the grid's rows
     are then its ``M`` columns.
 
@@ -434,6 +436,7 @@ def launch(
     else:
         grid = (num_splits, m // (2 * bm))
     inputs = (hidden, weight, *((bias,) if has_bias else ()), *row_inputs, *((info,) if staged else ()))
+    kernel.__name__ = name
     if acc is not None:
         assert out_type is None, "an in-place kernel has no other output"
         mesh = dict(grid=grid, grid_names=("split", "rows"), num_threads=3, thread_name="wg")
@@ -456,6 +459,7 @@ def tile_gemm(
     lhs,
     rhs,
     *,
+    name: str,
     out_shape: tuple[int, int],
     out_dtype,
     rhs_layout: str,
@@ -475,7 +479,7 @@ def tile_gemm(
     pipeline's weight in ``rhs_layout``), its ``block_n``-column tiles accumulated in float32 by wgmma and written
     once in ``out_dtype`` (each warpgroup's tile staged in shared memory, stored by a bulk copy while the next one
     is computed). ``k_iters``: the contraction's ``block_k`` steps, or None: read at run time from ``info``'s word
-    ``CONTRACTION_WORD``. The grid, splits and ``info`` as :func:`launch`'s.
+    ``CONTRACTION_WORD``. The grid, splits, ``info`` and ``name`` as :func:`launch`'s.
 
     ``acc``: None, or an ``out_shape`` array in ``out_dtype`` that the product is added to in place (``acc + lhs
     rhs`` on the tiles the grid computes; the others keep ``acc``'s values), on a ``row_grid`` that gives each CTA
@@ -549,6 +553,7 @@ def tile_gemm(
         epilogue_smem = (epilogue_smem, plgpu.Barrier(num_arrivals=1, num_barriers=2))  # a fetch barrier per wg
     return launch(
         body,
+        name=name,
         hidden=lhs,
         weight=rhs,
         bias=None,

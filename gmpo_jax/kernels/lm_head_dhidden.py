@@ -27,12 +27,12 @@ import jax.numpy as jnp
 from gmpo_jax.kernels import _lm_head_pipeline as P
 
 
-def dhidden_blocks(H: int, blocks: tuple[int, int, int, int] = (64, 128, 64, 4), in_flight: int = 0) -> P.LMHeadBlocks:
+def dhidden_blocks(H: int, blocks: tuple[int, int, int, int] = (64, 256, 64, 3), in_flight: int = 0) -> P.LMHeadBlocks:
     """Block sizes of :func:`lm_head_dhidden_window`: ``blocks`` = ``(block_m, block_n, block_k, num_stages)``, the
     output tile ``2 block_m x block_n`` (two warpgroups of ``block_m`` rows); where ``block_n`` does not divide ``H``,
     128 (else 64) columns with a 4-deep ring. ``in_flight``: :class:`~gmpo_jax.kernels.LMHeadBlocks`'s. The default
-    (128 x 128, 4 stages) stages each float32 output tile whole (192 KiB of shared memory); 128 x 256 with 3 stages
-    stages it in two halves (``tile_gemm``)."""
+    (128 x 256, 3 stages) stages each float32 output tile in two halves (``tile_gemm``); 128 x 128 with 4 stages
+    stages it whole (192 KiB of shared memory)."""
     bm, bn, bk, stages = blocks
     if H % bn:  # the fallback: 128 (64) columns, a 4-deep ring
         bn, stages = (128 if H % 128 == 0 else 64), 4
@@ -67,6 +67,7 @@ def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMH
     return P.tile_gemm(
         dz,
         weight,
+        name="lm_head_dhidden",
         out_shape=(Rp, H),
         out_dtype=jnp.float32,
         rhs_layout=gemm_layout,

@@ -178,6 +178,7 @@ def lm_head_dlogits_window(
     info = None if row_grid is None else row_grid.info(n_rows)
     dz, rowsum = P.launch(
         body,
+        name="lm_head_dlogits",
         hidden=hidden,
         weight=weight,
         bias=bias,

@@ -31,13 +31,13 @@ def dweight_blocks(
     N: int,
     out_dtype,
     blocks16: tuple[int, int, int, int] = (64, 256, 64, 3),
-    blocks32: tuple[int, int, int, int] = (64, 128, 64, 4),
+    blocks32: tuple[int, int, int, int] = (64, 256, 64, 3),
     in_flight: int = 0,
 ) -> P.LMHeadBlocks:
     """Block sizes of :func:`lm_head_dweight_window` for ``N`` output columns: ``blocks16`` for a 16-bit result (a
     single chunk's weight gradient; by default 128 x 256 tiles with a 3-deep ring, the dlogits kernel's tuned shape:
-    208 KiB of shared memory with the staged output tiles), ``blocks32`` for a float32 one (by default 128 x 128 tiles,
-    a 4-deep ring), each ``(block_m, block_n, block_k, num_stages)``; where ``block_n`` does not divide ``N``, 128
+    208 KiB of shared memory with the staged output tiles), ``blocks32`` for a float32 one (by default also 128 x 256 tiles
+    with a 3-deep ring, each output tile staged in two column halves: ``tile_gemm``), each ``(block_m, block_n, block_k, num_stages)``; where ``block_n`` does not divide ``N``, 128
     (else 64) columns with a 4-deep ring. ``in_flight``: :class:`~gmpo_jax.kernels.LMHeadBlocks`'s."""
     bm, bn, bk, stages = blocks16 if jnp.dtype(out_dtype).itemsize == 2 else blocks32
     if N % bn:  # the fallback: 128 (64) columns, a 4-deep ring
@@ -70,6 +70,7 @@ def lm_head_dweight_window(lhs, rhs, *, n_rows, cfg: P.LMHeadBlocks, num_sms: in
     return P.tile_gemm(
         lhs,
         rhs,
+        name="lm_head_dweight",
         out_shape=(M, N),
         out_dtype=out_dtype,
         rhs_layout="hv",

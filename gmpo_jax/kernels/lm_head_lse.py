@@ -209,6 +209,7 @@ def lm_head_lse_partials(
     info = None if row_grid is None else row_grid.info(n_rows)
     out = P.launch(
         body,
+        name="lm_head_lse",
         hidden=hidden,
         weight=weight,
         bias=bias,

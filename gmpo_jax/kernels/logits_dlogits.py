@@ -159,6 +159,7 @@ def logits_dlogits(
         plgpu.Barrier(num_arrivals=len(vectors), num_barriers=1),
     ]
     grid = dict(grid=(num_splits, num_row_blocks), grid_names=("split", "rows"))
+    kernel.__name__ = "logits_dlogits"  # its name in profiles
     if inplace:
         return C.call_in_place(kernel, scratch, grid, interpret, x, *vectors)
     call = plgpu.kernel(

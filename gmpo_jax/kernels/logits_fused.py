@@ -235,8 +235,10 @@ def logits_lse_and_dlogits(x, row_data, token_fn, *, cfg: FusedLogitsBlocks, num
             plgpu.ClusterBarrier(collective_axes=("cl",), num_barriers=2, num_arrivals=1),
         ]
         cluster = dict(cluster=(cfg.cluster,), cluster_names=("cl",))
+    body = functools.partial(_fused_kernel, plan=plan, token_fn=token_fn, interpret=interpret)
+    body.__name__ = "logits_fused"  # its name in profiles
     call = plgpu.kernel(
-        functools.partial(_fused_kernel, plan=plan, token_fn=token_fn, interpret=interpret),
+        body,
         out_type=(jax.ShapeDtypeStruct((R, S, w), dtype), jax.ShapeDtypeStruct((R, ROW_WIDTH), jnp.float32)),
         scratch_types=scratch,
         grid=(plan.NC,),

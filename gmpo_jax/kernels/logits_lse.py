@@ -154,6 +154,7 @@ def logits_lse_partials(x, ids, k_rows, *, cfg: C.LogitsBlocks, num_splits: int,
 
     # Row pitch of the statistics padded to whole row blocks: a TMA stride must be a multiple of 16 bytes.
     stat = jax.ShapeDtypeStruct((num_splits, C.cdiv(R, bm) * bm), jnp.float32)
+    kernel.__name__ = "logits_lse"  # its name in profiles
     call = plgpu.kernel(
         kernel,
         out_type=(stat, stat, stat),

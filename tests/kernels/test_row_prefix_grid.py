@@ -214,13 +214,14 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype, hd, blocks, 
 
 def test_gradient_gemms_lower_for_cuda():
     """The gradient GEMMs lower to Mosaic GPU for CUDA with a traced row count at both heads' windows (the
-    transposed left operand of ``h^T dz`` included, which the interpreter multiplies in float32 instead); at the
-    Llama-3 head also in 128 x 256 tiles with one wgmma product in flight (float32 tiles staged in halves)."""
+    transposed left operand of ``h^T dz`` included, which the interpreter multiplies in float32 instead): in the
+    default sizes (at the Llama-3 head 128 x 256 float32 tiles staged in halves), there also with one wgmma product
+    in flight, and in 128 x 128 tiles (each float32 tile staged whole)."""
     S = jax.ShapeDtypeStruct
     for rows, hd, kw, layout, blocks, in_flight in [
         (16384, 896, 8192, "hv", (), 0),
-        (8192, 4096, 4096, "vh", (), 0),
-        (8192, 4096, 4096, "vh", (WIDE,), 1),
+        (8192, 4096, 4096, "vh", (), 1),
+        (8192, 4096, 4096, "vh", ((64, 128, 64, 4),), 0),
     ]:
         cfg = dhidden_blocks(hd, *blocks, in_flight=in_flight)
         dz, h, n = S((rows, kw), jnp.bfloat16), S((rows, hd), jnp.bfloat16), S((), jnp.int32)
@@ -239,7 +240,7 @@ def test_gradient_gemms_lower_for_cuda():
                     num_sms=132,
                     out_dtype=d,
                 )
-                for d in (jnp.bfloat16, jnp.float32)  # 128 x 256 and 128 x 128 tiles (wide: both 128 x 256)
+                for d in (jnp.bfloat16, jnp.float32)
             ]
             return dh, *dws
 
