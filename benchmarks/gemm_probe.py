@@ -2,6 +2,7 @@
 
     python -m benchmarks.gemm_probe [--results benchmarks/results/gemm-<device>.jsonl] [--iters 50]
     python -m benchmarks.gemm_probe --heads tiny-hv,tiny-vh --iters 1 --results /tmp/g.jsonl  # CPU: the interpreter
+    python -m benchmarks.gemm_probe --lse [--heads ...]  # the log-prob kernel: per bucket against the runtime prefix
 
 Per headline head (Qwen2.5-0.5B: 16384 rows, H 896, an 8192-column window, weight ``[H, V]``; Llama-3-8B: 8192 rows,
 H 4096, a 4096-column window, weight ``[V, H]``) and per product, ``dh += dz W^T`` (float32, added in place),
@@ -109,8 +110,8 @@ def probe(head: str, iters: int) -> list[dict]:
         for name, dtype, table in (("dw16", jnp.bfloat16, DW16_BLOCKS), ("dw32", jnp.float32, DW32_BLOCKS)):
             for blocks in table:
                 cfg = dweight_blocks(rhs.shape[1], dtype, blocks, blocks, in_flight)
-                if (cfg.block_n, cfg.num_stages) != blocks[1::2]:
-                    continue
+                if (cfg.block_n, cfg.num_stages) != blocks[1::2] or lhs.shape[1] % cfg.rows_per_cta:
+                    continue  # the fallback, or output rows (H 896 at Qwen) not a multiple of 2 block_m
                 fn = jax.jit(
                     lambda lhs, rhs, cfg=cfg, dtype=dtype: lm_head_dweight_window(
                         lhs, rhs, n_rows=n, cfg=cfg, num_sms=sms, out_dtype=dtype, interpret=interpret
@@ -138,13 +139,70 @@ def probe(head: str, iters: int) -> list[dict]:
     return records
 
 
+LSE_HEADS = {"qwen2.5-0.5b": (16384, 896, 151936, "hv"), "llama3-8b": (8192, 4096, 128256, "vh")}
+LSE_SMOKE = {"tiny-hv": (512, 128, 1024, "hv"), "tiny-vh": (512, 128, 1024, "vh")}
+
+
+def probe_lse(head: str, iters: int, live: float = 0.582) -> list[dict]:
+    """The log-prob kernel (``kernels.lm_head_lse_partials``) on ``n = live * R`` rows three ways: compiled for a
+    static row count (``n`` rounded up to the row block, and the per-bucket default's bucket: ``n`` rounded up to
+    ``R / 8``) and on the runtime prefix of all ``R`` rows (``RowPrefixGrid``, ``tuning.ROW_PREFIX_FORWARD``); each
+    with the logits kept (``save_tiles``, as at Llama-3) and without. One JSON line per variant: median ms."""
+    from gmpo_jax._device import num_sms
+    from gmpo_jax.kernels import _common as C
+    from gmpo_jax.kernels import _lm_head_pipeline as P
+    from gmpo_jax.kernels._compat import interpret_params
+    from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials
+    from gmpo_jax.lm_head.mosaic_gpu.layout import block_config
+
+    R, H, V, layout = {**LSE_HEADS, **LSE_SMOKE}[head]
+    gpu = jax.default_backend() == "gpu"
+    interpret = None if gpu else interpret_params()
+    sms = num_sms(not gpu)
+    cfg = block_config(rows=R, H=H, V=V, kind="logprob_saved", interpret=not gpu)
+    rpc, n_tiles = cfg.rows_per_cta, C.cdiv(V, cfg.block_n)
+    n = int(live * R)
+    k = jax.random.key(1)
+    h = jax.random.normal(k, (R, H), jnp.bfloat16)
+    w = (jax.random.normal(k, (H, V) if layout == "hv" else (V, H), jnp.float32) / H**0.5).astype(jnp.bfloat16)
+    ids = jnp.zeros((R,), jnp.int32)
+    scale = jnp.full((R,), 1.4426950408889634, jnp.float32)
+    bucket = -(-(-(-n // (R // 8)) * (R // 8)) // rpc) * rpc  # ROW_BUCKETS = 8, ROW_ALIGN
+    variants = [("static", -(-n // rpc) * rpc), ("static", bucket), ("prefix", R)]
+    records = []
+    for save in (n_tiles, 0):
+        for kind, rows in variants:
+            if kind == "static":
+                splits = P.lm_head_num_splits(rows // rpc, n_tiles, sms)
+                fn = jax.jit(lambda h, rows=rows, splits=splits, save=save: lm_head_lse_partials(
+                    h[:rows], w, None, ids[:rows], scale[:rows], weight_layout=layout, vocab_size=V, cfg=cfg,
+                    num_splits=splits, save_tiles=save, interpret=interpret))  # fmt: skip
+            else:
+                grid = P.RowPrefixGrid.balanced(rpc, R // rpc, n_tiles, sms)
+                fn = jax.jit(lambda h, grid=grid, save=save: lm_head_lse_partials(
+                    h, w, None, ids, scale, weight_layout=layout, vocab_size=V, cfg=cfg, num_splits=1,
+                    save_tiles=save, row_grid=grid, n_rows=jnp.int32(n), interpret=interpret))  # fmt: skip
+            rec = dict(kind="lse_probe", date=now_utc(), commit=git_commit(), device=jax.devices()[0].device_kind,
+                       jax=jax.__version__, head=head, rows=R, H=H, V=V, layout=layout, live_rows=n, grid=kind,
+                       compiled_rows=rows, kept_logits=bool(save),
+                       blocks=[cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages])  # fmt: skip
+            try:
+                rec.update(status="ok", median_ms=round(_time(fn, (h,), False, iters), 4))
+            except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result
+                rec.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+    return records
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", default=",".join(HEADS), help="comma-separated: " + ", ".join([*HEADS, *SMOKE]))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--results", default=None, help="append the records here (default: results/gemm-<device>.jsonl)")
+    p.add_argument("--lse", action="store_true", help="the log-prob kernel per bucket against the runtime prefix")
     args = p.parse_args(argv)
-    records = [r for head in args.heads.split(",") for r in probe(head, args.iters)]
+    records = [r for head in args.heads.split(",") for r in (probe_lse if args.lse else probe)(head, args.iters)]
     path = args.results or f"benchmarks/results/gemm-{device_slug(jax.devices()[0].device_kind)}.jsonl"
     append_jsonl(path, records)
 
