@@ -310,6 +310,7 @@ def call_in_place(kernel, scratch, mesh_kwargs: dict, interpret, x, *inputs):
     # kernel is built directly, as plgpu.kernel does.
     mesh = plgpu.Mesh(**mesh_kwargs)
     threads = {} if mesh.thread_name is None else {"collective_axes": mesh.thread_name}
+
     def body(*refs):
         pl.run_scoped(functools.partial(kernel, *refs), *scratch, **threads)
 
