@@ -290,3 +290,5 @@ def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, grad_filte
     assert "stablehlo.case" not in text
     assert text.count("stablehlo.dot_general") == (3 if grad_filter is not None else 0)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == sites
+    kernels = ["lm_head_lse", "lm_head_dhidden", "lm_head_dweight"] + (["lm_head_dlogits"] if layout == "hv" else [])
+    assert all(name in text for name in kernels)  # each kernel named in profiles (the Mosaic module's kernel name)
