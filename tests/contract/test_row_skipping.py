@@ -181,8 +181,7 @@ def test_skipping_mosaic_interpret_one_program(monkeypatch, keep, grad_filter):
     blocks of which only the first has live rows (75 of 256), ``H = 128`` (the GEMMs' smallest hidden size), a
     ragged vocabulary of three tiles; the gradient GEMMs ran. ``kept-filter``: the gradient filter (windows of one
     tile) on the runtime prefix of each window's rows, against the same filter without skipping (per static prefix:
-    the same kept blocks). ``kept-logits`` runs ``dz W^T`` in 64-column tiles, a CTA walking both of its row block's
-    (``tuning.DHIDDEN_PERSISTENT``)."""
+    the same kept blocks)."""
     from gmpo_jax import _device
     from gmpo_jax.kernels import _compat
     from gmpo_jax.lm_head.mosaic_gpu.grad_pass import _GradPass
@@ -206,9 +205,6 @@ def test_skipping_mosaic_interpret_one_program(monkeypatch, keep, grad_filter):
     assert not calls
     monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)
     monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", True)
-    if keep and grad_filter is None:  # dz W^T with a CTA walking both 64-column tiles of its row block
-        monkeypatch.setattr(tuning, "DHIDDEN_PERSISTENT", True)
-        monkeypatch.setattr(tuning, "DHIDDEN_BLOCKS", (64, 64, 64, 4))
     got = _run(case, gmpo_jax.GMPO(), dataclasses.replace(be, row_buckets=2))
     assert calls and set(calls) == {keep}  # the GEMMs ran, on dz from the kept logits or recomputed
     _assert_same(got, want)
