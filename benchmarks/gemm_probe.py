@@ -107,14 +107,6 @@ def probe(head: str, iters: int) -> list[dict]:
                 donate_argnums=0,
             )
             cases.append(("dh", "pallas", blocks, in_flight, fn, (acc0 + 0, dz, w), True))
-            if in_flight == 0:  # a CTA walking several tiles of its row block (tuning.DHIDDEN_PERSISTENT)
-                walk = jax.jit(
-                    lambda acc, dz, w, cfg=cfg: lm_head_dhidden_window(
-                        dz, w, weight_layout=layout, n_rows=n, cfg=cfg, acc=acc, num_sms=sms, interpret=interpret
-                    ),
-                    donate_argnums=0,
-                )
-                cases.append(("dh", "pallas-walk", blocks, in_flight, walk, (acc0 + 0, dz, w), True))
         for name, dtype, table in (("dw16", jnp.bfloat16, DW16_BLOCKS), ("dw32", jnp.float32, DW32_BLOCKS)):
             for blocks in table:
                 cfg = dweight_blocks(rhs.shape[1], dtype, blocks, blocks, in_flight)

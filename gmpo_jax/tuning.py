@@ -72,11 +72,6 @@ WGMMA_IN_FLIGHT = 0
 # ``benchmarks/gemm_probe.py``'s sizes at both headline heads (H100, 2026-12-05; where 256 does not divide H, as
 # Qwen's 896, dh falls back to 128 columns; docs/performance.md "The GEMM levers").
 DHIDDEN_BLOCKS = (64, 256, 64, 3)
-# ``dz W^T`` with each CTA walking several output tiles of its row block on one operand ring (the splits of H's tiles
-# balanced to fill the GPU; the next tile's running sum fetched under the contraction) instead of a CTA per tile:
-# no pipeline refill per tile and whole waves. Built 2026-12-05 for the Qwen head's 128-wide tiles (+11 % against
-# XLA's GEMM, docs/performance.md "The GEMM levers measured"); off until measured.
-DHIDDEN_PERSISTENT = False
 DWEIGHT_BLOCKS_16 = (64, 256, 64, 3)
 DWEIGHT_BLOCKS_32 = (64, 256, 64, 3)
 

@@ -482,10 +482,10 @@ def tile_gemm(
     ``CONTRACTION_WORD``. The grid, splits, ``info`` and ``name`` as :func:`launch`'s.
 
     ``acc``: None, or an ``out_shape`` array in ``out_dtype`` that the product is added to in place (``acc + lhs
-    rhs`` on the tiles the grid computes; the others keep ``acc``'s values): each warpgroup's tile of ``acc`` is
-    fetched into its staging buffer while the contraction runs and added to the float32 sums before the store (an
-    XLA add of the whole array after the kernel would read it twice and write it once more). A CTA that walks several
-    tiles fetches the next tile's once the last store has left the buffer, while the next contraction runs.
+    rhs`` on the tiles the grid computes; the others keep ``acc``'s values), on a ``row_grid`` that gives each CTA
+    one output tile: each warpgroup's tile of ``acc`` is fetched into its staging buffer while the contraction runs
+    and added to the float32 sums before the store (an XLA add of the whole array after the kernel would read it
+    twice and write it once more).
 
     Where the ring and two whole output tiles would not fit shared memory (``SMEM_BYTES``: a float32 128 x 256 tile
     beside a 3-deep ring), each warpgroup stages its tile in two column halves, one after the other (with ``acc``
@@ -524,13 +524,6 @@ def tile_gemm(
                 out_smem[cta.wg] = zp.astype(out_dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem.at[cta.wg], out_tile(tile, piece))
-            if accumulate:  # the next tile's first piece, once this store has read the buffer
-
-                def fetch_next():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    fetch(tile + 1, 0)
-
-                pl.when(tile + 1 < cta.tile0 + cta.n_tiles)(fetch_next)
             return carry
 
         logits_tile_loop(
@@ -556,6 +549,7 @@ def tile_gemm(
     epilogue_smem = plgpu.SMEM((2, bm, pn), out_dtype, transforms=smem_transforms(out_dtype.itemsize))
     if accumulate:
         assert acc.shape == tuple(out_shape) and acc.dtype == out_dtype, (acc.shape, acc.dtype, out_shape, out_dtype)
+        assert row_grid is not None and set(row_grid.tiles) == {1}, "in place: one output tile per CTA"
         epilogue_smem = (epilogue_smem, plgpu.Barrier(num_arrivals=1, num_barriers=2))  # a fetch barrier per wg
     return launch(
         body,

@@ -39,9 +39,7 @@ def dhidden_blocks(H: int, blocks: tuple[int, int, int, int] = (64, 256, 64, 3),
     return P.LMHeadBlocks(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, in_flight=in_flight)
 
 
-def lm_head_dhidden_window(
-    dz, weight, *, weight_layout: str, n_rows, cfg: P.LMHeadBlocks, acc=None, num_sms: int | None = None, interpret=None
-):
+def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMHeadBlocks, acc=None, interpret=None):
     """``dz W^T`` on the first ``n_rows`` rows: ``out[r] = sum_v dz[r, v] W[:, v]`` for the row blocks of
     ``cfg.rows_per_cta`` rows that hold them; with ``acc``, ``out[r] = acc[r] + sum_v dz[r, v] W[:, v]`` there, in
     ``acc``'s buffer (the hidden gradient summed over the vocabulary windows).
@@ -54,9 +52,6 @@ def lm_head_dhidden_window(
       n_rows: int32 scalar (traced or not), the rows with work, ``0 <= n_rows <= Rp``.
       cfg: :func:`dhidden_blocks`.
       acc: None, or ``[Rp, H]`` float32 to add the product to (updated in place when it is dead afterwards).
-      num_sms: None: a CTA per output tile (``2 block_m x block_n``); the SM count: each row block's ``H /
-        block_n`` tiles dealt to as few CTAs as fill the GPU for the live row blocks (``RowPrefixGrid.balanced``),
-        each walking its tiles on one operand ring (``tuning.DHIDDEN_PERSISTENT``).
 
     Returns:
       ``[Rp, H]`` float32: rows ``[0, ceil(n_rows / rows_per_cta) * rows_per_cta)`` hold the product (plus ``acc``),
@@ -68,10 +63,7 @@ def lm_head_dhidden_window(
     assert Kw % bk == 0 and H % bn == 0 and Rp % cfg.rows_per_cta == 0, (dz.shape, weight.shape, cfg)
     assert (weight.shape[1] if weight_layout == "hv" else weight.shape[0]) == Kw, (dz.shape, weight.shape)
     gemm_layout = "vh" if weight_layout == "hv" else "hv"  # the weight as the pipeline's [N = H, K = Kw] operand
-    if num_sms is None:  # a CTA per output tile
-        row_grid = P.RowPrefixGrid.fixed(cfg.rows_per_cta, Rp // cfg.rows_per_cta, H // bn, 1)
-    else:
-        row_grid = P.RowPrefixGrid.balanced(cfg.rows_per_cta, Rp // cfg.rows_per_cta, H // bn, num_sms, min_tiles=1)
+    row_grid = P.RowPrefixGrid.fixed(cfg.rows_per_cta, Rp // cfg.rows_per_cta, H // bn, 1)  # a CTA per output tile
     return P.tile_gemm(
         dz,
         weight,

@@ -170,7 +170,6 @@ class _GradPass:
             n_rows=self.n_rows,
             cfg=dhidden_blocks(H, tuning.DHIDDEN_BLOCKS, tuning.WGMMA_IN_FLIGHT),
             acc=dh,
-            num_sms=sms if tuning.DHIDDEN_PERSISTENT else None,
             interpret=interpret,
         )
         dh_out = dh_out if dh is not None else jnp.where(live[:, None], dh_out, 0.0)
