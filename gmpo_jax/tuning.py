@@ -64,13 +64,15 @@ MOSAIC_DEFAULT: dict[str, tuple[int, int, int, int]] = {
 
 # Every LM-head kernel's pipeline (``kernels.LMHeadBlocks.in_flight``): 1 leaves one wgmma product running while the next
 # is issued (its ring slot released a step later), 0 waits for each. 0: 1 gained nothing (H100, 2026-12-05: each
-# gradient GEMM within -3 % .. +10 % of 0, the default step +0.2 .. +1.1 %; docs/performance.md "The GEMM levers").
+# gradient GEMM within -2.0 % .. +7.5 % of 0, the default step +0.2 .. +1.1 %; docs/performance.md "The GEMM levers
+# measured").
 WGMMA_IN_FLIGHT = 0
 # The gradient GEMMs on a runtime row prefix (``ROW_PREFIX_GRADIENT``; ``kernels.lm_head_dhidden`` /
 # ``lm_head_dweight``): (block_m, block_n, block_k, num_stages) of ``dz W^T`` (float32 out, added in place), of ``h^T
-# dz`` with a 16-bit result (a single chunk) and with a float32 one. 128 x 256 tiles, a 3-deep ring: the fastest of
-# ``benchmarks/gemm_probe.py``'s sizes at both headline heads (H100, 2026-12-05; where 256 does not divide H, as
-# Qwen's 896, dh falls back to 128 columns; docs/performance.md "The GEMM levers").
+# dz`` with a 16-bit result (a single chunk) and with a float32 one. 128 x 256 tiles, a 3-deep ring: of
+# ``benchmarks/gemm_probe.py``'s sizes the fastest, or within 0.5 % of it, at both headline heads (H100, 2026-12-05;
+# where 256 does not divide H, as Qwen's 896, dh falls back to 128 columns; docs/performance.md "The GEMM levers
+# measured").
 DHIDDEN_BLOCKS = (64, 256, 64, 3)
 DWEIGHT_BLOCKS_16 = (64, 256, 64, 3)
 DWEIGHT_BLOCKS_32 = (64, 256, 64, 3)
@@ -112,16 +114,18 @@ ROW_BUCKETS = 8
 ROW_ALIGN = 128
 # The forward's skipping on one compiled log-prob kernel for every number of live rows (``Capabilities.row_prefix``,
 # ``kernels.RowPrefixGrid``) instead of one per prefix size: fewer kernels to compile (Qwen2.5-0.5B 8 x 2048: 24 -> 17,
-# Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off: its first call is 26-46 % shorter, its step up to 8 % slower at
-# Llama-3 (docs/performance.md "The one program on the GPU").
+# Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off: its first call is 18-47 % shorter, but its step is 3-5 % slower
+# on the GRPO-like members at Llama-3 (its log-prob kernel on the prefix: +1.1 ms, H100, 2026-12-05, fa263c2;
+# docs/performance.md "The GEMM levers measured").
 ROW_PREFIX_FORWARD = False
 # The gradient pass on one program for every number of rows with a cotangent (``Capabilities.row_prefix_grads``): the
 # dz kernel on a row-prefix grid and Pallas GEMMs that take the row count at run time (``kernels.lm_head_dhidden``,
 # ``lm_head_dweight``) instead of XLA's GEMMs on a static prefix per bucket (whose slices cost 17-29 % in the version
 # above); the gradient filter's windows each on the runtime prefix of their rows. Off: with ROW_PREFIX_FORWARD the
-# first call is 5-14 s instead of 29-64 s, but the step is slower where rows are live. H100, 2026-12-05, jax 0.11.2,
-# both orders (789188a): Qwen2.5-0.5B 8 x 2048 GRPO-like members 6-13 % faster, full mask 4.2 % slower; Llama-3-8B
-# 4 x 2048 9-12 % slower on every member (docs/performance.md "The in-place dh measured").
+# first call is 3-10 s instead of 15-64 s (by host), but the step is slower where rows are live. H100, 2026-12-05,
+# jax 0.11.2, fa263c2 with the 128 x 256 GEMMs: Qwen2.5-0.5B 8 x 2048 GRPO-like members 6-13 % faster, full mask
+# 4.9 % slower; Llama-3-8B 4 x 2048 2-5 % slower on every member; Qwen 2 x 32768 5-6 % slower (docs/performance.md
+# "The GEMM levers measured").
 ROW_PREFIX_GRADIENT = False
 
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of

@@ -479,7 +479,8 @@ def tile_gemm(
     pipeline's weight in ``rhs_layout``), its ``block_n``-column tiles accumulated in float32 by wgmma and written
     once in ``out_dtype`` (each warpgroup's tile staged in shared memory, stored by a bulk copy while the next one
     is computed). ``k_iters``: the contraction's ``block_k`` steps, or None: read at run time from ``info``'s word
-    ``CONTRACTION_WORD``. The grid, splits, ``info`` and ``name`` as :func:`launch`'s.
+    ``CONTRACTION_WORD``. The grid, splits, ``info`` and ``name`` as :func:`launch`'s. Raises ValueError (naming the
+    kernel) unless ``lhs`` and ``rhs`` are both bfloat16 or both float16 and ``rhs_layout`` is ``"hv"`` or ``"vh"``.
 
     ``acc``: None, or an ``out_shape`` array in ``out_dtype`` that the product is added to in place (``acc + lhs
     rhs`` on the tiles the grid computes; the others keep ``acc``'s values), on a ``row_grid`` that gives each CTA
@@ -490,6 +491,10 @@ def tile_gemm(
     Where the ring and two whole output tiles would not fit shared memory (``SMEM_BYTES``: a float32 128 x 256 tile
     beside a 3-deep ring), each warpgroup stages its tile in two column halves, one after the other (with ``acc``
     the second half's fetch waits for the first half's store)."""
+    if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"{name}: both operands must be bfloat16 or both float16, got {lhs.dtype} and {rhs.dtype}")
+    if rhs_layout not in ("hv", "vh"):
+        raise ValueError(f"{name}: weight layout must be 'hv' or 'vh', got {rhs_layout!r}")
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = jnp.dtype(out_dtype)
     accumulate = acc is not None

@@ -53,10 +53,15 @@ def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMH
       cfg: :func:`dhidden_blocks`.
       acc: None, or ``[Rp, H]`` float32 to add the product to (updated in place when it is dead afterwards).
 
+    Raises:
+      ValueError: ``weight_layout`` not ``"hv"`` / ``"vh"``, or ``dz`` and ``weight`` not of one 16-bit dtype.
+
     Returns:
       ``[Rp, H]`` float32: rows ``[0, ceil(n_rows / rows_per_cta) * rows_per_cta)`` hold the product (plus ``acc``),
       the others are not written: undefined without ``acc``, ``acc``'s with it.
     """
+    if weight_layout not in ("hv", "vh"):
+        raise ValueError(f"lm_head_dhidden: weight_layout must be 'hv' or 'vh', got {weight_layout!r}")
     Rp, Kw = dz.shape
     H = weight.shape[0] if weight_layout == "hv" else weight.shape[1]
     bn, bk = cfg.block_n, cfg.block_k

@@ -56,9 +56,14 @@ def lm_head_dweight_window(lhs, rhs, *, n_rows, cfg: P.LMHeadBlocks, num_sms: in
       num_sms: the device's SM count (the grid's splits of the ``N / block_n`` output tiles).
       out_dtype: the result's dtype (float32, or the weight's 16-bit dtype: the float32 sums rounded once).
 
+    Raises:
+      ValueError: ``lhs`` and ``rhs`` not of one 16-bit dtype, or ``num_sms < 1``.
+
     Returns:
       ``[M, N]`` in ``out_dtype`` (zeros when ``n_rows == 0``).
     """
+    if num_sms < 1:
+        raise ValueError(f"lm_head_dweight: num_sms must be >= 1, got {num_sms}")
     Rp, M = lhs.shape
     N = rhs.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k

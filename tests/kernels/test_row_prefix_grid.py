@@ -212,6 +212,24 @@ def test_interpret_gradient_gemms_on_a_row_prefix(layout, dw_dtype, hd, blocks, 
     np.testing.assert_allclose(dw, want_dw, rtol=rtol, atol=1e-5 * np.abs(want_dw).max())
 
 
+def test_gradient_gemms_reject_bad_operands():
+    """Mixed or non-16-bit operand dtypes, an unknown weight layout and no SMs raise a ValueError naming the kernel
+    (a bf16 ``dz`` with an f16 weight hung the interpreter before the check)."""
+    dz, h = jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((128, 128), jnp.bfloat16)
+    cfg = dhidden_blocks(128, (64, 128, 64, 4))
+    for args, match in [
+        ((dz, h.astype(jnp.float16), "hv"), "lm_head_dhidden: both operands must be bfloat16 or both float16"),
+        ((dz.astype(jnp.float32), h.astype(jnp.float32), "hv"), "lm_head_dhidden: both operands"),
+        ((dz, h, "xy"), "lm_head_dhidden: weight_layout must be 'hv' or 'vh'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            lm_head_dhidden_window(args[0], args[1], weight_layout=args[2], n_rows=1, cfg=cfg)
+    dw_cfg = dweight_blocks(128, jnp.float32, (64, 128, 64, 4), (64, 128, 64, 4))
+    for lhs, sms, match in [(h.astype(jnp.float16), 132, "lm_head_dweight: both operands"), (h, 0, "num_sms")]:
+        with pytest.raises(ValueError, match=match):
+            lm_head_dweight_window(lhs, dz, n_rows=1, cfg=dw_cfg, num_sms=sms, out_dtype=jnp.float32)
+
+
 def test_gradient_gemms_lower_for_cuda():
     """The gradient GEMMs lower to Mosaic GPU for CUDA with a traced row count at both heads' windows (the
     transposed left operand of ``h^T dz`` included, which the interpreter multiplies in float32 instead): in the
