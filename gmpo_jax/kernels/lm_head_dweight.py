@@ -36,9 +36,10 @@ def dweight_blocks(
 ) -> P.LMHeadBlocks:
     """Block sizes of :func:`lm_head_dweight_window` for ``N`` output columns: ``blocks16`` for a 16-bit result (a
     single chunk's weight gradient; by default 128 x 256 tiles with a 3-deep ring, the dlogits kernel's tuned shape:
-    208 KiB of shared memory with the staged output tiles), ``blocks32`` for a float32 one (by default also 128 x 256 tiles
-    with a 3-deep ring, each output tile staged in two column halves: ``tile_gemm``), each ``(block_m, block_n, block_k, num_stages)``; where ``block_n`` does not divide ``N``, 128
-    (else 64) columns with a 4-deep ring. ``in_flight``: :class:`~gmpo_jax.kernels.LMHeadBlocks`'s."""
+    208 KiB of shared memory with the staged output tiles), ``blocks32`` for a float32 one (by default also 128 x 256
+    tiles with a 3-deep ring, each output tile staged in two column halves: ``tile_gemm``), each ``(block_m, block_n,
+    block_k, num_stages)``; where ``block_n`` does not divide ``N``, 128 (else 64) columns with a 4-deep ring.
+    ``in_flight``: :class:`~gmpo_jax.kernels.LMHeadBlocks`'s."""
     bm, bn, bk, stages = blocks16 if jnp.dtype(out_dtype).itemsize == 2 else blocks32
     if N % bn:  # the fallback: 128 (64) columns, a 4-deep ring
         bn, stages = (128 if N % 128 == 0 else 64), 4
