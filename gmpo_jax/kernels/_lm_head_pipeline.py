@@ -289,7 +289,11 @@ class RowPrefixGrid:
     first ``nb = cdiv(n_rows, rows_per_cta)`` blocks have work, and each is dealt ``splits[nb]`` vocabulary
     splits of ``tiles[nb]`` tiles (the last split may have fewer or none), so that a short prefix still fills
     the GPU (``lm_head_num_splits`` per prefix length). The grid is ``(1, num_ctas)``: CTA ``i`` takes row block
-    ``i // s`` and split ``i % s`` and returns at once when its row block is past ``nb``. The kernel reads
+    ``i % nb`` and split ``i // nb``, as the static grid ``(splits, rows)`` orders its CTAs (Mosaic GPU launches the
+    last grid axis fastest): the CTAs that run together are many row blocks of few splits and share those splits'
+    weight columns through L2 (``rows_fastest``); or, with ``rows_fastest=False``, row block ``i // s`` and split
+    ``i % s``: a row block's splits together, sharing its rows (``dz W^T``, whose "splits" are ``H``'s column tiles
+    and whose rows, ``dz``, are the large operand). CTAs ``i >= nb * s`` return at once. The kernel reads
     ``(nb, s, tiles)`` from a small int32 vector (:meth:`info`) staged through shared memory, so one compiled
     kernel serves every prefix length (one ``lax.switch`` branch per length would compile one kernel each).
 
@@ -301,6 +305,7 @@ class RowPrefixGrid:
     num_row_ctas: int
     splits: tuple[int, ...]  # per number of live row blocks nb in [0, num_row_ctas]
     tiles: tuple[int, ...]  # vocabulary tiles per split, per nb
+    rows_fastest: bool = True  # consecutive CTAs take consecutive row blocks (else consecutive splits)
 
     @classmethod
     def balanced(cls, rows_per_cta: int, num_row_ctas: int, num_tiles: int, num_sms: int, min_tiles: int = 4):
@@ -309,10 +314,10 @@ class RowPrefixGrid:
         return cls(rows_per_cta, num_row_ctas, splits, tuple(cdiv(num_tiles, s) for s in splits))
 
     @classmethod
-    def fixed(cls, rows_per_cta: int, num_row_ctas: int, num_tiles: int, tiles_per_split: int):
+    def fixed(cls, rows_per_cta: int, num_row_ctas: int, num_tiles: int, tiles_per_split: int, rows_fastest=True):
         """The same splits of ``tiles_per_split`` tiles for every prefix length (the gradient filter's windows)."""
-        s = cdiv(num_tiles, tiles_per_split)
-        return cls(rows_per_cta, num_row_ctas, (s,) * (num_row_ctas + 1), (tiles_per_split,) * (num_row_ctas + 1))
+        s, n = cdiv(num_tiles, tiles_per_split), num_row_ctas + 1
+        return cls(rows_per_cta, num_row_ctas, (s,) * n, (tiles_per_split,) * n, rows_fastest)
 
     @property
     def max_splits(self) -> int:
@@ -339,17 +344,23 @@ class RowPrefixGrid:
         return splits[:, None] & rows[None, :]
 
 
-def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem) -> tuple[CtaBlock, jax.Array]:
+def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem, rows_fastest: bool) -> tuple[CtaBlock, jax.Array]:
     """This CTA's block under a :class:`RowPrefixGrid` (its ``info`` in this warpgroup's shared memory), and
     whether it has work."""
     wg = lax.axis_index("wg")
     nb, s, tps = info_smem[wg, 0], info_smem[wg, 1], info_smem[wg, 2]
     i = i32(lax.axis_index("rows"))
-    block, split = div(i, s), rem(i, s)
+    if rows_fastest:
+        per = jnp.maximum(nb, 1)  # nb = 0: no CTA has work
+        block, split = rem(i, per), div(i, per)
+        live = (split < s) & (nb > 0)
+    else:
+        block, split = div(i, s), rem(i, s)
+        live = block < nb
     row0 = block * (2 * block_m)
     tile0 = split * tps
     n_tiles = jnp.clip(num_tiles - tile0, 0, tps)
-    return CtaBlock(split, row0, row0 + wg * block_m, tile0, n_tiles, wg, info_smem), block < nb
+    return CtaBlock(split, row0, row0 + wg * block_m, tile0, n_tiles, wg, info_smem), live
 
 
 def launch(
@@ -416,7 +427,7 @@ def launch(
             cta = cta_block(bm, tiles_per_split, num_tiles)._replace(info=info_smem)
             body(h_ref, w_ref, b_ref, row_refs, outs, tuple(smem), cta)
             return
-        cta, live = _dynamic_cta_block(bm, num_tiles, info_smem)
+        cta, live = _dynamic_cta_block(bm, num_tiles, info_smem, row_grid.rows_fastest)
         pl.when(live)(lambda: body(h_ref, w_ref, b_ref, row_refs, outs, tuple(smem), cta))
 
     a_shape = (stages, 2, bk, bm) if transpose_a else (stages, 2 * bm, bk)

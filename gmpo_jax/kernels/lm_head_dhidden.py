@@ -68,7 +68,8 @@ def lm_head_dhidden_window(dz, weight, *, weight_layout: str, n_rows, cfg: P.LMH
     assert Kw % bk == 0 and H % bn == 0 and Rp % cfg.rows_per_cta == 0, (dz.shape, weight.shape, cfg)
     assert (weight.shape[1] if weight_layout == "hv" else weight.shape[0]) == Kw, (dz.shape, weight.shape)
     gemm_layout = "vh" if weight_layout == "hv" else "hv"  # the weight as the pipeline's [N = H, K = Kw] operand
-    row_grid = P.RowPrefixGrid.fixed(cfg.rows_per_cta, Rp // cfg.rows_per_cta, H // bn, 1)  # a CTA per output tile
+    # a CTA per output tile, a row block's tiles adjacent (they share its dz)
+    row_grid = P.RowPrefixGrid.fixed(cfg.rows_per_cta, Rp // cfg.rows_per_cta, H // bn, 1, rows_fastest=False)
     return P.tile_gemm(
         dz,
         weight,
