@@ -344,19 +344,21 @@ class RowPrefixGrid:
         return splits[:, None] & rows[None, :]
 
 
+def cta_assignment(i, nb, s, rows_fastest: bool):
+    """``(row block, split, has work)`` of CTA ``i`` of a :class:`RowPrefixGrid` for ``nb`` live row blocks of ``s``
+    splits each (int32 scalars, traced or not): every ``(block < nb, split < s)`` pair goes to one CTA ``i < nb s``."""
+    if rows_fastest:
+        per = jnp.maximum(nb, 1)  # nb = 0: no CTA has work
+        return rem(i, per), div(i, per), (div(i, per) < s) & (nb > 0)
+    return div(i, s), rem(i, s), div(i, s) < nb
+
+
 def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem, rows_fastest: bool) -> tuple[CtaBlock, jax.Array]:
     """This CTA's block under a :class:`RowPrefixGrid` (its ``info`` in this warpgroup's shared memory), and
     whether it has work."""
     wg = lax.axis_index("wg")
     nb, s, tps = info_smem[wg, 0], info_smem[wg, 1], info_smem[wg, 2]
-    i = i32(lax.axis_index("rows"))
-    if rows_fastest:
-        per = jnp.maximum(nb, 1)  # nb = 0: no CTA has work
-        block, split = rem(i, per), div(i, per)
-        live = (split < s) & (nb > 0)
-    else:
-        block, split = div(i, s), rem(i, s)
-        live = block < nb
+    block, split, live = cta_assignment(i32(lax.axis_index("rows")), nb, s, rows_fastest)
     row0 = block * (2 * block_m)
     tile0 = split * tps
     n_tiles = jnp.clip(num_tiles - tile0, 0, tps)

@@ -54,6 +54,21 @@ def test_grid_deals_every_live_block_and_split_once():
     assert set(fixed.splits) == {19} and set(fixed.tiles) == {32}
 
 
+@pytest.mark.parametrize("rows_fastest", [True, False], ids=["rows-fastest", "splits-fastest"])
+def test_cta_assignment_covers_each_block_and_split_once(rows_fastest):
+    """Every live (row block, split) goes to exactly one CTA of the grid, the others have no work; rows fastest:
+    consecutive CTAs take consecutive row blocks of one split (the static grid's order), else one block's splits."""
+    grid = P.RowPrefixGrid.balanced(128, 64, 594, 132, min_tiles=1)
+    i = jnp.arange(grid.num_ctas, dtype=jnp.int32)
+    for n in (0, 1, 129, 4000, 8192):
+        nb, s = (int(x) for x in grid.info(n)[:2])
+        block, split, live = (np.asarray(x) for x in P.cta_assignment(i, jnp.int32(nb), jnp.int32(s), rows_fastest))
+        pairs = sorted(zip(block[live].tolist(), split[live].tolist()))
+        assert pairs == [(b, t) for b in range(nb) for t in range(s)]
+        if nb > 1 and s > 1:
+            assert (block[1], split[1]) == ((1, 0) if rows_fastest else (0, 1))
+
+
 @pytest.fixture(scope="module")
 def runs():
     """The kernel's outputs (the statistics with the entropy's, then ``SAVE`` kept tiles) on the full grid of the
