@@ -115,8 +115,9 @@ ROW_ALIGN = 128
 # The forward's skipping on one compiled log-prob kernel for every number of live rows (``Capabilities.row_prefix``,
 # ``kernels.RowPrefixGrid``) instead of one per prefix size: fewer kernels to compile (Qwen2.5-0.5B 8 x 2048: 24 -> 17,
 # Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off: its first call is 18-47 % shorter, but its step is 3-5 % slower
-# on the GRPO-like members at Llama-3 (its log-prob kernel on the prefix: +1.1 ms, H100, 2026-12-05, fa263c2;
-# docs/performance.md "The GEMM levers measured").
+# on the GRPO-like members at Llama-3 (its log-prob kernel on the prefix: +1.1 ms, H100, 2026-12-05, fa263c2; the
+# prefix grid's CTA order since changed to the static grid's, its likely cause: not yet measured; docs/performance.md
+# "The GEMM levers measured").
 ROW_PREFIX_FORWARD = False
 # The gradient pass on one program for every number of rows with a cotangent (``Capabilities.row_prefix_grads``): the
 # dz kernel on a row-prefix grid and Pallas GEMMs that take the row count at run time (``kernels.lm_head_dhidden``,
