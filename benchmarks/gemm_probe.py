@@ -145,14 +145,16 @@ LSE_SMOKE = {"tiny-hv": (512, 128, 1024, "hv"), "tiny-vh": (512, 128, 1024, "vh"
 
 def probe_lse(head: str, iters: int, live: float = 0.582) -> list[dict]:
     """The log-prob kernel (``kernels.lm_head_lse_partials``) on ``n = live * R`` rows three ways: compiled for a
-    static row count (``n`` rounded up to the row block, and the per-bucket default's bucket: ``n`` rounded up to
-    ``R / 8``) and on the runtime prefix of all ``R`` rows (``RowPrefixGrid``, ``tuning.ROW_PREFIX_FORWARD``); each
+    static row count (``n`` rounded up to the row block, and the per-bucket default's bucket: the smallest of
+    ``lm_head.rows.prefix_sizes`` that holds ``n``) and on the runtime prefix of all ``R`` rows (``RowPrefixGrid``, ``tuning.ROW_PREFIX_FORWARD``); each
     with the logits kept (``save_tiles``, as at Llama-3) and without. One JSON line per variant: median ms."""
+    from gmpo_jax import tuning
     from gmpo_jax._device import num_sms
     from gmpo_jax.kernels import _common as C
     from gmpo_jax.kernels import _lm_head_pipeline as P
     from gmpo_jax.kernels._compat import interpret_params
     from gmpo_jax.kernels.lm_head_lse import lm_head_lse_partials
+    from gmpo_jax.lm_head import rows as rows_lib
     from gmpo_jax.lm_head.mosaic_gpu.layout import block_config
 
     R, H, V, layout = {**LSE_HEADS, **LSE_SMOKE}[head]
@@ -166,9 +168,9 @@ def probe_lse(head: str, iters: int, live: float = 0.582) -> list[dict]:
     h = jax.random.normal(k, (R, H), jnp.bfloat16)
     w = (jax.random.normal(k, (H, V) if layout == "hv" else (V, H), jnp.float32) / H**0.5).astype(jnp.bfloat16)
     ids = jnp.zeros((R,), jnp.int32)
-    scale = jnp.full((R,), 1.4426950408889634, jnp.float32)
-    bucket = -(-(-(-n // (R // 8)) * (R // 8)) // rpc) * rpc  # ROW_BUCKETS = 8, ROW_ALIGN
-    variants = [("static", -(-n // rpc) * rpc), ("static", bucket), ("prefix", R)]
+    scale = jnp.full((R,), C.LOG2E, jnp.float32)
+    bucket = min(S for S in rows_lib.prefix_sizes(R, tuning.ROW_BUCKETS) if S >= n)  # the default's static prefix
+    variants = [("static", C.cdiv(n, rpc) * rpc), ("static", bucket), ("prefix", R)]
     records = []
     for save in (n_tiles, 0):
         for kind, rows in variants:

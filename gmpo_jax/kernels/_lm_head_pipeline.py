@@ -349,8 +349,10 @@ def cta_assignment(i, nb, s, rows_fastest: bool):
     splits each (int32 scalars, traced or not): every ``(block < nb, split < s)`` pair goes to one CTA ``i < nb s``."""
     if rows_fastest:
         per = jnp.maximum(nb, 1)  # nb = 0: no CTA has work
-        return rem(i, per), div(i, per), (div(i, per) < s) & (nb > 0)
-    return div(i, s), rem(i, s), div(i, s) < nb
+        block, split = rem(i, per), div(i, per)
+        return block, split, (split < s) & (nb > 0)
+    block, split = div(i, s), rem(i, s)
+    return block, split, block < nb
 
 
 def _dynamic_cta_block(block_m: int, num_tiles: int, info_smem, rows_fastest: bool) -> tuple[CtaBlock, jax.Array]:
@@ -493,7 +495,7 @@ def tile_gemm(
     once in ``out_dtype`` (each warpgroup's tile staged in shared memory, stored by a bulk copy while the next one
     is computed). ``k_iters``: the contraction's ``block_k`` steps, or None: read at run time from ``info``'s word
     ``CONTRACTION_WORD``. The grid, splits, ``info`` and ``name`` as :func:`launch`'s. Raises ValueError (naming the
-    kernel) unless ``lhs`` and ``rhs`` are both bfloat16 or both float16 and ``rhs_layout`` is ``"hv"`` or ``"vh"``.
+    kernel) unless ``lhs`` and ``rhs`` are both bfloat16 or both float16.
 
     ``acc``: None, or an ``out_shape`` array in ``out_dtype`` that the product is added to in place (``acc + lhs
     rhs`` on the tiles the grid computes; the others keep ``acc``'s values), on a ``row_grid`` that gives each CTA
@@ -506,8 +508,6 @@ def tile_gemm(
     the second half's fetch waits for the first half's store)."""
     if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"{name}: both operands must be bfloat16 or both float16, got {lhs.dtype} and {rhs.dtype}")
-    if rhs_layout not in ("hv", "vh"):
-        raise ValueError(f"{name}: weight layout must be 'hv' or 'vh', got {rhs_layout!r}")
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = jnp.dtype(out_dtype)
     accumulate = acc is not None
