@@ -204,9 +204,9 @@ def main(argv=None) -> None:
     p.add_argument("--results", default=None, help="append the records here (default: results/gemm-<device>.jsonl)")
     p.add_argument("--lse", action="store_true", help="the log-prob kernel per bucket against the runtime prefix")
     args = p.parse_args(argv)
-    records = [r for head in args.heads.split(",") for r in (probe_lse if args.lse else probe)(head, args.iters)]
     path = args.results or f"benchmarks/results/gemm-{device_slug(jax.devices()[0].device_kind)}.jsonl"
-    append_jsonl(path, records)
+    for head in args.heads.split(","):  # appended per head: a run cut short keeps the heads it finished
+        append_jsonl(path, (probe_lse if args.lse else probe)(head, args.iters))
 
 
 if __name__ == "__main__":
