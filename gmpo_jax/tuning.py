@@ -127,6 +127,10 @@ ROW_PREFIX_FORWARD = False
 # jax 0.11.2, fa263c2 with the 128 x 256 GEMMs: Qwen2.5-0.5B 8 x 2048 GRPO-like members 6-13 % faster, full mask
 # 4.9 % slower; Llama-3-8B 4 x 2048 2-5 % slower on every member; Qwen 2 x 32768 5-6 % slower (docs/performance.md
 # "The GEMM levers measured").
+# Either flag None: on where the call runs the gradient filter (``grad_filter``), whose per-prefix program switches per
+# window: first call 41 s at Qwen 8 x 2048 and 83 s at Llama-3 4 x 2048 against 10 / 7 s on one program, the step the
+# same at Qwen and 6-12 % slower at Llama-3 (H100, 2026-12-06, e17a367; docs/performance.md "The filter's gradient
+# error on the GPU").
 ROW_PREFIX_GRADIENT = False
 
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of

@@ -97,16 +97,22 @@ def _backward(
     )  # fmt: skip
 
 
+def _one_program(flag, cfg: LMHeadConfig) -> bool:
+    """A ``tuning.ROW_PREFIX_*`` setting for this call: True / False, or None: on where the call runs the gradient
+    filter (``backend.filters``), whose per-window switches make its per-prefix program the slowest to compile."""
+    return backend_lib.filters(cfg.backend) if flag is None else bool(flag)
+
+
 def _row_prefix(cfg: LMHeadConfig) -> bool:
     """Whether the forward runs on a runtime row prefix with one program: the backend serves one
-    (``Capabilities.row_prefix``) and ``tuning.ROW_PREFIX_FORWARD`` is on."""
-    return tuning.ROW_PREFIX_FORWARD and backend_lib.capabilities(cfg.backend).row_prefix
+    (``Capabilities.row_prefix``) and ``tuning.ROW_PREFIX_FORWARD`` is on (:func:`_one_program`)."""
+    return _one_program(tuning.ROW_PREFIX_FORWARD, cfg) and backend_lib.capabilities(cfg.backend).row_prefix
 
 
 def _row_prefix_grads(cfg: LMHeadConfig) -> bool:
     """Whether the backward runs on a runtime row prefix with one program: the backend serves one
-    (``Capabilities.row_prefix_grads``) and ``tuning.ROW_PREFIX_GRADIENT`` is on."""
-    return tuning.ROW_PREFIX_GRADIENT and backend_lib.capabilities(cfg.backend).row_prefix_grads
+    (``Capabilities.row_prefix_grads``) and ``tuning.ROW_PREFIX_GRADIENT`` is on (:func:`_one_program`)."""
+    return _one_program(tuning.ROW_PREFIX_GRADIENT, cfg) and backend_lib.capabilities(cfg.backend).row_prefix_grads
 
 
 def _scaled(cfg: LMHeadConfig, grads: Head, g) -> Head:

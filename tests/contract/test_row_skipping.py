@@ -210,6 +210,29 @@ def test_skipping_mosaic_interpret_one_program(monkeypatch, keep, grad_filter):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("flag", [True, False, None])
+def test_row_prefix_settings_follow_the_filter(monkeypatch, flag):
+    """``tuning.ROW_PREFIX_*``: True / False whatever the call; None: one program exactly where the call runs the
+    gradient filter (a backend that declares it and has ``grad_filter`` set), and never on a backend without the
+    runtime-prefix capability."""
+    from types import SimpleNamespace
+
+    from gmpo_jax.lm_head import chunks
+
+    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", flag)
+    monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", flag)
+    mosaic = MosaicGpuBackend(interpret=True)
+    for backend, filtered, capable in (
+        (mosaic, False, True),
+        (with_settings(mosaic, grad_filter=None), False, True),
+        (with_settings(mosaic, grad_filter=0.01), True, True),
+        (XlaChunkedBackend(), False, False),
+    ):
+        cfg = SimpleNamespace(backend=backend)
+        want = capable and (filtered if flag is None else flag)
+        assert chunks._row_prefix(cfg) is want and chunks._row_prefix_grads(cfg) is want, (backend, flag)
+
+
 def test_default_buckets():
     assert tuning.row_buckets(XlaChunkedBackend()) == (tuning.ROW_BUCKETS if jax.default_backend() == "gpu" else 1)
     assert tuning.row_buckets(MosaicGpuBackend(interpret=True)) == 1
