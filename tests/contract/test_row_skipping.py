@@ -274,7 +274,9 @@ def test_logprobs_skipping(entropy):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(
-    "row_prefix", [(False, False), (True, False), (True, True)], ids=["per-bucket", "one-forward-kernel", "one-program"]
+    "row_prefix",
+    [(False, False, None), (True, False, None), (True, True, None), (True, True, "auto")],
+    ids=["per-bucket", "one-forward-kernel", "one-program", "one-program-filter"],
 )
 @pytest.mark.parametrize(
     "B, T, H, V, layout, chunk_size",
@@ -284,7 +286,9 @@ def test_logprobs_skipping(entropy):
 def test_gpu_skipping_matches_all_rows(monkeypatch, B, T, H, V, layout, chunk_size, row_prefix):
     """On the GPU at real heads: eight row buckets (each pass per prefix size; the forward on one kernel for every
     number of live rows: ``tuning.ROW_PREFIX_FORWARD``; and the gradient pass too: ``ROW_PREFIX_GRADIENT``) give the
-    loss, metrics and gradients of no skipping (ragged masks, zero-advantage and empty sequences)."""
+    loss, metrics and gradients of no skipping (ragged masks, zero-advantage and empty sequences);
+    ``one-program-filter``: ``grad_filter="auto"`` on the one program against the same filter without skipping (the
+    same kept blocks: ``tuning.ROW_PREFIX_*`` = None makes it the filter's program)."""
     monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", row_prefix[0])
     monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", row_prefix[1])
     rng = np.random.default_rng(7)
@@ -302,7 +306,9 @@ def test_gpu_skipping_matches_all_rows(monkeypatch, B, T, H, V, layout, chunk_si
         def f(h, w):
             batch = gmpo_jax.PolicyBatch(ids, jnp.asarray(mask), jnp.asarray(adv), old_logps=old)
             backend = MosaicGpuBackend(row_buckets=row_buckets)
-            head = gmpo_jax.HeadOptions(weight_layout=layout, chunk_size=chunk_size, implementation=backend)
+            head = gmpo_jax.HeadOptions(
+                weight_layout=layout, chunk_size=chunk_size, implementation=backend, grad_filter=row_prefix[2]
+            )
             return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=gmpo_jax.GMPO(), head=head)
 
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(hidden, weight)
