@@ -7,6 +7,7 @@ No math lives here: the objectives are in ``gmpo_jax.objectives``, the chunk sca
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Union
 
 import jax.numpy as jnp
@@ -227,5 +228,6 @@ def _logprobs(params: Head, inputs: PolicyInputs, head: HeadOptions, plan, *, wi
     V = weight.shape[1] if head.weight_layout == "hv" else weight.shape[0]
     ids, bias = sharding_lib.mask_padded_vocab(inputs.ids, bias, V, head.vocab_size)
     inputs = PolicyInputs(mask=inputs.mask, advantages=None, ids=ids, temperature=inputs.temperature)
-    cfg = _config(hidden, weight, bias, T, V, plan, head, with_entropy=with_entropy)
+    exact = dataclasses.replace(head, grad_filter=None)  # the log-probs' backward never filters: a backend without it
+    cfg = _config(hidden, weight, bias, T, V, plan, exact, with_entropy=with_entropy)
     return fused_logprobs(cfg, *_placed(plan, Head(hidden, weight, bias), inputs))

@@ -99,8 +99,17 @@ def _backward(
 
 def _one_program(flag, cfg: LMHeadConfig) -> bool:
     """A ``tuning.ROW_PREFIX_*`` setting for this call: True / False, or None: on where the call runs the gradient
-    filter (``backend.filters``), whose per-window switches make its per-prefix program the slowest to compile."""
-    return backend_lib.filters(cfg.backend) if flag is None else bool(flag)
+    filter (``backend.filters``: the policy loss with ``grad_filter`` set; the log-probs op's backend carries none),
+    whose per-window switches make its per-prefix program the slowest to compile.
+
+    Raises:
+      TypeError: ``flag`` neither a bool nor None (a string such as ``"False"`` would otherwise read as on).
+    """
+    if flag is None:
+        return backend_lib.filters(cfg.backend)
+    if not isinstance(flag, bool):
+        raise TypeError(f"tuning.ROW_PREFIX_FORWARD / ROW_PREFIX_GRADIENT must be True, False or None, got {flag!r}")
+    return bool(flag)
 
 
 def _row_prefix(cfg: LMHeadConfig) -> bool:

@@ -233,6 +233,32 @@ def test_row_prefix_settings_follow_the_filter(monkeypatch, flag):
         assert chunks._row_prefix(cfg) is want and chunks._row_prefix_grads(cfg) is want, (backend, flag)
 
 
+@pytest.mark.parametrize("flag", ["False", 1, 0.0])
+def test_row_prefix_settings_must_be_bool_or_none(monkeypatch, flag):
+    """A ``ROW_PREFIX_*`` value other than True / False / None is an error naming it (``"False"`` is truthy)."""
+    from types import SimpleNamespace
+
+    from gmpo_jax.lm_head import chunks
+
+    monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", flag)
+    with pytest.raises(TypeError, match="ROW_PREFIX_GRADIENT"):
+        chunks._row_prefix_grads(SimpleNamespace(backend=MosaicGpuBackend(interpret=True)))
+
+
+def test_logprobs_op_resolves_no_filter(monkeypatch):
+    """``fused_linear_logprobs`` never filters (its backward has no window masses), so its backend carries no
+    ``grad_filter`` whatever the ``HeadOptions`` say: ``ROW_PREFIX_*`` = None then leaves it per bucket, as the
+    policy loss without the filter."""
+    from gmpo_jax.lm_head import api
+
+    seen, config = [], api._config
+    monkeypatch.setattr(api, "_config", lambda *a, **k: seen.append(config(*a, **k)) or seen[-1])
+    h, w = jnp.ones((1, 4, 128), jnp.bfloat16), jnp.ones((128, 256), jnp.bfloat16)
+    head = gmpo_jax.HeadOptions(grad_filter=0.02, implementation=MosaicGpuBackend(interpret=True))
+    gmpo_jax.fused_linear_logprobs(h, w, jnp.zeros((1, 4), jnp.int32), head=head)
+    assert len(seen) == 1 and seen[0].backend.grad_filter is None
+
+
 def test_default_buckets():
     assert tuning.row_buckets(XlaChunkedBackend()) == (tuning.ROW_BUCKETS if jax.default_backend() == "gpu" else 1)
     assert tuning.row_buckets(MosaicGpuBackend(interpret=True)) == 1
@@ -288,7 +314,7 @@ def test_gpu_skipping_matches_all_rows(monkeypatch, B, T, H, V, layout, chunk_si
     number of live rows: ``tuning.ROW_PREFIX_FORWARD``; and the gradient pass too: ``ROW_PREFIX_GRADIENT``) give the
     loss, metrics and gradients of no skipping (ragged masks, zero-advantage and empty sequences);
     ``one-program-filter``: ``grad_filter="auto"`` on the one program against the same filter without skipping (the
-    same kept blocks: ``tuning.ROW_PREFIX_*`` = None makes it the filter's program)."""
+    same kept blocks; the program ``tuning.ROW_PREFIX_*`` = None gives a filtered call)."""
     monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", row_prefix[0])
     monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", row_prefix[1])
     rng = np.random.default_rng(7)
