@@ -117,7 +117,8 @@ ROW_ALIGN = 128
 # Llama-3-8B 4 x 2048 with kept logits: 9 -> 1). Off: its first call is 18-47 % shorter, but its step is 3-5 % slower
 # on the GRPO-like members at Llama-3 (its log-prob kernel on the prefix: +1.1 ms, H100, 2026-12-05, fa263c2; the
 # prefix grid's CTA order since changed to the static grid's: the one program at Llama-3 went from +3.6-4.6 % to
-# +2.4-3.0 % on the GRPO-like members and from +1.7 to +2.9 % on the full mask, H100, 2026-12-06, e17a367; docs/performance.md "The filter's gradient error on the GPU").
+# +2.4-3.0 % on the GRPO-like members and from +1.7 to +2.9 % on the full mask, H100, 2026-12-06, e17a367;
+# docs/performance.md "The filter's gradient error on the GPU").
 ROW_PREFIX_FORWARD = False
 # The gradient pass on one program for every number of rows with a cotangent (``Capabilities.row_prefix_grads``): the
 # dz kernel on a row-prefix grid and Pallas GEMMs that take the row count at run time (``kernels.lm_head_dhidden``,
