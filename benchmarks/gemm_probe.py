@@ -145,9 +145,10 @@ LSE_SMOKE = {"tiny-hv": (512, 128, 1024, "hv"), "tiny-vh": (512, 128, 1024, "vh"
 
 def probe_lse(head: str, iters: int, live: float = 0.582) -> list[dict]:
     """The log-prob kernel (``kernels.lm_head_lse_partials``) on ``n = live * R`` rows three ways: compiled for a
-    static row count (``n`` rounded up to the row block, and the per-bucket default's bucket: the smallest of
-    ``lm_head.rows.prefix_sizes`` that holds ``n``) and on the runtime prefix of all ``R`` rows (``RowPrefixGrid``, ``tuning.ROW_PREFIX_FORWARD``); each
-    with the logits kept (``save_tiles``, as at Llama-3) and without. One JSON line per variant: median ms."""
+    static row count (``n`` rounded up to the row block, and the per-bucket default's bucket,
+    ``lm_head.rows.prefix_rows``) and on the runtime prefix of all ``R`` rows (``RowPrefixGrid``,
+    ``tuning.ROW_PREFIX_FORWARD``); each with the logits kept (``save_tiles``, as at Llama-3) and without. One JSON
+    line per variant: median ms."""
     from gmpo_jax import tuning
     from gmpo_jax._device import num_sms
     from gmpo_jax.kernels import _common as C
@@ -169,7 +170,7 @@ def probe_lse(head: str, iters: int, live: float = 0.582) -> list[dict]:
     w = (jax.random.normal(k, (H, V) if layout == "hv" else (V, H), jnp.float32) / H**0.5).astype(jnp.bfloat16)
     ids = jnp.zeros((R,), jnp.int32)
     scale = jnp.full((R,), C.LOG2E, jnp.float32)
-    bucket = min(S for S in rows_lib.prefix_sizes(R, tuning.ROW_BUCKETS) if S >= n)  # the default's static prefix
+    bucket = int(rows_lib.prefix_rows(jnp.int32(n), rows_lib.prefix_sizes(R, tuning.ROW_BUCKETS)))  # per bucket
     variants = [("static", C.cdiv(n, rpc) * rpc), ("static", bucket), ("prefix", R)]
     records = []
     for save in (n_tiles, 0):
