@@ -119,7 +119,7 @@ ROW_ALIGN = 128
 # prefix grid's CTA order since changed to the static grid's: the one program at Llama-3 went from +3.6-4.6 % to
 # +2.4-3.0 % on the GRPO-like members and from +1.7 to +2.9 % on the full mask, H100, 2026-12-06, e17a367;
 # docs/performance.md "The filter's gradient error on the GPU").
-ROW_PREFIX_FORWARD = False
+ROW_PREFIX_FORWARD = None
 # The gradient pass on one program for every number of rows with a cotangent (``Capabilities.row_prefix_grads``): the
 # dz kernel on a row-prefix grid and Pallas GEMMs that take the row count at run time (``kernels.lm_head_dhidden``,
 # ``lm_head_dweight``) instead of XLA's GEMMs on a static prefix per bucket (whose slices cost 17-29 % in the version
@@ -132,7 +132,7 @@ ROW_PREFIX_FORWARD = False
 # window: first call 41 s at Qwen 8 x 2048 and 83 s at Llama-3 4 x 2048 against 10 / 7 s on one program, the step the
 # same at Qwen and 8-12 % slower at Llama-3 (H100, 2026-12-06, e17a367; docs/performance.md "The filter's gradient
 # error on the GPU").
-ROW_PREFIX_GRADIENT = False
+ROW_PREFIX_GRADIENT = None
 
 # The LM-head gradient filter (``grad_filter``, ``gmpo_jax.lm_head.mosaic_gpu``): vocabulary windows of
 # GRAD_FILTER_WINDOW columns (a multiple of every kernel's tile width), each window's rows on the smallest of

@@ -367,7 +367,7 @@ def test_bad_backend_filter_columns_raise(name, value, error):
 
 
 def test_head_options_grad_filter_reaches_the_backend():
-    """``"auto"`` resolves to the threshold on the backend the call runs; a number is taken as it is; None and a
+    """``"auto"`` (the default) resolves to the threshold on the backend the call runs; a number is taken as it is; None and a
     ``softcap`` (whose derivative the dropped windows' correction lacks) give the exact gradient."""
     from gmpo_jax.lm_head.config import resolve_config
 
@@ -380,7 +380,8 @@ def test_head_options_grad_filter_reaches_the_backend():
 
     assert threshold(grad_filter="auto") == tuning.GRAD_FILTER_AUTO
     assert threshold(grad_filter=0.25) == 0.25
-    assert threshold() is None and threshold(grad_filter=0.25, softcap=30.0) is None
+    assert threshold() == tuning.GRAD_FILTER_AUTO  # the default
+    assert threshold(grad_filter=None) is None and threshold(grad_filter=0.25, softcap=30.0) is None
     assert be.grad_filter is None  # the instance given is not changed
 
 

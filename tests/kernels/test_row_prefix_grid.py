@@ -287,8 +287,10 @@ def test_gradient_gemms_lower_for_cuda():
         (4, 2048, 4096, 128256, "vh", None, 5),
         (8, 2048, 896, 151936, "hv", 1e-3, 10),
         (4, 2048, 4096, 128256, "vh", 1e-3, 7),
+        (8, 2048, 896, 151936, "hv", "default", 10),
+        (4, 2048, 4096, 128256, "vh", "default", 7),
     ],
-    ids=["qwen-recompute", "llama-kept-logits", "qwen-filter", "llama-kept-filter"],
+    ids=["qwen-recompute", "llama-kept-logits", "qwen-filter", "llama-kept-filter", "qwen-default", "llama-default"],
 )
 def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, grad_filter, sites):
     """GMPO's value and gradient with eight row buckets, ``ROW_PREFIX_FORWARD`` and ``ROW_PREFIX_GRADIENT``, lowered
@@ -297,7 +299,8 @@ def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, grad_filte
     vocabulary window; the kept-logits head forms dz in XLA). Per bucket it is 24 and 9 sites in 8 branches. With the
     gradient filter each window runs on the runtime prefix of its rows: the head windows and the tail's (three XLA
     dots, the dropped windows' correction: the rows' mean hidden state, its logits, the product with the tilted
-    means); per static prefix it is 29 and 16 sites in 3 and 17 conditionals."""
+    means); per static prefix it is 29 and 16 sites in 3 and 17 conditionals. ``default``: ``HeadOptions()`` and the
+    tuning as shipped (``grad_filter="auto"``, ``ROW_PREFIX_*`` None) are that one filtered program."""
     import re
 
     import gmpo_jax
@@ -306,13 +309,14 @@ def test_one_program_lowers_for_cuda(monkeypatch, B, T, H, V, layout, grad_filte
     from gmpo_jax.lm_head.mosaic_gpu import MosaicGpuBackend
 
     monkeypatch.setattr(mosaic_gpu, "supported_on", lambda device: True)
-    monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)
-    monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", True)
+    default = grad_filter == "default"
+    if not default:
+        monkeypatch.setattr(tuning, "ROW_PREFIX_FORWARD", True)
+        monkeypatch.setattr(tuning, "ROW_PREFIX_GRADIENT", True)
 
     def loss(h, w, ids, mask, adv):
-        head = gmpo_jax.HeadOptions(
-            weight_layout=layout, grad_filter=grad_filter, implementation=MosaicGpuBackend(row_buckets=8)
-        )
+        chosen = {} if default else {"grad_filter": grad_filter}
+        head = gmpo_jax.HeadOptions(weight_layout=layout, implementation=MosaicGpuBackend(row_buckets=8), **chosen)
         batch = gmpo_jax.PolicyBatch(ids, mask, adv)
         return gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=gmpo_jax.GMPO(), head=head)[0]
 
