@@ -402,14 +402,21 @@ def test_filter_window_must_fit_the_tiles(batch, kw, name):
 @needs_hopper
 @pytest.mark.parametrize(
     "H, V, B, T, data",
-    [(896, 151936, 4, 2048, "peaked"), (896, 151936, 4, 2048, "heavy-rough"), (4096, 128256, 2, 2048, "peaked")],
-    ids=["qwen-peaked", "qwen-heavy-rough", "llama3-peaked"],
+    [
+        (896, 151936, 4, 2048, "peaked"),
+        (896, 151936, 4, 2048, "heavy-rough"),
+        (896, 151936, 4, 2048, "heavy-shared"),
+        (4096, 128256, 2, 2048, "peaked"),
+    ],
+    ids=["qwen-peaked", "qwen-heavy-rough", "qwen-heavy-shared", "llama3-peaked"],
 )
 def test_gpu_filter_on_the_realistic_workload(H, V, B, T, data):
-    """``grad_filter="auto"`` on family members with ragged masks and zero-advantage groups
-    (``benchmarks.workloads``; ``heavy-rough`` the worst for the filter in the float64 model): the loss is the exact path's, the gradients' relative L2 error against the
-    float32 dense oracle (``reference.policy_loss(upcast=True)``) is within 1.5x of the exact path's own
-    (issue 17's rule for making it the default) plus 2e-4, and reruns are bitwise equal."""
+    """The default head (``HeadOptions()``: ``grad_filter="auto"`` on one program) on family members with ragged
+    masks and zero-advantage groups (``benchmarks.workloads``; ``heavy-rough`` the worst for the filter in the float64
+    model, ``heavy-shared`` the batch of issue 32): the loss is the exact path's, the gradients' relative L2 error
+    against the float32 dense oracle (``reference.policy_loss(upcast=True)``) is within 1.5x of the exact path's own
+    (the rule for making it the default) plus 2e-4 and at most 0.3 % (issue 32's target), and reruns are bitwise
+    equal."""
     import os
     import sys
 
@@ -425,15 +432,15 @@ def test_gpu_filter_on_the_realistic_workload(H, V, B, T, data):
 
     batch = gmpo_jax.PolicyBatch(*args[2:], old_logps=b.old_logps)
 
-    def run(grad_filter):
-        head = gmpo_jax.HeadOptions(grad_filter=grad_filter)
+    def run(**options):
+        head = gmpo_jax.HeadOptions(**options)
         f = lambda h, w: gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj, head=head)[0]  # noqa: E731
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args[:2])
 
     oracle = lambda h, w: reference.policy_loss(h, w, batch, objective=obj, upcast=True)[0]  # noqa: E731
     _, (dh_o, dw_o) = jax.jit(jax.value_and_grad(oracle, argnums=(0, 1)))(*args[:2])
-    loss0, (dh0, dw0) = run(None)
-    loss1, (dh1, dw1) = run("auto")
+    loss0, (dh0, dw0) = run(grad_filter=None)
+    loss1, (dh1, dw1) = run()  # the default
     # The same loss up to float32 rounding: the filtered forward merges each row's log-sum-exp over one split per
     # filter window, the exact one over the occupancy's splits, so logp may differ by a few ulp of lse (up to ~12
     # nats here: ~1e-6 per token); GMPO's loss moves by at most mean |A| times that (a sequence's ratio is ~1).
@@ -443,8 +450,8 @@ def test_gpu_filter_on_the_realistic_workload(H, V, B, T, data):
     np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6, atol=4e-6 * scale)
     for got, exact, want, what in ((dh1, dh0, dh_o, "hidden"), (dw1, dw0, dw_o, "weight")):
         e_exact, e_filter = rel_err(exact, want), rel_err(got, want)
-        assert e_filter <= 1.5 * e_exact + 2e-4, (what, e_filter, e_exact)
-    _, (dh2, dw2) = run("auto")
+        assert e_filter <= 1.5 * e_exact + 2e-4 and e_filter <= 3e-3, (what, e_filter, e_exact)
+    _, (dh2, dw2) = run(grad_filter="auto")
     np.testing.assert_array_equal(np.asarray(dh1), np.asarray(dh2))
     np.testing.assert_array_equal(np.asarray(dw1), np.asarray(dw2))
 
