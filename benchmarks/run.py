@@ -241,7 +241,7 @@ def suite_jobs(suite: str, only: list[str], family: dict[str, Any] | None = None
             job = _job("jax", select(shape, B=B, T=T), "mosaic_gpu", ["fwd+bwd"], 150.0, **both, **filtered)
             jobs.append(dict(job, variant=labelled(filtered)))
     if suite == "gpu" and "family" in only:  # every member in one process; per shape exact, CCE, filtered
-        family = dict(FAMILY_DEFAULTS, **{k: v for k, v in (family or {}).items() if v})
+        family = dict(FAMILY_DEFAULTS, **{k: v for k, v in (family or {}).items() if v or v is False})
         fam = dict(datas=list(family["datas"]), grad_acc=family["grad_acc"])
         filtered = dict(grad_filter=FILTER_ROW)
         for shape, B, T in family["configs"]:  # a budget cut keeps whole shapes (one shape's three side by side)

@@ -356,3 +356,19 @@ def test_precision_probe_runs_and_restores_the_gemm():
     for r in recs:
         bound = 1e-4 if r["logits_precision"] == "bf16x3" else 1e-5
         assert r["dh_rel"] < bound and r["dw_rel"] < bound, r
+
+
+def test_family_group_overrides():
+    """``--family-*`` overrides reach the family group's jobs, ``--family-no-grad-acc`` included (a False
+    override was once dropped with the empty ones, so the oracle ran anyway)."""
+    from benchmarks import run
+
+    def jobs(**family):
+        return [j for j in run.suite_jobs("gpu", ["family"], family) if j.get("impl") != "floor"]
+
+    default = [j for j in jobs() if "opts" in j]
+    assert default and all(j["opts"]["grad_acc"] for j in default)
+    off = [j for j in jobs(grad_acc=False) if "opts" in j]
+    assert len(off) == len(default) and not any(j["opts"]["grad_acc"] for j in off)
+    one = [j for j in jobs(configs=[("llama3-8b", 4, 2048)], datas=["light"], impls=["filter"]) if "opts" in j]
+    assert [(j["shape"], j["opts"]["datas"], j["variant"]) for j in one] == [("llama3-8b", ["light"], run.FILTER_LABEL)]
