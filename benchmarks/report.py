@@ -961,7 +961,7 @@ def block_headline(recs: list[dict[str, Any]]) -> str:
         ]
         note = f" (family: {min(ratios.values()):.2f}-{max(ratios.values()):.2f}x"
         note += f"; CCE's hidden gradient up to {100 * max(errs):.2g} % off)" if errs else ")"
-        label = f"{HEADS[shape]}, {B} x {T}: `{worst}`, the worst of {len(ratios)} family members"
+        label = f"{HEADS[shape]}, {B} x {T}: `{worst}`, worst of {len(ratios)} members"
         row(label, shape, B, T, worst, note)
     for shape, B, T in REALISTIC_CONFIGS:
         if (shape, B, T) not in FAMILY_CONFIGS:
