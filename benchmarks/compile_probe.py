@@ -9,9 +9,10 @@ Records (``kind: compile_probe``) go to ``benchmarks/results/compile-<device>.js
 
 One process per ``--row-buckets`` value (``tuning.ROW_BUCKETS``; nothing is shared between them, as for a user's
 first call): ``jax.jit(value_and_grad(loss))`` is lowered (``lower_s``), compiled (``compile_s``: XLA and every
-Mosaic GPU kernel in the program; ``mosaic_calls`` counts the kernel call sites in the optimised HLO) and run
-once (``first_run_s``), then timed on each workload family member (median of ``--iters``, fwd + bwd). One JSON
-line per (row buckets, member). Gradient accuracy is not measured here (``benchmarks.run --grad-acc``).
+Mosaic GPU kernel in the program; ``mosaic_calls`` counts the kernel call sites in the optimised HLO; XLA's
+``memory_analysis()`` gives ``argument_gib`` / ``output_gib`` / ``temp_gib``) and run once (``first_run_s``), then
+timed on each workload family member (median of ``--iters``, fwd + bwd). One JSON line per (row buckets, member).
+Gradient accuracy is not measured here (``benchmarks.run --grad-acc``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _worker(args) -> list[dict]:
     jax.block_until_ready(compiled(*inputs))
     t3 = time.perf_counter()
     hlo = compiled.as_text()
+    mem = compiled.memory_analysis()  # XLA's buffers (its temporaries one block on the GPU): where the peak comes from
     common = dict(
         kind="compile_probe",
         status="ok",
@@ -66,6 +68,10 @@ def _worker(args) -> list[dict]:
         first_run_s=round(t3 - t2, 2),
         mosaic_calls=hlo.count('custom_call_target="mosaic_gpu'),
         conditionals=hlo.count(" conditional("),
+        **{
+            f"{name}_gib": round(getattr(mem, f"{name}_size_in_bytes") / 2**30, 4) if mem else None
+            for name in ("argument", "output", "temp")
+        },
         device=jax.devices()[0].device_kind,
         jax=jax.__version__,
     )
