@@ -67,8 +67,9 @@ class HeadOptions:
         and rows with an entropy term compute the exact gradient. No effect on the loss, the metrics or evaluation
         without gradients. What the default gives up is that bound: on the workload family
         (``benchmarks/workloads.py``) its gradients' error against a float32 dense oracle stays within 1.5x of the
-        exact path's, the rule the tests check (docs/performance.md has the measurements). docs/SPEC.md states it
-        exactly; docs/DESIGN.md "The gradient filter".
+        exact path's, the rule the tests check; and some device memory (each window runs on every row of the
+        chunk reordered, a fresh ``[rows, H]`` float32 block per window; docs/performance.md has the
+        measurements). docs/SPEC.md states it exactly; docs/DESIGN.md "The gradient filter".
       chunk_size: sequences per chunk of the scan (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
       vocab_size: the real vocabulary when the LM head is padded to ``V`` (e.g. to a multiple of the

@@ -153,8 +153,9 @@ class _GradPass:
     def prefix_gemms(self, dz, w_blk, width, rowsum, dh=None):
         """:meth:`window_grads` on the first ``n_rows`` rows by the row-prefix GEMM kernels: ``dz`` ``[Rp, Kw]`` (the
         window's tiles, zero past ``V``), ``w_blk`` its weight columns (the partial window's fewer: zero-padded);
-        ``dh``: None, or the running ``[Rp, H]`` float32 sum the kernel adds the window's into (its rows past the
-        prefix are kept, not written)."""
+        ``dh``: None (the window's own ``dh``, its rows past the prefix undefined: the one caller, the filter's head
+        windows, drops them in its scatter), or the running ``[Rp, H]`` float32 sum the kernel adds the window's into
+        (its rows past the prefix are kept, not written)."""
         from gmpo_jax.kernels.lm_head_dhidden import dhidden_blocks, lm_head_dhidden_window
         from gmpo_jax.kernels.lm_head_dweight import dweight_blocks, lm_head_dweight_window
 
@@ -172,7 +173,6 @@ class _GradPass:
             acc=dh,
             interpret=interpret,
         )
-        dh_out = dh_out if dh is not None else jnp.where(live[:, None], dh_out, 0.0)
         lhs, rhs = (self.hp, dz) if axis == 1 else (dz, self.hp)
         out_dtype = self.dw_dtype if self.fresh else jnp.float32  # a fresh block is written once: rounded once
         dw_cfg = dweight_blocks(
