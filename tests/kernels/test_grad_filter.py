@@ -16,6 +16,7 @@ than that tolerance, so a filter that drops nothing (or everything) fails.
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import jax
@@ -366,9 +367,10 @@ def test_bad_backend_filter_columns_raise(name, value, error):
         MosaicGpuBackend(interpret=True, **{name: value})
 
 
-def test_head_options_grad_filter_reaches_the_backend():
+def test_head_options_grad_filter_reaches_the_backend(caplog):
     """``"auto"`` (the default) resolves to the threshold on the backend the call runs; a number is taken as it is; None and a
-    ``softcap`` (whose derivative the dropped windows' correction lacks) give the exact gradient."""
+    ``softcap`` (whose derivative the dropped windows' correction lacks) give the exact gradient; the INFO log says
+    which."""
     from gmpo_jax.lm_head.config import resolve_config
 
     be = MosaicGpuBackend(interpret=True)
@@ -383,6 +385,14 @@ def test_head_options_grad_filter_reaches_the_backend():
     assert threshold() == tuning.GRAD_FILTER_AUTO  # the default
     assert threshold(grad_filter=None) is None and threshold(grad_filter=0.25, softcap=30.0) is None
     assert be.grad_filter is None  # the instance given is not changed
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gmpo_jax"):
+        threshold(), threshold(grad_filter=None)
+    said = [r.getMessage() for r in caplog.records if "LM-head gradient" in r.getMessage()]
+    assert said == [
+        f"gmpo_jax: LM-head gradient filtered at tau={tuning.GRAD_FILTER_AUTO:g}",
+        "gmpo_jax: LM-head gradient exact",
+    ]
 
 
 @pytest.mark.parametrize(
