@@ -113,7 +113,7 @@ def grad_filter_threshold(grad_filter) -> float | None:
             "grad_filter must be None, 'auto' or a real number in [0, 1) (a Python or NumPy scalar: it is static, "
             f"not traced), got grad_filter={grad_filter!r}"
         )
-    if not 0.0 <= float(grad_filter) < 1.0:
+    if not 0 <= grad_filter < 1:  # compared as given: a huge int is out of range, not an OverflowError
         raise ValueError(f"grad_filter must be in [0, 1), got grad_filter={grad_filter!r}")
     return float(grad_filter)
 

@@ -343,6 +343,7 @@ def test_window_mass_of_the_wrong_shape_raises(shape):
         (-0.1, ValueError),
         (float("nan"), ValueError),
         (5.0, ValueError),
+        (10**400, ValueError),  # out of range, not a float conversion's OverflowError
         (True, TypeError),
         ([0.1], TypeError),
     ],
