@@ -52,23 +52,22 @@ class HeadOptions:
         f32 (ScaleRL's float32 LM head, arXiv 2510.13786). ``"bf16x3"``: on the Mosaic GPU kernels up to
         ``3 * 2**-16`` of each product instead of float32's ``2**-24``, for half the work; the portable path
         computes it like ``"float32"``. How and what it costs: docs/DESIGN.md, docs/performance.md.
-      grad_filter: ``"auto"`` (default: the threshold ``tuning.GRAD_FILTER_AUTO``), a real ``tau`` in ``[0, 1)``,
-        or None (the exact gradient: every block computed): the LM head's gradient may skip, per token row, each
-        vocabulary window of ``tuning.GRAD_FILTER_WINDOW`` columns whose score ``s = D sqrt(2 ln(n / n_eff))`` is ``<= tau`` (``D``
+      grad_filter: ``"auto"`` (default: the threshold ``tuning.GRAD_FILTER_AUTO``), a real ``tau`` in ``[0, 1)``, or
+        None (the exact gradient: every block computed): the LM head's gradient may skip, per token row, each vocabulary
+        window of ``tuning.GRAD_FILTER_WINDOW`` columns whose score ``s = D sqrt(2 ln(n / n_eff))`` is ``<= tau`` (``D``
         the row's softmax mass off its target in the window, ``n`` the window's columns, ``n_eff`` its mass over its
         largest probability: ``s`` is 0 for a mass spread evenly, ``D sqrt(2 ln n)`` for a mass on one column; the
-        target's own window is always kept), and corrects the hidden-state gradient by the dropped windows' mass
-        times their mean weight column ``m_k``, its columns weighted by the softmax of the call's mean hidden state
-        (over the rows with a cotangent). A row with cotangent ``c_r = d loss / d logp_r`` has its hidden-state
-        gradient moved by at most ``|c_r| sum_k (min(D_rk, s_rk) max_(v in k) |W_v - mean_k(W)| + D_rk |m_k -
-        mean_k(W)|) / temperature`` over its dropped windows ``k`` (``mean_k(W)`` the even mean), each weight
-        column ``v`` by at most ``sum_r |c_r| p_(r,v) |h_r| / temperature`` over the rows that dropped it. Only the
-        ``mosaic_gpu`` implementation skips work; the others, vocabulary-parallel calls, calls with a ``softcap``
-        and rows with an entropy term compute the exact gradient. No effect on the loss, the metrics or evaluation
-        without gradients. What the default gives up is that bound: on the workload family
-        (``benchmarks/workloads.py``) its gradients' error against a float32 dense oracle stays within 1.5x of the
-        exact path's, the rule the tests check; and some device memory (each window runs on every row of the
-        chunk reordered, a fresh ``[rows, H]`` float32 block per window; docs/performance.md has the
+        target's own window is always kept), and corrects the hidden-state gradient by the dropped windows' mass times
+        their mean weight column ``m_k``, its columns weighted by the softmax of the call's mean hidden state (over the
+        rows with a cotangent). A row with cotangent ``c_r = d loss / d logp_r`` has its hidden-state gradient moved by
+        at most ``|c_r| sum_k (min(D_rk, s_rk) max_(v in k) |W_v - mean_k(W)| + D_rk |m_k - mean_k(W)|) / temperature``
+        over its dropped windows ``k`` (``mean_k(W)`` the even mean), each weight column ``v`` by at most ``sum_r |c_r|
+        p_(r,v) |h_r| / temperature`` over the rows that dropped it. Only the ``mosaic_gpu`` implementation skips work;
+        the others, vocabulary-parallel calls, calls with a ``softcap`` and rows with an entropy term compute the exact
+        gradient. No effect on the loss, the metrics or evaluation without gradients. What the default gives up is that
+        bound: on the workload family (``benchmarks/workloads.py``) its gradients' error against a float32 dense oracle
+        stays within 1.5x of the exact path's, the rule the tests check; and some device memory (each window runs on
+        every row of the chunk reordered, a fresh ``[rows, H]`` float32 block per window; docs/performance.md has the
         measurements). docs/SPEC.md states it exactly; docs/DESIGN.md "The gradient filter".
       chunk_size: sequences per chunk of the scan (``>= 1``; need not divide ``B``). None: about
         ``tuning.TARGET_ROWS`` tokens per chunk.
