@@ -369,9 +369,9 @@ def test_bad_backend_filter_columns_raise(name, value, error):
 
 
 def test_head_options_grad_filter_reaches_the_backend(caplog):
-    """``"auto"`` (the default) resolves to the threshold on the backend the call runs; a number is taken as it is; None and a
-    ``softcap`` (whose derivative the dropped windows' correction lacks) give the exact gradient; the INFO log says
-    which."""
+    """``"auto"`` (the default) resolves to the threshold on the backend the call runs; a number is taken as it is;
+    None and a ``softcap`` (whose derivative the dropped windows' correction lacks) give the exact gradient; the INFO
+    log says which."""
     from gmpo_jax.lm_head.config import resolve_config
 
     be = MosaicGpuBackend(interpret=True)
