@@ -16,7 +16,9 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Num
 
 from gmpo_jax import _validation as V_
+from gmpo_jax._dispatch import logger
 from gmpo_jax.batch import PolicyBatch, ReferenceHead
+from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding as sharding_lib
 from gmpo_jax.lm_head.config import make_plan as _plan
 from gmpo_jax.lm_head.config import placed as _placed
@@ -139,6 +141,9 @@ def fused_linear_policy_loss(
         inputs = inputs._replace(ref_logps=lax.stop_gradient(ref_logps))
     ids, bias = sharding_lib.mask_padded_vocab(inputs.ids, bias, V, head.vocab_size)
     cfg = _config(hidden, weight, bias, T, V, plan, head)
+    if backend_lib.capabilities(cfg.backend).grad_filter:  # which gradient the loss has (the default filters)
+        tau = cfg.backend.grad_filter
+        logger.info("gmpo_jax: LM-head gradient %s", "exact" if tau is None else f"filtered at tau={tau:g}")
     params, inputs = _placed(plan, Head(hidden, weight, bias), inputs._replace(ids=ids))
     loss, aux = fused_policy_loss(cfg, objective, params, inputs)
     if threshold is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from jax.sharding import PartitionSpec as P
 
 from gmpo_jax import tuning
-from gmpo_jax._dispatch import UnsupportedConfigError, logger
+from gmpo_jax._dispatch import UnsupportedConfigError
 from gmpo_jax._validation import grad_filter_threshold
 from gmpo_jax.lm_head import backend as backend_lib
 from gmpo_jax.lm_head import sharding
@@ -52,8 +52,6 @@ def resolve_config(hidden, weight, bias, T: int, V: int, plan, head: HeadOptions
     tau = grad_filter_threshold(head.grad_filter)
     if not caps.grad_filter or (plan is not None and plan.vocab_axis is not None) or head.softcap is not None:
         tau = None  # the exact gradient (the dropped windows' correction has no (1 - tanh^2) factor of a cap)
-    if caps.grad_filter:  # say which gradient the call computes (the default filters: a user may want to know)
-        logger.info("gmpo_jax: LM-head gradient %s", "exact" if tau is None else f"filtered at tau={tau:g}")
     settings = dict(softcap=head.softcap, logits_precision=head.logits_precision, grad_filter=tau)
     if isinstance(backend, backend_lib.WithHeadSettings) or any(v is not None for v in settings.values()):
         backend = backend_lib.with_settings(backend, **settings)  # the options' values, whatever the instance held

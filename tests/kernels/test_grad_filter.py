@@ -386,9 +386,20 @@ def test_head_options_grad_filter_reaches_the_backend(caplog):
     assert threshold() == tuning.GRAD_FILTER_AUTO  # the default
     assert threshold(grad_filter=None) is None and threshold(grad_filter=0.25, softcap=30.0) is None
     assert be.grad_filter is None  # the instance given is not changed
+
+    # the INFO log names the loss's gradient once per trace (the reference's log-probs, never filtered, say nothing)
+    batch = gmpo_jax.PolicyBatch(jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), bool), jnp.ones((2,)))
+    obj = gmpo_jax.GMPO(beta=0.1)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="gmpo_jax"):
-        threshold(), threshold(grad_filter=None)
+        for options in ({}, {"grad_filter": None}):
+            head = gmpo_jax.HeadOptions(implementation=be, **options)
+            ref = gmpo_jax.ReferenceHead(h, w)
+            jax.eval_shape(
+                lambda h, w: gmpo_jax.fused_linear_policy_loss(h, w, batch, objective=obj, head=head, reference=ref),
+                h,
+                w,
+            )
     said = [r.getMessage() for r in caplog.records if "LM-head gradient" in r.getMessage()]
     assert said == [
         f"gmpo_jax: LM-head gradient filtered at tau={tuning.GRAD_FILTER_AUTO:g}",
